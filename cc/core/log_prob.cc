@@ -1,0 +1,296 @@
+#include "cc/core/log_prob.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cc/core/simd.h"
+
+namespace tf_hsm {
+namespace {
+
+constexpr int64 kTokenTile = 64;   // tokens per work item
+constexpr int64 kSlotTile = 128;   // weight rows per logits tile (stays in L2 with D <= 1K)
+constexpr int64 kGradSlotTile = 16;  // weight rows per dW work item
+
+// Per-thread scratch, grown on demand and reused, so no work item allocates per token.
+template <typename T>
+struct Scratch {
+  std::vector<T> tile, exps, row_max, row_sum, taken_logit, lse;
+  std::vector<const T*> rows;
+  std::vector<T*> out_rows;
+};
+
+template <typename T>
+Scratch<T>& ThreadScratch() {
+  thread_local Scratch<T> scratch;
+  return scratch;
+}
+
+template <typename T>
+T* Grow(std::vector<T>* v, int64 n) {
+  if (static_cast<int64>(v->size()) < n) v->resize(n);
+  return v->data();
+}
+
+// The weight block of one node.
+template <typename T>
+struct NodeBlock {
+  int64 first_slot;
+  int64 size;
+};
+
+template <typename T>
+NodeBlock<T> BlockOf(const TreeView& tree, int64 node) {
+  return {tree.child_begin[node], tree.child_begin[node + 1] - tree.child_begin[node]};
+}
+
+// tile[r * ld + j] = z_{first + k0 + j}(h_r) for r < nt, j < kb.
+template <typename T>
+void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt, int64 first_slot,
+            int64 kb, T* tile, int64 ld) {
+  simd::DotRows<T>(rows, nt, p.weights + first_slot * p.dim, p.dim, kb, p.dim, tile, ld);
+  if (p.biases != nullptr) {
+    const T* b = p.biases + first_slot;
+    for (int64 r = 0; r < nt; ++r)
+      for (int64 j = 0; j < kb; ++j) tile[r * ld + j] += b[j];
+  }
+}
+
+// Folds n more logits into a running (max, sum of exp(z - max)). A NaN logit makes the sum
+// NaN; the max ignores it, so NaN propagates to exactly this row.
+template <typename T>
+void FoldLogSumExp(const T* z, int64 n, T* exps, T* row_max, T* row_sum) {
+  T m = *row_max;
+  T chunk_max = -std::numeric_limits<T>::infinity();
+  for (int64 j = 0; j < n; ++j) chunk_max = z[j] > chunk_max ? z[j] : chunk_max;
+  if (chunk_max > m) {
+    *row_sum *= std::exp(m - chunk_max);
+    m = chunk_max;
+  }
+  for (int64 j = 0; j < n; ++j) exps[j] = z[j] - m;
+  simd::ExpInPlace(exps, n);
+  T s = *row_sum;
+  for (int64 j = 0; j < n; ++j) s += exps[j];
+  *row_sum = s;
+  *row_max = m;
+}
+
+// Turns logits into coefficients of dz: upstream * (onehot(taken) - softmax).
+template <typename T>
+void Coefficients(T* z, int64 n, T lse, T upstream, int64 taken) {
+  for (int64 j = 0; j < n; ++j) z[j] -= lse;
+  simd::ExpInPlace(z, n);
+  for (int64 j = 0; j < n; ++j) z[j] *= -upstream;
+  if (taken >= 0 && taken < n) z[taken] += upstream;
+}
+
+// For the tokens entries[0..nt) of a group: log-sum-exp over the node's slots and the
+// taken logit. When keep != nullptr, the logits are also written to keep[r * K + j].
+template <typename T>
+void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, int64 nt,
+                   const NodeBlock<T>& blk, T* keep, T* lse, T* taken_logit) {
+  Scratch<T>& s = ThreadScratch<T>();
+  const T** rows = Grow(&s.rows, nt);
+  for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e0 + r] * p.dim;
+  T* tile = Grow(&s.tile, kTokenTile * kSlotTile);
+  T* exps = Grow(&s.exps, kSlotTile);
+  T* row_max = Grow(&s.row_max, nt);
+  T* row_sum = Grow(&s.row_sum, nt);
+  for (int64 r = 0; r < nt; ++r) {
+    row_max[r] = -std::numeric_limits<T>::infinity();
+    row_sum[r] = 0;
+  }
+  for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
+    const int64 kb = std::min(kSlotTile, blk.size - k0);
+    T* z = keep != nullptr ? keep + k0 : tile;
+    const int64 ld = keep != nullptr ? blk.size : kSlotTile;
+    Logits(p, rows, nt, blk.first_slot + k0, kb, z, ld);
+    for (int64 r = 0; r < nt; ++r) {
+      const T* zr = z + r * ld;
+      const int64 taken = plan.entry_slot[e0 + r] - blk.first_slot - k0;
+      if (taken >= 0 && taken < kb && taken_logit != nullptr) taken_logit[r] = zr[taken];
+      FoldLogSumExp(zr, kb, exps, &row_max[r], &row_sum[r]);
+    }
+  }
+  for (int64 r = 0; r < nt; ++r) lse[r] = row_max[r] + std::log(row_sum[r]);
+}
+
+// Work items: (group, first entry offset within the group) in tiles of `tile` tokens.
+struct Item {
+  int64 group;
+  int64 offset;
+  int64 count;
+};
+
+std::vector<Item> TokenTiles(const VisitPlan& plan, int64 g_begin, int64 g_end, int64 tile) {
+  std::vector<Item> items;
+  for (int64 g = g_begin; g < g_end; ++g) {
+    const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
+    for (int64 o = 0; o < n; o += tile) items.push_back({g, o, std::min(tile, n - o)});
+  }
+  return items;
+}
+
+}  // namespace
+
+template <typename T>
+void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
+                    const ParallelFor& parallel_for, T* log_prob) {
+  const int64 num_entries = static_cast<int64>(plan.entry_token.size());
+  std::vector<T> entry_value(num_entries);
+  // No level ordering is needed: every entry writes only its own value.
+  const std::vector<Item> items = TokenTiles(plan, 0, plan.num_groups(), kTokenTile);
+  int64 total_cost = 0;
+  for (const Item& it : items) {
+    total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * p.dim;
+  }
+  const int64 cost = items.empty() ? 0 : 2 * total_cost / static_cast<int64>(items.size());
+  parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
+    for (int64 i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      const int64 e0 = plan.group_begin[it.group] + it.offset;
+      Scratch<T>& s = ThreadScratch<T>();
+      T* lse = Grow(&s.lse, it.count);
+      T* taken = Grow(&s.taken_logit, it.count);
+      NodeLogSumExp(p, plan, e0, it.count, BlockOf<T>(tree, plan.group_node[it.group]),
+                    static_cast<T*>(nullptr), lse, taken);
+      for (int64 r = 0; r < it.count; ++r) entry_value[e0 + r] = taken[r] - lse[r];
+    }
+  });
+  // Sum each token's steps root first; entries are stored level by level.
+  std::fill(log_prob, log_prob + plan.num_tokens, T(0));
+  for (int64 e = 0; e < num_entries; ++e) log_prob[plan.entry_token[e]] += entry_value[e];
+}
+
+template <typename T>
+void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
+                     const T* upstream, const ParallelFor& parallel_for,
+                     const LogProbGrads<T>& grads, int64 coef_budget) {
+  const int64 D = p.dim;
+  std::fill(grads.hidden, grads.hidden + plan.num_tokens * D, T(0));
+  std::vector<T> entry_lse(plan.entry_token.size());
+  std::vector<T> coef_store;
+  std::vector<int64> coef_offset(plan.num_groups() + 1, 0);
+
+  for (int64 level = 0; level < plan.num_levels(); ++level) {
+    const int64 g_begin = plan.level_begin[level], g_end = plan.level_begin[level + 1];
+    // Keep this level's coefficients for the dW phase when they fit the budget.
+    int64 need = 0;
+    for (int64 g = g_begin; g < g_end; ++g) {
+      coef_offset[g] = need;
+      need += (plan.group_begin[g + 1] - plan.group_begin[g]) * BlockOf<T>(tree, plan.group_node[g]).size;
+    }
+    const bool keep = need <= coef_budget;
+    if (keep && static_cast<int64>(coef_store.size()) < need) coef_store.resize(need);
+
+    // Phase A: per token tile, logsumexp, coefficients, and dh += coef @ W_node. Within a
+    // level each token is in one tile only, so the dh rows are written without races.
+    const std::vector<Item> items = TokenTiles(plan, g_begin, g_end, kTokenTile);
+    int64 total_cost = 0;
+    for (const Item& it : items) total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * D;
+    const int64 cost = items.empty() ? 0 : 4 * total_cost / static_cast<int64>(items.size());
+    parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
+      for (int64 i = begin; i < end; ++i) {
+        const Item& it = items[i];
+        const int64 e0 = plan.group_begin[it.group] + it.offset;
+        const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[it.group]);
+        Scratch<T>& s = ThreadScratch<T>();
+        T* kept = keep ? coef_store.data() + coef_offset[it.group] + it.offset * blk.size : nullptr;
+        T* lse = Grow(&s.lse, it.count);
+        NodeLogSumExp(p, plan, e0, it.count, blk, kept, lse, static_cast<T*>(nullptr));
+        for (int64 r = 0; r < it.count; ++r) entry_lse[e0 + r] = lse[r];
+        // NodeLogSumExp may have used s.rows; rebuild the row pointers it shares.
+        const T** rows = Grow(&s.rows, it.count);
+        T** out_rows = Grow(&s.out_rows, it.count);
+        for (int64 r = 0; r < it.count; ++r) {
+          rows[r] = p.hidden + plan.entry_token[e0 + r] * D;
+          out_rows[r] = grads.hidden + plan.entry_token[e0 + r] * D;
+        }
+        T* tile = Grow(&s.tile, kTokenTile * kSlotTile);
+        for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
+          const int64 kb = std::min(kSlotTile, blk.size - k0);
+          T* z = keep ? kept + k0 : tile;
+          const int64 ld = keep ? blk.size : kSlotTile;
+          if (!keep) Logits(p, rows, it.count, blk.first_slot + k0, kb, z, ld);
+          for (int64 r = 0; r < it.count; ++r) {
+            Coefficients(z + r * ld, kb, lse[r], upstream[plan.entry_token[e0 + r]],
+                         plan.entry_slot[e0 + r] - blk.first_slot - k0);
+          }
+          simd::AccumulateRows<T>(out_rows, it.count, z, ld, p.weights + (blk.first_slot + k0) * D, D, kb, D);
+        }
+      }
+    });
+
+    // Phase B: per chunk of a node's slots, dW rows = coef^T @ H over the node's tokens
+    // (in token order) and db rows = column sums. Each chunk owns its output rows.
+    std::vector<Item> chunks;
+    int64 chunk_cost = 0;
+    for (int64 g = g_begin; g < g_end; ++g) {
+      const int64 k = BlockOf<T>(tree, plan.group_node[g]).size;
+      const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
+      for (int64 k0 = 0; k0 < k; k0 += kGradSlotTile) {
+        const int64 kb = std::min(kGradSlotTile, k - k0);
+        chunks.push_back({g, k0, kb});
+        chunk_cost += kb * n * D * (keep ? 2 : 4);
+      }
+    }
+    const int64 ccost = chunks.empty() ? 0 : chunk_cost / static_cast<int64>(chunks.size());
+    parallel_for(static_cast<int64>(chunks.size()), ccost, [&](int64 begin, int64 end) {
+      for (int64 c = begin; c < end; ++c) {
+        const Item& ch = chunks[c];
+        const int64 g = ch.group, k0 = ch.offset, kb = ch.count;
+        const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[g]);
+        const int64 row0 = plan.group_row[g] + k0;
+        T* dw = grads.weight_rows + row0 * D;
+        std::fill(dw, dw + kb * D, T(0));
+        T* db = grads.bias_rows != nullptr ? grads.bias_rows + row0 : nullptr;
+        if (db != nullptr) std::fill(db, db + kb, T(0));
+        for (int64 j = 0; j < kb; ++j) grads.row_ids[row0 + j] = blk.first_slot + k0 + j;
+
+        const int64 e_begin = plan.group_begin[g], n = plan.group_begin[g + 1] - e_begin;
+        Scratch<T>& s = ThreadScratch<T>();
+        T* tile = Grow(&s.tile, kTokenTile * kSlotTile);
+        for (int64 t0 = 0; t0 < n; t0 += kTokenTile) {
+          const int64 nt = std::min(kTokenTile, n - t0);
+          const T** rows = Grow(&s.rows, nt);
+          for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e_begin + t0 + r] * D;
+          const T* z;
+          int64 ld;
+          if (keep) {
+            z = coef_store.data() + coef_offset[g] + t0 * blk.size + k0;
+            ld = blk.size;
+          } else {
+            Logits(p, rows, nt, blk.first_slot + k0, kb, tile, kGradSlotTile);
+            for (int64 r = 0; r < nt; ++r) {
+              const int64 e = e_begin + t0 + r;
+              Coefficients(tile + r * kGradSlotTile, kb, entry_lse[e], upstream[plan.entry_token[e]],
+                           plan.entry_slot[e] - blk.first_slot - k0);
+            }
+            z = tile;
+            ld = kGradSlotTile;
+          }
+          simd::AccumulateTransposed<T>(dw, D, kb, z, ld, rows, nt, D);
+          if (db != nullptr) {
+            for (int64 r = 0; r < nt; ++r)
+              for (int64 j = 0; j < kb; ++j) db[j] += z[r * ld + j];
+          }
+        }
+      }
+    });
+  }
+}
+
+#define TF_HSM_INSTANTIATE(T)                                                             \
+  template void LogProbForward<T>(const VisitPlan&, const TreeView&, const SoftmaxParams<T>&, \
+                                  const ParallelFor&, T*);                                  \
+  template void LogProbBackward<T>(const VisitPlan&, const TreeView&,                       \
+                                   const SoftmaxParams<T>&, const T*, const ParallelFor&,    \
+                                   const LogProbGrads<T>&, int64);
+TF_HSM_INSTANTIATE(float)
+TF_HSM_INSTANTIATE(double)
+#undef TF_HSM_INSTANTIATE
+
+}  // namespace tf_hsm

@@ -1,0 +1,55 @@
+// log P(target | h) of a hierarchical softmax and its gradient, on the CPU.
+//
+//   log P(c | h) = sum over the steps (n, s) of c's path of  z_s - logsumexp_{s' in n} z_s',
+//   z_s = W[s] . h + b[s].
+//
+// Work is organised by VisitPlan groups: for a node n with tokens G, the logits are one
+// |G| x K_n block against n's contiguous weight rows, computed in tiles of kTokenTile tokens
+// x kSlotTile slots with an online logsumexp, so no [tokens, depth, branching, D] tensor ever
+// exists and a node with 10^6 children needs only a tile of scratch.
+#ifndef TF_HSM_CC_CORE_LOG_PROB_H_
+#define TF_HSM_CC_CORE_LOG_PROB_H_
+
+#include "cc/core/tree_view.h"
+#include "cc/core/visit_plan.h"
+
+namespace tf_hsm {
+
+// Dense inputs shared by the forward and backward passes.
+template <typename T>
+struct SoftmaxParams {
+  const T* hidden = nullptr;   // [num_tokens, dim]
+  const T* weights = nullptr;  // [num_slots, dim]
+  const T* biases = nullptr;   // [num_slots], or nullptr for no bias
+  int64 dim = 0;
+};
+
+// log_prob[i] for every token of the plan.
+template <typename T>
+void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
+                    const ParallelFor& parallel_for, T* log_prob);
+
+// Outputs of the backward pass. The weight and bias gradients are sparse: row r of
+// weight_rows / bias_rows is the gradient of weight row row_ids[r]; there are
+// plan.num_rows() of them (every child slot of every visited node).
+template <typename T>
+struct LogProbGrads {
+  T* hidden = nullptr;       // [num_tokens, dim]
+  T* weight_rows = nullptr;  // [num_rows, dim]
+  T* bias_rows = nullptr;    // [num_rows], or nullptr when there is no bias
+  int64* row_ids = nullptr;  // [num_rows]
+};
+
+// Upper bound (in elements) on the softmax coefficients kept between the dh and dW phases
+// of one level; beyond it they are recomputed. Either way the results are bit-identical.
+constexpr int64 kDefaultCoefBudget = int64{1} << 25;
+
+// Gradients of sum_i upstream[i] * log_prob[i].
+template <typename T>
+void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
+                     const T* upstream, const ParallelFor& parallel_for,
+                     const LogProbGrads<T>& grads, int64 coef_budget = kDefaultCoefBudget);
+
+}  // namespace tf_hsm
+
+#endif  // TF_HSM_CC_CORE_LOG_PROB_H_

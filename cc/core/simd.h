@@ -1,0 +1,233 @@
+// Small dense kernels the hierarchical softmax is built from, written with GCC/Clang vector
+// extensions: the compiler emits AVX-512, AVX2 or SSE from the same source depending on
+// -march, which keeps one portable code path. Every output element is produced by the same
+// fixed sequence of operations whatever the blocking around it, so results are identical
+// across thread counts and tilings.
+#ifndef TF_HSM_CC_CORE_SIMD_H_
+#define TF_HSM_CC_CORE_SIMD_H_
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace tf_hsm {
+namespace simd {
+
+using int64 = std::int64_t;
+
+template <typename T>
+struct Vec;
+template <>
+struct Vec<float> {
+  typedef float type __attribute__((vector_size(64)));
+  typedef std::int32_t itype __attribute__((vector_size(64)));
+  static constexpr int kWidth = 16;
+};
+template <>
+struct Vec<double> {
+  typedef double type __attribute__((vector_size(64)));
+  typedef std::int64_t itype __attribute__((vector_size(64)));
+  static constexpr int kWidth = 8;
+};
+
+template <typename T>
+using VecT = typename Vec<T>::type;
+
+template <typename T>
+inline VecT<T> Load(const T* p) {
+  VecT<T> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Loads n < kWidth elements, the rest zero.
+template <typename T>
+inline VecT<T> LoadPartial(const T* p, int64 n) {
+  VecT<T> v = {};
+  std::memcpy(&v, p, n * sizeof(T));
+  return v;
+}
+
+template <typename T>
+inline void Store(T* p, VecT<T> v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+template <typename T>
+inline void StorePartial(T* p, VecT<T> v, int64 n) {
+  std::memcpy(p, &v, n * sizeof(T));
+}
+
+template <typename T>
+inline VecT<T> Splat(T x) {
+  VecT<T> v = {};
+  return v + x;
+}
+
+// Sum of the lanes, always in the same order.
+template <typename T>
+inline T ReduceSum(VecT<T> v) {
+  constexpr int w = Vec<T>::kWidth;
+  T lanes[w];
+  std::memcpy(lanes, &v, sizeof(v));
+  for (int half = w / 2; half > 0; half /= 2) {
+    for (int i = 0; i < half; ++i) lanes[i] += lanes[i + half];
+  }
+  return lanes[0];
+}
+
+// out[i * ldo + j] = dot(a[i][0:d], b[j * ldb + 0:d]) for i < na, j < nb.
+// a holds row pointers (token rows are scattered in the batch); b is a contiguous block of
+// weight rows. Register tile of 4 x 4 dot products, each a vector accumulator over d.
+template <typename T>
+void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64 d, T* out,
+             int64 ldo) {
+  constexpr int64 w = Vec<T>::kWidth;
+  constexpr int64 kTile = 4;
+  const int64 full = d - d % w;
+  const int64 rest = d - full;
+  for (int64 i0 = 0; i0 < na; i0 += kTile) {
+    const T* ar[kTile];
+    for (int64 r = 0; r < kTile; ++r) ar[r] = a[i0 + r < na ? i0 + r : na - 1];
+    for (int64 j0 = 0; j0 < nb; j0 += kTile) {
+      const T* br[kTile];
+      for (int64 c = 0; c < kTile; ++c) br[c] = b + (j0 + c < nb ? j0 + c : nb - 1) * ldb;
+      VecT<T> acc[kTile][kTile] = {};
+      for (int64 k = 0; k < full; k += w) {
+        VecT<T> av[kTile], bv[kTile];
+        for (int64 r = 0; r < kTile; ++r) av[r] = Load(ar[r] + k);
+        for (int64 c = 0; c < kTile; ++c) bv[c] = Load(br[c] + k);
+        for (int64 r = 0; r < kTile; ++r)
+          for (int64 c = 0; c < kTile; ++c) acc[r][c] += av[r] * bv[c];
+      }
+      if (rest) {
+        VecT<T> av[kTile], bv[kTile];
+        for (int64 r = 0; r < kTile; ++r) av[r] = LoadPartial(ar[r] + full, rest);
+        for (int64 c = 0; c < kTile; ++c) bv[c] = LoadPartial(br[c] + full, rest);
+        for (int64 r = 0; r < kTile; ++r)
+          for (int64 c = 0; c < kTile; ++c) acc[r][c] += av[r] * bv[c];
+      }
+      for (int64 r = 0; r < kTile && i0 + r < na; ++r)
+        for (int64 c = 0; c < kTile && j0 + c < nb; ++c)
+          out[(i0 + r) * ldo + j0 + c] = ReduceSum<T>(acc[r][c]);
+    }
+  }
+}
+
+// out[i][0:d] += sum_j coef[i * ldc + j] * b[j * ldb + 0:d] for i < na (out holds row
+// pointers), j < nb, summed in increasing j. This is dh += coef @ W_block.
+template <typename T>
+void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* b, int64 ldb,
+                    int64 nb, int64 d) {
+  constexpr int64 w = Vec<T>::kWidth;
+  constexpr int64 kRows = 4;
+  for (int64 i0 = 0; i0 < na; i0 += kRows) {
+    const int64 rows = na - i0 < kRows ? na - i0 : kRows;
+    for (int64 k = 0; k < d; k += w) {
+      const int64 n = d - k < w ? d - k : w;
+      VecT<T> acc[kRows];
+      for (int64 r = 0; r < rows; ++r)
+        acc[r] = n == w ? Load(out[i0 + r] + k) : LoadPartial(out[i0 + r] + k, n);
+      for (int64 j = 0; j < nb; ++j) {
+        const VecT<T> bv = n == w ? Load(b + j * ldb + k) : LoadPartial(b + j * ldb + k, n);
+        for (int64 r = 0; r < rows; ++r) acc[r] += coef[(i0 + r) * ldc + j] * bv;
+      }
+      for (int64 r = 0; r < rows; ++r) {
+        if (n == w) {
+          Store(out[i0 + r] + k, acc[r]);
+        } else {
+          StorePartial(out[i0 + r] + k, acc[r], n);
+        }
+      }
+    }
+  }
+}
+
+// out[j * ldo + 0:d] += sum_i coef[i * ldc + j] * a[i][0:d] for j < nb, i < na, summed in
+// increasing i. This is dW_block += coef^T @ H.
+template <typename T>
+void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
+                          const T* const* a, int64 na, int64 d) {
+  constexpr int64 w = Vec<T>::kWidth;
+  constexpr int64 kCols = 4;
+  for (int64 j0 = 0; j0 < nb; j0 += kCols) {
+    const int64 cols = nb - j0 < kCols ? nb - j0 : kCols;
+    for (int64 k = 0; k < d; k += w) {
+      const int64 n = d - k < w ? d - k : w;
+      VecT<T> acc[kCols];
+      for (int64 c = 0; c < cols; ++c) {
+        T* o = out + (j0 + c) * ldo + k;
+        acc[c] = n == w ? Load(o) : LoadPartial(o, n);
+      }
+      for (int64 i = 0; i < na; ++i) {
+        const VecT<T> av = n == w ? Load(a[i] + k) : LoadPartial(a[i] + k, n);
+        const T* ci = coef + i * ldc + j0;
+        for (int64 c = 0; c < cols; ++c) acc[c] += ci[c] * av;
+      }
+      for (int64 c = 0; c < cols; ++c) {
+        T* o = out + (j0 + c) * ldo + k;
+        if (n == w) {
+          Store(o, acc[c]);
+        } else {
+          StorePartial(o, acc[c], n);
+        }
+      }
+    }
+  }
+}
+
+// exp(x) elementwise over n values in place. float: a vectorized Cody-Waite range reduction
+// with a degree-6 polynomial (max error ~2 ulp); NaN stays NaN, x < -87.3 gives 0, x > 88.7
+// gives inf. double keeps std::exp, whose accuracy the float64 gradient checks rely on.
+inline void ExpInPlace(double* x, int64 n) {
+  for (int64 i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+inline Vec<float>::type ExpVec(Vec<float>::type x) {
+  typedef Vec<float>::type V;
+  typedef Vec<float>::itype I;
+  const V hi = Splat<float>(88.7228f), lo = Splat<float>(-87.3365f);
+  const I is_nan = x != x;
+  const I too_big = x > hi;
+  const I too_small = x < lo;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  // n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for accuracy).
+  const V fx = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f + (x >= 0 ? Splat<float>(0.5f) : Splat<float>(-0.5f)), I), V);
+  V r = x - fx * 0.693359375f;
+  r = r - fx * -2.12194440e-4f;
+  V p = Splat<float>(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  // Scale by 2^n in two halves: 2^128 (x near 88.7) and 2^-126 have no normal float.
+  const I n = __builtin_convertvector(fx, I);
+  const I n1 = n >> 1;
+  const I bits1 = (n1 + 127) << 23, bits2 = (n - n1 + 127) << 23;
+  V scale1, scale2;
+  std::memcpy(&scale1, &bits1, sizeof(scale1));
+  std::memcpy(&scale2, &bits2, sizeof(scale2));
+  V y = p * scale1 * scale2;
+  const V inf = Splat<float>(std::numeric_limits<float>::infinity());
+  y = too_small ? Splat<float>(0.0f) : y;
+  y = too_big ? inf : y;
+  y = is_nan ? x : y;
+  return y;
+}
+
+inline void ExpInPlace(float* x, int64 n) {
+  constexpr int64 w = Vec<float>::kWidth;
+  int64 i = 0;
+  for (; i + w <= n; i += w) Store(x + i, ExpVec(Load(x + i)));
+  if (i < n) StorePartial(x + i, ExpVec(LoadPartial(x + i, n - i)), n - i);
+}
+
+}  // namespace simd
+}  // namespace tf_hsm
+
+#endif  // TF_HSM_CC_CORE_SIMD_H_

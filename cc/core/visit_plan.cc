@@ -1,0 +1,109 @@
+#include "cc/core/visit_plan.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace tf_hsm {
+namespace {
+
+template <typename... Args>
+std::string Message(const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  return s.str();
+}
+
+}  // namespace
+
+std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num_tokens,
+                           VisitPlan* plan) {
+  const int64 C = tree.num_classes, M = tree.num_nodes, S = tree.num_slots;
+  if (C < 1) return "the tree has no classes (path_begin needs at least 2 entries)";
+  if (M < 1) return "the tree has no nodes (child_begin needs at least 2 entries)";
+  *plan = VisitPlan();
+  plan->num_tokens = num_tokens;
+  plan->level_begin.push_back(0);
+  plan->group_begin.push_back(0);
+  plan->group_row.push_back(0);
+
+  // Validate targets and the paths they read; find each token's depth.
+  std::vector<int64> depth(num_tokens);
+  int64 max_depth = 0;
+  for (int64 i = 0; i < num_tokens; ++i) {
+    const int64 t = targets[i];
+    if (t < 0 || t >= C) {
+      return Message("targets[", i, "] = ", t, " is not a class id in [0, ", C, ")");
+    }
+    const int64 b = tree.path_begin[t], e = tree.path_begin[t + 1];
+    if (b < 0 || e <= b || e > tree.path_length) {
+      return Message("malformed tree: path_begin[", t, ":", t + 2, "] = [", b, ", ", e,
+                     "] is not a non-empty range within the ", tree.path_length,
+                     " path steps");
+    }
+    for (int64 p = b; p < e; ++p) {
+      const int64 n = tree.path_nodes[p], s = tree.path_slots[p];
+      if (n < 0 || n >= M) {
+        return Message("malformed tree: path_nodes[", p, "] = ", n, " is not a node in [0, ",
+                       M, ")");
+      }
+      const int64 cb = tree.child_begin[n], ce = tree.child_begin[n + 1];
+      if (cb < 0 || ce <= cb || ce > S) {
+        return Message("malformed tree: child_begin[", n, ":", n + 2, "] = [", cb, ", ", ce,
+                       "] is not a non-empty slot range within the ", S, " weight rows");
+      }
+      if (s < cb || s >= ce) {
+        return Message("malformed tree: path_slots[", p, "] = ", s,
+                       " is outside the slots [", cb, ", ", ce, ") of node ", n);
+      }
+    }
+    depth[i] = e - b;
+    max_depth = std::max(max_depth, depth[i]);
+  }
+
+  // Group level by level. A node is recognised as already seen at this level by a stamp,
+  // so a malformed tree that repeats a node at two positions still gets separate groups.
+  std::vector<int64> seen_level(M, -1), group_of(M, 0);
+  std::vector<int64> level_tokens, level_groups, counts;
+  for (int64 level = 0; level < max_depth; ++level) {
+    const int64 first_group = plan->num_groups();
+    level_tokens.clear();
+    level_groups.clear();
+    for (int64 i = 0; i < num_tokens; ++i) {
+      if (depth[i] <= level) continue;
+      const int64 n = tree.path_nodes[tree.path_begin[targets[i]] + level];
+      if (seen_level[n] != level) {
+        seen_level[n] = level;
+        group_of[n] = plan->num_groups();
+        plan->group_node.push_back(n);
+        counts.push_back(0);
+      }
+      ++counts[group_of[n]];
+      level_tokens.push_back(i);
+      level_groups.push_back(group_of[n]);
+    }
+    // Counting sort of this level's visits by group, stable in token order.
+    const int64 entry_base = static_cast<int64>(plan->entry_token.size());
+    std::vector<int64> cursor(plan->num_groups() - first_group);
+    int64 offset = entry_base;
+    for (int64 g = first_group; g < plan->num_groups(); ++g) {
+      cursor[g - first_group] = offset;
+      offset += counts[g];
+      plan->group_begin.push_back(offset);
+      const int64 n = plan->group_node[g];
+      plan->group_row.push_back(plan->group_row.back() + tree.child_begin[n + 1] -
+                                tree.child_begin[n]);
+    }
+    plan->entry_token.resize(offset);
+    plan->entry_slot.resize(offset);
+    for (size_t v = 0; v < level_tokens.size(); ++v) {
+      const int64 i = level_tokens[v];
+      const int64 e = cursor[level_groups[v] - first_group]++;
+      plan->entry_token[e] = i;
+      plan->entry_slot[e] = tree.path_slots[tree.path_begin[targets[i]] + level];
+    }
+    plan->level_begin.push_back(plan->num_groups());
+  }
+  return "";
+}
+
+}  // namespace tf_hsm

@@ -1,0 +1,40 @@
+// Groups the (token, path position) visits of a batch by tree node, so that all tokens
+// passing through one node are processed as one small dense block against that node's
+// weight rows (the root is a single block over the whole batch).
+#ifndef TF_HSM_CC_CORE_VISIT_PLAN_H_
+#define TF_HSM_CC_CORE_VISIT_PLAN_H_
+
+#include <string>
+#include <vector>
+
+#include "cc/core/tree_view.h"
+
+namespace tf_hsm {
+
+// Visits grouped by (path position, node). Levels are path positions 0, 1, ...; within a
+// level a token visits at most one group, which is what makes the backward pass's dh
+// accumulation race-free. Groups are numbered in order of first appearance in the batch and
+// entries keep token order, so the plan never depends on threading.
+struct VisitPlan {
+  int64 num_tokens = 0;
+  std::vector<int64> level_begin;  // [levels + 1], ranges of groups
+  std::vector<int64> group_node;   // [groups]
+  std::vector<int64> group_begin;  // [groups + 1], ranges of entries
+  std::vector<int64> group_row;    // [groups + 1], prefix sums of the nodes' branching
+  std::vector<int64> entry_token;  // [entries]
+  std::vector<int64> entry_slot;   // [entries], the slot taken at this visit
+
+  int64 num_levels() const { return static_cast<int64>(level_begin.size()) - 1; }
+  int64 num_groups() const { return static_cast<int64>(group_node.size()); }
+  int64 num_rows() const { return group_row.empty() ? 0 : group_row.back(); }
+};
+
+// Builds the plan for targets[0..num_tokens). Checks every target and every tree offset the
+// batch reads, so that no later step can read out of bounds; returns a message naming the
+// problem, or "" on success. num_slots is the number of weight rows.
+std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num_tokens,
+                           VisitPlan* plan);
+
+}  // namespace tf_hsm
+
+#endif  // TF_HSM_CC_CORE_VISIT_PLAN_H_

@@ -1,0 +1,124 @@
+#include "cc/kernels/hsm_inputs.h"
+
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/lib/core/errors.h"
+
+namespace tf_hsm {
+
+using ::tensorflow::DT_INT32;
+using ::tensorflow::DT_INT64;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+namespace errors = ::tensorflow::errors;
+
+Status ReadSoftmaxInputs(OpKernelContext* ctx, SoftmaxInputs* in) {
+  in->hidden = &ctx->input(0);
+  in->weights = &ctx->input(1);
+  in->biases = &ctx->input(2);
+  if (in->hidden->dims() < 1) {
+    return errors::InvalidArgument("hidden must have rank >= 1, got shape ",
+                                   in->hidden->shape().DebugString());
+  }
+  if (in->weights->dims() != 2) {
+    return errors::InvalidArgument("weights must be a matrix [num_slots, D], got shape ",
+                                   in->weights->shape().DebugString());
+  }
+  in->dim = in->hidden->dim_size(in->hidden->dims() - 1);
+  if (in->weights->dim_size(1) != in->dim) {
+    return errors::InvalidArgument("hidden size mismatch: hidden has D = ", in->dim,
+                                   " but weights has ", in->weights->dim_size(1), " columns");
+  }
+  const int64 num_slots = in->weights->dim_size(0);
+  if (in->biases->dims() != 1 ||
+      (in->biases->dim_size(0) != 0 && in->biases->dim_size(0) != num_slots)) {
+    return errors::InvalidArgument("biases must be a vector of ", num_slots,
+                                   " (one per weight row) or empty, got shape ",
+                                   in->biases->shape().DebugString());
+  }
+  in->has_bias = in->biases->dim_size(0) != 0;
+  in->num_tokens = in->dim == 0 ? BatchShape(*in->hidden).num_elements()
+                                : in->hidden->NumElements() / in->dim;
+  return Status();
+}
+
+Status ReadTree(OpKernelContext* ctx, int first, int slot_child_input, int64 num_slots,
+                TreeView* tree) {
+  static const char* kNames[] = {"child_begin", "path_begin", "path_nodes", "path_slots"};
+  for (int i = 0; i < 4; ++i) {
+    const Tensor& t = ctx->input(first + i);
+    if (t.dims() != 1) {
+      return errors::InvalidArgument(kNames[i], " must be a vector, got shape ",
+                                     t.shape().DebugString());
+    }
+  }
+  const Tensor& child_begin = ctx->input(first);
+  const Tensor& path_begin = ctx->input(first + 1);
+  const Tensor& path_nodes = ctx->input(first + 2);
+  const Tensor& path_slots = ctx->input(first + 3);
+  if (child_begin.NumElements() < 2 || path_begin.NumElements() < 2) {
+    return errors::InvalidArgument(
+        "malformed tree: child_begin and path_begin need at least 2 entries, got ",
+        child_begin.NumElements(), " and ", path_begin.NumElements());
+  }
+  if (path_nodes.NumElements() != path_slots.NumElements()) {
+    return errors::InvalidArgument("malformed tree: path_nodes has ", path_nodes.NumElements(),
+                                   " entries but path_slots has ", path_slots.NumElements());
+  }
+  tree->num_nodes = child_begin.NumElements() - 1;
+  tree->num_classes = path_begin.NumElements() - 1;
+  tree->num_slots = num_slots;
+  tree->path_length = path_nodes.NumElements();
+  tree->child_begin = child_begin.flat<int64_t>().data();
+  tree->path_begin = path_begin.flat<int64_t>().data();
+  tree->path_nodes = path_nodes.flat<int64_t>().data();
+  tree->path_slots = path_slots.flat<int64_t>().data();
+  if (tree->child_begin[tree->num_nodes] != num_slots) {
+    return errors::InvalidArgument("the tree has ", tree->child_begin[tree->num_nodes],
+                                   " slots (child_begin[-1]) but weights has ", num_slots,
+                                   " rows");
+  }
+  if (slot_child_input >= 0) {
+    const Tensor& slot_child = ctx->input(slot_child_input);
+    if (slot_child.dims() != 1 || slot_child.NumElements() != num_slots) {
+      return errors::InvalidArgument("slot_child must be a vector of ", num_slots,
+                                     " entries, got shape ", slot_child.shape().DebugString());
+    }
+    tree->slot_child = slot_child.flat<int64_t>().data();
+  }
+  return Status();
+}
+
+Status ReadClassIds(const Tensor& ids, const char* name, const TensorShape& batch,
+                    std::vector<int64>* out) {
+  if (ids.shape() != batch) {
+    return errors::InvalidArgument(name, " must have hidden's leading shape ",
+                                   batch.DebugString(), ", got ", ids.shape().DebugString());
+  }
+  out->resize(ids.NumElements());
+  if (ids.dtype() == DT_INT32) {
+    auto v = ids.flat<int32_t>();
+    for (int64 i = 0; i < ids.NumElements(); ++i) (*out)[i] = v(i);
+  } else {
+    auto v = ids.flat<int64_t>();
+    for (int64 i = 0; i < ids.NumElements(); ++i) (*out)[i] = v(i);
+  }
+  return Status();
+}
+
+ParallelFor CpuParallelFor(OpKernelContext* ctx) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [workers](int64 total, int64 cost, const std::function<void(int64, int64)>& work) {
+    if (total <= 0) return;
+    workers->ParallelFor(total, std::max<int64>(cost, 1), work);
+  };
+}
+
+TensorShape BatchShape(const Tensor& hidden) {
+  TensorShape batch = hidden.shape();
+  batch.RemoveLastDims(1);
+  return batch;
+}
+
+}  // namespace tf_hsm

@@ -1,0 +1,47 @@
+// Input validation and TreeView assembly shared by every tf_hsm OpKernel, so each op checks
+// its tensors the same way and the kernels stay thin.
+#ifndef TF_HSM_CC_KERNELS_HSM_INPUTS_H_
+#define TF_HSM_CC_KERNELS_HSM_INPUTS_H_
+
+#include <functional>
+
+#include "cc/core/tree_view.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace tf_hsm {
+
+// The dense softmax inputs (hidden, weights, biases at inputs 0..2) after validation.
+struct SoftmaxInputs {
+  const ::tensorflow::Tensor* hidden = nullptr;
+  const ::tensorflow::Tensor* weights = nullptr;
+  const ::tensorflow::Tensor* biases = nullptr;
+  int64 num_tokens = 0;
+  int64 dim = 0;
+  bool has_bias = false;
+};
+
+// Validates hidden [..., D], weights [S, D], biases [S] or [0].
+::tensorflow::Status ReadSoftmaxInputs(::tensorflow::OpKernelContext* ctx, SoftmaxInputs* in);
+
+// Validates the rank-1 int64 tree tensors child_begin, path_begin, path_nodes, path_slots at
+// inputs first..first+3 (and slot_child at `slot_child_input` when >= 0) and fills *tree.
+// Per-path offsets are checked lazily by the core (only those a batch reads).
+::tensorflow::Status ReadTree(::tensorflow::OpKernelContext* ctx, int first, int slot_child_input,
+                              int64 num_slots, TreeView* tree);
+
+// Copies int32/int64 class ids into int64 and checks that the shape equals `batch`.
+::tensorflow::Status ReadClassIds(const ::tensorflow::Tensor& ids, const char* name,
+                                  const ::tensorflow::TensorShape& batch,
+                                  std::vector<int64>* out);
+
+// The CPU device's thread pool as the core's ParallelFor.
+ParallelFor CpuParallelFor(::tensorflow::OpKernelContext* ctx);
+
+// hidden's shape without its last dimension.
+::tensorflow::TensorShape BatchShape(const ::tensorflow::Tensor& hidden);
+
+}  // namespace tf_hsm
+
+#endif  // TF_HSM_CC_KERNELS_HSM_INPUTS_H_

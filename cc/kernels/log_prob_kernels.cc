@@ -1,0 +1,95 @@
+// OpKernels for Hsm>LogProb and Hsm>LogProbGrad: validate, allocate, call the core.
+#include "cc/core/log_prob.h"
+#include "cc/core/visit_plan.h"
+#include "cc/kernels/hsm_inputs.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+
+namespace tf_hsm {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+namespace errors = ::tensorflow::errors;
+
+namespace {
+
+// Reads and checks the inputs both ops share and builds the visit plan.
+template <typename T>
+::tensorflow::Status PrepareLogProb(OpKernelContext* ctx, SoftmaxInputs* in,
+                                   SoftmaxParams<T>* params, TreeView* tree, VisitPlan* plan) {
+  TF_RETURN_IF_ERROR(ReadSoftmaxInputs(ctx, in));
+  TF_RETURN_IF_ERROR(ReadTree(ctx, 4, -1, in->weights->dim_size(0), tree));
+  std::vector<int64> targets;
+  TF_RETURN_IF_ERROR(ReadClassIds(ctx->input(3), "targets", BatchShape(*in->hidden), &targets));
+  const std::string problem = BuildVisitPlan(*tree, targets.data(), in->num_tokens, plan);
+  if (!problem.empty()) return errors::InvalidArgument(problem);
+  params->hidden = in->hidden->flat<T>().data();
+  params->weights = in->weights->flat<T>().data();
+  params->biases = in->has_bias ? in->biases->flat<T>().data() : nullptr;
+  params->dim = in->dim;
+  return ::tensorflow::Status();
+}
+
+template <typename T>
+class LogProbOp : public OpKernel {
+ public:
+  explicit LogProbOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    SoftmaxInputs in;
+    SoftmaxParams<T> params;
+    TreeView tree;
+    VisitPlan plan;
+    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, &in, &params, &tree, &plan));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &out));
+    LogProbForward<T>(plan, tree, params, CpuParallelFor(ctx), out->flat<T>().data());
+  }
+};
+
+template <typename T>
+class LogProbGradOp : public OpKernel {
+ public:
+  explicit LogProbGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    SoftmaxInputs in;
+    SoftmaxParams<T> params;
+    TreeView tree;
+    VisitPlan plan;
+    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, &in, &params, &tree, &plan));
+    const Tensor& upstream = ctx->input(8);
+    OP_REQUIRES(ctx, upstream.shape() == BatchShape(*in.hidden),
+                errors::InvalidArgument("upstream gradient must have shape ",
+                                        BatchShape(*in.hidden).DebugString(), ", got ",
+                                        upstream.shape().DebugString()));
+    const int64 rows = plan.num_rows();
+    Tensor *hidden_grad, *weight_rows, *bias_rows, *row_ids;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, in.hidden->shape(), &hidden_grad));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({rows, in.dim}), &weight_rows));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({in.has_bias ? rows : 0}), &bias_rows));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({rows}), &row_ids));
+    LogProbGrads<T> grads;
+    grads.hidden = hidden_grad->flat<T>().data();
+    grads.weight_rows = weight_rows->flat<T>().data();
+    grads.bias_rows = in.has_bias ? bias_rows->flat<T>().data() : nullptr;
+    grads.row_ids = row_ids->flat<int64_t>().data();
+    LogProbBackward<T>(plan, tree, params, upstream.flat<T>().data(), CpuParallelFor(ctx), grads);
+  }
+};
+
+#define REGISTER_CPU(T)                                                                  \
+  REGISTER_KERNEL_BUILDER(                                                               \
+      Name("Hsm>LogProb").Device(DEVICE_CPU).TypeConstraint<T>("T"), LogProbOp<T>);      \
+  REGISTER_KERNEL_BUILDER(                                                               \
+      Name("Hsm>LogProbGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"), LogProbGradOp<T>);
+REGISTER_CPU(float)
+REGISTER_CPU(double)
+#undef REGISTER_CPU
+
+}  // namespace
+}  // namespace tf_hsm

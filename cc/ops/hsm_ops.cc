@@ -1,0 +1,112 @@
+// Op registrations: shapes and documentation. Kernels live in cc/kernels/.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tf_hsm {
+
+using ::tensorflow::Status;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+namespace {
+
+// Checks the inputs common to every op: hidden [..., D], weights [S, D], biases [S] or [0],
+// and the rank-1 tree tensors starting at input `first_tree`. Sets *batch to hidden's
+// leading shape.
+Status SoftmaxInputShapes(InferenceContext* c, int first_tree, int num_tree,
+                          ShapeHandle* batch) {
+  ShapeHandle hidden, weights, biases;
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &hidden));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &weights));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &biases));
+  DimensionHandle dim;
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(hidden, -1), c->Dim(weights, 1), &dim));
+  for (int i = first_tree; i < first_tree + num_tree; ++i) {
+    ShapeHandle unused;
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
+  }
+  return c->Subshape(hidden, 0, -1, batch);
+}
+
+}  // namespace
+
+REGISTER_OP("Hsm>LogProb")
+    .Input("hidden: T")
+    .Input("weights: T")
+    .Input("biases: T")
+    .Input("targets: Tidx")
+    .Input("child_begin: int64")
+    .Input("path_begin: int64")
+    .Input("path_nodes: int64")
+    .Input("path_slots: int64")
+    .Output("log_prob: T")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle batch, targets;
+      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
+      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &targets));
+      c->set_output(0, targets);
+      return Status();
+    })
+    .Doc(R"doc(
+Hierarchical-softmax log-probability of each target class.
+
+log_prob[i] = sum over the steps (n, s) of targets[i]'s root-to-leaf path of
+z_s - logsumexp over the children s' of node n of z_s', with z_s = weights[s] . hidden[i]
++ biases[s].
+
+hidden: [..., D] hidden states.
+weights: [num_slots, D], one row per tree edge (slot).
+biases: [num_slots], or an empty vector for no bias.
+targets: hidden's leading shape; class ids in [0, num_classes).
+child_begin: [num_nodes + 1]; node n's children are slots [child_begin[n], child_begin[n+1]).
+path_begin: [num_classes + 1]; class c's path is steps path_begin[c]..path_begin[c+1]-1.
+path_nodes: [path_length]; the node visited at each path step, root first.
+path_slots: [path_length]; the slot taken at each path step.
+log_prob: targets' shape.
+)doc");
+
+REGISTER_OP("Hsm>LogProbGrad")
+    .Input("hidden: T")
+    .Input("weights: T")
+    .Input("biases: T")
+    .Input("targets: Tidx")
+    .Input("child_begin: int64")
+    .Input("path_begin: int64")
+    .Input("path_nodes: int64")
+    .Input("path_slots: int64")
+    .Input("upstream: T")
+    .Output("hidden_grad: T")
+    .Output("weight_grad_rows: T")
+    .Output("bias_grad_rows: T")
+    .Output("row_ids: int64")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle batch, unused;
+      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
+      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &unused));
+      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(8), &unused));
+      c->set_output(0, c->input(0));
+      DimensionHandle rows = c->UnknownDim();
+      c->set_output(1, c->Matrix(rows, c->Dim(c->input(1), 1)));
+      c->set_output(2, c->Vector(c->UnknownDim()));
+      c->set_output(3, c->Vector(rows));
+      return Status();
+    })
+    .Doc(R"doc(
+Gradient of sum(upstream * Hsm>LogProb(...)). The weight and bias gradients are sparse:
+row r of weight_grad_rows (and bias_grad_rows, empty when biases is empty) is the gradient
+of row row_ids[r]; every child slot of every node the batch visits appears once.
+
+upstream: targets' shape.
+hidden_grad: hidden's shape.
+weight_grad_rows: [num_rows, D].
+bias_grad_rows: [num_rows], or [0] without biases.
+row_ids: [num_rows] int64 weight-row ids.
+)doc");
+
+}  // namespace tf_hsm

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Sets up everything tf_hsm needs on a fresh Debian/Ubuntu machine and builds the ops.
+#
+#   ./configure.sh
+#
+# - Python: the active virtualenv if there is one, else .venv at the repository root
+#   (created here), with the pinned requirements.txt installed.
+# - Bazel: Debian's bazel-bootstrap when `bazel` is missing (run as root, or install it).
+# - Writes .tf_hsm.bazelrc pointing Bazel at that environment's TensorFlow (its headers,
+#   library and compile flags are read from tf.sysconfig at build time).
+# - Builds the op library and the C++ tests, and places the library in tf_hsm/.
+#
+# Environment: TF_HSM_MARCH (default "native") sets -march for the core's vectorised
+# kernels; TF_HSM_MARCH=x86-64-v2 (say) builds a library that runs on older CPUs.
+# Safe to run again: a second run only checks, and rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")"
+root=$(pwd)
+
+say() { printf '[configure] %s\n' "$*"; }
+
+as_root() {
+  if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    say "need root to run: $*"; exit 1; fi
+}
+
+apt_updated=0
+apt_install() {
+  if ! command -v apt-get >/dev/null; then
+    say "apt-get not found: install $* with your package manager, then rerun."; exit 1
+  fi
+  if [ "$apt_updated" = 0 ]; then as_root apt-get update -qq; apt_updated=1; fi
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# --- Python environment -----------------------------------------------------------------
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+  python="$VIRTUAL_ENV/bin/python"
+  say "using the active virtualenv $VIRTUAL_ENV"
+else
+  if [ ! -x .venv/bin/python ]; then
+    say "creating .venv"
+    if ! python3 -m venv .venv 2>/dev/null; then
+      rm -rf .venv
+      apt_install python3-venv
+      python3 -m venv .venv
+    fi
+  fi
+  python="$root/.venv/bin/python"
+fi
+stamp="$("$python" -c 'import sys; print(sys.prefix)')/.tf_hsm_requirements"
+if ! cmp -s requirements.txt "$stamp" 2>/dev/null; then
+  say "installing requirements.txt"
+  "$python" -m pip install -q --upgrade pip
+  "$python" -m pip install -q -r requirements.txt
+  cp requirements.txt "$stamp"
+else
+  say "requirements already installed"
+fi
+
+# --- Bazel ------------------------------------------------------------------------------
+if ! command -v bazel >/dev/null; then
+  say "installing Bazel (Debian package bazel-bootstrap)"
+  apt_install bazel-bootstrap || {
+    say "could not install bazel-bootstrap: install Bazel 4.x (https://bazel.build) and rerun."
+    exit 1; }
+fi
+
+# --- Bazel configuration ----------------------------------------------------------------
+march="${TF_HSM_MARCH:-native}"
+config=$(cat <<CONF
+# Written by ./configure.sh; do not edit.
+build --repo_env=TF_HSM_PYTHON=$python
+build --per_file_copt=cc/core/.*@-march=$march
+CONF
+)
+if [ "$config" != "$(cat .tf_hsm.bazelrc 2>/dev/null)" ]; then
+  printf '%s\n' "$config" > .tf_hsm.bazelrc
+  say "wrote .tf_hsm.bazelrc"
+fi
+
+# --- Build ------------------------------------------------------------------------------
+say "building the op library"
+bazel build --noshow_progress //cc:_hsm_ops.so //cc:core_test 2>&1 | grep -vE '^(INFO|Loading|Analyzing)' || true
+if [ ! -f bazel-bin/cc/_hsm_ops.so ]; then
+  say "the build failed; see the messages above (bazel build //cc:_hsm_ops.so)"; exit 1
+fi
+if ! cmp -s bazel-bin/cc/_hsm_ops.so tf_hsm/_hsm_ops.so; then
+  install -m 0755 bazel-bin/cc/_hsm_ops.so tf_hsm/_hsm_ops.so
+fi
+"$python" -c "import tf_hsm, tf_hsm._loader as l; l.ops()" 2>/dev/null \
+  && say "ready: $python -c 'import tf_hsm'" \
+  || { say "the library was built but does not load"; "$python" -c "import tf_hsm._loader as l; l.ops()"; exit 1; }

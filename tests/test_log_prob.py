@@ -1,0 +1,194 @@
+"""tf_hsm.log_prob and its gradient against the float64 reference, on every tree kind."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hsm
+from oracle import chain_tree, log_prob_reference, random_mixed_tree, trees_of_every_kind
+
+
+def _inputs(rng, tree, batch_shape, dim, dtype, bias=True):
+  hidden = rng.normal(size=batch_shape + (dim,)).astype(dtype)
+  weights = (0.5 * rng.normal(size=(tree.num_slots, dim))).astype(dtype)
+  biases = rng.normal(size=tree.num_slots).astype(dtype) if bias else None
+  targets = rng.integers(0, tree.num_classes, size=batch_shape)
+  return hidden, weights, biases, targets
+
+
+def _dense(grad, shape):
+  """An IndexedSlices gradient scattered into a dense array (duplicates summed)."""
+  assert isinstance(grad, tf.IndexedSlices), type(grad)
+  out = np.zeros(shape, grad.values.dtype.as_numpy_dtype)
+  np.add.at(out, grad.indices.numpy(), grad.values.numpy())
+  return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 2e-4)])
+@pytest.mark.parametrize("batch_shape", [(13,), (2, 3, 4)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_reference_on_every_tree_kind(rng, dtype, tol, batch_shape, bias):
+  for name, tree in trees_of_every_kind(rng):
+    dim = int(rng.integers(1, 40))
+    hidden, weights, biases, targets = _inputs(rng, tree, batch_shape, dim, dtype, bias)
+    w = tf.Variable(weights)
+    b = tf.Variable(biases) if bias else None
+    h = tf.constant(hidden)
+    with tf.GradientTape() as tape:
+      tape.watch(h)
+      out = tf_hsm.log_prob(h, w, b, tree, targets)
+      total = tf.reduce_sum(out)
+    grads = tape.gradient(total, [h, w] + ([b] if bias else []))
+    ref, dh, dw, db = log_prob_reference(hidden, weights, biases, tree, targets)
+    assert out.shape == batch_shape and out.dtype == dtype, name
+    np.testing.assert_allclose(out.numpy().ravel(), ref, rtol=tol, atol=tol, err_msg=name)
+    np.testing.assert_allclose(grads[0].numpy().reshape(dh.shape), dh, rtol=tol, atol=tol,
+                               err_msg=name)
+    np.testing.assert_allclose(_dense(grads[1], dw.shape), dw, rtol=tol, atol=tol, err_msg=name)
+    if bias:
+      np.testing.assert_allclose(_dense(grads[2], db.shape), db, rtol=tol, atol=tol,
+                                 err_msg=name)
+
+
+def test_random_mixed_trees_many_seeds(rng):
+  for _ in range(15):
+    tree = random_mixed_tree(rng, max_depth=int(rng.integers(1, 9)),
+                             max_branching=int(rng.integers(1, 51)))
+    hidden, weights, biases, targets = _inputs(rng, tree, (int(rng.integers(0, 40)),), 7,
+                                               np.float64)
+    out = tf_hsm.log_prob(hidden, weights, biases, tree, targets)
+    ref = log_prob_reference(hidden, weights, biases, tree, targets)[0]
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_gradient_is_sparse_over_touched_rows_only(rng):
+  tree = tf_hsm.Tree.two_level(400)
+  hidden, weights, biases, _ = _inputs(rng, tree, (5,), 8, np.float32)
+  targets = np.array([0, 1, 2, 1, 0])  # all in the first cluster
+  w, b = tf.Variable(weights), tf.Variable(biases)
+  with tf.GradientTape() as tape:
+    loss = -tf.reduce_sum(tf_hsm.log_prob(hidden, w, b, tree, targets))
+  gw, gb = tape.gradient(loss, [w, b])
+  assert isinstance(gw, tf.IndexedSlices) and isinstance(gb, tf.IndexedSlices)
+  root = tree.child_range(0)
+  cluster = tree.child_range(tree.path(0)[1][0])
+  expected = list(range(*root)) + list(range(*cluster))
+  assert sorted(gw.indices.numpy().tolist()) == expected
+  assert gw.values.shape == (len(expected), 8)
+
+
+def test_one_level_tree_is_log_softmax(rng):
+  tree = tf_hsm.Tree.from_nested(list(range(50)))
+  hidden, weights, biases, targets = _inputs(rng, tree, (9,), 6, np.float64)
+  logits = hidden @ weights.T + biases
+  expected = tf.nn.log_softmax(logits).numpy()[np.arange(9), targets]
+  np.testing.assert_allclose(tf_hsm.log_prob(hidden, weights, biases, tree, targets), expected,
+                             rtol=1e-12)
+
+
+@pytest.mark.parametrize("make_tree", [
+    lambda rng: random_mixed_tree(rng),
+    lambda rng: tf_hsm.Tree.huffman(rng.integers(1, 100, size=80)),
+    lambda rng: chain_tree(5, 3),
+])
+def test_probabilities_over_all_classes_sum_to_one(rng, make_tree):
+  tree = make_tree(rng)
+  hidden, weights, biases, _ = _inputs(rng, tree, (3,), 10, np.float64)
+  classes = np.arange(tree.num_classes)
+  for row in hidden:
+    lp = tf_hsm.log_prob(np.repeat(row[None], tree.num_classes, 0), weights, biases, tree,
+                         classes)
+    np.testing.assert_allclose(np.exp(lp.numpy()).sum(), 1.0, rtol=1e-12)
+
+
+def test_numerical_gradients(rng):
+  tree = random_mixed_tree(rng, max_depth=4, max_branching=5, p_internal=0.5, max_classes=30)
+  hidden, weights, biases, targets = _inputs(rng, tree, (4,), 3, np.float64)
+  for argnum in range(3):
+    def f(*args):
+      full = [hidden, weights, biases]
+      full[argnum] = args[0]
+      return tf_hsm.log_prob(full[0], full[1], full[2], tree, targets)
+    theoretical, numerical = tf.test.compute_gradient(f, [[hidden, weights, biases][argnum]])
+    np.testing.assert_allclose(theoretical[0], numerical[0], rtol=1e-6, atol=1e-7)
+
+
+def test_int32_targets_and_tf_function(rng):
+  tree = tf_hsm.Tree.balanced(30, 4)
+  hidden, weights, biases, targets = _inputs(rng, tree, (6,), 5, np.float32)
+  f = tf.function(lambda h, y: tf_hsm.log_prob(h, weights, biases, tree, y))
+  out32 = f(tf.constant(hidden), tf.constant(targets, tf.int32))
+  out64 = tf_hsm.log_prob(hidden, weights, biases, tree, targets.astype(np.int64))
+  np.testing.assert_array_equal(out32.numpy(), out64.numpy())
+
+
+def test_low_precision_hidden_is_computed_in_float32(rng):
+  tree = tf_hsm.Tree.balanced(40, 5)
+  hidden, weights, biases, targets = _inputs(rng, tree, (8,), 16, np.float32)
+  for low in (tf.bfloat16, tf.float16):
+    h = tf.cast(hidden, low)
+    out = tf_hsm.log_prob(h, weights, biases, tree, targets)
+    assert out.dtype == low
+    ref = log_prob_reference(tf.cast(h, tf.float32).numpy(), weights, biases, tree, targets)[0]
+    np.testing.assert_allclose(tf.cast(out, tf.float32).numpy(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_empty_batch(rng):
+  tree = tf_hsm.Tree.balanced(10, 3)
+  weights = rng.normal(size=(tree.num_slots, 4)).astype(np.float32)
+  w = tf.Variable(weights)
+  with tf.GradientTape() as tape:
+    out = tf_hsm.log_prob(np.zeros((0, 4), np.float32), w, None, tree, np.zeros(0, np.int64))
+    loss = tf.reduce_sum(out)
+  assert out.shape == (0,)
+  g = tape.gradient(loss, w)
+  assert g.values.shape[0] == 0
+
+
+def test_nan_in_one_row_stays_in_that_row(rng):
+  tree = tf_hsm.Tree.huffman(rng.integers(1, 50, size=40))
+  hidden, weights, biases, targets = _inputs(rng, tree, (6,), 4, np.float32)
+  hidden[2, 1] = np.nan
+  out = tf_hsm.log_prob(hidden, weights, biases, tree, targets).numpy()
+  assert np.isnan(out[2]) and np.all(np.isfinite(np.delete(out, 2)))
+
+
+def test_deterministic_bits_across_runs_and_thread_counts(rng):
+  tree = tf_hsm.Tree.two_level(3000)
+  hidden, weights, biases, targets = _inputs(rng, tree, (700,), 33, np.float32)
+  w, b = tf.Variable(weights), tf.Variable(biases)
+
+  def run():
+    h = tf.constant(hidden)
+    with tf.GradientTape() as tape:
+      tape.watch(h)
+      loss = tf.reduce_sum(tf_hsm.log_prob(h, w, b, tree, targets))
+    gh, gw, gb = tape.gradient(loss, [h, w, b])
+    return [loss.numpy(), gh.numpy(), gw.values.numpy(), gw.indices.numpy(), gb.values.numpy()]
+
+  first = run()
+  for _ in range(2):
+    for a, c in zip(first, run()):
+      assert a.tobytes() == c.tobytes()
+
+
+def test_training_loop_lowers_the_loss(rng):
+  tree = tf_hsm.Tree.huffman(rng.zipf(1.5, size=500).clip(max=10_000))
+  dim = 16
+  features = rng.normal(size=(256, dim)).astype(np.float32)
+  targets = (np.abs(features[:, 0] * 40).astype(np.int64) + 7 * (features[:, 1] > 0)) % 500
+  w = tf.Variable(0.01 * rng.normal(size=(tree.num_slots, dim)).astype(np.float32))
+  b = tf.Variable(np.zeros(tree.num_slots, np.float32))
+  opt = tf.keras.optimizers.SGD(0.5)
+
+  @tf.function
+  def step(h, y):
+    with tf.GradientTape() as tape:
+      loss = -tf.reduce_mean(tf_hsm.log_prob(h, w, b, tree, y))
+    grads = tape.gradient(loss, [w, b])
+    assert isinstance(grads[0], tf.IndexedSlices)
+    opt.apply_gradients(zip(grads, [w, b]))
+    return loss
+
+  losses = [float(step(features, targets)) for _ in range(60)]
+  assert losses[-1] < 0.7 * losses[0], losses[::10]

@@ -1,0 +1,110 @@
+"""Python wrappers and registered gradients of the tf_hsm ops."""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_hsm import _loader
+from tf_hsm.tree import Tree
+
+_FLOAT_TYPES = (tf.float32, tf.float64)
+_LOW_PRECISION = (tf.float16, tf.bfloat16)
+
+
+def _tree_tensors(tree):
+  """The tree's int64 arrays as tensors, created once per tree and reused.
+
+  They are made under init_scope so that every tf.function captures the same eager
+  tensors instead of embedding large constants in each graph.
+  """
+  if not isinstance(tree, Tree):
+    raise TypeError(f"tree must be a tf_hsm.Tree, got {type(tree).__name__}")
+  cached = tree.__dict__.get("_tf_tensors")
+  if cached is None:
+    with tf.init_scope(), tf.device("/cpu:0"):
+      cached = {
+          name: tf.constant(getattr(tree, name), dtype=tf.int64)
+          for name in ("child_begin", "slot_child", "path_begin", "path_nodes",
+                       "path_slots")
+      }
+    tree.__dict__["_tf_tensors"] = cached
+  return cached
+
+
+def _dense_inputs(hidden, weights, biases):
+  """Converts hidden/weights/biases to tensors of one float type.
+
+  float16/bfloat16 hidden states are computed in float32 (the kernels accumulate in the
+  float32 of the weight table); the result is cast back by the caller.
+  """
+  weights = tf.convert_to_tensor(weights)
+  if weights.dtype not in _FLOAT_TYPES:
+    raise TypeError(f"weights must be float32 or float64, got {weights.dtype.name}")
+  hidden = tf.convert_to_tensor(hidden)
+  out_dtype = hidden.dtype
+  if hidden.dtype in _LOW_PRECISION:
+    hidden = tf.cast(hidden, weights.dtype)
+  elif hidden.dtype != weights.dtype:
+    raise TypeError(f"hidden ({hidden.dtype.name}) and weights ({weights.dtype.name}) "
+                    "must have the same dtype")
+  if biases is None:
+    biases = tf.zeros([0], weights.dtype)
+  else:
+    biases = tf.convert_to_tensor(biases, dtype_hint=weights.dtype)
+    if biases.dtype != weights.dtype:
+      raise TypeError(f"biases ({biases.dtype.name}) and weights ({weights.dtype.name}) "
+                      "must have the same dtype")
+  return hidden, weights, biases, out_dtype
+
+
+def _class_ids(ids, name):
+  ids = tf.convert_to_tensor(ids)
+  if ids.dtype not in (tf.int32, tf.int64):
+    raise TypeError(f"{name} must be int32 or int64, got {ids.dtype.name}")
+  return ids
+
+
+def log_prob(hidden, weights, biases, tree, targets):
+  """log P(targets | hidden) under a hierarchical softmax.
+
+  log P(c | h) = sum over c's root-to-leaf path of z(slot taken) - logsumexp(z over the
+  node's children), with z(s) = weights[s] . h + biases[s].
+
+  Args:
+    hidden: [..., D] float32/float64 (float16/bfloat16 are computed in float32).
+    weights: [tree.num_slots, D] table, one row per tree edge.
+    biases: [tree.num_slots] or None.
+    tree: a `tf_hsm.Tree`.
+    targets: int32/int64 class ids with hidden's leading shape.
+
+  Returns:
+    log-probabilities with the shape of `targets` and the dtype of `hidden`.
+    The gradient for weights and biases is a `tf.IndexedSlices` over the touched rows.
+
+  Raises:
+    TypeError: wrong dtypes.
+    tf.errors.InvalidArgumentError (or ValueError while tracing): targets outside
+      [0, num_classes), shape mismatches, malformed tree tensors.
+  """
+  t = _tree_tensors(tree)
+  hidden, weights, biases, out_dtype = _dense_inputs(hidden, weights, biases)
+  targets = _class_ids(targets, "targets")
+  result = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, t["child_begin"],
+                                      t["path_begin"], t["path_nodes"], t["path_slots"])
+  return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
+
+
+@tf.RegisterGradient("Hsm>LogProb")
+def _log_prob_grad(op, upstream):
+  hidden, weights, biases, targets = op.inputs[:4]
+  tree_inputs = op.inputs[4:8]
+  hidden_grad, weight_rows, bias_rows, row_ids = _loader.ops().hsm_log_prob_grad(
+      hidden, weights, biases, targets, *tree_inputs, upstream)
+  dense_shape = tf.shape(weights, out_type=tf.int64)
+  weight_grad = tf.IndexedSlices(weight_rows, row_ids, dense_shape)
+  # An empty biases input stands for "no bias" and gets no gradient.
+  no_bias = biases.shape.rank == 1 and biases.shape[0] == 0
+  bias_grad = None if no_bias else tf.IndexedSlices(bias_rows, row_ids, dense_shape[:1])
+  return [hidden_grad, weight_grad, bias_grad, None, None, None, None, None]
+
+
+tf.no_gradient("Hsm>LogProbGrad")
