@@ -14,11 +14,12 @@ namespace {
 constexpr int64 kTokenTile = 64;   // tokens per work item
 constexpr int64 kSlotTile = 128;   // weight rows per logits tile (stays in L2 with D <= 1K)
 constexpr int64 kGradSlotTile = 16;  // weight rows per dW work item
+constexpr int64 kPackMinTokens = 16;  // fewer tokens use the unpacked dot-product kernel
 
 // Per-thread scratch, grown on demand and reused, so no work item allocates per token.
 template <typename T>
 struct Scratch {
-  std::vector<T> tile, exps, row_max, row_sum, taken_logit, lse;
+  std::vector<T> tile, exps, row_max, row_sum, taken_logit, lse, panels;
   std::vector<const T*> rows;
   std::vector<T*> out_rows;
 };
@@ -47,11 +48,25 @@ NodeBlock<T> BlockOf(const TreeView& tree, int64 node) {
   return {tree.child_begin[node], tree.child_begin[node + 1] - tree.child_begin[node]};
 }
 
-// tile[r * ld + j] = z_{first + k0 + j}(h_r) for r < nt, j < kb.
+// tile[r * ld + j] = z_{first_slot + j}(h_r) for r < nt, j < kb. With enough tokens to
+// amortise it, the weight rows are first packed into panels for the outer-product kernel;
+// the choice depends only on nt, which the plan fixes, so results never depend on threads.
 template <typename T>
-void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt, int64 first_slot,
-            int64 kb, T* tile, int64 ld) {
-  simd::DotRows<T>(rows, nt, p.weights + first_slot * p.dim, p.dim, kb, p.dim, tile, ld);
+void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
+            const NodeBlock<T>& blk, int64 k0, int64 kb, T* tile, int64 ld) {
+  const int64 first_slot = blk.first_slot + k0;
+  const T* w = p.weights + first_slot * p.dim;
+  if (nt < 4 || blk.size < 4) {
+    // Deep nodes of binary trees: a 4 x 4 register tile would be mostly padding.
+    simd::DotEach<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
+  } else if (nt >= kPackMinTokens) {
+    constexpr int64 lanes = simd::Vec<T>::kWidth;
+    T* panels = Grow(&ThreadScratch<T>().panels, (kb + lanes - 1) / lanes * lanes * p.dim);
+    simd::PackPanels<T>(w, p.dim, kb, p.dim, panels);
+    simd::DotRowsPacked<T>(rows, nt, panels, kb, p.dim, tile, ld);
+  } else {
+    simd::DotRows<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
+  }
   if (p.biases != nullptr) {
     const T* b = p.biases + first_slot;
     for (int64 r = 0; r < nt; ++r)
@@ -107,7 +122,7 @@ void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
     const int64 kb = std::min(kSlotTile, blk.size - k0);
     T* z = keep != nullptr ? keep + k0 : tile;
     const int64 ld = keep != nullptr ? blk.size : kSlotTile;
-    Logits(p, rows, nt, blk.first_slot + k0, kb, z, ld);
+    Logits(p, rows, nt, blk, k0, kb, z, ld);
     for (int64 r = 0; r < nt; ++r) {
       const T* zr = z + r * ld;
       const int64 taken = plan.entry_slot[e0 + r] - blk.first_slot - k0;
@@ -186,6 +201,30 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     const bool keep = need <= coef_budget;
     if (keep && static_cast<int64>(coef_store.size()) < need) coef_store.resize(need);
 
+    // A group handled by a single token tile gets its dW rows in phase A, straight from
+    // the coefficients in hand; larger groups (several tiles) get them in phase B.
+    auto whole_group = [&](int64 g) {
+      return plan.group_begin[g + 1] - plan.group_begin[g] <= kTokenTile;
+    };
+    // dW rows [k0, k0 + kb) of group g (and db) += coef^T @ H over nt tokens from entry e.
+    auto accumulate_rows = [&](int64 g, int64 k0, int64 kb, const T* z, int64 ld,
+                               const T* const* rows, int64 nt) {
+      const int64 row0 = plan.group_row[g] + k0;
+      simd::AccumulateTransposed<T>(grads.weight_rows + row0 * D, D, kb, z, ld, rows, nt, D);
+      if (grads.bias_rows != nullptr) {
+        T* db = grads.bias_rows + row0;
+        for (int64 r = 0; r < nt; ++r)
+          for (int64 j = 0; j < kb; ++j) db[j] += z[r * ld + j];
+      }
+    };
+    auto clear_rows = [&](int64 g, int64 k0, int64 kb) {
+      const int64 row0 = plan.group_row[g] + k0;
+      std::fill(grads.weight_rows + row0 * D, grads.weight_rows + (row0 + kb) * D, T(0));
+      if (grads.bias_rows != nullptr) std::fill(grads.bias_rows + row0, grads.bias_rows + row0 + kb, T(0));
+      const int64 first = tree.child_begin[plan.group_node[g]] + k0;
+      for (int64 j = 0; j < kb; ++j) grads.row_ids[row0 + j] = first + j;
+    };
+
     // Phase A: per token tile, logsumexp, coefficients, and dh += coef @ W_node. Within a
     // level each token is in one tile only, so the dh rows are written without races.
     const std::vector<Item> items = TokenTiles(plan, g_begin, g_end, kTokenTile);
@@ -197,6 +236,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         const Item& it = items[i];
         const int64 e0 = plan.group_begin[it.group] + it.offset;
         const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[it.group]);
+        const bool owns_rows = whole_group(it.group);
         Scratch<T>& s = ThreadScratch<T>();
         T* kept = keep ? coef_store.data() + coef_offset[it.group] + it.offset * blk.size : nullptr;
         T* lse = Grow(&s.lse, it.count);
@@ -214,21 +254,27 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           const int64 kb = std::min(kSlotTile, blk.size - k0);
           T* z = keep ? kept + k0 : tile;
           const int64 ld = keep ? blk.size : kSlotTile;
-          if (!keep) Logits(p, rows, it.count, blk.first_slot + k0, kb, z, ld);
+          if (!keep) Logits(p, rows, it.count, blk, k0, kb, z, ld);
           for (int64 r = 0; r < it.count; ++r) {
             Coefficients(z + r * ld, kb, lse[r], upstream[plan.entry_token[e0 + r]],
                          plan.entry_slot[e0 + r] - blk.first_slot - k0);
           }
           simd::AccumulateRows<T>(out_rows, it.count, z, ld, p.weights + (blk.first_slot + k0) * D, D, kb, D);
+          if (owns_rows) {
+            clear_rows(it.group, k0, kb);
+            accumulate_rows(it.group, k0, kb, z, ld, rows, it.count);
+          }
         }
       }
     });
 
-    // Phase B: per chunk of a node's slots, dW rows = coef^T @ H over the node's tokens
-    // (in token order) and db rows = column sums. Each chunk owns its output rows.
+    // Phase B: for groups spanning several token tiles, per chunk of the node's slots,
+    // dW rows = coef^T @ H over the node's tokens (in token order) and db rows = column
+    // sums. Each chunk owns its output rows.
     std::vector<Item> chunks;
     int64 chunk_cost = 0;
     for (int64 g = g_begin; g < g_end; ++g) {
+      if (whole_group(g)) continue;
       const int64 k = BlockOf<T>(tree, plan.group_node[g]).size;
       const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
       for (int64 k0 = 0; k0 < k; k0 += kGradSlotTile) {
@@ -243,13 +289,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         const Item& ch = chunks[c];
         const int64 g = ch.group, k0 = ch.offset, kb = ch.count;
         const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[g]);
-        const int64 row0 = plan.group_row[g] + k0;
-        T* dw = grads.weight_rows + row0 * D;
-        std::fill(dw, dw + kb * D, T(0));
-        T* db = grads.bias_rows != nullptr ? grads.bias_rows + row0 : nullptr;
-        if (db != nullptr) std::fill(db, db + kb, T(0));
-        for (int64 j = 0; j < kb; ++j) grads.row_ids[row0 + j] = blk.first_slot + k0 + j;
-
+        clear_rows(g, k0, kb);
         const int64 e_begin = plan.group_begin[g], n = plan.group_begin[g + 1] - e_begin;
         Scratch<T>& s = ThreadScratch<T>();
         T* tile = Grow(&s.tile, kTokenTile * kSlotTile);
@@ -257,25 +297,17 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           const int64 nt = std::min(kTokenTile, n - t0);
           const T** rows = Grow(&s.rows, nt);
           for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e_begin + t0 + r] * D;
-          const T* z;
-          int64 ld;
           if (keep) {
-            z = coef_store.data() + coef_offset[g] + t0 * blk.size + k0;
-            ld = blk.size;
+            accumulate_rows(g, k0, kb, coef_store.data() + coef_offset[g] + t0 * blk.size + k0,
+                            blk.size, rows, nt);
           } else {
-            Logits(p, rows, nt, blk.first_slot + k0, kb, tile, kGradSlotTile);
+            Logits(p, rows, nt, blk, k0, kb, tile, kGradSlotTile);
             for (int64 r = 0; r < nt; ++r) {
               const int64 e = e_begin + t0 + r;
               Coefficients(tile + r * kGradSlotTile, kb, entry_lse[e], upstream[plan.entry_token[e]],
                            plan.entry_slot[e] - blk.first_slot - k0);
             }
-            z = tile;
-            ld = kGradSlotTile;
-          }
-          simd::AccumulateTransposed<T>(dw, D, kb, z, ld, rows, nt, D);
-          if (db != nullptr) {
-            for (int64 r = 0; r < nt; ++r)
-              for (int64 j = 0; j < kb; ++j) db[j] += z[r * ld + j];
+            accumulate_rows(g, k0, kb, tile, kGradSlotTile, rows, nt);
           }
         }
       }

@@ -77,40 +77,168 @@ inline T ReduceSum(VecT<T> v) {
   return lanes[0];
 }
 
+// Sums each of kWidth vectors: lane k of the result is the sum of the lanes of v[k].
+// A fixed tree of lane shuffles and adds (about 3 operations per vector instead of a
+// scalar loop per vector), so dot products pay little for their horizontal reduction.
+template <typename T>
+inline VecT<T> ReduceEach(const VecT<T>* v) {
+  typedef typename Vec<T>::itype I;
+  constexpr int w = Vec<T>::kWidth;
+  VecT<T> level[w];
+  for (int k = 0; k < w; ++k) level[k] = v[k];
+  int count = w;
+  // Each pass halves the lanes per group and doubles the groups: combining a and b puts
+  // a's partial sums in the low half of the result and b's in the high half.
+  for (int lanes = w; lanes > 1; lanes /= 2) {
+    const int half = lanes / 2;
+    I lo, hi;
+    for (int t = 0; t < w; ++t) {
+      const int u = t % (w / 2);
+      const int index = (u / half) * lanes + u % half + (t < w / 2 ? 0 : w);
+      lo[t] = index;
+      hi[t] = index + half;
+    }
+    for (int k = 0; k < count / 2; ++k) {
+      level[k] = __builtin_shuffle(level[2 * k], level[2 * k + 1], lo) +
+                 __builtin_shuffle(level[2 * k], level[2 * k + 1], hi);
+    }
+    count /= 2;
+  }
+  return level[0];
+}
+
 // out[i * ldo + j] = dot(a[i][0:d], b[j * ldb + 0:d]) for i < na, j < nb.
 // a holds row pointers (token rows are scattered in the batch); b is a contiguous block of
-// weight rows. Register tile of 4 x 4 dot products, each a vector accumulator over d.
-template <typename T>
+// weight rows. Register tile of kRows x kCols dot products (16 in all), each a vector
+// accumulator over d; out-of-range tile rows repeat the last row and are not stored.
+template <typename T, int64 kRows = 4, int64 kCols = 4>
 void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64 d, T* out,
              int64 ldo) {
+  static_assert(kRows * kCols % Vec<T>::kWidth == 0, "the tile must fill whole reductions");
   constexpr int64 w = Vec<T>::kWidth;
-  constexpr int64 kTile = 4;
   const int64 full = d - d % w;
   const int64 rest = d - full;
-  for (int64 i0 = 0; i0 < na; i0 += kTile) {
-    const T* ar[kTile];
-    for (int64 r = 0; r < kTile; ++r) ar[r] = a[i0 + r < na ? i0 + r : na - 1];
-    for (int64 j0 = 0; j0 < nb; j0 += kTile) {
-      const T* br[kTile];
-      for (int64 c = 0; c < kTile; ++c) br[c] = b + (j0 + c < nb ? j0 + c : nb - 1) * ldb;
-      VecT<T> acc[kTile][kTile] = {};
+  for (int64 i0 = 0; i0 < na; i0 += kRows) {
+    const T* ar[kRows];
+    for (int64 r = 0; r < kRows; ++r) ar[r] = a[i0 + r < na ? i0 + r : na - 1];
+    for (int64 j0 = 0; j0 < nb; j0 += kCols) {
+      const T* br[kCols];
+      for (int64 c = 0; c < kCols; ++c) br[c] = b + (j0 + c < nb ? j0 + c : nb - 1) * ldb;
+      VecT<T> acc[kRows * kCols] = {};
       for (int64 k = 0; k < full; k += w) {
-        VecT<T> av[kTile], bv[kTile];
-        for (int64 r = 0; r < kTile; ++r) av[r] = Load(ar[r] + k);
-        for (int64 c = 0; c < kTile; ++c) bv[c] = Load(br[c] + k);
-        for (int64 r = 0; r < kTile; ++r)
-          for (int64 c = 0; c < kTile; ++c) acc[r][c] += av[r] * bv[c];
+        VecT<T> av[kRows], bv[kCols];
+        for (int64 r = 0; r < kRows; ++r) av[r] = Load(ar[r] + k);
+        for (int64 c = 0; c < kCols; ++c) bv[c] = Load(br[c] + k);
+        for (int64 r = 0; r < kRows; ++r)
+          for (int64 c = 0; c < kCols; ++c) acc[r * kCols + c] += av[r] * bv[c];
       }
       if (rest) {
-        VecT<T> av[kTile], bv[kTile];
-        for (int64 r = 0; r < kTile; ++r) av[r] = LoadPartial(ar[r] + full, rest);
-        for (int64 c = 0; c < kTile; ++c) bv[c] = LoadPartial(br[c] + full, rest);
-        for (int64 r = 0; r < kTile; ++r)
-          for (int64 c = 0; c < kTile; ++c) acc[r][c] += av[r] * bv[c];
+        VecT<T> av[kRows], bv[kCols];
+        for (int64 r = 0; r < kRows; ++r) av[r] = LoadPartial(ar[r] + full, rest);
+        for (int64 c = 0; c < kCols; ++c) bv[c] = LoadPartial(br[c] + full, rest);
+        for (int64 r = 0; r < kRows; ++r)
+          for (int64 c = 0; c < kCols; ++c) acc[r * kCols + c] += av[r] * bv[c];
       }
-      for (int64 r = 0; r < kTile && i0 + r < na; ++r)
-        for (int64 c = 0; c < kTile && j0 + c < nb; ++c)
-          out[(i0 + r) * ldo + j0 + c] = ReduceSum<T>(acc[r][c]);
+      // Reduced kWidth at a time: lane q of a reduction is tile entry q.
+      T sums[kRows * kCols];
+      for (int64 q = 0; q < kRows * kCols; q += w) {
+        const VecT<T> reduced = ReduceEach<T>(acc + q);
+        std::memcpy(sums + q, &reduced, sizeof(reduced));
+      }
+      for (int64 r = 0; r < kRows && i0 + r < na; ++r)
+        for (int64 c = 0; c < kCols && j0 + c < nb; ++c)
+          out[(i0 + r) * ldo + j0 + c] = sums[r * kCols + c];
+    }
+  }
+}
+
+// Same result layout as DotRows, one dot product at a time: for tiles with fewer than four
+// rows or columns, where DotRows' 4 x 4 register tile would mostly compute padding.
+template <typename T>
+void DotEach(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64 d, T* out,
+             int64 ldo) {
+  constexpr int64 w = Vec<T>::kWidth;
+  const int64 full = d - d % w;
+  for (int64 i = 0; i < na; ++i) {
+    for (int64 j = 0; j < nb; ++j) {
+      const T* bj = b + j * ldb;
+      VecT<T> acc = {};
+      for (int64 k = 0; k < full; k += w) acc += Load(a[i] + k) * Load(bj + k);
+      if (full < d) acc += LoadPartial(a[i] + full, d - full) * LoadPartial(bj + full, d - full);
+      out[i * ldo + j] = ReduceSum<T>(acc);
+    }
+  }
+}
+
+// Copies weight rows b[0..nb) x [0, d) into column panels of kWidth rows each, transposed:
+// panels[(p * d + k) * kWidth + c] = b[(p * kWidth + c) * ldb + k] (zero past nb). The
+// outer-product kernel below then streams one panel vector per k.
+template <typename T>
+void PackPanels(const T* b, int64 ldb, int64 nb, int64 d, T* panels) {
+  constexpr int64 w = Vec<T>::kWidth;
+  for (int64 j0 = 0; j0 < nb; j0 += w) {
+    T* panel = panels + (j0 / w) * d * w;
+    const int64 cols = nb - j0 < w ? nb - j0 : w;
+    for (int64 c = 0; c < cols; ++c) {
+      const T* row = b + (j0 + c) * ldb;
+      for (int64 k = 0; k < d; ++k) panel[k * w + c] = row[k];
+    }
+    for (int64 c = cols; c < w; ++c)
+      for (int64 k = 0; k < d; ++k) panel[k * w + c] = T(0);
+  }
+}
+
+namespace internal {
+
+// kRows token rows x kPanels panels of the product, accumulated over k in order.
+template <typename T, int64 kRows, int64 kPanels>
+inline void OuterTile(const T* const* ar, const T* panels, int64 d, int64 p0, int64 nb,
+                      int64 rows, T* out, int64 ldo) {
+  constexpr int64 w = Vec<T>::kWidth;
+  VecT<T> acc[kRows][kPanels] = {};
+  const T* pp = panels + p0 * d * w;
+  for (int64 k = 0; k < d; ++k) {
+    VecT<T> bv[kPanels];
+    for (int64 q = 0; q < kPanels; ++q) bv[q] = Load(pp + (q * d + k) * w);
+    for (int64 r = 0; r < kRows; ++r) {
+      const T s = ar[r][k];
+      for (int64 q = 0; q < kPanels; ++q) acc[r][q] += s * bv[q];
+    }
+  }
+  for (int64 r = 0; r < rows; ++r) {
+    for (int64 q = 0; q < kPanels; ++q) {
+      const int64 j = (p0 + q) * w;
+      const int64 n = nb - j < w ? nb - j : w;
+      if (n == w) {
+        Store(out + r * ldo + j, acc[r][q]);
+      } else {
+        StorePartial(out + r * ldo + j, acc[r][q], n);
+      }
+    }
+  }
+}
+
+}  // namespace internal
+
+// Same result as DotRows (out[i * ldo + j] = dot(a[i], b_j)) from packed panels, as an
+// outer product: no horizontal reductions, one panel load per 4 multiply-adds per row.
+// Each output is summed over k in increasing order wherever it sits in the tile.
+template <typename T>
+void DotRowsPacked(const T* const* a, int64 na, const T* panels, int64 nb, int64 d, T* out,
+                   int64 ldo) {
+  constexpr int64 w = Vec<T>::kWidth;
+  constexpr int64 kRows = 4, kPanels = 4;
+  const int64 num_panels = (nb + w - 1) / w;
+  for (int64 i0 = 0; i0 < na; i0 += kRows) {
+    const T* ar[kRows];
+    for (int64 r = 0; r < kRows; ++r) ar[r] = a[i0 + r < na ? i0 + r : na - 1];
+    const int64 rows = na - i0 < kRows ? na - i0 : kRows;
+    int64 p0 = 0;
+    for (; p0 + kPanels <= num_panels; p0 += kPanels) {
+      internal::OuterTile<T, kRows, kPanels>(ar, panels, d, p0, nb, rows, out + i0 * ldo, ldo);
+    }
+    for (; p0 < num_panels; ++p0) {
+      internal::OuterTile<T, kRows, 1>(ar, panels, d, p0, nb, rows, out + i0 * ldo, ldo);
     }
   }
 }
@@ -121,10 +249,29 @@ template <typename T>
 void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* b, int64 ldb,
                     int64 nb, int64 d) {
   constexpr int64 w = Vec<T>::kWidth;
-  constexpr int64 kRows = 4;
+  constexpr int64 kRows = 4, kVecs = 4;  // 16 independent accumulator chains
   for (int64 i0 = 0; i0 < na; i0 += kRows) {
     const int64 rows = na - i0 < kRows ? na - i0 : kRows;
-    for (int64 k = 0; k < d; k += w) {
+    int64 k = 0;
+    if (rows == kRows) {
+      for (; k + kVecs * w <= d; k += kVecs * w) {
+        VecT<T> acc[kRows][kVecs];
+        for (int64 r = 0; r < kRows; ++r)
+          for (int64 v = 0; v < kVecs; ++v) acc[r][v] = Load(out[i0 + r] + k + v * w);
+        for (int64 j = 0; j < nb; ++j) {
+          const T* bj = b + j * ldb + k;
+          VecT<T> bv[kVecs];
+          for (int64 v = 0; v < kVecs; ++v) bv[v] = Load(bj + v * w);
+          for (int64 r = 0; r < kRows; ++r) {
+            const T c = coef[(i0 + r) * ldc + j];
+            for (int64 v = 0; v < kVecs; ++v) acc[r][v] += c * bv[v];
+          }
+        }
+        for (int64 r = 0; r < kRows; ++r)
+          for (int64 v = 0; v < kVecs; ++v) Store(out[i0 + r] + k + v * w, acc[r][v]);
+      }
+    }
+    for (; k < d; k += w) {
       const int64 n = d - k < w ? d - k : w;
       VecT<T> acc[kRows];
       for (int64 r = 0; r < rows; ++r)
@@ -150,10 +297,27 @@ template <typename T>
 void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
                           const T* const* a, int64 na, int64 d) {
   constexpr int64 w = Vec<T>::kWidth;
-  constexpr int64 kCols = 4;
+  constexpr int64 kCols = 4, kVecs = 4;  // 16 independent accumulator chains
   for (int64 j0 = 0; j0 < nb; j0 += kCols) {
     const int64 cols = nb - j0 < kCols ? nb - j0 : kCols;
-    for (int64 k = 0; k < d; k += w) {
+    int64 k = 0;
+    if (cols == kCols) {
+      for (; k + kVecs * w <= d; k += kVecs * w) {
+        VecT<T> acc[kCols][kVecs];
+        for (int64 c = 0; c < kCols; ++c)
+          for (int64 v = 0; v < kVecs; ++v) acc[c][v] = Load(out + (j0 + c) * ldo + k + v * w);
+        for (int64 i = 0; i < na; ++i) {
+          VecT<T> av[kVecs];
+          for (int64 v = 0; v < kVecs; ++v) av[v] = Load(a[i] + k + v * w);
+          const T* ci = coef + i * ldc + j0;
+          for (int64 c = 0; c < kCols; ++c)
+            for (int64 v = 0; v < kVecs; ++v) acc[c][v] += ci[c] * av[v];
+        }
+        for (int64 c = 0; c < kCols; ++c)
+          for (int64 v = 0; v < kVecs; ++v) Store(out + (j0 + c) * ldo + k + v * w, acc[c][v]);
+      }
+    }
+    for (; k < d; k += w) {
       const int64 n = d - k < w ? d - k : w;
       VecT<T> acc[kCols];
       for (int64 c = 0; c < cols; ++c) {

@@ -60,27 +60,44 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
     max_depth = std::max(max_depth, depth[i]);
   }
 
-  // Group level by level. A node is recognised as already seen at this level by a stamp,
-  // so a malformed tree that repeats a node at two positions still gets separate groups.
-  std::vector<int64> seen_level(M, -1), group_of(M, 0);
+  // Group level by level. Nodes are mapped to this level's groups through a small
+  // open-addressing table sized by the batch, not by the tree, so a call costs
+  // O(visits) however many nodes the tree has. A malformed tree that repeats a node at two
+  // positions still gets separate groups, one per level.
+  std::vector<int64> table_node, table_group, used;
   std::vector<int64> level_tokens, level_groups, counts;
   for (int64 level = 0; level < max_depth; ++level) {
     const int64 first_group = plan->num_groups();
     level_tokens.clear();
     level_groups.clear();
+    int64 visits = 0;
+    for (int64 i = 0; i < num_tokens; ++i) visits += depth[i] > level;
+    int64 capacity = 16;
+    while (capacity < 2 * visits) capacity *= 2;
+    if (static_cast<int64>(table_node.size()) < capacity) {
+      table_node.assign(capacity, -1);
+      table_group.resize(capacity);
+    }
+    const uint64_t mask = static_cast<uint64_t>(capacity) - 1;
+    used.clear();
     for (int64 i = 0; i < num_tokens; ++i) {
       if (depth[i] <= level) continue;
       const int64 n = tree.path_nodes[tree.path_begin[targets[i]] + level];
-      if (seen_level[n] != level) {
-        seen_level[n] = level;
-        group_of[n] = plan->num_groups();
+      uint64_t h = (static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull) >> 20 & mask;
+      while (table_node[h] != -1 && table_node[h] != n) h = (h + 1) & mask;
+      if (table_node[h] == -1) {
+        table_node[h] = n;
+        table_group[h] = plan->num_groups();
+        used.push_back(static_cast<int64>(h));
         plan->group_node.push_back(n);
         counts.push_back(0);
       }
-      ++counts[group_of[n]];
+      const int64 g = table_group[h];
+      ++counts[g];
       level_tokens.push_back(i);
-      level_groups.push_back(group_of[n]);
+      level_groups.push_back(g);
     }
+    for (int64 h : used) table_node[h] = -1;
     // Counting sort of this level's visits by group, stable in token order.
     const int64 entry_base = static_cast<int64>(plan->entry_token.size());
     std::vector<int64> cursor(plan->num_groups() - first_group);

@@ -1,0 +1,80 @@
+// Inference with a hierarchical softmax on the CPU: exact top-k classes, every class's
+// log-probability (optionally for a class range only), ancestral sampling, and the
+// log-probabilities of several candidate classes per row.
+//
+// All four walk the tree from the root through child_begin and slot_child (TopK, Sample,
+// LogProbAll) or through the per-class paths (LogProbCandidates). The tree tensors are
+// untrusted: every offset is checked before it is read, lazily for the node a search
+// actually expands, and a malformed tree gives an error message, never an out-of-bounds
+// read or an endless loop. A node's children must have larger node ids than the node
+// (true of the BFS layout), which makes every walk finite.
+//
+// A node's log-softmax is computed exactly as by LogProbForward: logits in tiles of
+// weight rows (simd::DotRows, the bias added after), an online logsumexp over the tiles,
+// and a class's log-probability summed root first. Every result is independent of the
+// ParallelFor's thread count and splitting.
+//
+// Every function returns "" on success or a message naming the problem; the outputs are
+// then unspecified.
+#ifndef TF_HSM_CC_CORE_INFERENCE_H_
+#define TF_HSM_CC_CORE_INFERENCE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "cc/core/log_prob.h"
+#include "cc/core/tree_view.h"
+
+namespace tf_hsm {
+
+// The k most probable classes of each of num_rows rows of p.hidden, by best-first search:
+// a priority queue of tree nodes and classes keyed by the log-probability of the path to
+// them, which only falls as the path descends. A node at the top of the queue is expanded
+// (its log-softmax pushes its children); a class at the top is final. The search stops
+// after k classes, so only nodes whose path log-probability is at least the k-th best
+// class's are expanded; children that cannot reach the top k are never queued.
+//
+// Output row i holds log_probs[i * k + j] and classes[i * k + j] for j < k, sorted by
+// decreasing log-probability; equal log-probabilities are ordered by increasing class id,
+// and NaN log-probabilities come last. num_expanded[i] is the number of internal nodes
+// the search of row i expanded (root included). Needs tree.slot_child. Rows that share a
+// node are expanded together, so they share its weight block.
+template <typename T>
+std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows, int64 k,
+                 const ParallelFor& parallel_for, T* log_probs, int64* classes,
+                 int64* num_expanded);
+
+// out[i * (class_end - class_begin) + c - class_begin] = log P(c | hidden row i) for the
+// classes class_begin <= c < class_end (0 <= class_begin <= class_end <= C). Each needed
+// node's log-softmax is computed once per row and accumulated down the tree in one sweep,
+// level by level; with a partial range only the nodes on paths to those classes are
+// evaluated, so the whole table can be processed in chunks. Rows are processed in blocks
+// that share every weight block. Needs tree.slot_child, and the paths for a partial range.
+template <typename T>
+std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows,
+                       int64 class_begin, int64 class_end, const ParallelFor& parallel_for,
+                       T* out);
+
+// One class per row by ancestral sampling: from the root, draw a child of the current
+// node from softmax(logits / temperature) until a class is reached. The uniform number
+// for row i at path depth d is a hash of (seed, i, d) (splitmix64), so results depend
+// only on the seed and the row's position, never on threads. temperature must be
+// positive and finite. A row whose logits at some node contain NaN or +inf, or are all
+// -inf (no well-defined distribution), gets class -1; a -inf logit alone masks its child.
+// Needs tree.slot_child.
+template <typename T>
+std::string Sample(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows,
+                   std::uint64_t seed, T temperature, const ParallelFor& parallel_for,
+                   int64* classes);
+
+// out[i * num_candidates + m] = log P(candidates[i * num_candidates + m] | hidden row i).
+// The log-sum-exp of a node is computed once per row however many of the row's
+// candidates pass through it. Reads the per-class paths; slot_child is not needed.
+template <typename T>
+std::string LogProbCandidates(const TreeView& tree, const SoftmaxParams<T>& p,
+                              int64 num_rows, const int64* candidates, int64 num_candidates,
+                              const ParallelFor& parallel_for, T* out);
+
+}  // namespace tf_hsm
+
+#endif  // TF_HSM_CC_CORE_INFERENCE_H_

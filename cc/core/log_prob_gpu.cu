@@ -1,0 +1,844 @@
+// CUDA kernels of the hierarchical-softmax log-probability and its gradient; the contract
+// and the design are described in log_prob_gpu.h.
+#include "cc/core/log_prob_gpu.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cc/core/gpu_compat.cuh"
+#include "cc/core/gpu_tile.cuh"
+
+namespace tf_hsm {
+namespace gpu {
+namespace {
+
+// Nodes with at most this many children take a warp per visit, not a GEMM tile.
+constexpr int64 kSmallSlots = 32;
+// Slots per logits work item; wider nodes are split into chunks whose partial logsumexps
+// are combined in a fixed order, so any branching factor fits and big nodes are spread
+// over many blocks.
+constexpr int64 kChunkSlots = 256;
+// Groups with at most this many tokens use 16-token tiles, the others 64-token tiles.
+constexpr int64 kNarrowTokens = 16;
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / kWarpSize;
+constexpr int64 kMaxBlocks = int64{1} << 20;  // grid-stride loops beyond this
+constexpr int64 kAlign = 256;                 // workspace sub-buffer alignment (bytes)
+
+using WideTile = TileConfig<64, 64, 16, 4, 4>;
+using NarrowTile = TileConfig<16, 64, 16, 1, 4>;
+using DwTile64 = TileConfig<64, 64, 16, 4, 4>;
+using DwTile16 = TileConfig<16, 64, 16, 1, 4>;
+using DwTile4 = TileConfig<4, 128, 16, 1, 2>;
+static_assert(WideTile::kThreads == kThreads && NarrowTile::kThreads == kThreads &&
+                  DwTile64::kThreads == kThreads && DwTile16::kThreads == kThreads &&
+                  DwTile4::kThreads == kThreads,
+              "every tiled kernel runs 256 threads");
+static_assert(WideTile::BN == NarrowTile::BN && kChunkSlots % WideTile::BN == 0,
+              "both logits tiles fold the same slot tiles, so their results agree");
+
+// A run of consecutive visits of one group processed together: the whole group, or (when
+// the backward pass's coefficient buffer is too small for it) a token range of it.
+struct Slice {
+  int64 entry0;       // first plan entry
+  int64 count;        // entries (tokens)
+  int64 first_slot;   // the node's first child slot
+  int64 num_slots;    // the node's children
+  int64 coef;         // the slice's [count, num_slots] coefficient block in the buffer
+  int64 row0;         // the group's first weight-gradient row (plan.group_row)
+  int64 partial0;     // the partial logsumexps of entry0; num_chunks per entry
+  int64 num_chunks;
+  int64 offset;       // entry0 - the group's first entry (0: the slice starts a group)
+};
+constexpr int64 kSliceWords = sizeof(Slice) / sizeof(int64);
+static_assert(sizeof(Slice) == 9 * sizeof(int64), "Slice is uploaded as int64 words");
+
+// One tile of a tiled kernel: rows from m0, columns (or the slot chunk) n0.
+struct Item {
+  int64 slice, m0, n0;
+};
+constexpr int64 kItemWords = sizeof(Item) / sizeof(int64);
+static_assert(sizeof(Item) == 3 * sizeof(int64), "Item is uploaded as int64 words");
+
+// Everything the kernels read or write, as device pointers.
+template <typename T>
+struct Args {
+  const T* hidden;
+  const T* weights;
+  const T* biases;  // may be null
+  int64 dim;
+  const Slice* slices;
+  const Item* items;
+  const int64* entry_token;
+  const int64* entry_slot;
+  const int64* entry_slice;
+  const int64* token_begin;    // forward: [num_tokens + 1]
+  const int64* token_entries;  // forward: each token's entries, root first
+  const int64* group_row;      // backward: plan.group_row
+  const int64* group_first;    // backward: each group's first slot
+  int64 num_groups;
+  T* partial_max;
+  T* partial_sum;
+  T* taken;  // the taken logit of each entry
+  T* lse;    // backward: the logsumexp of each entry
+  T* coef;   // backward: logits, then coefficients, of the current wave
+  const T* upstream;
+  T* log_prob;
+  T* d_hidden;
+  T* weight_rows;
+  T* bias_rows;  // may be null
+  int64* row_ids;
+};
+
+// ---- Logits and partial logsumexps -------------------------------------------------------
+
+// One item: tokens [m0, m0 + BM) of a slice against slot chunk n0 of its node. The chunk
+// is folded 64 slots at a time into a running (max, sum of exp) per token, written as the
+// partial of (entry, chunk). With kStore the logits are also kept in the coefficient
+// buffer. The taken slot's logit is written by the one thread that computes it.
+template <typename T, class C, bool kStore>
+TF_HSM_GLOBAL void LogitsTiledKernel(Args<T> a, int64 item_begin, int64 num_items) {
+  static_assert(C::kThreadsN <= kWarpSize && (C::kThreadsN & (C::kThreadsN - 1)) == 0,
+                "a tile row must be a power-of-two group of lanes");
+  TF_HSM_SHARED TileSmem<T, C> smem;
+  TF_HSM_SHARED const T* rows[C::BM];
+  const int tid = ThreadX();
+  const int tn = tid % C::kThreadsN;
+  const int64 dim = a.dim;
+  for (int64 it = BlockX(); it < num_items; it += GridX()) {
+    const Item item = a.items[item_begin + it];
+    const Slice sl = a.slices[item.slice];
+    const int64 t0 = item.m0, chunk = item.n0;
+    const int64 nt = Min64(C::BM, sl.count - t0);
+    const int64 n_begin = chunk * kChunkSlots;
+    const int64 n_end = Min64(sl.num_slots, n_begin + kChunkSlots);
+    SyncThreads();  // the previous item is done with `rows`
+    for (int r = tid; r < C::BM; r += C::kThreads) {
+      rows[r] = r < nt ? a.hidden + a.entry_token[sl.entry0 + t0 + r] * dim : nullptr;
+    }
+    SyncThreads();
+
+    T run_max[C::TM], run_sum[C::TM];
+    int64 taken_slot[C::TM];
+#pragma unroll
+    for (int i = 0; i < C::TM; ++i) {
+      const int r = C::Row(i);
+      run_max[i] = NegInf<T>();
+      run_sum[i] = T(0);
+      taken_slot[i] = r < nt ? a.entry_slot[sl.entry0 + t0 + r] - sl.first_slot : -1;
+    }
+    for (int64 n0 = n_begin; n0 < n_end; n0 += C::BN) {
+      T acc[C::TM][C::TN];
+#pragma unroll
+      for (int i = 0; i < C::TM; ++i)
+#pragma unroll
+        for (int j = 0; j < C::TN; ++j) acc[i][j] = T(0);
+      const int64 nb = n_end - n0;
+      TileProduct<T, C>(smem, GatheredRows<T>{rows, dim},
+                        StridedRows<T>{a.weights + (sl.first_slot + n0) * dim, dim, nb, dim},
+                        dim, acc);
+#pragma unroll
+      for (int i = 0; i < C::TM; ++i) {
+        const int r = C::Row(i);
+        T tile_max = NegInf<T>();
+#pragma unroll
+        for (int j = 0; j < C::TN; ++j) {
+          const int c = C::Col(j);
+          if (c < nb) {
+            if (a.biases != nullptr) acc[i][j] += a.biases[sl.first_slot + n0 + c];
+            tile_max = MaxIgnoringNan(tile_max, acc[i][j]);
+          }
+        }
+        tile_max = GroupMax<C::kThreadsN>(tile_max);
+        const T new_max = MaxIgnoringNan(run_max[i], tile_max);
+        T tile_sum = T(0);
+#pragma unroll
+        for (int j = 0; j < C::TN; ++j) {
+          if (C::Col(j) < nb) tile_sum += Exp(acc[i][j] - new_max);
+        }
+        tile_sum = GroupSum<C::kThreadsN>(tile_sum);
+        run_sum[i] = run_sum[i] * Exp(run_max[i] - new_max) + tile_sum;
+        run_max[i] = new_max;
+        if (r < nt) {
+#pragma unroll
+          for (int j = 0; j < C::TN; ++j) {
+            const int c = C::Col(j);
+            if (c >= nb) continue;
+            if (kStore) a.coef[sl.coef + (t0 + r) * sl.num_slots + n0 + c] = acc[i][j];
+            if (n0 + c == taken_slot[i]) a.taken[sl.entry0 + t0 + r] = acc[i][j];
+          }
+        }
+      }
+    }
+    if (tn == 0) {
+#pragma unroll
+      for (int i = 0; i < C::TM; ++i) {
+        const int r = C::Row(i);
+        if (r >= nt) continue;
+        const int64 p = sl.partial0 + (t0 + r) * sl.num_chunks + chunk;
+        a.partial_max[p] = run_max[i];
+        a.partial_sum[p] = run_sum[i];
+      }
+    }
+  }
+}
+
+// Visits of nodes with at most kSmallSlots children, a warp per visit: lanes split D for
+// each child's dot product, lane j keeps logit j, and the logsumexp is one partial.
+template <typename T, bool kStore>
+TF_HSM_GLOBAL void LogitsSmallKernel(Args<T> a, int64 e_begin, int64 e_end) {
+  const int lane = ThreadX() % kWarpSize;
+  const int64 warps = GridX() * (BlockDimX() / kWarpSize);
+  const int64 dim = a.dim;
+  for (int64 e = e_begin + BlockX() * (BlockDimX() / kWarpSize) + ThreadX() / kWarpSize;
+       e < e_end; e += warps) {
+    const Slice sl = a.slices[a.entry_slice[e]];
+    if (sl.num_slots > kSmallSlots) continue;
+    const int64 r = e - sl.entry0;
+    const T* h = a.hidden + a.entry_token[e] * dim;
+    T mine = NegInf<T>();
+    for (int64 j = 0; j < sl.num_slots; ++j) {
+      const T* w = a.weights + (sl.first_slot + j) * dim;
+      T s = T(0);
+      for (int64 d = lane; d < dim; d += kWarpSize) s = Fma(h[d], w[d], s);
+      s = GroupSum<kWarpSize>(s);
+      if (a.biases != nullptr) s += a.biases[sl.first_slot + j];
+      if (lane == j) mine = s;
+    }
+    const bool valid = lane < sl.num_slots;
+    const T m = GroupMax<kWarpSize>(valid && !(mine != mine) ? mine : NegInf<T>());
+    const T sum = GroupSum<kWarpSize>(valid ? Exp(mine - m) : T(0));
+    if (lane == 0) {
+      a.partial_max[sl.partial0 + r] = m;
+      a.partial_sum[sl.partial0 + r] = sum;
+    }
+    if (lane == a.entry_slot[e] - sl.first_slot) a.taken[e] = mine;
+    if (kStore && valid) a.coef[sl.coef + r * sl.num_slots + lane] = mine;
+  }
+}
+
+// The logsumexp of entry e from its partials, combined in chunk order.
+template <typename T>
+TF_HSM_DEVICE T EntryLogSumExp(const Args<T>& a, int64 e) {
+  const Slice& sl = a.slices[a.entry_slice[e]];
+  const int64 base = sl.partial0 + (e - sl.entry0) * sl.num_chunks;
+  T m = NegInf<T>(), s = T(0);
+  for (int64 c = 0; c < sl.num_chunks; ++c) {
+    const T cm = a.partial_max[base + c], cs = a.partial_sum[base + c];
+    if (cm > m) {
+      s = s * Exp(m - cm) + cs;
+      m = cm;
+    } else {
+      s = s + cs * Exp(cm - m);
+    }
+  }
+  return m + Log(s);
+}
+
+// log_prob[i] = sum over token i's entries, root first, of taken - logsumexp.
+template <typename T>
+TF_HSM_GLOBAL void FinishForwardKernel(Args<T> a, int64 num_tokens) {
+  for (int64 i = BlockX() * BlockDimX() + ThreadX(); i < num_tokens;
+       i += GridX() * BlockDimX()) {
+    T sum = T(0);
+    for (int64 k = a.token_begin[i]; k < a.token_begin[i + 1]; ++k) {
+      const int64 e = a.token_entries[k];
+      sum += a.taken[e] - EntryLogSumExp(a, e);
+    }
+    a.log_prob[i] = sum;
+  }
+}
+
+// ---- Backward ------------------------------------------------------------------------
+
+template <typename T>
+TF_HSM_GLOBAL void LogSumExpKernel(Args<T> a, int64 e_begin, int64 e_end) {
+  for (int64 e = e_begin + BlockX() * BlockDimX() + ThreadX(); e < e_end;
+       e += GridX() * BlockDimX()) {
+    a.lse[e] = EntryLogSumExp(a, e);
+  }
+}
+
+// Kept logits -> upstream * (onehot(taken) - softmax), in place; a warp per entry.
+template <typename T>
+TF_HSM_GLOBAL void CoefficientKernel(Args<T> a, int64 e_begin, int64 e_end) {
+  const int lane = ThreadX() % kWarpSize;
+  const int64 warps = GridX() * (BlockDimX() / kWarpSize);
+  for (int64 e = e_begin + BlockX() * (BlockDimX() / kWarpSize) + ThreadX() / kWarpSize;
+       e < e_end; e += warps) {
+    const Slice sl = a.slices[a.entry_slice[e]];
+    T* z = a.coef + sl.coef + (e - sl.entry0) * sl.num_slots;
+    const T up = a.upstream[a.entry_token[e]];
+    const T lse = a.lse[e];
+    const int64 taken = a.entry_slot[e] - sl.first_slot;
+    for (int64 j = lane; j < sl.num_slots; j += kWarpSize) {
+      T c = Exp(z[j] - lse) * -up;
+      if (j == taken) c += up;
+      z[j] = c;
+    }
+  }
+}
+
+// dh[token] += coef @ W_node for tokens [m0, m0 + BM) of a slice, dims [n0, n0 + BN).
+template <typename T, class C>
+TF_HSM_GLOBAL void HiddenGradTiledKernel(Args<T> a, int64 item_begin, int64 num_items) {
+  TF_HSM_SHARED TileSmem<T, C> smem;
+  const int64 dim = a.dim;
+  for (int64 it = BlockX(); it < num_items; it += GridX()) {
+    const Item item = a.items[item_begin + it];
+    const Slice sl = a.slices[item.slice];
+    const int64 t0 = item.m0, d0 = item.n0, k = sl.num_slots;
+    const int64 nt = Min64(C::BM, sl.count - t0);
+    T acc[C::TM][C::TN];
+    T* out[C::TM];
+#pragma unroll
+    for (int i = 0; i < C::TM; ++i) {
+      const int r = C::Row(i);
+      out[i] = r < nt ? a.d_hidden + a.entry_token[sl.entry0 + t0 + r] * dim + d0 : nullptr;
+#pragma unroll
+      for (int j = 0; j < C::TN; ++j) {
+        const int c = C::Col(j);
+        acc[i][j] = (out[i] != nullptr && d0 + c < dim) ? out[i][c] : T(0);
+      }
+    }
+    TileProduct<T, C>(smem,
+                      StridedRows<T>{a.coef + sl.coef + t0 * k, k, nt, k},
+                      StridedCols<T>{a.weights + sl.first_slot * dim + d0, dim, dim - d0, k},
+                      k, acc);
+#pragma unroll
+    for (int i = 0; i < C::TM; ++i) {
+      if (out[i] == nullptr) continue;
+#pragma unroll
+      for (int j = 0; j < C::TN; ++j) {
+        const int c = C::Col(j);
+        if (d0 + c < dim) out[i][c] = acc[i][j];
+      }
+    }
+  }
+}
+
+// The same for visits of small nodes, a warp per visit: lane d accumulates dims
+// d, d + 32, ... over the node's slots in order (the chain of the tiled kernel).
+template <typename T>
+TF_HSM_GLOBAL void HiddenGradSmallKernel(Args<T> a, int64 e_begin, int64 e_end) {
+  const int lane = ThreadX() % kWarpSize;
+  const int64 warps = GridX() * (BlockDimX() / kWarpSize);
+  const int64 dim = a.dim;
+  for (int64 e = e_begin + BlockX() * (BlockDimX() / kWarpSize) + ThreadX() / kWarpSize;
+       e < e_end; e += warps) {
+    const Slice sl = a.slices[a.entry_slice[e]];
+    if (sl.num_slots > kSmallSlots) continue;
+    const T* c = a.coef + sl.coef + (e - sl.entry0) * sl.num_slots;
+    const T* w = a.weights + sl.first_slot * dim;
+    T* dh = a.d_hidden + a.entry_token[e] * dim;
+    for (int64 d = lane; d < dim; d += kWarpSize) {
+      T acc = dh[d];
+      for (int64 j = 0; j < sl.num_slots; ++j) acc = Fma(c[j], w[j * dim + d], acc);
+      dh[d] = acc;
+    }
+  }
+}
+
+// value(r, k) = hidden[token(k)][d0 + r], and 1 in column D when `ones` (for db).
+template <typename T>
+struct HiddenColumns {
+  const T* hidden;
+  const int64* entry_token;
+  int64 entry0, count, dim, d0;
+  bool ones;
+  template <int R, int BK, int NT>
+  TF_HSM_DEVICE void Fill(T (&s)[BK][R + 1], int64 k0, int tid) const {
+#pragma unroll
+    for (int idx = tid; idx < R * BK; idx += NT) {
+      const int r = idx % R, k = idx / R;
+      const int64 d = d0 + r;
+      T v = T(0);
+      if (k0 + k < count) {
+        if (d < dim) {
+          v = hidden[entry_token[entry0 + k0 + k] * dim + d];
+        } else if (d == dim && ones) {
+          v = T(1);
+        }
+      }
+      s[k][r] = v;
+    }
+  }
+};
+
+// Weight-gradient rows [m0, m0 + BM) of a slice's node, columns [n0, n0 + BN) of
+// [dW | db]: coef^T @ [H | 1] over the slice's tokens in order, continuing the chain of
+// the group's earlier slices (offset > 0) from memory.
+template <typename T, class C>
+TF_HSM_GLOBAL void WeightGradTiledKernel(Args<T> a, int64 item_begin, int64 num_items) {
+  TF_HSM_SHARED TileSmem<T, C> smem;
+  const int64 dim = a.dim;
+  const bool bias = a.bias_rows != nullptr;
+  for (int64 it = BlockX(); it < num_items; it += GridX()) {
+    const Item item = a.items[item_begin + it];
+    const Slice sl = a.slices[item.slice];
+    const int64 j0 = item.m0, d0 = item.n0, k = sl.num_slots;
+    T acc[C::TM][C::TN];
+#pragma unroll
+    for (int i = 0; i < C::TM; ++i) {
+      const int64 j = j0 + C::Row(i);
+#pragma unroll
+      for (int jj = 0; jj < C::TN; ++jj) {
+        const int64 d = d0 + C::Col(jj);
+        T v = T(0);
+        if (sl.offset > 0 && j < k) {
+          if (d < dim) {
+            v = a.weight_rows[(sl.row0 + j) * dim + d];
+          } else if (d == dim && bias) {
+            v = a.bias_rows[sl.row0 + j];
+          }
+        }
+        acc[i][jj] = v;
+      }
+    }
+    TileProduct<T, C>(smem, StridedCols<T>{a.coef + sl.coef + j0, k, k - j0, sl.count},
+                      HiddenColumns<T>{a.hidden, a.entry_token, sl.entry0, sl.count, dim, d0,
+                                       bias},
+                      sl.count, acc);
+#pragma unroll
+    for (int i = 0; i < C::TM; ++i) {
+      const int64 j = j0 + C::Row(i);
+      if (j >= k) continue;
+#pragma unroll
+      for (int jj = 0; jj < C::TN; ++jj) {
+        const int64 d = d0 + C::Col(jj);
+        if (d < dim) {
+          a.weight_rows[(sl.row0 + j) * dim + d] = acc[i][jj];
+        } else if (d == dim && bias) {
+          a.bias_rows[sl.row0 + j] = acc[i][jj];
+        }
+      }
+    }
+  }
+}
+
+// row_ids[r]: the slot of gradient row r (group g's rows are its node's slots in order).
+TF_HSM_GLOBAL void RowIdsKernel(const int64* group_row, const int64* group_first,
+                                int64 num_groups, int64* row_ids, int64 num_rows) {
+  for (int64 r = BlockX() * BlockDimX() + ThreadX(); r < num_rows;
+       r += GridX() * BlockDimX()) {
+    int64 lo = 0, hi = num_groups;  // the last g with group_row[g] <= r
+    while (hi - lo > 1) {
+      const int64 mid = lo + (hi - lo) / 2;
+      if (group_row[mid] <= r) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    row_ids[r] = group_first[lo] + (r - group_row[lo]);
+  }
+}
+
+// ---- Host side ---------------------------------------------------------------------------
+
+int64 Blocks(int64 work, int64 per_block) {
+  return Min64(CeilDiv(work, per_block), kMaxBlocks);
+}
+
+std::string CudaMessage(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return "";
+  return std::string("CUDA error in ") + what + ": " + cudaGetErrorString(err);
+}
+
+#define TF_HSM_RETURN_IF_CUDA_ERROR(call, what)          \
+  do {                                                   \
+    const std::string message_ = CudaMessage(call, what); \
+    if (!message_.empty()) return message_;              \
+  } while (0)
+
+template <typename T>
+Args<T> MakeArgs(const GpuLogProbPlan& plan, const SoftmaxParams<T>& p, void* workspace) {
+  char* base = static_cast<char*>(workspace);
+  Args<T> a;
+  std::memset(&a, 0, sizeof(a));
+  a.hidden = p.hidden;
+  a.weights = p.weights;
+  a.biases = p.biases;
+  a.dim = p.dim;
+  a.slices = reinterpret_cast<const Slice*>(base + plan.slices);
+  a.items = reinterpret_cast<const Item*>(base + plan.items);
+  a.entry_token = reinterpret_cast<const int64*>(base + plan.entry_token);
+  a.entry_slot = reinterpret_cast<const int64*>(base + plan.entry_slot);
+  a.entry_slice = reinterpret_cast<const int64*>(base + plan.entry_slice);
+  a.token_begin = reinterpret_cast<const int64*>(base + plan.token_begin);
+  a.token_entries = reinterpret_cast<const int64*>(base + plan.token_entries);
+  a.group_row = reinterpret_cast<const int64*>(base + plan.group_row);
+  a.group_first = reinterpret_cast<const int64*>(base + plan.group_first);
+  a.num_groups = plan.num_groups;
+  a.partial_max = reinterpret_cast<T*>(base + plan.partial_max);
+  a.partial_sum = reinterpret_cast<T*>(base + plan.partial_sum);
+  a.taken = reinterpret_cast<T*>(base + plan.taken);
+  a.lse = reinterpret_cast<T*>(base + plan.lse);
+  a.coef = reinterpret_cast<T*>(base + plan.coef);
+  return a;
+}
+
+std::string CheckCall(const GpuLogProbPlan& plan, bool backward, int64 value_bytes, int64 dim,
+                      bool has_bias, const void* workspace) {
+  if (plan.backward != backward) {
+    return backward ? "LogProbBackwardGpu needs a plan prepared with backward = true"
+                    : "LogProbForwardGpu needs a plan prepared with backward = false";
+  }
+  if (plan.value_bytes != value_bytes) return "the plan was prepared for another value type";
+  if (plan.dim != dim) return "the plan was prepared for another hidden size";
+  if (plan.has_bias != has_bias) return "the plan was prepared with a different bias setting";
+  if (plan.num_tokens > 0 &&
+      (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 16 != 0)) {
+    return "the workspace must be a 16-byte aligned device buffer";
+  }
+  return "";
+}
+
+std::string Upload(const GpuLogProbPlan& plan, void* workspace, cudaStream_t stream) {
+  // From pageable memory: the call returns once the data is staged, so the plan may be
+  // destroyed right after.
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(workspace, plan.staging.data(), plan.staging.size() * sizeof(int64),
+                      cudaMemcpyHostToDevice, stream),
+      "uploading the work lists");
+  return "";
+}
+
+template <typename T, bool kStore>
+std::string LaunchLogits(const Args<T>& a, const GpuLogProbPlan::Wave& w, cudaStream_t s) {
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      Launch(&LogitsTiledKernel<T, WideTile, kStore>, Blocks(w.logits_wide.count, 1),
+             kThreads, s, a, w.logits_wide.begin, w.logits_wide.count),
+      "LogitsTiledKernel (64 tokens)");
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      Launch(&LogitsTiledKernel<T, NarrowTile, kStore>, Blocks(w.logits_narrow.count, 1),
+             kThreads, s, a, w.logits_narrow.begin, w.logits_narrow.count),
+      "LogitsTiledKernel (16 tokens)");
+  if (w.small_entries > 0) {
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&LogitsSmallKernel<T, kStore>,
+               Blocks(w.entry_end - w.entry_begin, kWarpsPerBlock), kThreads, s, a,
+               w.entry_begin, w.entry_end),
+        "LogitsSmallKernel");
+  }
+  return "";
+}
+
+// Appends a group's work to one wave's lists.
+struct WaveLists {
+  std::vector<Item> logits_wide, logits_narrow, dw[3];
+  struct LevelLists {
+    int64 level = -1, entry_begin = 0, entry_end = 0, small_entries = 0;
+    std::vector<Item> dh_wide, dh_narrow;
+  };
+  std::vector<LevelLists> levels;
+};
+
+GpuLogProbPlan::Range Append(const std::vector<Item>& src, std::vector<Item>* items) {
+  GpuLogProbPlan::Range r;
+  r.begin = static_cast<int64>(items->size());
+  r.count = static_cast<int64>(src.size());
+  items->insert(items->end(), src.begin(), src.end());
+  return r;
+}
+
+}  // namespace
+}  // namespace gpu
+
+template <typename T>
+std::string PrepareLogProbGpu(const VisitPlan& plan, const TreeView& tree, int64 dim,
+                              bool has_bias, bool backward, int64 coef_budget,
+                              GpuLogProbPlan* out) {
+  using gpu::Item;
+  using gpu::Slice;
+  using gpu::WaveLists;
+  *out = GpuLogProbPlan();
+  GpuLogProbPlan& gp = *out;
+  if (dim < 0) return "the hidden size must not be negative";
+  const int64 num_groups = plan.num_groups();
+  const int64 num_entries = static_cast<int64>(plan.entry_token.size());
+  const int64 num_tokens = plan.num_tokens;
+  gp.backward = backward;
+  gp.has_bias = has_bias;
+  gp.value_bytes = sizeof(T);
+  gp.dim = dim;
+  gp.num_tokens = num_tokens;
+  gp.num_entries = num_entries;
+  gp.num_groups = num_groups;
+  gp.num_rows = plan.num_rows();
+
+  // Partial logsumexps: one per (entry, slot chunk).
+  std::vector<int64> group_first(num_groups), group_chunks(num_groups), group_partial(num_groups);
+  int64 num_partials = 0;
+  for (int64 g = 0; g < num_groups; ++g) {
+    const int64 node = plan.group_node[g];
+    group_first[g] = tree.child_begin[node];
+    const int64 k = tree.child_begin[node + 1] - group_first[g];
+    group_chunks[g] = k <= gpu::kSmallSlots ? 1 : gpu::CeilDiv(k, gpu::kChunkSlots);
+    group_partial[g] = num_partials;
+    num_partials += (plan.group_begin[g + 1] - plan.group_begin[g]) * group_chunks[g];
+  }
+  gp.num_partials = num_partials;
+
+  // Slices, grouped into waves whose coefficients fit the budget (forward: one wave).
+  const int64 budget = backward ? std::max<int64>(coef_budget, 1)
+                                : std::numeric_limits<int64>::max();
+  const int64 dw_rows[3] = {gpu::DwTile4::BM, gpu::DwTile16::BM, gpu::DwTile64::BM};
+  const int64 dw_cols[3] = {gpu::DwTile4::BN, gpu::DwTile16::BN, gpu::DwTile64::BN};
+  std::vector<Slice> slices;
+  std::vector<Item> items;
+  std::vector<int64> entry_slice(num_entries);
+  WaveLists lists;
+  GpuLogProbPlan::Wave wave;
+  int64 used = 0;
+  auto close_wave = [&]() {
+    if (wave.entry_end == wave.entry_begin) return;
+    wave.coef_elements = used;
+    wave.logits_wide = gpu::Append(lists.logits_wide, &items);
+    wave.logits_narrow = gpu::Append(lists.logits_narrow, &items);
+    for (const auto& l : lists.levels) {
+      GpuLogProbPlan::Level level;
+      level.entry_begin = l.entry_begin;
+      level.entry_end = l.entry_end;
+      level.small_entries = l.small_entries;
+      level.dh_wide = gpu::Append(l.dh_wide, &items);
+      level.dh_narrow = gpu::Append(l.dh_narrow, &items);
+      wave.levels.push_back(level);
+    }
+    for (int c = 0; c < 3; ++c) wave.dw[c] = gpu::Append(lists.dw[c], &items);
+    gp.waves.push_back(wave);
+    const int64 next = wave.entry_end;
+    wave = GpuLogProbPlan::Wave();
+    wave.entry_begin = wave.entry_end = next;
+    lists = WaveLists();
+    used = 0;
+  };
+  for (int64 level = 0; level < plan.num_levels(); ++level) {
+    for (int64 g = plan.level_begin[level]; g < plan.level_begin[level + 1]; ++g) {
+      const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
+      const int64 k = tree.child_begin[plan.group_node[g] + 1] - group_first[g];
+      const bool small = k <= gpu::kSmallSlots;
+      const bool wide = n > gpu::kNarrowTokens;
+      for (int64 offset = 0; offset < n;) {
+        if (backward && used > 0 && budget - used < k) close_wave();
+        const int64 take =
+            backward ? std::min(n - offset, std::max<int64>(1, (budget - used) / k)) : n - offset;
+        Slice sl;
+        sl.entry0 = plan.group_begin[g] + offset;
+        sl.count = take;
+        sl.first_slot = group_first[g];
+        sl.num_slots = k;
+        sl.coef = backward ? used : 0;
+        sl.row0 = plan.group_row[g];
+        sl.partial0 = group_partial[g] + offset * group_chunks[g];
+        sl.num_chunks = group_chunks[g];
+        sl.offset = offset;
+        const int64 s = static_cast<int64>(slices.size());
+        slices.push_back(sl);
+        for (int64 e = sl.entry0; e < sl.entry0 + take; ++e) entry_slice[e] = s;
+        if (backward) used += take * k;
+        wave.entry_end = sl.entry0 + take;
+        if (small) wave.small_entries += take;
+
+        const int64 bm = wide ? gpu::WideTile::BM : gpu::NarrowTile::BM;
+        if (!small) {
+          auto& dst = wide ? lists.logits_wide : lists.logits_narrow;
+          for (int64 t0 = 0; t0 < take; t0 += bm)
+            for (int64 c = 0; c < group_chunks[g]; ++c) dst.push_back({s, t0, c});
+        }
+        if (backward) {
+          if (lists.levels.empty() || lists.levels.back().level != level) {
+            lists.levels.emplace_back();
+            lists.levels.back().level = level;
+            lists.levels.back().entry_begin = sl.entry0;
+          }
+          auto& lv = lists.levels.back();
+          lv.entry_end = sl.entry0 + take;
+          if (small) {
+            lv.small_entries += take;
+          } else {
+            auto& dst = wide ? lv.dh_wide : lv.dh_narrow;
+            for (int64 t0 = 0; t0 < take; t0 += bm)
+              for (int64 d0 = 0; d0 < dim; d0 += gpu::WideTile::BN) dst.push_back({s, t0, d0});
+          }
+          const int cfg = k <= dw_rows[0] ? 0 : (k <= dw_rows[1] ? 1 : 2);
+          const int64 cols = dim + (has_bias ? 1 : 0);
+          for (int64 j0 = 0; j0 < k; j0 += dw_rows[cfg])
+            for (int64 d0 = 0; d0 < cols; d0 += dw_cols[cfg]) lists.dw[cfg].push_back({s, j0, d0});
+        }
+        offset += take;
+      }
+    }
+  }
+  close_wave();
+  gp.num_slices = static_cast<int64>(slices.size());
+
+  // Workspace layout: the uploaded arrays first, then the device-only scratch.
+  int64 cursor = 0;
+  auto reserve = [&cursor](int64 bytes) {
+    const int64 at = cursor;
+    cursor += (bytes + gpu::kAlign - 1) / gpu::kAlign * gpu::kAlign;
+    return at;
+  };
+  const int64 w = sizeof(int64);
+  gp.slices = reserve(gp.num_slices * gpu::kSliceWords * w);
+  gp.items = reserve(static_cast<int64>(items.size()) * gpu::kItemWords * w);
+  gp.entry_token = reserve(num_entries * w);
+  gp.entry_slot = reserve(num_entries * w);
+  gp.entry_slice = reserve(num_entries * w);
+  if (!backward) {
+    gp.token_begin = reserve((num_tokens + 1) * w);
+    gp.token_entries = reserve(num_entries * w);
+  } else {
+    gp.group_row = reserve((num_groups + 1) * w);
+    gp.group_first = reserve(num_groups * w);
+  }
+  const int64 staging_bytes = cursor;
+  const int64 v = sizeof(T);
+  gp.partial_max = reserve(num_partials * v);
+  gp.partial_sum = reserve(num_partials * v);
+  gp.taken = reserve(num_entries * v);
+  if (backward) {
+    gp.lse = reserve(num_entries * v);
+    int64 coef = 0;
+    for (const auto& wv : gp.waves) coef = std::max(coef, wv.coef_elements);
+    gp.coef = reserve(coef * v);
+  }
+  gp.workspace_bytes = cursor;
+
+  gp.staging.assign(staging_bytes / w, 0);
+  int64* words = gp.staging.data();
+  std::memcpy(words + gp.slices / w, slices.data(), slices.size() * sizeof(Slice));
+  std::memcpy(words + gp.items / w, items.data(), items.size() * sizeof(Item));
+  std::copy(plan.entry_token.begin(), plan.entry_token.end(), words + gp.entry_token / w);
+  std::copy(plan.entry_slot.begin(), plan.entry_slot.end(), words + gp.entry_slot / w);
+  std::copy(entry_slice.begin(), entry_slice.end(), words + gp.entry_slice / w);
+  if (!backward) {
+    // Each token's entries in plan order, which is root first.
+    int64* begin = words + gp.token_begin / w;
+    int64* entries = words + gp.token_entries / w;
+    for (int64 e = 0; e < num_entries; ++e) ++begin[plan.entry_token[e] + 1];
+    for (int64 i = 0; i < num_tokens; ++i) begin[i + 1] += begin[i];
+    std::vector<int64> next(begin, begin + num_tokens);
+    for (int64 e = 0; e < num_entries; ++e) entries[next[plan.entry_token[e]]++] = e;
+  } else {
+    std::copy(plan.group_row.begin(), plan.group_row.end(), words + gp.group_row / w);
+    std::copy(group_first.begin(), group_first.end(), words + gp.group_first / w);
+  }
+  return "";
+}
+
+template <typename T>
+std::string LogProbForwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T>& p,
+                              T* log_prob, void* workspace, GpuStream stream) {
+  using namespace gpu;  // NOLINT: the kernels and launch helpers of this file
+  std::string err =
+      CheckCall(plan, false, sizeof(T), p.dim, p.biases != nullptr, workspace);
+  if (!err.empty() || plan.num_tokens == 0) return err;
+  err = Upload(plan, workspace, stream);
+  if (!err.empty()) return err;
+  Args<T> a = MakeArgs(plan, p, workspace);
+  a.log_prob = log_prob;
+  for (const auto& w : plan.waves) {
+    err = LaunchLogits<T, false>(a, w, stream);
+    if (!err.empty()) return err;
+  }
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      Launch(&FinishForwardKernel<T>, Blocks(plan.num_tokens, kThreads), kThreads, stream, a,
+             plan.num_tokens),
+      "FinishForwardKernel");
+  return "";
+}
+
+template <typename T>
+std::string LogProbBackwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T>& p,
+                               const T* upstream, const LogProbGrads<T>& grads,
+                               void* workspace, GpuStream stream) {
+  using namespace gpu;  // NOLINT: the kernels and launch helpers of this file
+  std::string err =
+      CheckCall(plan, true, sizeof(T), p.dim, p.biases != nullptr, workspace);
+  if (!err.empty() || plan.num_tokens == 0) return err;
+  if ((grads.bias_rows != nullptr) != plan.has_bias) {
+    return "bias_rows must be given exactly when there are biases";
+  }
+  err = Upload(plan, workspace, stream);
+  if (!err.empty()) return err;
+  Args<T> a = MakeArgs(plan, p, workspace);
+  a.upstream = upstream;
+  a.d_hidden = grads.hidden;
+  a.weight_rows = grads.weight_rows;
+  a.bias_rows = grads.bias_rows;
+  a.row_ids = grads.row_ids;
+  const int64 dim = p.dim;
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      cudaMemsetAsync(grads.hidden, 0, plan.num_tokens * dim * sizeof(T), stream),
+      "clearing the hidden gradient");
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      Launch(&RowIdsKernel, Blocks(plan.num_rows, kThreads), kThreads, stream, a.group_row,
+             a.group_first, plan.num_groups, grads.row_ids, plan.num_rows),
+      "RowIdsKernel");
+  for (const auto& w : plan.waves) {
+    err = LaunchLogits<T, true>(a, w, stream);
+    if (!err.empty()) return err;
+    const int64 entries = w.entry_end - w.entry_begin;
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&LogSumExpKernel<T>, Blocks(entries, kThreads), kThreads, stream, a,
+               w.entry_begin, w.entry_end),
+        "LogSumExpKernel");
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&CoefficientKernel<T>, Blocks(entries, kWarpsPerBlock), kThreads, stream, a,
+               w.entry_begin, w.entry_end),
+        "CoefficientKernel");
+    // dh level by level: within a level each token is in one group, so tiles own their
+    // rows; across levels the chain continues in order.
+    for (const auto& l : w.levels) {
+      if (dim == 0) break;
+      TF_HSM_RETURN_IF_CUDA_ERROR(
+          Launch(&HiddenGradTiledKernel<T, WideTile>, Blocks(l.dh_wide.count, 1), kThreads,
+                 stream, a, l.dh_wide.begin, l.dh_wide.count),
+          "HiddenGradTiledKernel (64 tokens)");
+      TF_HSM_RETURN_IF_CUDA_ERROR(
+          Launch(&HiddenGradTiledKernel<T, NarrowTile>, Blocks(l.dh_narrow.count, 1),
+                 kThreads, stream, a, l.dh_narrow.begin, l.dh_narrow.count),
+          "HiddenGradTiledKernel (16 tokens)");
+      if (l.small_entries > 0) {
+        TF_HSM_RETURN_IF_CUDA_ERROR(
+            Launch(&HiddenGradSmallKernel<T>,
+                   Blocks(l.entry_end - l.entry_begin, kWarpsPerBlock), kThreads, stream, a,
+                   l.entry_begin, l.entry_end),
+            "HiddenGradSmallKernel");
+      }
+    }
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&WeightGradTiledKernel<T, DwTile4>, Blocks(w.dw[0].count, 1), kThreads,
+               stream, a, w.dw[0].begin, w.dw[0].count),
+        "WeightGradTiledKernel (4 slots)");
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&WeightGradTiledKernel<T, DwTile16>, Blocks(w.dw[1].count, 1), kThreads,
+               stream, a, w.dw[1].begin, w.dw[1].count),
+        "WeightGradTiledKernel (16 slots)");
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&WeightGradTiledKernel<T, DwTile64>, Blocks(w.dw[2].count, 1), kThreads,
+               stream, a, w.dw[2].begin, w.dw[2].count),
+        "WeightGradTiledKernel (64 slots)");
+  }
+  return "";
+}
+
+#define TF_HSM_INSTANTIATE(T)                                                                \
+  template std::string PrepareLogProbGpu<T>(const VisitPlan&, const TreeView&, int64, bool,  \
+                                            bool, int64, GpuLogProbPlan*);                   \
+  template std::string LogProbForwardGpu<T>(const GpuLogProbPlan&, const SoftmaxParams<T>&,  \
+                                            T*, void*, GpuStream);                           \
+  template std::string LogProbBackwardGpu<T>(const GpuLogProbPlan&, const SoftmaxParams<T>&, \
+                                             const T*, const LogProbGrads<T>&, void*,        \
+                                             GpuStream);
+TF_HSM_INSTANTIATE(float)
+TF_HSM_INSTANTIATE(double)
+#undef TF_HSM_INSTANTIATE
+
+}  // namespace tf_hsm

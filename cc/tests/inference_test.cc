@@ -1,0 +1,691 @@
+// Unit tests of the inference core (cc/core/inference.h): top-k, all log-probabilities,
+// sampling and candidate log-probabilities against a long-double reference written from
+// the definition, on random trees of mixed shape; tie order; results independent of the
+// thread count; a chi-square test of the sampler; and every malformed input the core
+// must reject without reading out of bounds.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc/core/inference.h"
+
+namespace tf_hsm {
+namespace {
+
+int failures = 0;
+#define EXPECT(cond, ...)                                                    \
+  do {                                                                       \
+    if (!(cond)) {                                                           \
+      ++failures;                                                            \
+      std::fprintf(stderr, "%s:%d: FAILED %s: ", __FILE__, __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                                     \
+      std::fprintf(stderr, "\n");                                            \
+    }                                                                        \
+  } while (0)
+
+// A tree in the layout contract, owning its arrays.
+struct Layout {
+  int64 num_classes = 0;
+  std::vector<int64> child_begin, slot_child, path_begin, path_nodes, path_slots;
+
+  int64 num_nodes() const { return static_cast<int64>(child_begin.size()) - 1; }
+  int64 num_slots() const { return static_cast<int64>(slot_child.size()); }
+  TreeView view() const {
+    TreeView v;
+    v.num_classes = num_classes;
+    v.num_nodes = num_nodes();
+    v.num_slots = num_slots();
+    v.path_length = static_cast<int64>(path_nodes.size());
+    v.child_begin = child_begin.data();
+    v.slot_child = slot_child.data();
+    v.path_begin = path_begin.data();
+    v.path_nodes = path_nodes.data();
+    v.path_slots = path_slots.data();
+    return v;
+  }
+};
+
+// Fills the per-class paths from child_begin and slot_child by climbing parent slots.
+void DerivePaths(Layout* t) {
+  const int64 C = t->num_classes, M = t->num_nodes();
+  std::vector<int64> owner(t->num_slots()), up_slot(C + M, -1);
+  for (int64 n = 0; n < M; ++n)
+    for (int64 s = t->child_begin[n]; s < t->child_begin[n + 1]; ++s) owner[s] = n;
+  for (int64 s = 0; s < t->num_slots(); ++s) up_slot[t->slot_child[s]] = s;
+  t->path_begin.assign(1, 0);
+  t->path_nodes.clear();
+  t->path_slots.clear();
+  for (int64 c = 0; c < C; ++c) {
+    std::vector<int64> slots;
+    for (int64 s = up_slot[c]; s >= 0; s = up_slot[C + owner[s]]) slots.push_back(s);
+    for (auto it = slots.rbegin(); it != slots.rend(); ++it) {
+      t->path_nodes.push_back(owner[*it]);
+      t->path_slots.push_back(*it);
+    }
+    t->path_begin.push_back(static_cast<int64>(t->path_nodes.size()));
+  }
+}
+
+// A random tree generated breadth first (so nodes come out in BFS order): each node gets
+// 1..max_branching children, each a new node with probability p_node while the depth
+// allows, else a class; class ids are then shuffled.
+Layout RandomLayout(std::mt19937_64& rng, int64 max_branching, int64 max_depth, double p_node,
+                    int64 max_classes = 2000) {
+  std::uniform_real_distribution<double> unit(0, 1);
+  std::vector<int64> depth = {0};
+  std::vector<int64> codes;  // class ordinal c >= 0, node m as -1 - m
+  Layout t;
+  t.child_begin.push_back(0);
+  int64 classes = 0;
+  for (size_t n = 0; n < depth.size(); ++n) {
+    const int64 k = 1 + static_cast<int64>(rng() % max_branching);
+    for (int64 j = 0; j < k; ++j) {
+      if (depth[n] + 1 < max_depth && classes < max_classes && unit(rng) < p_node) {
+        codes.push_back(-1 - static_cast<int64>(depth.size()));
+        depth.push_back(depth[n] + 1);
+      } else {
+        codes.push_back(classes++);
+      }
+    }
+    t.child_begin.push_back(static_cast<int64>(codes.size()));
+  }
+  std::vector<int64> id(classes);
+  for (int64 c = 0; c < classes; ++c) id[c] = c;
+  std::shuffle(id.begin(), id.end(), rng);
+  t.num_classes = classes;
+  for (int64 code : codes) t.slot_child.push_back(code >= 0 ? id[code] : classes + (-1 - code));
+  DerivePaths(&t);
+  return t;
+}
+
+// A tree from explicit (child_begin, slot_child).
+Layout MakeLayout(int64 num_classes, std::vector<int64> child_begin, std::vector<int64> slot_child) {
+  Layout t;
+  t.num_classes = num_classes;
+  t.child_begin = std::move(child_begin);
+  t.slot_child = std::move(slot_child);
+  DerivePaths(&t);
+  return t;
+}
+
+// A complete tree over classes 0..C-1 in order: each node splits its class range into up
+// to `branching` equal parts, built top-down in BFS order.
+Layout Balanced(int64 C, int64 branching) {
+  std::vector<std::pair<int64, int64>> ranges = {{0, C}};  // class range of each node
+  Layout t;
+  t.num_classes = C;
+  t.child_begin.push_back(0);
+  for (size_t n = 0; n < ranges.size(); ++n) {
+    const int64 lo = ranges[n].first, hi = ranges[n].second;
+    const int64 part = (hi - lo + branching - 1) / branching;
+    for (int64 a = lo; a < hi; a += part) {
+      const int64 b = std::min(hi, a + part);
+      if (b - a == 1) {
+        t.slot_child.push_back(a);
+      } else {
+        t.slot_child.push_back(C + static_cast<int64>(ranges.size()));
+        ranges.push_back({a, b});
+      }
+    }
+    t.child_begin.push_back(static_cast<int64>(t.slot_child.size()));
+  }
+  DerivePaths(&t);
+  return t;
+}
+
+template <typename T>
+struct Problem {
+  int64 N = 0, D = 0;
+  std::vector<T> h, w, b;
+  bool bias = false;
+  SoftmaxParams<T> params() const {
+    SoftmaxParams<T> p;
+    p.hidden = h.data();
+    p.weights = w.data();
+    p.biases = bias ? b.data() : nullptr;
+    p.dim = D;
+    return p;
+  }
+};
+
+template <typename T>
+Problem<T> RandomProblem(std::mt19937_64& rng, const Layout& t, int64 N, int64 D, bool bias,
+                         double scale) {
+  std::normal_distribution<double> normal(0, 1);
+  Problem<T> pr;
+  pr.N = N;
+  pr.D = D;
+  pr.bias = bias;
+  pr.h.resize(N * D);
+  pr.w.resize(t.num_slots() * D);
+  pr.b.resize(t.num_slots());
+  for (auto& v : pr.h) v = normal(rng);
+  for (auto& v : pr.w) v = scale * normal(rng);
+  for (auto& v : pr.b) v = normal(rng);
+  return pr;
+}
+
+// log P(c | h_i) for every row and class, in long double, from the definition: a sweep
+// over the nodes in id order (parents first).
+template <typename T>
+std::vector<long double> Reference(const Layout& t, const Problem<T>& pr, double temperature = 1) {
+  const int64 C = t.num_classes, M = t.num_nodes(), D = pr.D;
+  std::vector<long double> out(pr.N * C), node(M);
+  for (int64 i = 0; i < pr.N; ++i) {
+    node[0] = 0;
+    for (int64 n = 0; n < M; ++n) {
+      const int64 b = t.child_begin[n], e = t.child_begin[n + 1];
+      std::vector<long double> z(e - b);
+      long double m = -INFINITY;
+      for (int64 s = b; s < e; ++s) {
+        long double acc = pr.bias ? pr.b[s] : 0;
+        for (int64 d = 0; d < D; ++d) acc += (long double)pr.h[i * D + d] * pr.w[s * D + d];
+        z[s - b] = acc / temperature;
+        m = std::max(m, z[s - b]);
+      }
+      long double sum = 0;
+      for (auto v : z) sum += std::exp(v - m);
+      const long double lse = m + std::log(sum);
+      for (int64 s = b; s < e; ++s) {
+        const long double v = node[n] + z[s - b] - lse;
+        const int64 code = t.slot_child[s];
+        if (code < C) {
+          out[i * C + code] = v;
+        } else {
+          node[code - C] = v;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// A ParallelFor on `threads` std::threads handing out single items, so work is split very
+// differently from the serial run.
+ParallelFor ThreadedFor(int threads) {
+  return [threads](int64 total, int64, const std::function<void(int64, int64)>& work) {
+    std::atomic<int64> next(0);
+    std::vector<std::thread> pool;
+    for (int k = 0; k < threads; ++k) {
+      pool.emplace_back([&] {
+        for (int64 i = next++; i < total; i = next++) work(i, i + 1);
+      });
+    }
+    for (auto& th : pool) th.join();
+  };
+}
+
+template <typename T>
+bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+bool Close(long double a, long double ref, double tol) {
+  return std::fabs((double)(a - ref)) <= tol * (1 + std::fabs((double)ref));
+}
+
+template <typename T>
+struct TopKResult {
+  std::vector<T> log_probs;
+  std::vector<int64> classes, expanded;
+  std::string err;
+};
+
+template <typename T>
+TopKResult<T> RunTopK(const Layout& t, const Problem<T>& pr, int64 k, const ParallelFor& pf) {
+  TopKResult<T> r;
+  r.log_probs.resize(pr.N * k);
+  r.classes.resize(pr.N * k);
+  r.expanded.resize(pr.N);
+  r.err = TopK<T>(t.view(), pr.params(), pr.N, k, pf, r.log_probs.data(), r.classes.data(),
+                  r.expanded.data());
+  return r;
+}
+
+template <typename T>
+std::vector<T> RunAll(const Layout& t, const Problem<T>& pr, int64 begin, int64 end,
+                      const ParallelFor& pf, std::string* err = nullptr) {
+  std::vector<T> out(pr.N * std::max<int64>(end - begin, 0));
+  const std::string e = LogProbAll<T>(t.view(), pr.params(), pr.N, begin, end, pf, out.data());
+  if (err != nullptr) *err = e;
+  EXPECT(err != nullptr || e.empty(), "LogProbAll: %s", e.c_str());
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+
+template <typename T>
+void CheckTopK(std::mt19937_64& rng, const Layout& t, int64 N, int64 D, bool bias, double tol,
+               const char* what) {
+  const Problem<T> pr = RandomProblem<T>(rng, t, N, D, bias, 0.5);
+  const std::vector<long double> ref = Reference(t, pr);
+  const int64 C = t.num_classes;
+  for (int64 k : {int64{1}, std::min<int64>(5, C), C}) {
+    const TopKResult<T> r = RunTopK(t, pr, k, SerialFor);
+    EXPECT(r.err.empty(), "%s: %s", what, r.err.c_str());
+    for (int64 i = 0; i < N; ++i) {
+      std::vector<long double> sorted(ref.begin() + i * C, ref.begin() + (i + 1) * C);
+      std::sort(sorted.rbegin(), sorted.rend());
+      std::vector<char> used(C, 0);
+      for (int64 j = 0; j < k; ++j) {
+        const T v = r.log_probs[i * k + j];
+        const int64 c = r.classes[i * k + j];
+        EXPECT(c >= 0 && c < C && !used[c], "%s row %ld: class %ld repeated or invalid", what,
+               (long)i, (long)c);
+        if (c < 0 || c >= C) continue;
+        used[c] = 1;
+        EXPECT(j == 0 || r.log_probs[i * k + j - 1] >= v, "%s: not sorted", what);
+        EXPECT(Close(v, ref[i * C + c], tol), "%s k=%ld row %ld: class %ld value %g ref %g", what,
+               (long)k, (long)i, (long)c, (double)v, (double)ref[i * C + c]);
+        EXPECT(Close(v, sorted[j], tol), "%s k=%ld row %ld rank %ld: %g vs sorted ref %g", what,
+               (long)k, (long)i, (long)j, (double)v, (double)sorted[j]);
+      }
+      EXPECT(r.expanded[i] >= 1 && r.expanded[i] <= t.num_nodes(), "%s: expanded %ld of %ld",
+             what, (long)r.expanded[i], (long)t.num_nodes());
+      if (k == C) {
+        EXPECT(r.expanded[i] == t.num_nodes(), "%s: k = C expanded %ld of %ld nodes", what,
+               (long)r.expanded[i], (long)t.num_nodes());
+      }
+    }
+  }
+}
+
+void TestTopKAgainstReference() {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 24; ++trial) {
+    const int64 branching = 1 + trial % 6 * 9;  // 1 .. 46
+    const Layout t = RandomLayout(rng, branching, 1 + trial % 7, 0.35, 300);
+    const int64 D = 1 + rng() % 24, N = rng() % 40;
+    CheckTopK<double>(rng, t, N, D, trial % 2 == 0, 1e-10, "double");
+    CheckTopK<float>(rng, t, N, D, trial % 3 == 0, 2e-4, "float");
+  }
+  const Layout wide = RandomLayout(rng, 600, 2, 0.01, 3000);  // nodes wider than a tile
+  CheckTopK<double>(rng, wide, 20, 9, true, 1e-10, "wide double");
+  CheckTopK<float>(rng, wide, 20, 9, true, 2e-4, "wide float");
+}
+
+void TestTopKTies() {
+  // All-zero weights on a complete binary tree: every class has the same log-probability
+  // bit for bit, so the smallest ids come first.
+  const Layout t = Balanced(32, 2);
+  Problem<float> pr;
+  pr.N = 3;
+  pr.D = 4;
+  pr.h.assign(pr.N * pr.D, 1.0f);
+  pr.w.assign(t.num_slots() * pr.D, 0.0f);
+  const TopKResult<float> r = RunTopK(t, pr, 7, SerialFor);
+  EXPECT(r.err.empty(), "%s", r.err.c_str());
+  for (int64 i = 0; i < pr.N; ++i)
+    for (int64 j = 0; j < 7; ++j)
+      EXPECT(r.classes[i * 7 + j] == j, "tie order: row %ld rank %ld class %ld", (long)i,
+             (long)j, (long)r.classes[i * 7 + j]);
+  // Root -> [class 1, node 1 -> [class 0]]: class 0 ties with class 1 but sits below a
+  // node of the same value, which must be expanded before class 1 is final.
+  const Layout chain = MakeLayout(2, {0, 2, 3}, {1, 3, 0});
+  Problem<double> pc;
+  pc.N = 1;
+  pc.D = 2;
+  pc.h = {0.5, -1};
+  pc.w.assign(chain.num_slots() * pc.D, 0.0);
+  const TopKResult<double> rc = RunTopK(chain, pc, 2, SerialFor);
+  EXPECT(rc.err.empty(), "%s", rc.err.c_str());
+  EXPECT(rc.classes[0] == 0 && rc.classes[1] == 1, "chain tie order %ld %ld",
+         (long)rc.classes[0], (long)rc.classes[1]);
+  EXPECT(rc.log_probs[0] == rc.log_probs[1], "chain tie values");
+}
+
+void TestTopKPrunes() {
+  // Peaked logits on a two-level tree: the search must expand far fewer nodes than exist.
+  std::mt19937_64 rng(12);
+  std::vector<int64> cb = {0}, sc;
+  const int64 clusters = 40, per = 50, C = clusters * per;
+  for (int64 j = 0; j < clusters; ++j) sc.push_back(C + 1 + j);
+  cb.push_back(clusters);
+  for (int64 j = 0; j < clusters; ++j) {
+    for (int64 c = 0; c < per; ++c) sc.push_back(j * per + c);
+    cb.push_back(static_cast<int64>(sc.size()));
+  }
+  const Layout t = MakeLayout(C, cb, sc);
+  const Problem<float> pr = RandomProblem<float>(rng, t, 64, 16, true, 1.0);
+  const TopKResult<float> r = RunTopK(t, pr, 5, SerialFor);
+  EXPECT(r.err.empty(), "%s", r.err.c_str());
+  double mean = 0;
+  for (int64 e : r.expanded) mean += e / 64.0;
+  EXPECT(mean < 0.5 * t.num_nodes(), "mean expanded %g of %ld nodes", mean, (long)t.num_nodes());
+  std::printf("  two-level %ld classes, k=5: %.2f of %ld nodes expanded per row\n", (long)C, mean,
+              (long)t.num_nodes());
+}
+
+template <typename T>
+void CheckLogProbAll(std::mt19937_64& rng, const Layout& t, int64 N, int64 D, bool bias,
+                     double tol, const char* what) {
+  const Problem<T> pr = RandomProblem<T>(rng, t, N, D, bias, 0.5);
+  const std::vector<long double> ref = Reference(t, pr);
+  const int64 C = t.num_classes;
+  const std::vector<T> all = RunAll(t, pr, 0, C, SerialFor);
+  for (int64 i = 0; i < N * C; ++i) {
+    EXPECT(Close(all[i], ref[i], tol), "%s [%ld] %g vs %g", what, (long)i, (double)all[i],
+           (double)ref[i]);
+  }
+  // Chunks are the slices of the full result, bit for bit.
+  for (int trial = 0; trial < 3; ++trial) {
+    int64 b = rng() % (C + 1), e = rng() % (C + 1);
+    if (b > e) std::swap(b, e);
+    const std::vector<T> part = RunAll(t, pr, b, e, ThreadedFor(3));
+    bool same = true;
+    for (int64 i = 0; i < N; ++i)
+      for (int64 c = b; c < e; ++c)
+        same = same && std::memcmp(&part[i * (e - b) + c - b], &all[i * C + c], sizeof(T)) == 0;
+    EXPECT(same, "%s chunk [%ld, %ld) differs from the full result", what, (long)b, (long)e);
+  }
+  // TopK with k = C sees the same values bit for bit.
+  if (N > 0) {
+    const TopKResult<T> r = RunTopK(t, pr, C, ThreadedFor(2));
+    bool same = true;
+    for (int64 i = 0; i < N; ++i)
+      for (int64 j = 0; j < C; ++j)
+        same = same && r.log_probs[i * C + j] == all[i * C + r.classes[i * C + j]];
+    EXPECT(same, "%s: top_k values differ from log_prob_all", what);
+  }
+}
+
+void TestLogProbAll() {
+  std::mt19937_64 rng(13);
+  for (int trial = 0; trial < 20; ++trial) {
+    const Layout t = RandomLayout(rng, 1 + trial % 5 * 11, 1 + trial % 6, 0.4, 400);
+    const int64 D = 1 + rng() % 30, N = rng() % 90;  // up to two row blocks
+    CheckLogProbAll<double>(rng, t, N, D, trial % 2 == 1, 1e-10, "double");
+    CheckLogProbAll<float>(rng, t, N, D, trial % 3 == 1, 2e-4, "float");
+  }
+  const Layout wide = RandomLayout(rng, 700, 2, 0.02, 5000);
+  CheckLogProbAll<double>(rng, wide, 70, 7, true, 1e-10, "wide double");
+  CheckLogProbAll<float>(rng, wide, 70, 7, false, 2e-4, "wide float");
+  CheckLogProbAll<float>(rng, Balanced(1000, 2), 5, 3, true, 2e-4, "binary float");
+}
+
+// Upper quantile of chi-square with df degrees of freedom at z standard deviations
+// (Wilson-Hilferty); z = 6 puts a false failure near 1e-9.
+double ChiSquareThreshold(double df, double z) {
+  const double a = 2.0 / (9.0 * df);
+  return df * std::pow(1 - a + z * std::sqrt(a), 3);
+}
+
+template <typename T>
+void CheckSampleDistribution(std::mt19937_64& rng, const Layout& t, double temperature,
+                             const char* what) {
+  const int64 C = t.num_classes, D = 6, draws = 40000;
+  Problem<T> one = RandomProblem<T>(rng, t, 1, D, true, 0.7);
+  Problem<T> pr = one;
+  pr.N = draws;
+  pr.h.resize(draws * D);
+  for (int64 i = 0; i < draws; ++i) std::copy(one.h.begin(), one.h.end(), pr.h.begin() + i * D);
+  std::vector<int64> out(draws);
+  const std::string err = Sample<T>(t.view(), pr.params(), draws, 12345, T(temperature),
+                                    ThreadedFor(2), out.data());
+  EXPECT(err.empty(), "%s", err.c_str());
+  const std::vector<long double> ref = Reference(t, one, temperature);
+  std::vector<double> count(C, 0);
+  for (int64 c : out) {
+    EXPECT(c >= 0 && c < C, "%s: sampled %ld", what, (long)c);
+    if (c >= 0 && c < C) ++count[c];
+  }
+  // Pool classes with expected count < 5 into one bin.
+  double chi2 = 0, pooled_obs = 0, pooled_exp = 0;
+  int64 bins = 0;
+  for (int64 c = 0; c < C; ++c) {
+    const double expected = draws * std::exp((double)ref[c]);
+    if (expected < 5) {
+      pooled_obs += count[c];
+      pooled_exp += expected;
+      continue;
+    }
+    chi2 += (count[c] - expected) * (count[c] - expected) / expected;
+    ++bins;
+  }
+  if (pooled_exp > 0) {
+    chi2 += (pooled_obs - pooled_exp) * (pooled_obs - pooled_exp) / std::max(pooled_exp, 1.0);
+    ++bins;
+  }
+  const double limit = ChiSquareThreshold(std::max<int64>(bins - 1, 1), 6);
+  EXPECT(chi2 < limit, "%s: chi-square %g over %ld bins exceeds %g", what, chi2, (long)bins, limit);
+  std::printf("  %s: chi-square %.1f, %ld bins, threshold %.1f\n", what, chi2, (long)bins, limit);
+}
+
+void TestSample() {
+  std::mt19937_64 rng(14);
+  // Random trees with 30..80 classes.
+  auto tree = [&rng](int64 branching, int64 depth) {
+    for (;;) {
+      Layout t = RandomLayout(rng, branching, depth, 0.5, 60);
+      if (t.num_classes >= 30 && t.num_classes <= 80) return t;
+    }
+  };
+  CheckSampleDistribution<double>(rng, tree(8, 4), 1.0, "double T=1");
+  CheckSampleDistribution<float>(rng, tree(8, 4), 1.0, "float T=1");
+  CheckSampleDistribution<float>(rng, tree(6, 5), 2.5, "float T=2.5");
+  CheckSampleDistribution<double>(rng, tree(3, 8), 0.5, "double deep T=0.5");
+  CheckSampleDistribution<float>(rng, RandomLayout(rng, 200, 1, 0.0, 200), 0.7, "float wide T=0.7");
+  // Reproducible, and independent of threads; another seed gives other samples.
+  const Layout t = RandomLayout(rng, 20, 4, 0.4, 500);
+  const Problem<float> pr = RandomProblem<float>(rng, t, 300, 8, true, 0.5);
+  std::vector<int64> a(pr.N), b(pr.N), c(pr.N);
+  Sample<float>(t.view(), pr.params(), pr.N, 7, 1.0f, SerialFor, a.data());
+  Sample<float>(t.view(), pr.params(), pr.N, 7, 1.0f, ThreadedFor(3), b.data());
+  Sample<float>(t.view(), pr.params(), pr.N, 8, 1.0f, SerialFor, c.data());
+  EXPECT(a == b, "samples depend on threads");
+  EXPECT(a != c, "seed has no effect");
+  // A tiny temperature samples the mode of each node's softmax.
+  Sample<float>(t.view(), pr.params(), pr.N, 9, 1e-30f, SerialFor, c.data());
+  const std::vector<long double> ref = Reference(t, pr, 1e-6);
+  for (int64 i = 0; i < pr.N; ++i) {
+    EXPECT(c[i] >= 0 && ref[i * t.num_classes + c[i]] > -1e-3, "row %ld: greedy class %ld",
+           (long)i, (long)c[i]);
+  }
+}
+
+template <typename T>
+void CheckCandidates(std::mt19937_64& rng, const Layout& t, int64 N, int64 Mc, double tol,
+                     const char* what) {
+  const Problem<T> pr = RandomProblem<T>(rng, t, N, 1 + rng() % 20, rng() % 2, 0.5);
+  const std::vector<long double> ref = Reference(t, pr);
+  std::vector<int64> cand(N * Mc);
+  for (auto& c : cand) c = rng() % t.num_classes;
+  if (N * Mc > 1) cand[1] = cand[0];  // repeated candidates
+  std::vector<T> out(N * Mc), out2(N * Mc);
+  std::string err = LogProbCandidates<T>(t.view(), pr.params(), N, cand.data(), Mc, SerialFor,
+                                         out.data());
+  EXPECT(err.empty(), "%s", err.c_str());
+  for (int64 i = 0; i < N; ++i)
+    for (int64 m = 0; m < Mc; ++m)
+      EXPECT(Close(out[i * Mc + m], ref[i * t.num_classes + cand[i * Mc + m]], tol),
+             "%s (%ld, %ld): %g vs %g", what, (long)i, (long)m, (double)out[i * Mc + m],
+             (double)ref[i * t.num_classes + cand[i * Mc + m]]);
+  err = LogProbCandidates<T>(t.view(), pr.params(), N, cand.data(), Mc, ThreadedFor(3),
+                             out2.data());
+  EXPECT(SameBits(out, out2), "%s: candidates depend on threads", what);
+}
+
+void TestCandidates() {
+  std::mt19937_64 rng(15);
+  for (int trial = 0; trial < 16; ++trial) {
+    const Layout t = RandomLayout(rng, 1 + trial % 4 * 15, 1 + trial % 6, 0.4, 300);
+    const int64 N = rng() % 80, Mc = rng() % 9;
+    CheckCandidates<double>(rng, t, N, Mc, 1e-10, "double");
+    CheckCandidates<float>(rng, t, N, Mc, 2e-4, "float");
+  }
+  CheckCandidates<float>(rng, RandomLayout(rng, 500, 2, 0.02, 3000), 70, 30, 2e-4, "wide");
+}
+
+void TestDeterminism() {
+  std::mt19937_64 rng(16);
+  const Layout t = RandomLayout(rng, 40, 4, 0.2, 3000);
+  const Problem<float> pr = RandomProblem<float>(rng, t, 150, 19, true, 0.3);
+  const TopKResult<float> a = RunTopK(t, pr, 9, SerialFor);
+  const std::vector<float> all_a = RunAll(t, pr, 0, t.num_classes, SerialFor);
+  for (int threads : {2, 5}) {
+    const TopKResult<float> b = RunTopK(t, pr, 9, ThreadedFor(threads));
+    EXPECT(SameBits(a.log_probs, b.log_probs) && a.classes == b.classes &&
+               a.expanded == b.expanded,
+           "top_k depends on threads (%d)", threads);
+    EXPECT(SameBits(all_a, RunAll(t, pr, 0, t.num_classes, ThreadedFor(threads))),
+           "log_prob_all depends on threads (%d)", threads);
+  }
+}
+
+void TestNonFinite() {
+  std::mt19937_64 rng(17);
+  const Layout t = RandomLayout(rng, 10, 3, 0.4, 100);
+  Problem<float> pr = RandomProblem<float>(rng, t, 6, 5, true, 0.5);
+  pr.h[2 * pr.D + 1] = NAN;
+  const TopKResult<float> r = RunTopK(t, pr, 3, SerialFor);
+  EXPECT(r.err.empty(), "%s", r.err.c_str());
+  for (int64 i = 0; i < pr.N; ++i)
+    EXPECT(std::isnan(r.log_probs[i * 3]) == (i == 2), "top_k nan row %ld", (long)i);
+  const std::vector<float> all = RunAll(t, pr, 0, t.num_classes, SerialFor);
+  for (int64 i = 0; i < pr.N; ++i)
+    EXPECT(std::isnan(all[i * t.num_classes]) == (i == 2), "log_prob_all nan row %ld", (long)i);
+  std::vector<int64> s(pr.N);
+  Sample<float>(t.view(), pr.params(), pr.N, 1, 1.0f, SerialFor, s.data());
+  for (int64 i = 0; i < pr.N; ++i)
+    EXPECT((s[i] == -1) == (i == 2), "sample nan row %ld -> %ld", (long)i, (long)s[i]);
+  // A -inf bias masks its class for sampling and top-k.
+  Problem<float> masked = RandomProblem<float>(rng, t, 200, 5, true, 0.5);
+  const int64 slot = t.path_slots[t.path_begin[0 + 1] - 1];  // class 0's last slot
+  masked.b[slot] = -INFINITY;
+  std::vector<int64> sm(masked.N);
+  Sample<float>(t.view(), masked.params(), masked.N, 3, 1.0f, SerialFor, sm.data());
+  for (int64 c : sm) EXPECT(c != 0 && c >= 0, "masked class sampled: %ld", (long)c);
+}
+
+void TestValidation() {
+  std::mt19937_64 rng(18);
+  const Layout t = RandomLayout(rng, 6, 3, 0.5, 40);
+  const int64 C = t.num_classes;
+  const Problem<float> pr = RandomProblem<float>(rng, t, 5, 3, true, 0.5);
+  auto topk_err = [&](const Layout& l, int64 k) { return RunTopK(l, pr, k, SerialFor).err; };
+  auto all_err = [&](const Layout& l, int64 b, int64 e) {
+    std::string err;
+    RunAll(l, pr, b, e, SerialFor, &err);
+    return err;
+  };
+  auto sample_err = [&](const Layout& l, float temp) {
+    std::vector<int64> out(pr.N);
+    return Sample<float>(l.view(), pr.params(), pr.N, 1, temp, SerialFor, out.data());
+  };
+  auto has = [](const std::string& s, const char* what) { return s.find(what) != std::string::npos; };
+  EXPECT(has(topk_err(t, 0), "k = 0"), "k=0");
+  EXPECT(has(topk_err(t, C + 1), "k = "), "k=C+1");
+  EXPECT(topk_err(t, C).empty(), "k=C");
+  EXPECT(has(all_err(t, -1, 3), "class_range"), "range -1");
+  EXPECT(has(all_err(t, 3, 2), "class_range"), "range reversed");
+  EXPECT(has(all_err(t, 0, C + 1), "class_range"), "range beyond C");
+  EXPECT(all_err(t, 2, 2).empty(), "empty range");
+  for (float temp : {0.0f, -1.0f, NAN, INFINITY})
+    EXPECT(has(sample_err(t, temp), "temperature"), "temperature %g", temp);
+  std::vector<int64> cand = {0, C, 1, 2, 3, 4, 0, 1, 2, 3};
+  std::vector<float> out(10);
+  std::string err = LogProbCandidates<float>(t.view(), pr.params(), 5, cand.data(), 2, SerialFor,
+                                             out.data());
+  EXPECT(has(err, "candidates[0, 1]"), "candidate out of range: %s", err.c_str());
+  cand[1] = -4;
+  err = LogProbCandidates<float>(t.view(), pr.params(), 5, cand.data(), 2, SerialFor, out.data());
+  EXPECT(has(err, "= -4"), "negative candidate: %s", err.c_str());
+
+  // Malformed trees: every op reports it, none reads out of bounds (run under ASan to be
+  // sure; here at least nothing crashes).
+  auto check_all_ops = [&](const Layout& bad, const char* pattern, const char* what) {
+    const std::string e1 = topk_err(bad, bad.num_classes), e2 = all_err(bad, 0, bad.num_classes);
+    const std::string e3 = sample_err(bad, 1.0f);
+    EXPECT(has(e1, pattern), "%s top_k: %s", what, e1.c_str());
+    EXPECT(has(e2, pattern), "%s log_prob_all: %s", what, e2.c_str());
+    (void)e3;  // sampling may not reach the bad node; it must only not crash
+  };
+  Layout bad = t;
+  bad.slot_child[0] = C + bad.num_nodes();
+  check_all_ops(bad, "slot_child[0]", "code past the end");
+  bad = t;
+  bad.slot_child[0] = -1;
+  check_all_ops(bad, "slot_child[0]", "negative code");
+  bad = t;
+  bad.slot_child[0] = C;  // the root as its own child
+  check_all_ops(bad, "numbered after its parent", "cycle");
+  bad = t;
+  bad.child_begin[1] = 1 << 30;
+  check_all_ops(bad, "child_begin", "slot range");
+  bad = t;
+  bad.child_begin[1] = bad.child_begin[0];
+  check_all_ops(bad, "child_begin", "empty node");
+  // A class listed twice (another one is then missing).
+  bad = t;
+  std::vector<int64> class_slots;
+  for (int64 s = 0; s < bad.num_slots(); ++s)
+    if (bad.slot_child[s] < C) class_slots.push_back(s);
+  bad.slot_child[class_slots[1]] = bad.slot_child[class_slots[0]];
+  EXPECT(has(all_err(bad, 0, C), "class"), "duplicate class");
+  EXPECT(!topk_err(bad, C).empty(), "duplicate class top_k");
+  // A node listed twice: some other node becomes unreachable.
+  bad = t;
+  std::vector<int64> node_slots;
+  for (int64 s = 0; s < bad.num_slots(); ++s)
+    if (bad.slot_child[s] >= C) node_slots.push_back(s);
+  if (node_slots.size() >= 2) {
+    bad.slot_child[node_slots.back()] = bad.slot_child[node_slots[node_slots.size() - 2]];
+    EXPECT(has(all_err(bad, 0, C), "node"), "duplicate node: %s", all_err(bad, 0, C).c_str());
+  }
+  // Chunked mode reads the paths: corrupt one.
+  bad = t;
+  bad.path_nodes[bad.path_begin[1]] = 1 << 30;
+  EXPECT(has(all_err(bad, 1, 2), "path_nodes"), "path node");
+  bad = t;
+  bad.path_begin[1] = -5;
+  EXPECT(has(all_err(bad, 0, 1), "path_begin"), "path begin");
+  bad = t;
+  bad.path_slots[bad.path_begin[0]] = 1 << 30;
+  cand = {0};
+  err = LogProbCandidates<float>(bad.view(), pr.params(), 1, cand.data(), 1, SerialFor, out.data());
+  EXPECT(has(err, "path_slots"), "candidates path slot: %s", err.c_str());
+  // No slot_child.
+  TreeView v = t.view();
+  v.slot_child = nullptr;
+  std::vector<float> lp(pr.N);
+  std::vector<int64> cl(pr.N), ex(pr.N);
+  EXPECT(has(TopK<float>(v, pr.params(), pr.N, 1, SerialFor, lp.data(), cl.data(), ex.data()),
+             "slot_child"),
+         "missing slot_child");
+}
+
+}  // namespace
+}  // namespace tf_hsm
+
+int main() {
+  struct {
+    const char* name;
+    void (*fn)();
+  } tests[] = {
+      {"top_k_against_reference", tf_hsm::TestTopKAgainstReference},
+      {"top_k_ties", tf_hsm::TestTopKTies},
+      {"top_k_prunes", tf_hsm::TestTopKPrunes},
+      {"log_prob_all", tf_hsm::TestLogProbAll},
+      {"sample", tf_hsm::TestSample},
+      {"candidates", tf_hsm::TestCandidates},
+      {"determinism", tf_hsm::TestDeterminism},
+      {"non_finite", tf_hsm::TestNonFinite},
+      {"validation", tf_hsm::TestValidation},
+  };
+  int passed = 0, failed = 0;
+  for (auto& t : tests) {
+    const int before = tf_hsm::failures;
+    t.fn();
+    const bool ok = tf_hsm::failures == before;
+    std::printf("[%s] %s\n", ok ? "PASS" : "FAIL", t.name);
+    (ok ? passed : failed)++;
+  }
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
