@@ -108,3 +108,57 @@ def _log_prob_grad(op, upstream):
 
 
 tf.no_gradient("Hsm>LogProbGrad")
+
+
+def _variable_handle(variable, name):
+  """The resource handle of a tf.Variable or a Keras 3 variable."""
+  for candidate in (variable, getattr(variable, "value", None)):
+    handle = getattr(candidate, "handle", None)
+    if handle is not None and handle.dtype == tf.resource:
+      return handle
+  raise TypeError(f"{name} must be a tf.Variable or keras.Variable, got "
+                  f"{type(variable).__name__}")
+
+
+def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=None):
+  """One fused hierarchical-softmax training step with in-place SGD on the table.
+
+  Computes log P(targets | hidden), then updates every visited weight row (and bias) in
+  place, W[s] -= learning_rate * dloss/dW[s] with loss = -sum(loss_scale * log_prob),
+  without materialising a gradient: a step needs no memory beyond the table, the batch and
+  a bounded scratch, and no optimizer pass over gradient rows. The update equals what
+  `tf.keras.optimizers.SGD(learning_rate)` does with the gradient of `log_prob`.
+
+  Args:
+    hidden: [..., D] float32/float64 hidden states.
+    weights: a `tf.Variable` (or Keras variable) [tree.num_slots, D] of hidden's dtype.
+    biases: a variable [tree.num_slots], or None.
+    tree: a `tf_hsm.Tree`.
+    targets: int32/int64 class ids with hidden's leading shape.
+    learning_rate: scalar.
+    loss_scale: weight of each token's negative log-likelihood, targets' shape; default
+      1 / number of tokens (the mean). Zero for padding tokens.
+
+  Returns:
+    (log_prob, hidden_grad): log-probabilities before the update (targets' shape) and
+    dloss/dhidden (hidden's shape), to continue backpropagation into the model below, e.g.
+    `tape.gradient(hidden, model_vars, output_gradients=hidden_grad)`.
+  """
+  t = _tree_tensors(tree)
+  hidden = tf.convert_to_tensor(hidden)
+  if hidden.dtype not in _FLOAT_TYPES:
+    raise TypeError(f"hidden must be float32 or float64, got {hidden.dtype.name}")
+  targets = _class_ids(targets, "targets")
+  if loss_scale is None:
+    count = tf.cast(tf.size(targets), hidden.dtype)
+    loss_scale = tf.fill(tf.shape(targets), 1.0 / tf.maximum(count, 1.0))
+  loss_scale = tf.cast(loss_scale, hidden.dtype)
+  weights_handle = _variable_handle(weights, "weights")
+  biases_handle = weights_handle if biases is None else _variable_handle(biases, "biases")
+  return _loader.ops().hsm_sgd_step(
+      hidden, weights_handle, biases_handle, targets, t["child_begin"], t["path_begin"],
+      t["path_nodes"], t["path_slots"], loss_scale, tf.cast(learning_rate, hidden.dtype),
+      use_bias=biases is not None)
+
+
+tf.no_gradient("Hsm>SgdStep")

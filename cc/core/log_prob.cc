@@ -19,7 +19,7 @@ constexpr int64 kPackMinTokens = 16;  // fewer tokens use the unpacked dot-produ
 // Per-thread scratch, grown on demand and reused, so no work item allocates per token.
 template <typename T>
 struct Scratch {
-  std::vector<T> tile, exps, row_max, row_sum, taken_logit, lse, panels;
+  std::vector<T> tile, exps, row_max, row_sum, taken_logit, lse, panels, sgd_rows, sgd_bias;
   std::vector<const T*> rows;
   std::vector<T*> out_rows;
 };
@@ -206,23 +206,50 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     auto whole_group = [&](int64 g) {
       return plan.group_begin[g + 1] - plan.group_begin[g] <= kTokenTile;
     };
-    // dW rows [k0, k0 + kb) of group g (and db) += coef^T @ H over nt tokens from entry e.
-    auto accumulate_rows = [&](int64 g, int64 k0, int64 kb, const T* z, int64 ld,
-                               const T* const* rows, int64 nt) {
+    // The weight-gradient rows [k0, k0 + kb) of group g go either to the output rows or,
+    // for in-place SGD, to a per-thread scratch block applied to the table when complete.
+    const bool sgd = grads.sgd_weights != nullptr;
+    struct RowBlock {
+      T* dw;
+      T* db;
+    };
+    auto begin_rows = [&](int64 g, int64 k0, int64 kb) -> RowBlock {
+      RowBlock out;
       const int64 row0 = plan.group_row[g] + k0;
-      simd::AccumulateTransposed<T>(grads.weight_rows + row0 * D, D, kb, z, ld, rows, nt, D);
-      if (grads.bias_rows != nullptr) {
-        T* db = grads.bias_rows + row0;
+      const bool with_bias = p.biases != nullptr && (sgd ? grads.sgd_biases != nullptr
+                                                          : grads.bias_rows != nullptr);
+      if (sgd) {
+        Scratch<T>& s = ThreadScratch<T>();
+        out.dw = Grow(&s.sgd_rows, kb * D);
+        out.db = with_bias ? Grow(&s.sgd_bias, kb) : nullptr;
+      } else {
+        out.dw = grads.weight_rows + row0 * D;
+        out.db = with_bias ? grads.bias_rows + row0 : nullptr;
+        const int64 first = tree.child_begin[plan.group_node[g]] + k0;
+        for (int64 j = 0; j < kb; ++j) grads.row_ids[row0 + j] = first + j;
+      }
+      std::fill(out.dw, out.dw + kb * D, T(0));
+      if (out.db != nullptr) std::fill(out.db, out.db + kb, T(0));
+      return out;
+    };
+    // block += coef^T @ H over nt tokens (and db += column sums of coef).
+    auto accumulate_rows = [&](const RowBlock& block, int64 kb, const T* z, int64 ld,
+                               const T* const* rows, int64 nt) {
+      simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D);
+      if (block.db != nullptr) {
         for (int64 r = 0; r < nt; ++r)
-          for (int64 j = 0; j < kb; ++j) db[j] += z[r * ld + j];
+          for (int64 j = 0; j < kb; ++j) block.db[j] += z[r * ld + j];
       }
     };
-    auto clear_rows = [&](int64 g, int64 k0, int64 kb) {
-      const int64 row0 = plan.group_row[g] + k0;
-      std::fill(grads.weight_rows + row0 * D, grads.weight_rows + (row0 + kb) * D, T(0));
-      if (grads.bias_rows != nullptr) std::fill(grads.bias_rows + row0, grads.bias_rows + row0 + kb, T(0));
+    auto end_rows = [&](int64 g, int64 k0, int64 kb, const RowBlock& block) {
+      if (!sgd) return;
       const int64 first = tree.child_begin[plan.group_node[g]] + k0;
-      for (int64 j = 0; j < kb; ++j) grads.row_ids[row0 + j] = first + j;
+      const T lr = grads.sgd_learning_rate;
+      T* w = grads.sgd_weights + first * D;
+      for (int64 i = 0; i < kb * D; ++i) w[i] -= lr * block.dw[i];
+      if (block.db != nullptr) {
+        for (int64 j = 0; j < kb; ++j) grads.sgd_biases[first + j] -= lr * block.db[j];
+      }
     };
 
     // Phase A: per token tile, logsumexp, coefficients, and dh += coef @ W_node. Within a
@@ -261,8 +288,9 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           }
           simd::AccumulateRows<T>(out_rows, it.count, z, ld, p.weights + (blk.first_slot + k0) * D, D, kb, D);
           if (owns_rows) {
-            clear_rows(it.group, k0, kb);
-            accumulate_rows(it.group, k0, kb, z, ld, rows, it.count);
+            const RowBlock block = begin_rows(it.group, k0, kb);
+            accumulate_rows(block, kb, z, ld, rows, it.count);
+            end_rows(it.group, k0, kb, block);
           }
         }
       }
@@ -289,7 +317,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         const Item& ch = chunks[c];
         const int64 g = ch.group, k0 = ch.offset, kb = ch.count;
         const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[g]);
-        clear_rows(g, k0, kb);
+        const RowBlock block = begin_rows(g, k0, kb);
         const int64 e_begin = plan.group_begin[g], n = plan.group_begin[g + 1] - e_begin;
         Scratch<T>& s = ThreadScratch<T>();
         T* tile = Grow(&s.tile, kTokenTile * kSlotTile);
@@ -298,7 +326,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           const T** rows = Grow(&s.rows, nt);
           for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e_begin + t0 + r] * D;
           if (keep) {
-            accumulate_rows(g, k0, kb, coef_store.data() + coef_offset[g] + t0 * blk.size + k0,
+            accumulate_rows(block, kb, coef_store.data() + coef_offset[g] + t0 * blk.size + k0,
                             blk.size, rows, nt);
           } else {
             Logits(p, rows, nt, blk, k0, kb, tile, kGradSlotTile);
@@ -307,9 +335,10 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
               Coefficients(tile + r * kGradSlotTile, kb, entry_lse[e], upstream[plan.entry_token[e]],
                            plan.entry_slot[e] - blk.first_slot - k0);
             }
-            accumulate_rows(g, k0, kb, tile, kGradSlotTile, rows, nt);
+            accumulate_rows(block, kb, tile, kGradSlotTile, rows, nt);
           }
         }
+        end_rows(g, k0, kb, block);
       }
     });
   }

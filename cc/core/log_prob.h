@@ -38,6 +38,16 @@ struct LogProbGrads {
   T* weight_rows = nullptr;  // [num_rows, dim]
   T* bias_rows = nullptr;    // [num_rows], or nullptr when there is no bias
   int64* row_ids = nullptr;  // [num_rows]
+
+  // In-place SGD instead of sparse gradient rows: when sgd_weights is set, every visited
+  // weight row is updated as W[s] -= sgd_learning_rate * dW[s] (biases likewise when
+  // sgd_biases is set) and weight_rows / bias_rows / row_ids are not written. sgd_weights
+  // may alias SoftmaxParams::weights: a row is only updated after its last read. No
+  // gradient tensor is ever materialised, so a training step needs no memory beyond the
+  // table, the batch and a bounded scratch.
+  T* sgd_weights = nullptr;
+  T* sgd_biases = nullptr;
+  T sgd_learning_rate = 0;
 };
 
 // Upper bound (in elements) on the softmax coefficients kept between the dh and dW phases

@@ -14,9 +14,14 @@ using ::tensorflow::TensorShape;
 namespace errors = ::tensorflow::errors;
 
 Status ReadSoftmaxInputs(OpKernelContext* ctx, SoftmaxInputs* in) {
-  in->hidden = &ctx->input(0);
-  in->weights = &ctx->input(1);
-  in->biases = &ctx->input(2);
+  return CheckSoftmaxTensors(ctx->input(0), ctx->input(1), ctx->input(2), in);
+}
+
+Status CheckSoftmaxTensors(const Tensor& hidden, const Tensor& weights, const Tensor& biases,
+                           SoftmaxInputs* in) {
+  in->hidden = &hidden;
+  in->weights = &weights;
+  in->biases = &biases;
   if (in->hidden->dims() < 1) {
     return errors::InvalidArgument("hidden must have rank >= 1, got shape ",
                                    in->hidden->shape().DebugString());

@@ -22,8 +22,13 @@ struct SoftmaxInputs {
   bool has_bias = false;
 };
 
-// Validates hidden [..., D], weights [S, D], biases [S] or [0].
+// Validates hidden [..., D], weights [S, D], biases [S] or [0] at inputs 0..2.
 ::tensorflow::Status ReadSoftmaxInputs(::tensorflow::OpKernelContext* ctx, SoftmaxInputs* in);
+
+// The same checks for tensors that do not come straight from inputs (variables).
+::tensorflow::Status CheckSoftmaxTensors(const ::tensorflow::Tensor& hidden,
+                                         const ::tensorflow::Tensor& weights,
+                                         const ::tensorflow::Tensor& biases, SoftmaxInputs* in);
 
 // Validates the rank-1 int64 tree tensors child_begin, path_begin, path_nodes, path_slots at
 // inputs first..first+3 (and slot_child at `slot_child_input` when >= 0) and fills *tree.

@@ -109,4 +109,51 @@ bias_grad_rows: [num_rows], or [0] without biases.
 row_ids: [num_rows] int64 weight-row ids.
 )doc");
 
+REGISTER_OP("Hsm>SgdStep")
+    .Input("hidden: T")
+    .Input("weights: resource")
+    .Input("biases: resource")
+    .Input("targets: Tidx")
+    .Input("child_begin: int64")
+    .Input("path_begin: int64")
+    .Input("path_nodes: int64")
+    .Input("path_slots: int64")
+    .Input("loss_scale: T")
+    .Input("learning_rate: T")
+    .Output("log_prob: T")
+    .Output("hidden_grad: T")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .Attr("use_bias: bool")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle hidden, batch, unused;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &hidden));
+      TF_RETURN_IF_ERROR(c->Subshape(hidden, 0, -1, &batch));
+      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &batch));
+      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(8), &batch));
+      for (int i = 4; i < 8; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(9), 0, &unused));
+      c->set_output(0, batch);
+      c->set_output(1, hidden);
+      return Status();
+    })
+    .Doc(R"doc(
+One fused training step of the hierarchical softmax with in-place SGD on the table.
+
+With loss = -sum(loss_scale * log_prob), updates every weight row (and bias) the batch
+visits as W[s] -= learning_rate * dloss/dW[s], without materialising any gradient tensor,
+and returns the log-probabilities before the update and dloss/dhidden, so the rest of a
+model can be trained from it. The variables are locked for the step.
+
+hidden: [..., D] hidden states.
+weights: a resource variable [num_slots, D] of dtype T.
+biases: a resource variable [num_slots] of dtype T; ignored unless use_bias.
+targets: hidden's leading shape; class ids in [0, num_classes).
+loss_scale: targets' shape; the weight of each token's negative log-likelihood.
+learning_rate: scalar.
+log_prob: targets' shape, before the update.
+hidden_grad: hidden's shape, dloss/dhidden.
+)doc");
+
 }  // namespace tf_hsm

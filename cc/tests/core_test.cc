@@ -300,6 +300,58 @@ void TestDeterminism() {
   }
 }
 
+// In-place SGD gives the table that applying the sparse gradient rows would give, and the
+// same hidden gradient.
+void TestInPlaceSgd() {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> normal(0, 1);
+  for (int trial = 0; trial < 8; ++trial) {
+    const OwnedTree t = RandomTree(rng, 1 + trial * 20, 1 + trial % 5, 0.3, 2000);
+    const int64 N = 1 + rng() % 300, D = 1 + rng() % 70;
+    const int64 S = static_cast<int64>(t.slot_child.size());
+    std::vector<double> h(N * D), w(S * D), b(S), up(N);
+    for (auto& v : h) v = normal(rng);
+    for (auto& v : w) v = 0.3 * normal(rng);
+    for (auto& v : b) v = normal(rng);
+    for (auto& v : up) v = normal(rng);
+    std::vector<int64> targets(N);
+    for (auto& v : targets) v = rng() % t.num_classes;
+    const double lr = 0.37;
+    for (int64 budget : {kDefaultCoefBudget, int64{0}}) {
+      const Run<double> ref = RunCore<double>(t, h, w, &b, targets, up, D, SerialFor, budget);
+      std::vector<double> w_ref = w, b_ref = b;
+      for (size_t r = 0; r < ref.row_ids.size(); ++r) {
+        for (int64 d = 0; d < D; ++d) w_ref[ref.row_ids[r] * D + d] -= lr * ref.d_rows[r * D + d];
+        b_ref[ref.row_ids[r]] -= lr * ref.d_bias_rows[r];
+      }
+      std::vector<double> w_sgd = w, b_sgd = b, dh(N * D), lp(N);
+      VisitPlan plan;
+      BuildVisitPlan(t.view(), targets.data(), N, &plan);
+      SoftmaxParams<double> p;
+      p.hidden = h.data();
+      p.weights = w_sgd.data();  // aliases the table being updated, as in the op
+      p.biases = b_sgd.data();
+      p.dim = D;
+      LogProbForward<double>(plan, t.view(), p, ThreadedFor(3), lp.data());
+      LogProbGrads<double> g;
+      g.hidden = dh.data();
+      g.sgd_weights = w_sgd.data();
+      g.sgd_biases = b_sgd.data();
+      g.sgd_learning_rate = lr;
+      LogProbBackward<double>(plan, t.view(), p, up.data(), ThreadedFor(3), g, budget);
+      for (size_t i = 0; i < w.size(); ++i) {
+        EXPECT(std::fabs(w_sgd[i] - w_ref[i]) <= 1e-12 * (1 + std::fabs(w_ref[i])),
+               "w[%zu] %.17g vs %.17g", i, w_sgd[i], w_ref[i]);
+      }
+      for (size_t i = 0; i < b.size(); ++i) {
+        EXPECT(std::fabs(b_sgd[i] - b_ref[i]) <= 1e-12 * (1 + std::fabs(b_ref[i])), "b[%zu]", i);
+      }
+      EXPECT(SameBits(dh, ref.d_hidden), "dh differs in SGD mode");
+      EXPECT(SameBits(lp, ref.log_prob), "log_prob differs in SGD mode");
+    }
+  }
+}
+
 void TestNanStaysInItsRow() {
   std::mt19937_64 rng(3);
   const OwnedTree t = RandomTree(rng, 10, 3, 0.3, 200);
@@ -381,6 +433,7 @@ int main() {
       {"against_reference", tf_hsm::TestAgainstReference},
       {"determinism", tf_hsm::TestDeterminism},
       {"nan_stays_in_its_row", tf_hsm::TestNanStaysInItsRow},
+      {"in_place_sgd", tf_hsm::TestInPlaceSgd},
       {"validation", tf_hsm::TestValidation},
   };
   int passed = 0, failed = 0;

@@ -1,0 +1,137 @@
+// OpKernel for Hsm>SgdStep: the forward pass, then the backward pass with in-place SGD on
+// the table's resource variables, under their locks.
+#include <cstring>
+#include <optional>
+
+#include "cc/core/log_prob.h"
+#include "cc/core/visit_plan.h"
+#include "cc/kernels/hsm_inputs.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+
+namespace tf_hsm {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::Var;
+namespace errors = ::tensorflow::errors;
+
+namespace {
+
+// The variable's tensor, made exclusively ours: if a reader still shares its buffer, the
+// buffer is copied first, as TensorFlow's own training ops do, so that the reader keeps
+// the values it read.
+template <typename T>
+Status ExclusiveTensor(OpKernelContext* ctx, Var* var, const char* name, Tensor** out) {
+  Tensor* t = var->tensor();
+  if (!t->IsInitialized()) return errors::FailedPrecondition(name, " is not initialized");
+  if (t->dtype() != ::tensorflow::DataTypeToEnum<T>::value) {
+    return errors::InvalidArgument(name, " has dtype ", ::tensorflow::DataTypeString(t->dtype()),
+                                   " but hidden has ",
+                                   ::tensorflow::DataTypeString(::tensorflow::DataTypeToEnum<T>::value));
+  }
+  if (var->copy_on_read_mode.load() || !t->RefCountIsOne()) {
+    Tensor copy;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &copy));
+    if (t->NumElements() > 0) {
+      std::memcpy(copy.flat<T>().data(), t->flat<T>().data(), t->NumElements() * sizeof(T));
+    }
+    *t = copy;
+  }
+  *out = t;
+  return Status();
+}
+
+template <typename T>
+class SgdStepOp : public OpKernel {
+ public:
+  explicit SgdStepOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("use_bias", &use_bias_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<Var> weights_var, biases_var;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 1), &weights_var));
+    if (use_bias_) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 2), &biases_var));
+      OP_REQUIRES(ctx, biases_var.get() != weights_var.get(),
+                  errors::InvalidArgument("weights and biases must be different variables"));
+    }
+    ::tensorflow::mutex_lock weights_lock(*weights_var->mu());
+    std::optional<::tensorflow::mutex_lock> biases_lock;
+    if (use_bias_) {
+      biases_lock.emplace(*biases_var->mu());
+    }
+    Tensor* weights = nullptr;
+    Tensor* biases = nullptr;
+    OP_REQUIRES_OK(ctx, ExclusiveTensor<T>(ctx, weights_var.get(), "weights", &weights));
+    Tensor no_bias(::tensorflow::DataTypeToEnum<T>::value, ::tensorflow::TensorShape({0}));
+    if (use_bias_) {
+      OP_REQUIRES_OK(ctx, ExclusiveTensor<T>(ctx, biases_var.get(), "biases", &biases));
+    } else {
+      biases = &no_bias;
+    }
+
+    SoftmaxInputs in;
+    OP_REQUIRES_OK(ctx, CheckSoftmaxTensors(ctx->input(0), *weights, *biases, &in));
+    OP_REQUIRES(ctx, !use_bias_ || in.has_bias,
+                errors::InvalidArgument("biases must have one entry per weight row"));
+    TreeView tree;
+    OP_REQUIRES_OK(ctx, ReadTree(ctx, 4, -1, weights->dim_size(0), &tree));
+    const auto batch = BatchShape(*in.hidden);
+    std::vector<int64> targets;
+    OP_REQUIRES_OK(ctx, ReadClassIds(ctx->input(3), "targets", batch, &targets));
+    const Tensor& scale = ctx->input(8);
+    const Tensor& learning_rate = ctx->input(9);
+    OP_REQUIRES(ctx, scale.shape() == batch,
+                errors::InvalidArgument("loss_scale must have shape ", batch.DebugString(),
+                                        ", got ", scale.shape().DebugString()));
+    OP_REQUIRES(ctx, learning_rate.dims() == 0,
+                errors::InvalidArgument("learning_rate must be a scalar, got shape ",
+                                        learning_rate.shape().DebugString()));
+    VisitPlan plan;
+    const std::string problem = BuildVisitPlan(tree, targets.data(), in.num_tokens, &plan);
+    OP_REQUIRES(ctx, problem.empty(), errors::InvalidArgument(problem));
+
+    Tensor *log_prob, *hidden_grad;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, batch, &log_prob));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, in.hidden->shape(), &hidden_grad));
+    T* w = weights->flat<T>().data();
+    T* b = use_bias_ ? biases->flat<T>().data() : nullptr;
+    SoftmaxParams<T> params;
+    params.hidden = in.hidden->flat<T>().data();
+    params.weights = w;
+    params.biases = b;
+    params.dim = in.dim;
+    const ParallelFor parallel_for = CpuParallelFor(ctx);
+    LogProbForward<T>(plan, tree, params, parallel_for, log_prob->flat<T>().data());
+    // d loss / d log_prob = -loss_scale.
+    std::vector<T> upstream(in.num_tokens);
+    const T* s = scale.flat<T>().data();
+    for (int64 i = 0; i < in.num_tokens; ++i) upstream[i] = -s[i];
+    LogProbGrads<T> grads;
+    grads.hidden = hidden_grad->flat<T>().data();
+    grads.sgd_weights = w;
+    grads.sgd_biases = b;
+    grads.sgd_learning_rate = learning_rate.scalar<T>()();
+    LogProbBackward<T>(plan, tree, params, upstream.data(), parallel_for, grads);
+  }
+
+ private:
+  bool use_bias_ = false;
+};
+
+#define REGISTER_CPU(T)                                                                   \
+  REGISTER_KERNEL_BUILDER(Name("Hsm>SgdStep").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          SgdStepOp<T>);
+REGISTER_CPU(float)
+REGISTER_CPU(double)
+#undef REGISTER_CPU
+
+}  // namespace
+}  // namespace tf_hsm
