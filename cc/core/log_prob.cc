@@ -15,11 +15,14 @@ constexpr int64 kTokenTile = 64;   // tokens per work item
 constexpr int64 kSlotTile = 128;   // weight rows per logits tile (stays in L2 with D <= 1K)
 constexpr int64 kGradSlotTile = 16;  // weight rows per dW work item
 constexpr int64 kPackMinTokens = 16;  // fewer tokens use the unpacked dot-product kernel
+// Largest tokens x branching block whose logits the one-pass backward keeps per thread.
+constexpr int64 kOnePassMaxLogits = int64{1} << 20;
 
 // Per-thread scratch, grown on demand and reused, so no work item allocates per token.
 template <typename T>
 struct Scratch {
-  std::vector<T> tile, exps, row_max, row_sum, taken_logit, lse, panels, sgd_rows, sgd_bias;
+  std::vector<T> tile, exps, row_max, row_sum, taken_logit, lse, panels, sgd_rows, sgd_bias,
+      dh_acc, logits;
   std::vector<const T*> rows;
   std::vector<T*> out_rows;
 };
@@ -131,6 +134,65 @@ void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
     }
   }
   for (int64 r = 0; r < nt; ++r) lse[r] = row_max[r] + std::log(row_sum[r]);
+}
+
+// Backward of a group that fits one token tile, reading the node's weight rows once: the
+// logits (kept in z[r * K + j]), the logsumexp and dh are computed together by an online
+// softmax, whose running sum of exp(z - max) * W rows is rescaled whenever the max grows;
+// dh += g * (W[taken] - sum_s p_s W[s]). The caller then turns z into dW without touching W.
+template <typename T>
+void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, int64 nt,
+                         const NodeBlock<T>& blk, const T* upstream, T* z, T* lse,
+                         T* hidden_grad) {
+  const int64 D = p.dim;
+  Scratch<T>& s = ThreadScratch<T>();
+  const T** rows = Grow(&s.rows, nt);
+  T** acc_rows = Grow(&s.out_rows, nt);
+  T* acc = Grow(&s.dh_acc, nt * D);
+  std::fill(acc, acc + nt * D, T(0));
+  for (int64 r = 0; r < nt; ++r) {
+    rows[r] = p.hidden + plan.entry_token[e0 + r] * D;
+    acc_rows[r] = acc + r * D;
+  }
+  T* e = Grow(&s.tile, kTokenTile * kSlotTile);
+  T* row_max = Grow(&s.row_max, nt);
+  T* row_sum = Grow(&s.row_sum, nt);
+  for (int64 r = 0; r < nt; ++r) {
+    row_max[r] = -std::numeric_limits<T>::infinity();
+    row_sum[r] = 0;
+  }
+  for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
+    const int64 kb = std::min(kSlotTile, blk.size - k0);
+    Logits(p, rows, nt, blk, k0, kb, z + k0, blk.size);
+    for (int64 r = 0; r < nt; ++r) {
+      const T* zr = z + r * blk.size + k0;
+      T chunk_max = -std::numeric_limits<T>::infinity();
+      for (int64 j = 0; j < kb; ++j) chunk_max = zr[j] > chunk_max ? zr[j] : chunk_max;
+      if (chunk_max > row_max[r]) {
+        const T scale = std::exp(row_max[r] - chunk_max);
+        row_sum[r] *= scale;
+        for (int64 d = 0; d < D; ++d) acc[r * D + d] *= scale;
+        row_max[r] = chunk_max;
+      }
+      T* er = e + r * kSlotTile;
+      for (int64 j = 0; j < kb; ++j) er[j] = zr[j] - row_max[r];
+      simd::ExpInPlace(er, kb);
+      T sum = row_sum[r];
+      for (int64 j = 0; j < kb; ++j) sum += er[j];
+      row_sum[r] = sum;
+    }
+    simd::AccumulateRows<T>(acc_rows, nt, e, kSlotTile, p.weights + (blk.first_slot + k0) * D, D,
+                            kb, D);
+  }
+  for (int64 r = 0; r < nt; ++r) {
+    lse[r] = row_max[r] + std::log(row_sum[r]);
+    const int64 token = plan.entry_token[e0 + r];
+    const T g = upstream[token];
+    const T inv_sum = T(1) / row_sum[r];
+    const T* taken = p.weights + plan.entry_slot[e0 + r] * D;
+    T* dh = hidden_grad + token * D;
+    for (int64 d = 0; d < D; ++d) dh[d] += g * (taken[d] - acc[r * D + d] * inv_sum);
+  }
 }
 
 // Work items: (group, first entry offset within the group) in tiles of `tile` tokens.
@@ -267,6 +329,25 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         Scratch<T>& s = ThreadScratch<T>();
         T* kept = keep ? coef_store.data() + coef_offset[it.group] + it.offset * blk.size : nullptr;
         T* lse = Grow(&s.lse, it.count);
+        if (owns_rows && it.count * blk.size <= kOnePassMaxLogits) {
+          // The choice depends on the plan only, never on the budget or the threads.
+          T* z = kept != nullptr ? kept : Grow(&s.logits, it.count * blk.size);
+          NodeBackwardOnePass(p, plan, e0, it.count, blk, upstream, z, lse, grads.hidden);
+          const T** rows = Grow(&s.rows, it.count);
+          for (int64 r = 0; r < it.count; ++r) {
+            entry_lse[e0 + r] = lse[r];
+            rows[r] = p.hidden + plan.entry_token[e0 + r] * D;
+            Coefficients(z + r * blk.size, blk.size, lse[r], upstream[plan.entry_token[e0 + r]],
+                         plan.entry_slot[e0 + r] - blk.first_slot);
+          }
+          for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
+            const int64 kb = std::min(kSlotTile, blk.size - k0);
+            const RowBlock block = begin_rows(it.group, k0, kb);
+            accumulate_rows(block, kb, z + k0, blk.size, rows, it.count);
+            end_rows(it.group, k0, kb, block);
+          }
+          continue;
+        }
         NodeLogSumExp(p, plan, e0, it.count, blk, kept, lse, static_cast<T*>(nullptr));
         for (int64 r = 0; r < it.count; ++r) entry_lse[e0 + r] = lse[r];
         // NodeLogSumExp may have used s.rows; rebuild the row pointers it shares.

@@ -23,9 +23,9 @@ namespace errors = ::tensorflow::errors;
 
 namespace {
 
-// The variable's tensor, made exclusively ours: if a reader still shares its buffer, the
-// buffer is copied first, as TensorFlow's own training ops do, so that the reader keeps
-// the values it read.
+// The variable's tensor, made safe to update in place: if a reader still shares its buffer
+// (and the variable is not in copy-on-read mode, where readers copy instead), the buffer
+// is copied first, as TensorFlow's own training ops do, so the reader keeps its values.
 template <typename T>
 Status ExclusiveTensor(OpKernelContext* ctx, Var* var, const char* name, Tensor** out) {
   Tensor* t = var->tensor();
@@ -35,7 +35,7 @@ Status ExclusiveTensor(OpKernelContext* ctx, Var* var, const char* name, Tensor*
                                    " but hidden has ",
                                    ::tensorflow::DataTypeString(::tensorflow::DataTypeToEnum<T>::value));
   }
-  if (var->copy_on_read_mode.load() || !t->RefCountIsOne()) {
+  if (!var->copy_on_read_mode.load() && !t->RefCountIsOne()) {
     Tensor copy;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &copy));
     if (t->NumElements() > 0) {
