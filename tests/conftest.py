@@ -15,13 +15,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+  gpu_items = [item for item in items if "gpu" in item.keywords]
+  if not gpu_items:
+    return
   import tensorflow as tf
   if tf.config.list_physical_devices("GPU"):
     return
   skip = pytest.mark.skip(reason="no GPU visible to TensorFlow")
-  for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+  for item in gpu_items:
+    item.add_marker(skip)
 
 
 @pytest.fixture

@@ -230,6 +230,87 @@ def _bfs_layout(num_classes, node_begin, node_codes, root):
     return child_begin, slot_child, unreachable
 
 
+def _derive_paths(level_start, node_parent, node_slot, slot_node, class_node,
+                  class_slot, class_depth, path_begin):
+    """Computes the per-class path arrays, top-down one tree level at a time.
+
+    Writing paths by climbing from every class at once scatters each step over
+    the whole path array (a cache miss per step: several seconds for 2M
+    Huffman classes). Instead, the paths from the root to all nodes of a level are kept
+    as one dense [nodes, depth] block (BFS makes a level contiguous and a
+    parent's row is one row of the previous block); a class's path is its
+    parent's row plus one step, so each class's path is written as one
+    contiguous row, and classes are written in increasing order. Only slots
+    are carried; the nodes are one gather at the end (a slot's owner).
+
+    Args:
+      level_start: Python list; level d holds nodes level_start[d] ..
+        level_start[d+1]-1.
+      node_parent: [M-1] parent of nodes 1..M-1 (nondecreasing).
+      node_slot: [M] slot leading to each node.
+      slot_node: [S] owner of each slot.
+      class_node: [C] parent node of each class.
+      class_slot: [C] slot leading to each class.
+      class_depth: [C] path lengths.
+      path_begin: [C+1] CSR offsets.
+
+    Returns:
+      ``(path_nodes, path_slots)``, int64 arrays [P].
+    """
+    c = class_node.size
+    n_levels = len(level_start) - 1
+    num_steps = int(path_begin[-1])
+    path_nodes = np.empty(num_steps, np.int64)
+    path_slots = np.empty(num_steps, np.int64)
+    uniform = bool(class_depth.min() == class_depth.max())
+    if not uniform:
+        # Classes grouped by depth, in class order within a group (stable),
+        # so that each group's rows are written in increasing position order.
+        # A narrow key lets NumPy radix-sort.
+        key = class_depth.astype(np.uint8 if n_levels < 1 << 8 else
+                                 np.uint16 if n_levels < 1 << 16 else np.int64)
+        by_depth = np.argsort(key, kind="stable")
+        del key
+        group_start = np.zeros(n_levels + 2, np.int64)
+        np.cumsum(np.bincount(class_depth, minlength=n_levels + 1), out=group_start[1:])
+    anc_slots = np.empty((1, 0), np.int64)  # row i: slots to node level_start[d] + i
+    for d in range(n_levels):
+        lo, hi = level_start[d], level_start[d + 1]
+        if d:
+            rows = node_parent[lo - 1:hi - 1] - level_start[d - 1]
+            new_slots = np.empty((hi - lo, d), np.int64)
+            new_slots[:, :d - 1] = anc_slots[rows]
+            new_slots[:, d - 1] = node_slot[lo:hi]
+            anc_slots = new_slots
+            del new_slots, rows
+        if uniform:
+            if class_depth[0] != d + 1:
+                continue
+            classes = slice(None)
+            k = c
+        else:
+            classes = by_depth[group_start[d + 1]:group_start[d + 2]]
+            k = classes.size
+            if k == 0:
+                continue
+        rows = class_node[classes] - lo
+        # When every class has this depth, the rows are back to back in
+        # path_slots: fill it in place through a 2-D view.
+        block = (path_slots.reshape(k, d + 1) if uniform
+                 else np.empty((k, d + 1), np.int64))
+        block[:, :d] = anc_slots[rows]
+        block[:, d] = class_slot[classes]
+        del rows
+        if not uniform:
+            # Row i goes to path_begin[class i] + 0..d (all rows have length d+1).
+            at = path_begin[classes][:, None] + np.arange(d + 1, dtype=np.int64)
+            path_slots[at] = block
+            del at
+        del block
+    np.take(slot_node, path_slots, out=path_nodes)
+    return path_nodes, path_slots
+
+
 def _freeze(*arrays):
     # Kernels and users share these arrays; read-only stops a caller from
     # silently corrupting a tree that other ops still hold.
@@ -376,36 +457,21 @@ class Tree:
         # nondecreasing, so the next level ends right after the last node whose
         # parent lies in the current one: one searchsorted per level.
         node_depth = np.empty(m, np.int64)
-        lo, hi, depth = 0, 1, 0
+        level_start = [0]  # level d is nodes level_start[d] .. level_start[d+1]-1
+        lo, hi = 0, 1
         while lo < m:
-            node_depth[lo:hi] = depth
-            lo, hi, depth = hi, 1 + int(np.searchsorted(node_parent, hi)), depth + 1
-        del node_parent
+            node_depth[lo:hi] = len(level_start) - 1
+            level_start.append(hi)
+            lo, hi = hi, 1 + int(np.searchsorted(node_parent, hi))
 
         class_node = slot_node[class_slot]
         class_depth = node_depth[class_node] + 1
         path_begin = np.zeros(c + 1, np.int64)
         np.cumsum(class_depth, out=path_begin[1:])
-        num_steps = int(path_begin[-1])
-        path_nodes = np.empty(num_steps, np.int64)
-        path_slots = np.empty(num_steps, np.int64)
-        # Climb from all classes at once, writing each path back to front; a
-        # class drops out when it reaches the root. max_depth iterations.
-        pos = path_begin[1:] - 1
-        slot = class_slot
-        node = class_node
-        while True:
-            path_slots[pos] = slot
-            path_nodes[pos] = node
-            above = node != 0
-            if not above.any():
-                break
-            if not above.all():
-                node, pos = node[above], pos[above]
-            slot = node_slot[node]
-            node = slot_node[slot]
-            pos = pos - 1
-        del class_node, node, slot, pos
+        path_nodes, path_slots = _derive_paths(
+            level_start, node_parent, node_slot, slot_node, class_node,
+            class_slot, class_depth, path_begin)
+        del class_node, node_parent
 
         tree = object.__new__(cls)
         tree._num_classes = c
@@ -596,6 +662,9 @@ class Tree:
             qa = qi + int(np.searchsorted(merged_w[qi:qn], w0, side="right"))
             n_leaf, n_merged = la - li, qa - qi
             groups = min((n_leaf + n_merged) // k, m - qn)
+            # The k items summed into w0 are all <= w0 (non-negative weights),
+            # so a batch always makes progress; guard against an endless loop.
+            assert groups > 0, "Huffman batch made no progress"
             take = groups * k
             if n_merged == 0:
                 sel_w = leaf_w[li:li + take]
