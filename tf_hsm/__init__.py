@@ -2,6 +2,15 @@
 
 from tf_hsm.tree import Tree
 from tf_hsm.ops import log_prob, sgd_step
+from tf_hsm.inference import log_prob_all, log_prob_candidates, sample, top_k
 
-__all__ = ["Tree", "log_prob", "sgd_step"]
+__all__ = [
+    "Tree",
+    "log_prob",
+    "log_prob_all",
+    "log_prob_candidates",
+    "sample",
+    "sgd_step",
+    "top_k",
+]
 __version__ = "0.1.0"

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <sstream>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cc/core/simd.h"
@@ -18,7 +21,9 @@ constexpr int64 kSampleRows = 64;       // rows one Sample work item walks toget
 constexpr int64 kBlockRows = 64;        // LogProbAll rows that share every weight block
 constexpr int64 kSplitRows = 16;        // LogProbAll row tile when a level has few nodes
 constexpr int64 kCandidateRows = 64;    // LogProbCandidates rows per work item
+constexpr int64 kPackMinRows = 16;      // rows from which the row-panel kernel pays
 constexpr int64 kLogitBudget = int64{1} << 20;      // logits kept per expansion batch
+constexpr int64 kKeepLogits = int64{1} << 17;       // LogProbAll: logits kept per node
 constexpr int64 kNodeValueBudget = int64{1} << 24;  // LogProbAll node values per block
 constexpr int64 kChunkWork = int64{1} << 15;        // LogProbAll: slots x (D + 4) per item
 
@@ -35,46 +40,20 @@ T* Grow(std::vector<T>* v, int64 n) {
   return v->data();
 }
 
-// ---------------------------------------------------------------------------------------
-// Shared numerics: logits tiles and the online logsumexp, in the order log_prob.cc uses.
-// ---------------------------------------------------------------------------------------
-
-// z[r * ld + j] = weights[first + j] . rows[r] + biases[first + j] for r < nr, j < kb.
-template <typename T>
-void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64 first, int64 kb,
-            T* z, int64 ld) {
-  simd::DotRows<T>(rows, nr, p.weights + first * p.dim, p.dim, kb, p.dim, z, ld);
-  if (p.biases != nullptr) {
-    const T* b = p.biases + first;
-    for (int64 r = 0; r < nr; ++r)
-      for (int64 j = 0; j < kb; ++j) z[r * ld + j] += b[j];
-  }
-}
-
-// Folds n more logits into a running (max, sum of exp(z - max)). A NaN logit makes the
-// sum NaN (the max ignores it), so NaN reaches exactly the rows it came from.
-template <typename T>
-void FoldLogSumExp(const T* z, int64 n, T* exps, T* row_max, T* row_sum) {
-  T m = *row_max;
-  T chunk_max = -std::numeric_limits<T>::infinity();
-  for (int64 j = 0; j < n; ++j) chunk_max = z[j] > chunk_max ? z[j] : chunk_max;
-  if (chunk_max > m) {
-    *row_sum *= std::exp(m - chunk_max);
-    m = chunk_max;
-  }
-  for (int64 j = 0; j < n; ++j) exps[j] = z[j] - m;
-  simd::ExpInPlace(exps, n);
-  T s = *row_sum;
-  for (int64 j = 0; j < n; ++j) s += exps[j];
-  *row_sum = s;
-  *row_max = m;
+// The splitmix64 finaliser: a bijection of 64-bit words that mixes every input bit.
+inline std::uint64_t Mix64(std::uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
 }
 
 // Per-thread scratch, grown on demand and reused across calls.
 template <typename T>
 struct Scratch {
-  std::vector<T> z, lse, exps, row_max, row_sum;
+  std::vector<T> z, lse, exps, row_max, row_sum, panels;
   std::vector<const T*> rows;
+  std::vector<std::pair<int64, int64>> taken;
 };
 
 template <typename T>
@@ -83,12 +62,212 @@ Scratch<T>& ThreadScratch() {
   return scratch;
 }
 
+// ---------------------------------------------------------------------------------------
+// Shared numerics: logits tiles and an online logsumexp.
+// ---------------------------------------------------------------------------------------
+
+// The rows, packed in groups of kWidth for RowPanelDots: hp[(g * d + k) * kWidth + l] =
+// rows[g * kWidth + l][k], zero past nr.
+template <typename T>
+void PackRows(const T* const* rows, int64 nr, int64 d, T* hp) {
+  constexpr int64 w = simd::Vec<T>::kWidth;
+  for (int64 g = 0; g * w < nr; ++g) {
+    for (int64 l = 0; l < w; ++l) {
+      const int64 r = g * w + l;
+      T* dst = hp + g * d * w + l;
+      if (r < nr) {
+        for (int64 k = 0; k < d; ++k) dst[k * w] = rows[r][k];
+      } else {
+        for (int64 k = 0; k < d; ++k) dst[k * w] = T(0);
+      }
+    }
+  }
+}
+
+namespace row_panel {
+
+// kGroups row groups x kCols weight rows of the product. Each output is accumulated over k
+// in kSplit interleaved partial sums (k mod kSplit, combined in a fixed order at the end):
+// small tiles need the independent chains to keep the multiply-add units busy.
+template <typename T, int64 kGroups, int64 kCols, int64 kSplit>
+inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64 nb,
+                 int64 rows, T* out, int64 ld) {
+  typedef simd::VecT<T> V;
+  constexpr int64 w = simd::Vec<T>::kWidth;
+  const T* bc[kCols];
+  for (int64 c = 0; c < kCols; ++c) bc[c] = b + std::min(j0 + c, nb - 1) * ldb;
+  V acc[kSplit][kGroups][kCols] = {};
+  int64 k = 0;
+  for (; k + kSplit <= d; k += kSplit) {
+    for (int64 u = 0; u < kSplit; ++u) {
+      V hv[kGroups];
+      for (int64 q = 0; q < kGroups; ++q) hv[q] = simd::Load(panel + (q * d + k + u) * w);
+      for (int64 c = 0; c < kCols; ++c) {
+        const T s = bc[c][k + u];
+        for (int64 q = 0; q < kGroups; ++q) acc[u][q][c] += s * hv[q];
+      }
+    }
+  }
+  for (int64 u = 0; k < d; ++k, ++u) {
+    for (int64 c = 0; c < kCols; ++c) {
+      const T s = bc[c][k];
+      for (int64 q = 0; q < kGroups; ++q) acc[u][q][c] += s * simd::Load(panel + (q * d + k) * w);
+    }
+  }
+  for (int64 half = kSplit / 2; half > 0; half /= 2)
+    for (int64 u = 0; u < half; ++u)
+      for (int64 q = 0; q < kGroups; ++q)
+        for (int64 c = 0; c < kCols; ++c) acc[u][q][c] += acc[u + half][q][c];
+  const int64 cols = std::min(kCols, nb - j0);
+  for (int64 q = 0; q < kGroups; ++q) {
+    for (int64 c = 0; c < cols; ++c) {
+      T lanes[w];
+      std::memcpy(lanes, &acc[0][q][c], sizeof(lanes));
+      for (int64 l = 0; l < std::min(w, rows - q * w); ++l) out[(q * w + l) * ld + j0 + c] = lanes[l];
+    }
+  }
+}
+
+}  // namespace row_panel
+
+// out[r * ld + j] = sum_k rows[r][k] * b[j * ldb + k] for r < nr, j < nb, with the rows
+// packed by PackRows: each vector holds kWidth rows and each weight element is broadcast,
+// so the (much larger) weight block is never repacked. The summation order depends only
+// on nb (the tile's width), never on the rows around an output.
+template <typename T>
+void RowPanelDots(const T* hp, int64 nr, const T* b, int64 ldb, int64 nb, int64 d, T* out,
+                  int64 ld) {
+  constexpr int64 w = simd::Vec<T>::kWidth;
+  const int64 groups = (nr + w - 1) / w;
+  // Weight rows per tile: 8, or fewer for the small nodes of binary trees.
+  auto columns = [&](auto group_tag, int64 g) {
+    constexpr int64 G = decltype(group_tag)::value;
+    const T* panel = hp + g * d * w;
+    T* o = out + g * w * ld;
+    const int64 rows = nr - g * w;
+    // The split depends on nb only, so an output's bits do not depend on its row group.
+    if (nb <= 2) {
+      row_panel::Tile<T, G, 2, 4>(panel, d, b, ldb, 0, nb, rows, o, ld);
+    } else if (nb <= 4) {
+      row_panel::Tile<T, G, 4, 2>(panel, d, b, ldb, 0, nb, rows, o, ld);
+    } else {
+      for (int64 j0 = 0; j0 < nb; j0 += 8) {
+        row_panel::Tile<T, G, 8, 1>(panel, d, b, ldb, j0, nb, rows, o, ld);
+      }
+    }
+  };
+  int64 g = 0;
+  for (; g + 2 <= groups; g += 2) columns(std::integral_constant<int64, 2>(), g);  // two groups
+  if (g < groups) columns(std::integral_constant<int64, 1>(), g);                  // share loads
+}
+
+// z[r * ld + j] = weights[first + j] . rows[r] + biases[first + j] for r < nr, j < kb.
+// `packed` is nullptr or the rows packed by PackRows (see PackedRows), for the row-panel
+// kernel (worth it from about kPackMinRows rows); otherwise a dot-product kernel shaped
+// for the tile. The dot-product kernels give identical bits whatever the tile; the
+// row-panel one rounds differently, so every caller chooses it from quantities that do
+// not depend on threading.
+template <typename T>
+void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64 first, int64 kb,
+            const T* packed, T* z, int64 ld) {
+  const T* w = p.weights + first * p.dim;
+  if (packed != nullptr) {
+    RowPanelDots(packed, nr, w, p.dim, kb, p.dim, z, ld);
+  } else if (kb < 8) {
+    simd::DotEach<T>(rows, nr, w, p.dim, kb, p.dim, z, ld);
+  } else if (nr < 4) {
+    for (int64 r = 0; r < nr; ++r) {
+      simd::DotRows<T, 1, 16>(rows + r, 1, w, p.dim, kb, p.dim, z + r * ld, ld);
+    }
+  } else {
+    simd::DotRows<T>(rows, nr, w, p.dim, kb, p.dim, z, ld);
+  }
+  if (p.biases != nullptr) {
+    const T* b = p.biases + first;
+    for (int64 r = 0; r < nr; ++r)
+      for (int64 j = 0; j < kb; ++j) z[r * ld + j] += b[j];
+  }
+}
+
+// Folds n more logits into a running (max, sum of exp(z - max)), vectorized: the lane
+// sums are combined in a fixed order. A NaN logit makes the sum NaN (the max ignores it),
+// so NaN reaches exactly the rows it came from.
+template <typename T>
+void FoldLogSumExp(const T* z, int64 n, T* exps, T* row_max, T* row_sum) {
+  typedef simd::VecT<T> V;
+  constexpr int64 w = simd::Vec<T>::kWidth;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  V vmax = simd::Splat<T>(ninf);
+  int64 j = 0;
+  for (; j + w <= n; j += w) {
+    const V v = simd::Load(z + j);
+    vmax = v > vmax ? v : vmax;
+  }
+  if (j < n) {
+    V v = simd::Splat<T>(ninf);
+    std::memcpy(&v, z + j, (n - j) * sizeof(T));
+    vmax = v > vmax ? v : vmax;
+  }
+  T lanes[w];
+  std::memcpy(lanes, &vmax, sizeof(vmax));
+  T chunk_max = ninf;
+  for (int64 l = 0; l < w; ++l) chunk_max = lanes[l] > chunk_max ? lanes[l] : chunk_max;
+  T m = *row_max;
+  if (chunk_max > m) {
+    *row_sum *= std::exp(m - chunk_max);
+    m = chunk_max;
+  }
+  for (j = 0; j < n; ++j) exps[j] = z[j] - m;
+  simd::ExpInPlace(exps, n);
+  V acc = {};
+  for (j = 0; j + w <= n; j += w) acc += simd::Load(exps + j);
+  if (j < n) acc += simd::LoadPartial(exps + j, n - j);
+  *row_sum += simd::ReduceSum<T>(acc);
+  *row_max = m;
+}
+
+// lse[r] = logsumexp(z[r * ld + 0..K)) for r < nr, for nodes of at most kWidth children
+// (binary trees are all such nodes): the exponentials of all rows in one vector pass, the
+// sums in order. `exps` holds nr * K values.
+template <typename T>
+void SmallNodeLogSumExp(const T* z, int64 nr, int64 K, int64 ld, T* exps, T* lse) {
+  for (int64 r = 0; r < nr; ++r) {
+    const T* zr = z + r * ld;
+    T m = -std::numeric_limits<T>::infinity();
+    for (int64 j = 0; j < K; ++j) m = zr[j] > m ? zr[j] : m;
+    lse[r] = m;
+    for (int64 j = 0; j < K; ++j) exps[r * K + j] = zr[j] - m;
+  }
+  simd::ExpInPlace(exps, nr * K);
+  for (int64 r = 0; r < nr; ++r) {
+    T sum = 0;
+    for (int64 j = 0; j < K; ++j) sum += exps[r * K + j];
+    lse[r] += std::log(sum);
+  }
+}
+
+// The rows packed for the packed kernel when `pack`, in per-thread scratch; else nullptr.
+template <typename T>
+const T* PackedRows(const T* const* rows, int64 nr, int64 d, bool pack) {
+  if (!pack) return nullptr;
+  constexpr int64 w = simd::Vec<T>::kWidth;
+  T* hp = Grow(&ThreadScratch<T>().panels, (nr + w - 1) / w * w * d);
+  PackRows(rows, nr, d, hp);
+  return hp;
+}
+
 // All K logits of one node for nr rows, z[r * K + j], and (when lse != nullptr) their
 // logsumexp per row, folded tile by tile.
 template <typename T>
 void NodeLogits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64 first,
-                int64 K, T* z, T* lse) {
+                int64 K, bool packed, T* z, T* lse) {
   Scratch<T>& s = ThreadScratch<T>();
+  const T* hp = PackedRows(rows, nr, p.dim, packed);
+  if (K <= simd::Vec<T>::kWidth) {
+    Logits(p, rows, nr, first, K, hp, z, K);
+    if (lse != nullptr) SmallNodeLogSumExp(z, nr, K, K, Grow(&s.exps, nr * K), lse);
+    return;
+  }
   T* exps = Grow(&s.exps, kSlotTile);
   T* row_max = Grow(&s.row_max, nr);
   T* row_sum = Grow(&s.row_sum, nr);
@@ -98,7 +277,7 @@ void NodeLogits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64
   }
   for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
     const int64 kb = std::min(kSlotTile, K - k0);
-    Logits(p, rows, nr, first + k0, kb, z + k0, K);
+    Logits(p, rows, nr, first + k0, kb, hp, z + k0, K);
     if (lse == nullptr) continue;
     for (int64 r = 0; r < nr; ++r) FoldLogSumExp(z + r * K + k0, kb, exps, &row_max[r], &row_sum[r]);
   }
@@ -161,16 +340,13 @@ std::string FirstError(const std::vector<std::string>& errors) {
 
 // (node, row) requests of one round, grouped by node (rows in increasing order), so that
 // rows at the same node share its weight block.
-template <typename T>
 struct Request {
   int64 node;
   int64 row;
-  T value;  // the path log-probability of the node (TopK)
 };
 
-template <typename T>
-void SortRequests(std::vector<Request<T>>* req) {
-  std::sort(req->begin(), req->end(), [](const Request<T>& a, const Request<T>& b) {
+void SortRequests(std::vector<Request>* req) {
+  std::sort(req->begin(), req->end(), [](const Request& a, const Request& b) {
     return a.node != b.node ? a.node < b.node : a.row < b.row;
   });
 }
@@ -181,14 +357,15 @@ void SortRequests(std::vector<Request<T>>* req) {
 
 template <typename T>
 struct Entry {
-  T value;     // log-probability of the path to this node or class
-  int64 code;  // class c as c, node m as C + m
+  T value;       // log-probability of the path to this node or class
+  int64 code;    // class c as c, node m as C + m
+  int64 record;  // nodes: the row's Record of the node; classes: -1
 };
 
 // True when a leaves the queue before b: larger value first and NaN last; at equal values
 // nodes before classes (a node's subtree may hold a class of the same value, e.g. below a
-// single-child node, with a smaller id), then increasing code. A strict total order, so
-// the output never depends on the queue's history.
+// single-child node, with a smaller id), then increasing code. A strict total order on
+// classes, so the output never depends on the order in which they were queued.
 template <typename T>
 inline bool Before(const Entry<T>& a, const Entry<T>& b, int64 C) {
   const bool a_nan = std::isnan(a.value), b_nan = std::isnan(b.value);
@@ -214,6 +391,68 @@ inline bool CannotReach(const Entry<T>& e, const Entry<T>& kth, int64 C) {
   return kth.value > e.value;
 }
 
+// A node queued for one row. The records of one node form a list (newest first), so
+// that when any row expands the node, the other rows that queued it are found at once.
+template <typename T>
+struct Record {
+  int64 row;
+  int64 next;      // next record of the same node, or -1
+  T value;         // the node's path log-probability for this row
+  bool alive;      // still queued: neither expanded nor dropped for this row
+  bool requested;  // the row's own search asked for it this round
+};
+
+// Node -> index of its newest record, by open addressing (a table per work item, sized by
+// the number of nodes queued, not by the tree).
+class NodeIndex {
+ public:
+  void Reset() {
+    if (keys_.size() != kInitial || count_ > 0) {
+      keys_.assign(kInitial, -1);
+      heads_.assign(kInitial, -1);
+    }
+    count_ = 0;
+  }
+  int64 Get(int64 node) const {
+    const size_t mask = keys_.size() - 1;
+    for (size_t i = Mix64(node) & mask;; i = (i + 1) & mask) {
+      if (keys_[i] == node) return heads_[i];
+      if (keys_[i] < 0) return -1;
+    }
+  }
+  // The head slot of node, inserted (as -1) when absent.
+  int64& Head(int64 node) {
+    if (2 * (count_ + 1) > static_cast<int64>(keys_.size())) Rehash(2 * keys_.size());
+    const size_t mask = keys_.size() - 1;
+    size_t i = Mix64(node) & mask;
+    for (; keys_[i] != node; i = (i + 1) & mask) {
+      if (keys_[i] < 0) {
+        keys_[i] = node;
+        ++count_;
+        break;
+      }
+    }
+    return heads_[i];
+  }
+
+ private:
+  static constexpr size_t kInitial = 1024;  // a power of two
+  void Rehash(size_t size) {
+    std::vector<int64> keys(size, -1), heads(size, -1);
+    for (size_t j = 0; j < keys_.size(); ++j) {
+      if (keys_[j] < 0) continue;
+      size_t i = Mix64(keys_[j]) & (size - 1);
+      while (keys[i] >= 0) i = (i + 1) & (size - 1);
+      keys[i] = keys_[j];
+      heads[i] = heads_[j];
+    }
+    keys_.swap(keys);
+    heads_.swap(heads);
+  }
+  std::vector<int64> keys_, heads_;
+  int64 count_ = 0;
+};
+
 template <typename T>
 struct RowSearch {
   std::vector<Entry<T>> queue;  // heap; front = the next to leave
@@ -226,19 +465,33 @@ struct RowSearch {
 template <typename T>
 struct SearchScratch {
   std::vector<RowSearch<T>> rows;
-  std::vector<Request<T>> requests;
-  std::vector<int64> seen;
+  std::vector<Record<T>> records;
+  NodeIndex index;
+  std::vector<int64> requested_nodes, expand_rows, expand_records, seen;
 };
 
+// Queues the children of a node expanded for row r (path log-probability `parent`),
+// except those that cannot reach the row's top k.
 template <typename T>
-void PushChildren(RowSearch<T>* rs, T parent, const T* z, T lse, const int64* codes, int64 K,
-                  int64 C, int64 k) {
+void PushChildren(SearchScratch<T>* ss, int64 r, T parent, const T* z, T lse,
+                  const int64* codes, int64 K, int64 C, int64 k) {
+  RowSearch<T>* rs = &ss->rows[r];
   auto later = [C](const Entry<T>& a, const Entry<T>& b) { return Before(b, a, C); };
   auto earlier = [C](const Entry<T>& a, const Entry<T>& b) { return Before(a, b, C); };
+  // Children strictly below the k-th best class queued so far are cut by one comparison;
+  // the rest (NaN included) go through the exact test.
+  bool full = static_cast<int64>(rs->best.size()) == k;
+  T bound = full ? rs->best.front().value : -std::numeric_limits<T>::infinity();
   for (int64 j = 0; j < K; ++j) {
-    const Entry<T> e{parent + (z[j] - lse), codes[j]};
-    const bool full = static_cast<int64>(rs->best.size()) == k;
+    Entry<T> e{parent + (z[j] - lse), codes[j], -1};
+    if (e.value < bound) continue;
     if (full && CannotReach(e, rs->best.front(), C)) continue;
+    if (e.code >= C) {
+      int64& head = ss->index.Head(e.code - C);
+      e.record = static_cast<int64>(ss->records.size());
+      ss->records.push_back(Record<T>{r, head, e.value, true, false});
+      head = e.record;
+    }
     rs->queue.push_back(e);
     std::push_heap(rs->queue.begin(), rs->queue.end(), later);
     if (e.code >= C) continue;
@@ -249,13 +502,22 @@ void PushChildren(RowSearch<T>* rs, T parent, const T* z, T lse, const int64* co
       rs->best.push_back(e);
     }
     std::push_heap(rs->best.begin(), rs->best.end(), earlier);
+    full = static_cast<int64>(rs->best.size()) == k;
+    if (full) bound = rs->best.front().value;
   }
 }
 
-// Searches rows [row0, row0 + nr) in rounds: each round every unfinished row moves its
-// final classes to the output and asks for its best node to be expanded; the requests are
-// grouped by node so rows at the same node share one pass over its weights. Which nodes a
-// row expands, and in which order, is exactly that of a search of the row on its own.
+// Searches rows [row0, row0 + nr) together, in rounds. Each round, every unfinished row
+// moves the classes at the top of its queue to the output and requests the node now at
+// the top: the node a search of the row on its own would expand next. Each requested
+// node is then expanded for its requesters and also for every other row of the item that
+// has it queued and can still use it (it is not below the row's k-th best class queued so
+// far; rows without k classes yet are not included, as nearly every node looks useful to
+// them), so rows share the pass over the node's weights: when the distribution is flat
+// and every row must expand most nodes, each node's weights are read once per item.
+// Expanding a queued node early leaves the result unchanged: the queue still covers every
+// class not yet output, and classes leave it in the same order. The set of expanded
+// nodes (num_expanded) depends on which rows share an item, never on threads.
 template <typename T>
 std::string SearchRows(const TreeView& t, const SoftmaxParams<T>& p, int64 k, int64 row0,
                        int64 nr, T* log_probs, int64* classes, int64* num_expanded) {
@@ -263,40 +525,49 @@ std::string SearchRows(const TreeView& t, const SoftmaxParams<T>& p, int64 k, in
   thread_local SearchScratch<T> ss;
   Scratch<T>& s = ThreadScratch<T>();
   if (static_cast<int64>(ss.rows.size()) < nr) ss.rows.resize(nr);
+  ss.records.clear();
+  ss.index.Reset();
   auto later = [C](const Entry<T>& a, const Entry<T>& b) { return Before(b, a, C); };
   for (int64 r = 0; r < nr; ++r) {
     RowSearch<T>& rs = ss.rows[r];
-    rs.queue.assign(1, Entry<T>{T(0), C});  // the root
+    int64& head = ss.index.Head(0);
+    const int64 rec = static_cast<int64>(ss.records.size());
+    ss.records.push_back(Record<T>{r, head, T(0), true, false});
+    head = rec;
+    rs.queue.assign(1, Entry<T>{T(0), C, rec});  // the root
     rs.best.clear();
     rs.found = rs.expanded = 0;
     rs.done = false;
   }
-  std::vector<Request<T>>& req = ss.requests;
+  std::vector<int64>& nodes = ss.requested_nodes;
   for (;;) {
-    req.clear();
+    nodes.clear();
     for (int64 r = 0; r < nr; ++r) {
       RowSearch<T>& rs = ss.rows[r];
       if (rs.done) continue;
       T* out_lp = log_probs + (row0 + r) * k;
       int64* out_cls = classes + (row0 + r) * k;
-      while (!rs.queue.empty() && rs.queue.front().code < C) {
+      while (!rs.queue.empty()) {
+        const Entry<T>& top = rs.queue.front();
+        if (top.code >= C && ss.records[top.record].alive) break;
+        if (top.code < C) {
+          out_lp[rs.found] = top.value;
+          out_cls[rs.found] = top.code;
+          ++rs.found;
+        }
         std::pop_heap(rs.queue.begin(), rs.queue.end(), later);
-        out_lp[rs.found] = rs.queue.back().value;
-        out_cls[rs.found] = rs.queue.back().code;
         rs.queue.pop_back();
-        if (++rs.found == k) break;
+        if (rs.found == k) break;
       }
       if (rs.found == k) {
         rs.done = true;
         num_expanded[row0 + r] = rs.expanded;
         // A class reached twice can only come from a malformed tree.
-        std::vector<int64>& seen = ss.seen;
-        seen.assign(out_cls, out_cls + k);
-        std::sort(seen.begin(), seen.end());
-        const auto twice = std::adjacent_find(seen.begin(), seen.end());
-        if (twice != seen.end()) {
-          return Message("malformed tree: class ", *twice,
-                         " is the child of more than one slot");
+        ss.seen.assign(out_cls, out_cls + k);
+        std::sort(ss.seen.begin(), ss.seen.end());
+        const auto twice = std::adjacent_find(ss.seen.begin(), ss.seen.end());
+        if (twice != ss.seen.end()) {
+          return Message("malformed tree: class ", *twice, " is the child of more than one slot");
         }
         continue;
       }
@@ -307,33 +578,62 @@ std::string SearchRows(const TreeView& t, const SoftmaxParams<T>& p, int64 k, in
       std::pop_heap(rs.queue.begin(), rs.queue.end(), later);
       const Entry<T> e = rs.queue.back();
       rs.queue.pop_back();
-      if (++rs.expanded > M) {
-        return Message("malformed tree: the search expanded more than the ", M,
-                       " internal nodes; some node is the child of more than one slot");
-      }
-      req.push_back({e.code - C, r, e.value});
+      ss.records[e.record].requested = true;
+      nodes.push_back(e.code - C);
     }
-    if (req.empty()) return "";
-    SortRequests(&req);
-    for (size_t g0 = 0, g1; g0 < req.size(); g0 = g1) {
-      for (g1 = g0 + 1; g1 < req.size() && req[g1].node == req[g0].node;) ++g1;
-      const int64 n = req[g0].node;
+    if (nodes.empty()) return "";
+    std::sort(nodes.begin(), nodes.end());
+    nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+    for (const int64 n : nodes) {
       int64 begin, end;
       std::string err = NodeRange(t, n, &begin, &end);
       if (err.empty()) err = CheckChildren(t, n, begin, end);
       if (!err.empty()) return err;
+      // The rows to expand n for: its requesters and the rows that can still use it.
+      std::vector<int64>& rows_of = ss.expand_rows;
+      std::vector<int64>& recs = ss.expand_records;
+      rows_of.clear();
+      recs.clear();
+      for (int64 rec = ss.index.Get(n); rec >= 0; rec = ss.records[rec].next) {
+        Record<T>& rd = ss.records[rec];
+        if (!rd.alive) continue;
+        RowSearch<T>& rs = ss.rows[rd.row];
+        const bool useful = !rs.done && (rd.requested ||
+            static_cast<int64>(rs.best.size()) < k ||
+            !CannotReach(Entry<T>{rd.value, C + n, rec}, rs.best.front(), C));
+        if (!useful) {
+          rd.alive = false;  // of no use to the row, now or later
+          continue;
+        }
+        // Share only once the row has a bound (k classes queued): before that every
+        // queued node looks useful, and most are not.
+        if (!rd.requested && static_cast<int64>(rs.best.size()) < k) continue;
+        rd.alive = false;
+        if (++rs.expanded > M) {
+          return Message("malformed tree: the search expanded more than the ", M,
+                         " internal nodes; some node is the child of more than one slot");
+        }
+        recs.push_back(rec);
+      }
+      // Records are newest first; expand in row order.
+      std::sort(recs.begin(), recs.end(), [&](int64 a, int64 b) {
+        return ss.records[a].row < ss.records[b].row;
+      });
       const int64 K = end - begin;
-      const int64 batch = std::max<int64>(1, std::min<int64>(g1 - g0, kLogitBudget / K));
-      for (size_t b0 = g0; b0 < g1; b0 += batch) {
-        const int64 nb = std::min<int64>(batch, g1 - b0);
+      const int64 count = static_cast<int64>(recs.size());
+      const int64 batch = std::max<int64>(1, std::min<int64>(count, kLogitBudget / K));
+      for (int64 b0 = 0; b0 < count; b0 += batch) {
+        const int64 nb = std::min<int64>(batch, count - b0);
         const T** rows = Grow(&s.rows, nb);
-        for (int64 i = 0; i < nb; ++i) rows[i] = p.hidden + (row0 + req[b0 + i].row) * p.dim;
+        for (int64 i = 0; i < nb; ++i) {
+          rows[i] = p.hidden + (row0 + ss.records[recs[b0 + i]].row) * p.dim;
+        }
         T* z = Grow(&s.z, nb * K);
         T* lse = Grow(&s.lse, nb);
-        NodeLogits(p, rows, nb, begin, K, z, lse);
+        NodeLogits(p, rows, nb, begin, K, nb >= kPackMinRows, z, lse);
         for (int64 i = 0; i < nb; ++i) {
-          PushChildren(&ss.rows[req[b0 + i].row], req[b0 + i].value, z + i * K, lse[i],
-                       t.slot_child + begin, K, C, k);
+          const Record<T>& rd = ss.records[recs[b0 + i]];
+          PushChildren(&ss, rd.row, rd.value, z + i * K, lse[i], t.slot_child + begin, K, C, k);
         }
       }
     }
@@ -343,14 +643,6 @@ std::string SearchRows(const TreeView& t, const SoftmaxParams<T>& p, int64 k, in
 // ---------------------------------------------------------------------------------------
 // Sample: ancestral sampling with a counter-based generator.
 // ---------------------------------------------------------------------------------------
-
-// The splitmix64 finaliser: a bijection of 64-bit words that mixes every input bit.
-inline std::uint64_t Mix64(std::uint64_t z) {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
 
 // A uniform double in [0, 1) for (seed, row, step).
 inline double Uniform(std::uint64_t seed, int64 row, int64 step) {
@@ -398,12 +690,12 @@ std::string SampleRows(const TreeView& t, const SoftmaxParams<T>& p, std::uint64
   const int64 C = t.num_classes;
   Scratch<T>& s = ThreadScratch<T>();
   thread_local std::vector<SampleState> state;
-  thread_local std::vector<Request<T>> req;
+  thread_local std::vector<Request> req;
   state.assign(nr, SampleState{0, 0, false});
   for (;;) {
     req.clear();
     for (int64 r = 0; r < nr; ++r)
-      if (!state[r].done) req.push_back({state[r].node, r, T(0)});
+      if (!state[r].done) req.push_back({state[r].node, r});
     if (req.empty()) return "";
     SortRequests(&req);
     for (size_t g0 = 0, g1; g0 < req.size(); g0 = g1) {
@@ -420,7 +712,9 @@ std::string SampleRows(const TreeView& t, const SoftmaxParams<T>& p, std::uint64
         const T** rows = Grow(&s.rows, nb);
         for (int64 i = 0; i < nb; ++i) rows[i] = p.hidden + (row0 + req[b0 + i].row) * p.dim;
         T* z = Grow(&s.z, nb * K);
-        NodeLogits(p, rows, nb, begin, K, z, static_cast<T*>(nullptr));
+        // Always the dot-product kernels, whose bits do not depend on the other rows: a
+        // row's sample then depends on nothing but its own inputs, position and seed.
+        NodeLogits(p, rows, nb, begin, K, false, z, static_cast<T*>(nullptr));
         for (int64 i = 0; i < nb; ++i) {
           const int64 r = req[b0 + i].row;
           SampleState& st = state[r];
@@ -446,19 +740,25 @@ std::string SampleRows(const TreeView& t, const SoftmaxParams<T>& p, std::uint64
 // The needed nodes in processing order (by depth, then id) and, for every child slot of
 // each, where its value goes.
 struct SweepPlan {
+  int64 class_begin = 0, class_end = 0;
   std::vector<int64> node;         // [P] needed nodes; position 0 is the root
   std::vector<int64> level_begin;  // [levels + 1] position ranges of equal depth
-  std::vector<int64> dest_begin;   // [P] offset of the node's first slot in dest
-  // Per child slot: c >= 0 writes output column c; -1 is not needed; -2 - q writes the
-  // value of the node at position q.
-  std::vector<int64> dest;
+  std::vector<int64> position;     // [M] position of each needed node, -1 for the others
+  // [P] c >= 0 when every child of the node is a class of the range, in consecutive
+  // columns c, c + 1, ... (a cluster of consecutive classes); else -1.
+  std::vector<int64> run;
 };
 
+// Finds the nodes needed for classes [class_begin, class_end) and checks every offset the
+// sweep will read: each needed node's slot range and child codes, each child node numbered
+// after its parent and reached once, each class of the range reached exactly once.
 std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end,
                            SweepPlan* plan) {
   const int64 C = t.num_classes, M = t.num_nodes;
   const int64 width = class_end - class_begin;
   const bool full = class_begin == 0 && class_end == C;
+  plan->class_begin = class_begin;
+  plan->class_end = class_end;
   std::vector<unsigned char> needed(M, full ? 1 : 0);
   needed[0] = 1;
   if (!full) {
@@ -478,13 +778,11 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
       }
     }
   }
-  // Walk the needed nodes in id order (parents first): depth of each, and the slots'
-  // destinations with child nodes still as -2 - node.
-  std::vector<int64> depth(M, -1), offset(M, -1);
+  // Walk the needed nodes in id order (parents first), giving each child its depth.
+  std::vector<int64> depth(M, -1), run_in_id_order;
   std::vector<unsigned char> seen(width, 0);
   depth[0] = 0;
   int64 max_depth = 0, count = 0;
-  plan->dest.clear();
   for (int64 n = 0; n < M; ++n) {
     if (!needed[n]) continue;
     if (depth[n] < 0) {
@@ -494,31 +792,30 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     int64 begin, end;
     std::string err = NodeRange(t, n, &begin, &end);
     if (!err.empty()) return err;
-    offset[n] = static_cast<int64>(plan->dest.size());
     ++count;
+    bool consecutive = true;
     for (int64 s = begin; s < end; ++s) {
       const int64 code = t.slot_child[s];
       err = CheckChild(t, n, s, code);
       if (!err.empty()) return err;
-      int64 d = -1;
       if (code < C) {
-        if (code >= class_begin && code < class_end) {
-          if (seen[code - class_begin]++) {
-            return Message("malformed tree: class ", code, " is the child of more than one slot");
-          }
-          d = code - class_begin;
+        const bool in_range = code >= class_begin && code < class_end;
+        consecutive = consecutive && in_range && code == t.slot_child[begin] + (s - begin);
+        if (in_range && seen[code - class_begin]++) {
+          return Message("malformed tree: class ", code, " is the child of more than one slot");
         }
-      } else if (needed[code - C]) {
-        const int64 m = code - C;
-        if (depth[m] >= 0) {
-          return Message("malformed tree: node ", m, " is the child of more than one slot");
-        }
-        depth[m] = depth[n] + 1;
-        max_depth = std::max(max_depth, depth[m]);
-        d = -2 - m;
+        continue;
       }
-      plan->dest.push_back(d);
+      consecutive = false;
+      const int64 m = code - C;
+      if (!needed[m]) continue;
+      if (depth[m] >= 0) {
+        return Message("malformed tree: node ", m, " is the child of more than one slot");
+      }
+      depth[m] = depth[n] + 1;
+      max_depth = std::max(max_depth, depth[m]);
     }
+    run_in_id_order.push_back(consecutive ? t.slot_child[begin] - class_begin : -1);
   }
   for (int64 c = 0; c < width; ++c) {
     if (!seen[c]) {
@@ -533,18 +830,20 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
   for (int64 d = 0; d <= max_depth; ++d) plan->level_begin[d + 1] += plan->level_begin[d];
   std::vector<int64> cursor(plan->level_begin.begin(), plan->level_begin.end() - 1);
   plan->node.assign(count, 0);
-  plan->dest_begin.assign(count, 0);
-  // position[n] reuses depth's storage: depth[n] is read just before it is replaced.
-  std::vector<int64>& position = depth;
-  for (int64 n = 0; n < M; ++n) {
-    if (!needed[n]) continue;
-    const int64 q = cursor[depth[n]]++;
+  plan->run.assign(count, -1);
+  // position[n] takes over depth's storage: depth[n] is read just before it is replaced.
+  plan->position.swap(depth);
+  std::vector<int64>& position = plan->position;
+  for (int64 n = 0, i = 0; n < M; ++n) {
+    if (!needed[n]) {
+      position[n] = -1;
+      continue;
+    }
+    const int64 q = cursor[position[n]]++;
     plan->node[q] = n;
-    plan->dest_begin[q] = offset[n];
+    plan->run[q] = run_in_id_order[i++];
     position[n] = q;
   }
-  for (int64& d : plan->dest)
-    if (d <= -2) d = -2 - position[-2 - d];
   return "";
 }
 
@@ -557,50 +856,85 @@ struct SweepItem {
 
 // Processes the nodes at positions [it.first, it.last) for some rows of a block:
 // node values of those rows are in values[q * stride + row], the block's output rows in
-// out[row * width + column].
+// out[row * width + column]. `packed` selects the logits kernel for the whole call.
 template <typename T>
 void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan& plan,
                   const SweepItem& it, const T* const* block_rows, int64 stride, T* values,
-                  T* out, int64 width) {
+                  T* out, int64 width, bool packed) {
   Scratch<T>& s = ThreadScratch<T>();
   const int64 nt = it.rows;
   const T* const* rows = block_rows + it.row;
-  T* tile = Grow(&s.z, nt * kSlotTile);
-  T* exps = Grow(&s.exps, kSlotTile);
+  const T* hp = PackedRows(rows, nt, p.dim, packed);
+  T* exps = Grow(&s.exps, std::max(kSlotTile, nt * simd::Vec<T>::kWidth));
   T* row_max = Grow(&s.row_max, nt);
   T* row_sum = Grow(&s.row_sum, nt);
   T* lse = Grow(&s.lse, nt);
-  // Where slot destination d of row i goes.
-  auto target = [&](int64 d, int64 i) -> T* {
-    return d >= 0 ? out + (it.row + i) * width + d : values + (-2 - d) * stride + it.row + i;
+  // Where the value of child `code` goes for row i of the item, or nullptr when the sweep
+  // does not need it (a class outside the range, a node off every needed path).
+  const int64 C = t.num_classes;
+  auto target = [&](int64 code, int64 i) -> T* {
+    if (code < C) {
+      const int64 column = code - plan.class_begin;
+      return code < plan.class_begin || code >= plan.class_end
+                 ? nullptr : out + (it.row + i) * width + column;
+    }
+    const int64 q = plan.position[code - C];
+    return q < 0 ? nullptr : values + q * stride + it.row + i;
   };
   for (int64 q = it.first; q < it.last; ++q) {
     const int64 n = plan.node[q];
     const int64 first = t.child_begin[n], K = t.child_begin[n + 1] - first;
-    const int64* dest = plan.dest.data() + plan.dest_begin[q];
+    const int64* codes = t.slot_child + first;
+    const int64 run = plan.run[q];
     const T* parent = values + q * stride + it.row;
     for (int64 i = 0; i < nt; ++i) {
       row_max[i] = -std::numeric_limits<T>::infinity();
       row_sum[i] = 0;
     }
-    const bool one_tile = K <= kSlotTile;
-    for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
-      const int64 kb = std::min(kSlotTile, K - k0);
-      Logits(p, rows, nt, first + k0, kb, tile, kb);
-      for (int64 i = 0; i < nt; ++i) FoldLogSumExp(tile + i * kb, kb, exps, &row_max[i], &row_sum[i]);
-      if (one_tile) break;
-      // Several tiles: park the raw logits at their destinations, finish below.
-      for (int64 i = 0; i < nt; ++i)
-        for (int64 j = 0; j < kb; ++j)
-          if (dest[k0 + j] != -1) *target(dest[k0 + j], i) = tile[i * kb + j];
+    // When they fit, all the node's logits stay in scratch (ld = K); otherwise each tile's
+    // raw logits are parked at their destinations and finished once the logsumexp is known.
+    const bool kept = nt * K <= kKeepLogits;
+    T* zs = kept ? Grow(&s.z, nt * K) : Grow(&s.z, nt * kSlotTile);
+    const bool small = K <= simd::Vec<T>::kWidth;
+    if (small) {
+      Logits(p, rows, nt, first, K, hp, zs, K);
+      SmallNodeLogSumExp(zs, nt, K, K, exps, lse);
     }
-    for (int64 i = 0; i < nt; ++i) lse[i] = row_max[i] + std::log(row_sum[i]);
+    for (int64 k0 = 0; k0 < K && !small; k0 += kSlotTile) {
+      const int64 kb = std::min(kSlotTile, K - k0);
+      T* tile = kept ? zs + k0 : zs;
+      const int64 ld = kept ? K : kb;
+      Logits(p, rows, nt, first + k0, kb, hp, tile, ld);
+      for (int64 i = 0; i < nt; ++i) FoldLogSumExp(tile + i * ld, kb, exps, &row_max[i], &row_sum[i]);
+      if (kept) continue;
+      for (int64 i = 0; i < nt; ++i) {
+        const T* zi = tile + i * kb;
+        if (run >= 0) {
+          std::memcpy(out + (it.row + i) * width + run + k0, zi, kb * sizeof(T));
+          continue;
+        }
+        for (int64 j = 0; j < kb; ++j) {
+          T* o = target(codes[k0 + j], i);
+          if (o != nullptr) *o = zi[j];
+        }
+      }
+    }
+    if (!small) {
+      for (int64 i = 0; i < nt; ++i) lse[i] = row_max[i] + std::log(row_sum[i]);
+    }
     for (int64 i = 0; i < nt; ++i) {
+      const T a = parent[i], l = lse[i];
+      if (run >= 0) {
+        T* o = out + (it.row + i) * width + run;
+        const T* z = kept ? zs + i * K : o;
+        for (int64 j = 0; j < K; ++j) o[j] = a + (z[j] - l);
+        continue;
+      }
       for (int64 j = 0; j < K; ++j) {
-        if (dest[j] == -1) continue;
-        T* o = target(dest[j], i);
-        const T z = one_tile ? tile[i * K + j] : *o;
-        *o = parent[i] + (z - lse[i]);
+        T* o = target(codes[j], i);
+        if (o == nullptr) continue;
+        const T z = kept ? zs[i * K + j] : *o;
+        *o = a + (z - l);
       }
     }
   }
@@ -681,6 +1015,9 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
 
   int64 block = std::min(num_rows, kBlockRows);
   if (block * P > kNodeValueBudget) block = std::max<int64>(std::min<int64>(block, 4), kNodeValueBudget / P);
+  // The kernel is chosen by the batch size alone, so that a row's values do not depend
+  // on the blocks and tiles around it (a chunk equals the slice of the full result).
+  const bool packed = num_rows >= kPackMinRows;
   std::vector<T> values(P * block);
   std::vector<const T*> rows(block);
   std::vector<SweepItem> items;
@@ -704,7 +1041,7 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
       parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
         for (int64 i = begin; i < end; ++i) {
           SweepItemRun(tree, p, plan, items[i], rows.data(), block, values.data(),
-                       out + r0 * width, width);
+                       out + r0 * width, width, packed);
         }
       });
     }
@@ -800,18 +1137,29 @@ std::string LogProbCandidates(const TreeView& tree, const SoftmaxParams<T>& p,
         row_max[r] = -std::numeric_limits<T>::infinity();
         row_sum[r] = 0;
       }
+      // This item's entries by slot, so each tile hands out its taken logits in one sweep.
+      std::vector<std::pair<int64, int64>>& taken = s.taken;  // (slot, entry)
+      taken.clear();
+      for (int64 e = urow_entry[u0]; e < urow_entry[u0 + it.count]; ++e) {
+        taken.push_back({plan.entry_slot[e], e});
+      }
+      std::sort(taken.begin(), taken.end());
+      size_t next = 0;
+      const T* hp = PackedRows(rows, it.count, p.dim, it.count >= kPackMinRows);
       for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
         const int64 kb = std::min(kSlotTile, K - k0);
-        Logits(p, rows, it.count, first + k0, kb, tile, kb);
+        Logits(p, rows, it.count, first + k0, kb, hp, tile, kb);
+        for (; next < taken.size() && taken[next].first < first + k0 + kb; ++next) {
+          const int64 e = taken[next].second;
+          const int64 r = std::upper_bound(urow_entry.begin() + u0, urow_entry.begin() + u0 + it.count, e) -
+                          (urow_entry.begin() + u0) - 1;
+          entry_value[e] = tile[r * kb + taken[next].first - first - k0];
+        }
         for (int64 r = 0; r < it.count; ++r) FoldLogSumExp(tile + r * kb, kb, exps, &row_max[r], &row_sum[r]);
       }
       for (int64 r = 0; r < it.count; ++r) {
         const T lse = row_max[r] + std::log(row_sum[r]);
-        for (int64 e = urow_entry[u0 + r]; e < urow_entry[u0 + r + 1]; ++e) {
-          T z;
-          Logits(p, rows + r, 1, plan.entry_slot[e], 1, &z, 1);
-          entry_value[e] = z - lse;
-        }
+        for (int64 e = urow_entry[u0 + r]; e < urow_entry[u0 + r + 1]; ++e) entry_value[e] -= lse;
       }
     }
   });

@@ -9,10 +9,13 @@
 // read or an endless loop. A node's children must have larger node ids than the node
 // (true of the BFS layout), which makes every walk finite.
 //
-// A node's log-softmax is computed exactly as by LogProbForward: logits in tiles of
-// weight rows (simd::DotRows, the bias added after), an online logsumexp over the tiles,
-// and a class's log-probability summed root first. Every result is independent of the
-// ParallelFor's thread count and splitting.
+// A node's log-softmax is computed as by LogProbForward: logits in tiles of the node's
+// contiguous weight rows (simd::DotRows for a few rows, a row-panel kernel for 16 or more
+// rows sharing the node; the bias added after), an online logsumexp over the tiles with
+// simd::ExpInPlace, and a class's log-probability summed root first. The two logits
+// kernels round differently, so values agree with LogProbForward and with each other to
+// rounding, not bit for bit. Every result is independent of the ParallelFor's thread
+// count and splitting.
 //
 // Every function returns "" on success or a message naming the problem; the outputs are
 // then unspecified.
@@ -37,8 +40,10 @@ namespace tf_hsm {
 // Output row i holds log_probs[i * k + j] and classes[i * k + j] for j < k, sorted by
 // decreasing log-probability; equal log-probabilities are ordered by increasing class id,
 // and NaN log-probabilities come last. num_expanded[i] is the number of internal nodes
-// the search of row i expanded (root included). Needs tree.slot_child. Rows that share a
-// node are expanded together, so they share its weight block.
+// whose log-softmax was computed for row i (root included). Needs tree.slot_child.
+// Rows are searched 16 at a time: a node one row expands is also expanded for the other
+// rows of its group that have it queued above their k-th best class so far, so rows share
+// the pass over its weights (this changes num_expanded, never the result).
 template <typename T>
 std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows, int64 k,
                  const ParallelFor& parallel_for, T* log_probs, int64* classes,
@@ -48,8 +53,10 @@ std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows
 // classes class_begin <= c < class_end (0 <= class_begin <= class_end <= C). Each needed
 // node's log-softmax is computed once per row and accumulated down the tree in one sweep,
 // level by level; with a partial range only the nodes on paths to those classes are
-// evaluated, so the whole table can be processed in chunks. Rows are processed in blocks
-// that share every weight block. Needs tree.slot_child, and the paths for a partial range.
+// evaluated, so the whole table can be processed in chunks; a chunk equals the slice of
+// the full result bit for bit. Rows are processed in blocks of up to 64 that share every
+// weight block; the nodes of a level run in parallel. Needs tree.slot_child, and the
+// paths for a partial range.
 template <typename T>
 std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows,
                        int64 class_begin, int64 class_end, const ParallelFor& parallel_for,
@@ -57,8 +64,9 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
 
 // One class per row by ancestral sampling: from the root, draw a child of the current
 // node from softmax(logits / temperature) until a class is reached. The uniform number
-// for row i at path depth d is a hash of (seed, i, d) (splitmix64), so results depend
-// only on the seed and the row's position, never on threads. temperature must be
+// for row i at path depth d is a hash of (seed, i, d) (splitmix64), and the logits use
+// the dot-product kernels only, so a row's class depends on its own inputs, its position
+// and the seed, never on threads or on the other rows. temperature must be
 // positive and finite. A row whose logits at some node contain NaN or +inf, or are all
 // -inf (no well-defined distribution), gets class -1; a -inf logit alone masks its child.
 // Needs tree.slot_child.

@@ -223,7 +223,8 @@ ParallelFor ThreadedFor(int threads) {
 
 template <typename T>
 bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 bool Close(long double a, long double ref, double tol) {
@@ -384,14 +385,20 @@ void CheckLogProbAll(std::mt19937_64& rng, const Layout& t, int64 N, int64 D, bo
         same = same && std::memcmp(&part[i * (e - b) + c - b], &all[i * C + c], sizeof(T)) == 0;
     EXPECT(same, "%s chunk [%ld, %ld) differs from the full result", what, (long)b, (long)e);
   }
-  // TopK with k = C sees the same values bit for bit.
+  // TopK with k = C sees the same values; bit for bit when fewer than 16 rows share a
+  // node (neither uses the packed kernel then, and the dot-product kernels agree).
   if (N > 0) {
     const TopKResult<T> r = RunTopK(t, pr, C, ThreadedFor(2));
-    bool same = true;
-    for (int64 i = 0; i < N; ++i)
-      for (int64 j = 0; j < C; ++j)
-        same = same && r.log_probs[i * C + j] == all[i * C + r.classes[i * C + j]];
-    EXPECT(same, "%s: top_k values differ from log_prob_all", what);
+    bool same = true, close = true;
+    for (int64 i = 0; i < N; ++i) {
+      for (int64 j = 0; j < C; ++j) {
+        const T a = r.log_probs[i * C + j], b = all[i * C + r.classes[i * C + j]];
+        same = same && a == b;
+        close = close && Close(a, b, tol);
+      }
+    }
+    EXPECT(close, "%s: top_k values differ from log_prob_all", what);
+    EXPECT(same || N >= 16, "%s: top_k values differ from log_prob_all in the last bits", what);
   }
 }
 

@@ -1,0 +1,15 @@
+"""Runs the C++ unit tests of the inference core (cc/tests/inference_test.cc)."""
+
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BINARY = os.path.join(ROOT, "bazel-bin", "cc", "inference_test")
+
+
+def test_cc_inference():
+  assert os.path.exists(BINARY), f"{BINARY} is missing: run ./configure.sh"
+  result = subprocess.run([BINARY], capture_output=True, text=True, timeout=600)
+  print(result.stdout)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "0 failed" in result.stdout
