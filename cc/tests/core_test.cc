@@ -15,100 +15,12 @@
 #include "cc/core/log_prob.h"
 #include "cc/core/simd.h"
 #include "cc/core/visit_plan.h"
+#include "cc/tests/test_util.h"
 
 namespace tf_hsm {
 namespace {
 
-int failures = 0;
-#define EXPECT(cond, ...)                                           \
-  do {                                                              \
-    if (!(cond)) {                                                  \
-      ++failures;                                                   \
-      std::fprintf(stderr, "%s:%d: FAILED %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                            \
-      std::fprintf(stderr, "\n");                                   \
-    }                                                               \
-  } while (0)
-
-// A tree in the layout contract, built here independently of the Python builders.
-struct OwnedTree {
-  std::vector<int64> child_begin, slot_child, path_begin, path_nodes, path_slots;
-  int64 num_classes = 0;
-  TreeView view() const {
-    TreeView v;
-    v.num_classes = num_classes;
-    v.num_nodes = static_cast<int64>(child_begin.size()) - 1;
-    v.num_slots = static_cast<int64>(slot_child.size());
-    v.path_length = static_cast<int64>(path_nodes.size());
-    v.child_begin = child_begin.data();
-    v.slot_child = slot_child.data();
-    v.path_begin = path_begin.data();
-    v.path_nodes = path_nodes.data();
-    v.path_slots = path_slots.data();
-    return v;
-  }
-};
-
-// Random tree: nodes are expanded breadth-first; each gets 1..max_branching children, each
-// child a new internal node with probability p_internal (below max_depth) or a class.
-OwnedTree RandomTree(std::mt19937_64& rng, int64 max_branching, int max_depth,
-                     double p_internal, int64 max_classes) {
-  std::vector<std::vector<int64>> children(1);  // codes: >= 0 class ordinal, < 0 -(node+1)
-  std::vector<int> depth(1, 0);
-  int64 classes = 0;
-  for (size_t n = 0; n < children.size(); ++n) {
-    const int64 k = 1 + static_cast<int64>(rng() % max_branching);
-    for (int64 j = 0; j < k; ++j) {
-      const bool internal = depth[n] + 1 < max_depth && classes < max_classes &&
-                            std::uniform_real_distribution<double>(0, 1)(rng) < p_internal;
-      if (internal) {
-        children[n].push_back(-static_cast<int64>(children.size()) - 1);
-        children.emplace_back();
-        depth.push_back(depth[n] + 1);
-      } else {
-        children[n].push_back(classes++);
-      }
-    }
-  }
-  // Shuffle class ids so they do not follow the tree order.
-  std::vector<int64> class_id(classes);
-  for (int64 c = 0; c < classes; ++c) class_id[c] = c;
-  std::shuffle(class_id.begin(), class_id.end(), rng);
-  OwnedTree t;
-  t.num_classes = classes;
-  const int64 M = static_cast<int64>(children.size());
-  std::vector<int64> parent_slot(M, -1);
-  std::vector<int64> class_slot(classes), slot_node;
-  t.child_begin.push_back(0);
-  for (int64 n = 0; n < M; ++n) {
-    for (int64 code : children[n]) {
-      const int64 s = static_cast<int64>(t.slot_child.size());
-      if (code >= 0) {
-        t.slot_child.push_back(class_id[code]);
-        class_slot[class_id[code]] = s;
-      } else {
-        t.slot_child.push_back(classes + (-code - 1));
-        parent_slot[-code - 1] = s;
-      }
-      slot_node.push_back(n);
-    }
-    t.child_begin.push_back(static_cast<int64>(t.slot_child.size()));
-  }
-  t.path_begin.push_back(0);
-  for (int64 c = 0; c < classes; ++c) {
-    std::vector<std::pair<int64, int64>> steps;
-    for (int64 s = class_slot[c]; s >= 0; s = parent_slot[slot_node[s]]) {
-      steps.push_back({slot_node[s], s});
-    }
-    std::reverse(steps.begin(), steps.end());
-    for (auto& st : steps) {
-      t.path_nodes.push_back(st.first);
-      t.path_slots.push_back(st.second);
-    }
-    t.path_begin.push_back(static_cast<int64>(t.path_nodes.size()));
-  }
-  return t;
-}
+using namespace ::tf_hsm::testing;  // NOLINT: the shared test vocabulary
 
 // Reference log P and gradients in long double, straight from the definition.
 struct Reference {
@@ -116,7 +28,7 @@ struct Reference {
 };
 
 template <typename T>
-Reference ReferenceOf(const OwnedTree& t, const std::vector<T>& h, const std::vector<T>& w,
+Reference ReferenceOf(const Layout& t, const std::vector<T>& h, const std::vector<T>& w,
                       const std::vector<T>* b, const std::vector<int64>& targets,
                       const std::vector<T>& upstream, int64 D) {
   const int64 N = static_cast<int64>(targets.size()), S = static_cast<int64>(t.slot_child.size());
@@ -154,21 +66,6 @@ Reference ReferenceOf(const OwnedTree& t, const std::vector<T>& h, const std::ve
   return r;
 }
 
-// A ParallelFor on `threads` std::threads that hands out single items round-robin, so
-// work is split very differently from the serial run.
-ParallelFor ThreadedFor(int threads) {
-  return [threads](int64 total, int64, const std::function<void(int64, int64)>& work) {
-    std::atomic<int64> next(0);
-    std::vector<std::thread> pool;
-    for (int k = 0; k < threads; ++k) {
-      pool.emplace_back([&] {
-        for (int64 i = next++; i < total; i = next++) work(i, i + 1);
-      });
-    }
-    for (auto& th : pool) th.join();
-  };
-}
-
 template <typename T>
 struct Run {
   std::vector<T> log_prob, d_hidden, d_rows, d_bias_rows;
@@ -176,7 +73,7 @@ struct Run {
 };
 
 template <typename T>
-Run<T> RunCore(const OwnedTree& t, const std::vector<T>& h, const std::vector<T>& w,
+Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w,
                const std::vector<T>* b, const std::vector<int64>& targets,
                const std::vector<T>& upstream, int64 D, const ParallelFor& pf, int64 budget) {
   VisitPlan plan;
@@ -204,7 +101,7 @@ Run<T> RunCore(const OwnedTree& t, const std::vector<T>& h, const std::vector<T>
 }
 
 template <typename T>
-void CheckAgainstReference(std::mt19937_64& rng, const OwnedTree& t, int64 N, int64 D,
+void CheckAgainstReference(std::mt19937_64& rng, const Layout& t, int64 N, int64 D,
                            bool bias, double tol, const char* what) {
   std::normal_distribution<double> normal(0, 1);
   std::vector<T> h(N * D), w(t.slot_child.size() * D), b(t.slot_child.size()), up(N);
@@ -255,28 +152,23 @@ void TestAgainstReference() {
   std::mt19937_64 rng(1);
   for (int trial = 0; trial < 30; ++trial) {
     const int64 branching = 1 + trial % 7 * 8;  // 1 .. 49
-    const OwnedTree t = RandomTree(rng, branching, 1 + trial % 8, 0.4, 400);
+    const Layout t = RandomLayout(rng, branching, 1 + trial % 8, 0.4, 400);
     const int64 D = 1 + rng() % 40;
     const int64 N = rng() % 70;
     CheckAgainstReference<double>(rng, t, N, D, trial % 2 == 0, 1e-10, "double");
     CheckAgainstReference<float>(rng, t, N, D, trial % 3 == 0, 2e-4, "float");
   }
   // One wide node: more children than a slot tile (online logsumexp across tiles).
-  const OwnedTree wide = RandomTree(rng, 700, 1, 0.0, 1000);
+  const Layout wide = RandomLayout(rng, 700, 1, 0.0, 1000);
   CheckAgainstReference<double>(rng, wide, 150, 33, true, 1e-10, "wide double");
   CheckAgainstReference<float>(rng, wide, 150, 33, true, 2e-4, "wide float");
-}
-
-template <typename T>
-bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 void TestDeterminism() {
   std::mt19937_64 rng(2);
   std::normal_distribution<float> normal(0, 1);
   for (int trial = 0; trial < 6; ++trial) {
-    const OwnedTree t = RandomTree(rng, 300, 4, 0.05, 3000);
+    const Layout t = RandomLayout(rng, 300, 4, 0.05, 3000);
     const int64 N = 500, D = 37;
     std::vector<float> h(N * D), w(t.slot_child.size() * D), b(t.slot_child.size()), up(N);
     for (auto& v : h) v = normal(rng);
@@ -306,7 +198,7 @@ void TestInPlaceSgd() {
   std::mt19937_64 rng(5);
   std::normal_distribution<double> normal(0, 1);
   for (int trial = 0; trial < 8; ++trial) {
-    const OwnedTree t = RandomTree(rng, 1 + trial * 20, 1 + trial % 5, 0.3, 2000);
+    const Layout t = RandomLayout(rng, 1 + trial * 20, 1 + trial % 5, 0.3, 2000);
     const int64 N = 1 + rng() % 300, D = 1 + rng() % 70;
     const int64 S = static_cast<int64>(t.slot_child.size());
     std::vector<double> h(N * D), w(S * D), b(S), up(N);
@@ -354,7 +246,7 @@ void TestInPlaceSgd() {
 
 void TestNanStaysInItsRow() {
   std::mt19937_64 rng(3);
-  const OwnedTree t = RandomTree(rng, 10, 3, 0.3, 200);
+  const Layout t = RandomLayout(rng, 10, 3, 0.3, 200);
   const int64 N = 8, D = 5;
   std::vector<float> h(N * D, 0.5f), w(t.slot_child.size() * D, 0.1f), up(N, 1.0f);
   h[3 * D + 2] = NAN;
@@ -368,7 +260,7 @@ void TestNanStaysInItsRow() {
 
 void TestValidation() {
   std::mt19937_64 rng(4);
-  OwnedTree t = RandomTree(rng, 5, 3, 0.5, 50);
+  Layout t = RandomLayout(rng, 5, 3, 0.5, 50);
   VisitPlan plan;
   std::vector<int64> bad = {0, t.num_classes};
   std::string err = BuildVisitPlan(t.view(), bad.data(), 2, &plan);
@@ -378,7 +270,7 @@ void TestValidation() {
   EXPECT(err.find("targets[0] = -1") != std::string::npos, "message: %s", err.c_str());
   // Corrupt a path slot: it must be caught, not read out of bounds.
   std::vector<int64> ok = {0};
-  OwnedTree c = t;
+  Layout c = t;
   c.path_slots[c.path_begin[0]] = 1 << 30;
   err = BuildVisitPlan(c.view(), ok.data(), 1, &plan);
   EXPECT(err.find("path_slots") != std::string::npos, "message: %s", err.c_str());
@@ -428,7 +320,8 @@ void TestExp() {
 }  // namespace tf_hsm
 
 int main() {
-  struct { const char* name; void (*fn)(); } tests[] = {
+  using tf_hsm::testing::NamedTest;
+  static const NamedTest tests[] = {
       {"exp", tf_hsm::TestExp},
       {"against_reference", tf_hsm::TestAgainstReference},
       {"determinism", tf_hsm::TestDeterminism},
@@ -436,14 +329,5 @@ int main() {
       {"in_place_sgd", tf_hsm::TestInPlaceSgd},
       {"validation", tf_hsm::TestValidation},
   };
-  int passed = 0, failed = 0;
-  for (auto& t : tests) {
-    const int before = tf_hsm::failures;
-    t.fn();
-    const bool ok = tf_hsm::failures == before;
-    std::printf("[%s] %s\n", ok ? "PASS" : "FAIL", t.name);
-    (ok ? passed : failed)++;
-  }
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  return tf_hsm::testing::RunTests(tests);
 }
