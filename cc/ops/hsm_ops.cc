@@ -1,4 +1,5 @@
 // Op registrations: shapes and documentation. Kernels live in cc/kernels/.
+#include "cc/ops/shape_fns.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -10,27 +11,6 @@ using ::tensorflow::shape_inference::DimensionHandle;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
-namespace {
-
-// Checks the inputs common to every op: hidden [..., D], weights [S, D], biases [S] or [0],
-// and the rank-1 tree tensors starting at input `first_tree`. Sets *batch to hidden's
-// leading shape.
-Status SoftmaxInputShapes(InferenceContext* c, int first_tree, int num_tree,
-                          ShapeHandle* batch) {
-  ShapeHandle hidden, weights, biases;
-  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &hidden));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &weights));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &biases));
-  DimensionHandle dim;
-  TF_RETURN_IF_ERROR(c->Merge(c->Dim(hidden, -1), c->Dim(weights, 1), &dim));
-  for (int i = first_tree; i < first_tree + num_tree; ++i) {
-    ShapeHandle unused;
-    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
-  }
-  return c->Subshape(hidden, 0, -1, batch);
-}
-
-}  // namespace
 
 REGISTER_OP("Hsm>LogProb")
     .Input("hidden: T")

@@ -1,5 +1,6 @@
 // Registrations of the inference ops: shapes and documentation. Kernels live in
 // cc/kernels/inference_kernels.cc. None of these ops has a gradient.
+#include "cc/ops/shape_fns.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -12,26 +13,6 @@ using ::tensorflow::shape_inference::DimensionHandle;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
-namespace {
-
-// hidden [..., D], weights [S, D], biases [S] or [0], and the rank-1 tree tensors at
-// inputs [first_tree, first_tree + num_tree). Sets *batch to hidden's leading shape.
-Status InferenceInputShapes(InferenceContext* c, int first_tree, int num_tree,
-                            ShapeHandle* batch) {
-  ShapeHandle hidden, weights, biases;
-  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &hidden));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &weights));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &biases));
-  DimensionHandle dim;
-  TF_RETURN_IF_ERROR(c->Merge(c->Dim(hidden, -1), c->Dim(weights, 1), &dim));
-  for (int i = first_tree; i < first_tree + num_tree; ++i) {
-    ShapeHandle unused;
-    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
-  }
-  return c->Subshape(hidden, 0, -1, batch);
-}
-
-}  // namespace
 
 #define TF_HSM_TREE_DOC                                                                    \
   "child_begin: [num_nodes + 1]; node n's children are slots [child_begin[n], "           \
@@ -65,7 +46,7 @@ REGISTER_OP("Hsm>TopK")
     .Attr("T: {float, double}")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle batch, out;
-      TF_RETURN_IF_ERROR(InferenceInputShapes(c, 3, 5, &batch));
+      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 3, 5, &batch));
       int64_t k;
       TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
       TF_RETURN_IF_ERROR(c->Concatenate(batch, c->Vector(k), &out));
@@ -99,7 +80,7 @@ REGISTER_OP("Hsm>LogProbAll")
     .Attr("T: {float, double}")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle batch, range, out;
-      TF_RETURN_IF_ERROR(InferenceInputShapes(c, 4, 5, &batch));
+      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 5, &batch));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &range));
       DimensionHandle two;
       TF_RETURN_IF_ERROR(c->WithValue(c->Dim(range, 0), 2, &two));
@@ -135,7 +116,7 @@ REGISTER_OP("Hsm>Sample")
     .Attr("T: {float, double}")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle batch, unused;
-      TF_RETURN_IF_ERROR(InferenceInputShapes(c, 5, 5, &batch));
+      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 5, 5, &batch));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 0, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 0, &unused));
       c->set_output(0, batch);
@@ -165,7 +146,7 @@ REGISTER_OP("Hsm>LogProbCandidates")
     .Attr("Tidx: {int32, int64} = DT_INT64")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle batch, candidates, lead, unused;
-      TF_RETURN_IF_ERROR(InferenceInputShapes(c, 4, 4, &batch));
+      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
       TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(3), 1, &candidates));
       TF_RETURN_IF_ERROR(c->Subshape(candidates, 0, -1, &lead));
       TF_RETURN_IF_ERROR(c->Merge(batch, lead, &unused));
