@@ -81,13 +81,50 @@ fi
 
 # --- Build ------------------------------------------------------------------------------
 say "building the op library"
-bazel build --noshow_progress //cc:_hsm_ops.so //cc:core_test 2>&1 | grep -vE '^(INFO|Loading|Analyzing)' || true
+bazel build --noshow_progress //cc:_hsm_ops.so //cc:core_test //cc:inference_test 2>&1 | grep -vE '^(INFO|Loading|Analyzing)' || true
 if [ ! -f bazel-bin/cc/_hsm_ops.so ]; then
   say "the build failed; see the messages above (bazel build //cc:_hsm_ops.so)"; exit 1
 fi
 if ! cmp -s bazel-bin/cc/_hsm_ops.so tf_hsm/_hsm_ops.so; then
   install -m 0755 bazel-bin/cc/_hsm_ops.so tf_hsm/_hsm_ops.so
 fi
+
+# --- CUDA kernels (opt-in) ---------------------------------------------------------------
+# TF_HSM_CUDA=1 also compiles the GPU kernels (cc/core/*.cu, cc/kernels/*_gpu.cc) and
+# installs the CPU+GPU library //cc:_hsm_ops_gpu.so as tf_hsm/_hsm_ops.so. Unset or 0: the
+# CPU-only library above. Opt-in because the GPU kernels can only be run where a GPU and a
+# GPU TensorFlow are (this project's build machines have neither; the CUDA core is checked
+# there with cc/gpu_harness.sh --emulate and on GPU machines with cc/gpu_harness.sh).
+#   TF_HSM_NVCC        nvcc to use (default: nvcc on PATH). Its CUDA runtime is linked
+#                      statically, so the driver must support that CUDA version (13.x: R580+).
+#   TF_HSM_CUDA_ARCHS  SM versions (default "80 90": A100, H100/H200; PTX of the last too).
+case "${TF_HSM_CUDA:-0}" in
+  1)
+    nvcc="${TF_HSM_NVCC:-$(command -v nvcc || true)}"
+    if [ -z "$nvcc" ] || [ ! -x "$nvcc" ]; then
+      say "TF_HSM_CUDA=1 but nvcc was not found: set TF_HSM_NVCC"; exit 1
+    fi
+    archs="${TF_HSM_CUDA_ARCHS:-80 90}"
+    say "building the GPU kernels with $nvcc for SM ${archs}"
+    cuda_log=$(mktemp)
+    if ! bazel build --noshow_progress "--define=TF_HSM_NVCC=$nvcc" \
+        "--define=TF_HSM_CUDA_ARCHS=$(echo "$archs" | tr -s ' ' ',')" //cc:_hsm_ops_gpu.so \
+        >"$cuda_log" 2>&1; then
+      grep -vE '^(INFO|Loading|Analyzing)' "$cuda_log" || true; rm -f "$cuda_log"
+      say "the GPU build failed (bazel build //cc:_hsm_ops_gpu.so)"; exit 1
+    fi
+    rm -f "$cuda_log"
+    install -m 0755 bazel-bin/cc/_hsm_ops_gpu.so tf_hsm/_hsm_ops.so
+    ;;
+  0)
+    if command -v nvcc >/dev/null; then
+      say "nvcc found; GPU kernels not built (TF_HSM_CUDA=1 ./configure.sh builds them)"
+    fi
+    ;;
+  *) say "TF_HSM_CUDA must be 0 or 1, got '${TF_HSM_CUDA}'"; exit 1 ;;
+esac
+# --- end of CUDA kernels ----------------------------------------------------------------
+
 "$python" -c "import tf_hsm, tf_hsm._loader as l; l.ops()" 2>/dev/null \
   && say "ready: $python -c 'import tf_hsm'" \
   || { say "the library was built but does not load"; "$python" -c "import tf_hsm._loader as l; l.ops()"; exit 1; }

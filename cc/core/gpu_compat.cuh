@@ -19,12 +19,14 @@
 #define TF_HSM_HOST_DEVICE inline
 // Blocks run one at a time in the emulator, so a function-scope static is per block.
 #define TF_HSM_SHARED static
+#define TF_HSM_LAUNCH_BOUNDS(threads, min_blocks)
 #else
 #include <cuda_runtime.h>
 #define TF_HSM_GLOBAL __global__
 #define TF_HSM_DEVICE __device__ __forceinline__
 #define TF_HSM_HOST_DEVICE __host__ __device__ __forceinline__
 #define TF_HSM_SHARED __shared__
+#define TF_HSM_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
 #endif
 
 namespace tf_hsm {

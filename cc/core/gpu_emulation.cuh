@@ -4,7 +4,9 @@
 // library.
 //
 // Model: blocks run one after another on the calling thread; inside a block every CUDA
-// thread is a fiber (ucontext) with its own stack, switched only at SyncThreads(),
+// thread is a fiber with its own stack (started with makecontext/setcontext, then switched
+// with _setjmp/_longjmp, which skip the signal-mask system call of swapcontext), switched
+// only at SyncThreads(),
 // SyncWarp() and shuffles. Between two barriers each thread therefore runs alone, in an
 // order set by the schedule (forward, reverse or shuffled per round): a kernel that reads
 // shared memory another thread writes without a barrier in between gives different
@@ -21,6 +23,11 @@
 #ifndef TF_HSM_CC_CORE_GPU_EMULATION_CUH_
 #define TF_HSM_CC_CORE_GPU_EMULATION_CUH_
 
+#if defined(_FORTIFY_SOURCE) && _FORTIFY_SOURCE > 0 && defined(__OPTIMIZE__)
+#error "build the emulator with -U_FORTIFY_SOURCE: its fibers longjmp between stacks"
+#endif
+
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -79,9 +86,11 @@ struct Barrier {
 };
 
 struct Fiber {
-  ucontext_t context;
+  ucontext_t context;  // the entry point, used once per block
+  jmp_buf jump;        // where the suspended fiber resumes
   uint3 thread_idx;
   int linear = 0;
+  bool started = false;
   bool done = false;
 };
 
@@ -94,7 +103,7 @@ struct Emulator {
   uint3 block_idx{0, 0, 0};
   std::vector<Fiber> fibers;
   std::vector<char> stacks;
-  ucontext_t scheduler;
+  jmp_buf scheduler;
   Fiber* current = nullptr;
   int threads = 0, live = 0;
   Barrier block_barrier;
@@ -132,9 +141,11 @@ inline dim3 BlockDim() { return Emu().block_dim; }
 inline dim3 GridDim() { return Emu().grid_dim; }
 inline int LaneId() { return Emu().current->linear % 32; }
 
+// Suspends the current fiber and returns to the scheduler. (_FORTIFY_SOURCE's checked
+// longjmp would reject a jump to another stack; the harness builds without it.)
 inline void Yield() {
   Emulator& e = Emu();
-  swapcontext(&e.current->context, &e.scheduler);
+  if (_setjmp(e.current->jump) == 0) _longjmp(e.scheduler, 1);
 }
 
 // Arrives at b, which `expected` threads share; returns once all have arrived.
@@ -193,7 +204,7 @@ inline void FiberEntry() {
   if (e.warp_barriers[f->linear / 32].arrived > 0) {
     Fail("a lane exited while others of its warp wait in a shuffle or SyncWarp()");
   }
-  // Returns to the scheduler through uc_link.
+  _longjmp(e.scheduler, 1);  // the fiber's stack is abandoned
 }
 
 inline void RunBlock() {
@@ -207,6 +218,7 @@ inline void RunBlock() {
   for (int t = 0; t < n; ++t) {
     Fiber& f = e.fibers[t];
     f.done = false;
+    f.started = false;
     f.linear = t;
     f.thread_idx.x = t % e.block_dim.x;
     f.thread_idx.y = t / e.block_dim.x % e.block_dim.y;
@@ -214,7 +226,7 @@ inline void RunBlock() {
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = e.stacks.data() + static_cast<std::size_t>(t) * e.stack_bytes;
     f.context.uc_stack.ss_size = e.stack_bytes;
-    f.context.uc_link = &e.scheduler;
+    f.context.uc_link = nullptr;
     makecontext(&f.context, FiberEntry, 0);
   }
   std::vector<int> order(n);
@@ -227,7 +239,11 @@ inline void RunBlock() {
       Fiber& f = e.fibers[t];
       if (f.done) continue;
       e.current = &f;
-      swapcontext(&e.scheduler, &f.context);
+      if (_setjmp(e.scheduler) == 0) {
+        if (f.started) _longjmp(f.jump, 1);
+        f.started = true;
+        setcontext(&f.context);
+      }
     }
     e.current = nullptr;
     if (e.live > 0 && e.progress == before) {

@@ -24,10 +24,18 @@ constexpr int64 kSmallSlots = 32;
 constexpr int64 kChunkSlots = 256;
 // Groups with at most this many tokens use 16-token tiles, the others 64-token tiles.
 constexpr int64 kNarrowTokens = 16;
+// Weight gradients of small nodes' slices of at most this many tokens: a warp per slice.
+constexpr int64 kWarpGradTokens = 16;
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / kWarpSize;
+#ifdef TF_HSM_GPU_EMULATE
+constexpr int64 kMaxBlocks = 5;  // so that the emulator exercises the grid-stride loops
+#else
 constexpr int64 kMaxBlocks = int64{1} << 20;  // grid-stride loops beyond this
+#endif
 constexpr int64 kAlign = 256;                 // workspace sub-buffer alignment (bytes)
+// Tiled kernels: two blocks per SM in float32 (at most 128 registers), one in float64.
+#define TF_HSM_TILE_BOUNDS TF_HSM_LAUNCH_BOUNDS(kThreads, sizeof(T) == 4 ? 2 : 1)
 
 using WideTile = TileConfig<64, 64, 16, 4, 4>;
 using NarrowTile = TileConfig<16, 64, 16, 1, 4>;
@@ -41,18 +49,22 @@ static_assert(WideTile::kThreads == kThreads && NarrowTile::kThreads == kThreads
 static_assert(WideTile::BN == NarrowTile::BN && kChunkSlots % WideTile::BN == 0,
               "both logits tiles fold the same slot tiles, so their results agree");
 
-// A run of consecutive visits of one group processed together: the whole group, or (when
-// the backward pass's coefficient buffer is too small for it) a token range of it.
+// Kernels work on "visits": (group, hidden row) pairs whose logsumexp they compute. For
+// log_prob and its gradient a visit is a plan entry (a token at a node); for candidates it
+// is one distinct hidden row among a group's entries.
+//
+// A slice is a run of consecutive visits of one group processed together: the whole group,
+// or (when the backward pass's coefficient buffer is too small for it) a range of it.
 struct Slice {
-  int64 entry0;       // first plan entry
-  int64 count;        // entries (tokens)
+  int64 visit0;       // first visit
+  int64 count;        // visits
   int64 first_slot;   // the node's first child slot
   int64 num_slots;    // the node's children
   int64 coef;         // the slice's [count, num_slots] coefficient block in the buffer
   int64 row0;         // the group's first weight-gradient row (plan.group_row)
-  int64 partial0;     // the partial logsumexps of entry0; num_chunks per entry
+  int64 partial0;     // the partial logsumexps of visit0; num_chunks per visit
   int64 num_chunks;
-  int64 offset;       // entry0 - the group's first entry (0: the slice starts a group)
+  int64 offset;       // visit0 - the group's first visit (0: the slice starts a group)
 };
 constexpr int64 kSliceWords = sizeof(Slice) / sizeof(int64);
 static_assert(sizeof(Slice) == 9 * sizeof(int64), "Slice is uploaded as int64 words");
@@ -73,18 +85,21 @@ struct Args {
   int64 dim;
   const Slice* slices;
   const Item* items;
-  const int64* entry_token;
-  const int64* entry_slot;
-  const int64* entry_slice;
+  const int64* visit_row;    // the hidden row of each visit
+  const int64* visit_slot;   // a slot the visit takes (its taken logit is kept)
+  const int64* visit_slice;
   const int64* token_begin;    // forward: [num_tokens + 1]
-  const int64* token_entries;  // forward: each token's entries, root first
+  const int64* token_entries;  // forward: each token's plan entries, root first
+  const int64* cand_visit;     // candidates: the visit of each plan entry
+  const int64* cand_slot;      // candidates: the slot each plan entry takes
+  int64 num_candidates;        // candidates: per hidden row (token = row * M + m)
   const int64* group_row;      // backward: plan.group_row
   const int64* group_first;    // backward: each group's first slot
   int64 num_groups;
   T* partial_max;
   T* partial_sum;
-  T* taken;  // the taken logit of each entry
-  T* lse;    // backward: the logsumexp of each entry
+  T* taken;  // the taken logit of each visit
+  T* lse;    // backward: the logsumexp of each visit
   T* coef;   // backward: logits, then coefficients, of the current wave
   const T* upstream;
   T* log_prob;
@@ -98,10 +113,10 @@ struct Args {
 
 // One item: tokens [m0, m0 + BM) of a slice against slot chunk n0 of its node. The chunk
 // is folded 64 slots at a time into a running (max, sum of exp) per token, written as the
-// partial of (entry, chunk). With kStore the logits are also kept in the coefficient
+// partial of (visit, chunk). With kStore the logits are also kept in the coefficient
 // buffer. The taken slot's logit is written by the one thread that computes it.
 template <typename T, class C, bool kStore>
-TF_HSM_GLOBAL void LogitsTiledKernel(Args<T> a, int64 item_begin, int64 num_items) {
+TF_HSM_GLOBAL void TF_HSM_TILE_BOUNDS LogitsTiledKernel(Args<T> a, int64 item_begin, int64 num_items) {
   static_assert(C::kThreadsN <= kWarpSize && (C::kThreadsN & (C::kThreadsN - 1)) == 0,
                 "a tile row must be a power-of-two group of lanes");
   TF_HSM_SHARED TileSmem<T, C> smem;
@@ -118,7 +133,7 @@ TF_HSM_GLOBAL void LogitsTiledKernel(Args<T> a, int64 item_begin, int64 num_item
     const int64 n_end = Min64(sl.num_slots, n_begin + kChunkSlots);
     SyncThreads();  // the previous item is done with `rows`
     for (int r = tid; r < C::BM; r += C::kThreads) {
-      rows[r] = r < nt ? a.hidden + a.entry_token[sl.entry0 + t0 + r] * dim : nullptr;
+      rows[r] = r < nt ? a.hidden + a.visit_row[sl.visit0 + t0 + r] * dim : nullptr;
     }
     SyncThreads();
 
@@ -129,7 +144,7 @@ TF_HSM_GLOBAL void LogitsTiledKernel(Args<T> a, int64 item_begin, int64 num_item
       const int r = C::Row(i);
       run_max[i] = NegInf<T>();
       run_sum[i] = T(0);
-      taken_slot[i] = r < nt ? a.entry_slot[sl.entry0 + t0 + r] - sl.first_slot : -1;
+      taken_slot[i] = r < nt ? a.visit_slot[sl.visit0 + t0 + r] - sl.first_slot : -1;
     }
     for (int64 n0 = n_begin; n0 < n_end; n0 += C::BN) {
       T acc[C::TM][C::TN];
@@ -169,7 +184,7 @@ TF_HSM_GLOBAL void LogitsTiledKernel(Args<T> a, int64 item_begin, int64 num_item
             const int c = C::Col(j);
             if (c >= nb) continue;
             if (kStore) a.coef[sl.coef + (t0 + r) * sl.num_slots + n0 + c] = acc[i][j];
-            if (n0 + c == taken_slot[i]) a.taken[sl.entry0 + t0 + r] = acc[i][j];
+            if (n0 + c == taken_slot[i]) a.taken[sl.visit0 + t0 + r] = acc[i][j];
           }
         }
       }
@@ -187,6 +202,27 @@ TF_HSM_GLOBAL void LogitsTiledKernel(Args<T> a, int64 item_begin, int64 num_item
   }
 }
 
+// z = w . h (+ b) for a small node's child, as LogitsSmallKernel computes it: lane l sums
+// d = l, l + 32, ... in order, then an xor butterfly; every lane returns the same bits.
+template <typename T>
+TF_HSM_DEVICE T WarpDot(const T* h, const T* w, int64 dim, const T* bias, int lane) {
+  T s = T(0);
+  for (int64 d = lane; d < dim; d += kWarpSize) s = Fma(h[d], w[d], s);
+  s = GroupSum<kWarpSize>(s);
+  if (bias != nullptr) s += *bias;
+  return s;
+}
+
+// z = w . h (+ b) for a tiled node's child, as the tile product computes it: one chain
+// over d in order from zero, then the bias.
+template <typename T>
+TF_HSM_DEVICE T ChainDot(const T* h, const T* w, int64 dim, const T* bias) {
+  T s = T(0);
+  for (int64 d = 0; d < dim; ++d) s = Fma(h[d], w[d], s);
+  if (bias != nullptr) s += *bias;
+  return s;
+}
+
 // Visits of nodes with at most kSmallSlots children, a warp per visit: lanes split D for
 // each child's dot product, lane j keeps logit j, and the logsumexp is one partial.
 template <typename T, bool kStore>
@@ -196,17 +232,15 @@ TF_HSM_GLOBAL void LogitsSmallKernel(Args<T> a, int64 e_begin, int64 e_end) {
   const int64 dim = a.dim;
   for (int64 e = e_begin + BlockX() * (BlockDimX() / kWarpSize) + ThreadX() / kWarpSize;
        e < e_end; e += warps) {
-    const Slice sl = a.slices[a.entry_slice[e]];
+    const Slice sl = a.slices[a.visit_slice[e]];
     if (sl.num_slots > kSmallSlots) continue;
-    const int64 r = e - sl.entry0;
-    const T* h = a.hidden + a.entry_token[e] * dim;
+    const int64 r = e - sl.visit0;
+    const T* h = a.hidden + a.visit_row[e] * dim;
     T mine = NegInf<T>();
     for (int64 j = 0; j < sl.num_slots; ++j) {
-      const T* w = a.weights + (sl.first_slot + j) * dim;
-      T s = T(0);
-      for (int64 d = lane; d < dim; d += kWarpSize) s = Fma(h[d], w[d], s);
-      s = GroupSum<kWarpSize>(s);
-      if (a.biases != nullptr) s += a.biases[sl.first_slot + j];
+      const int64 slot = sl.first_slot + j;
+      const T s = WarpDot(h, a.weights + slot * dim, dim,
+                          a.biases != nullptr ? a.biases + slot : nullptr, lane);
       if (lane == j) mine = s;
     }
     const bool valid = lane < sl.num_slots;
@@ -216,16 +250,16 @@ TF_HSM_GLOBAL void LogitsSmallKernel(Args<T> a, int64 e_begin, int64 e_end) {
       a.partial_max[sl.partial0 + r] = m;
       a.partial_sum[sl.partial0 + r] = sum;
     }
-    if (lane == a.entry_slot[e] - sl.first_slot) a.taken[e] = mine;
+    if (lane == a.visit_slot[e] - sl.first_slot) a.taken[e] = mine;
     if (kStore && valid) a.coef[sl.coef + r * sl.num_slots + lane] = mine;
   }
 }
 
-// The logsumexp of entry e from its partials, combined in chunk order.
+// The logsumexp of visit v from its partials, combined in chunk order.
 template <typename T>
-TF_HSM_DEVICE T EntryLogSumExp(const Args<T>& a, int64 e) {
-  const Slice& sl = a.slices[a.entry_slice[e]];
-  const int64 base = sl.partial0 + (e - sl.entry0) * sl.num_chunks;
+TF_HSM_DEVICE T VisitLogSumExp(const Args<T>& a, int64 v) {
+  const Slice& sl = a.slices[a.visit_slice[v]];
+  const int64 base = sl.partial0 + (v - sl.visit0) * sl.num_chunks;
   T m = NegInf<T>(), s = T(0);
   for (int64 c = 0; c < sl.num_chunks; ++c) {
     const T cm = a.partial_max[base + c], cs = a.partial_sum[base + c];
@@ -247,9 +281,35 @@ TF_HSM_GLOBAL void FinishForwardKernel(Args<T> a, int64 num_tokens) {
     T sum = T(0);
     for (int64 k = a.token_begin[i]; k < a.token_begin[i + 1]; ++k) {
       const int64 e = a.token_entries[k];
-      sum += a.taken[e] - EntryLogSumExp(a, e);
+      sum += a.taken[e] - VisitLogSumExp(a, e);
     }
     a.log_prob[i] = sum;
+  }
+}
+
+// Candidates: out[t] for candidate token t = row * M + m, a warp per token: over its entries
+// root first, the taken logit (recomputed exactly as the kernel that folded the visit's
+// logsumexp computed it) minus the visit's logsumexp.
+template <typename T>
+TF_HSM_GLOBAL void FinishCandidatesKernel(Args<T> a, int64 num_tokens) {
+  const int lane = ThreadX() % kWarpSize;
+  const int64 warps = GridX() * (BlockDimX() / kWarpSize);
+  const int64 dim = a.dim;
+  for (int64 t = BlockX() * (BlockDimX() / kWarpSize) + ThreadX() / kWarpSize; t < num_tokens;
+       t += warps) {
+    const T* h = a.hidden + (t / a.num_candidates) * dim;
+    T sum = T(0);
+    for (int64 k = a.token_begin[t]; k < a.token_begin[t + 1]; ++k) {
+      const int64 e = a.token_entries[k];
+      const int64 v = a.cand_visit[e], slot = a.cand_slot[e];
+      const Slice& sl = a.slices[a.visit_slice[v]];
+      const T* w = a.weights + slot * dim;
+      const T* b = a.biases != nullptr ? a.biases + slot : nullptr;
+      // Every lane runs the chain (the loads are broadcasts) so that all stay converged.
+      const T z = sl.num_slots <= kSmallSlots ? WarpDot(h, w, dim, b, lane) : ChainDot(h, w, dim, b);
+      sum += z - VisitLogSumExp(a, v);
+    }
+    if (lane == 0) a.log_prob[t] = sum;
   }
 }
 
@@ -259,22 +319,22 @@ template <typename T>
 TF_HSM_GLOBAL void LogSumExpKernel(Args<T> a, int64 e_begin, int64 e_end) {
   for (int64 e = e_begin + BlockX() * BlockDimX() + ThreadX(); e < e_end;
        e += GridX() * BlockDimX()) {
-    a.lse[e] = EntryLogSumExp(a, e);
+    a.lse[e] = VisitLogSumExp(a, e);
   }
 }
 
-// Kept logits -> upstream * (onehot(taken) - softmax), in place; a warp per entry.
+// Kept logits -> upstream * (onehot(taken) - softmax), in place; a warp per visit.
 template <typename T>
 TF_HSM_GLOBAL void CoefficientKernel(Args<T> a, int64 e_begin, int64 e_end) {
   const int lane = ThreadX() % kWarpSize;
   const int64 warps = GridX() * (BlockDimX() / kWarpSize);
   for (int64 e = e_begin + BlockX() * (BlockDimX() / kWarpSize) + ThreadX() / kWarpSize;
        e < e_end; e += warps) {
-    const Slice sl = a.slices[a.entry_slice[e]];
-    T* z = a.coef + sl.coef + (e - sl.entry0) * sl.num_slots;
-    const T up = a.upstream[a.entry_token[e]];
+    const Slice sl = a.slices[a.visit_slice[e]];
+    T* z = a.coef + sl.coef + (e - sl.visit0) * sl.num_slots;
+    const T up = a.upstream[a.visit_row[e]];
     const T lse = a.lse[e];
-    const int64 taken = a.entry_slot[e] - sl.first_slot;
+    const int64 taken = a.visit_slot[e] - sl.first_slot;
     for (int64 j = lane; j < sl.num_slots; j += kWarpSize) {
       T c = Exp(z[j] - lse) * -up;
       if (j == taken) c += up;
@@ -285,7 +345,7 @@ TF_HSM_GLOBAL void CoefficientKernel(Args<T> a, int64 e_begin, int64 e_end) {
 
 // dh[token] += coef @ W_node for tokens [m0, m0 + BM) of a slice, dims [n0, n0 + BN).
 template <typename T, class C>
-TF_HSM_GLOBAL void HiddenGradTiledKernel(Args<T> a, int64 item_begin, int64 num_items) {
+TF_HSM_GLOBAL void TF_HSM_TILE_BOUNDS HiddenGradTiledKernel(Args<T> a, int64 item_begin, int64 num_items) {
   TF_HSM_SHARED TileSmem<T, C> smem;
   const int64 dim = a.dim;
   for (int64 it = BlockX(); it < num_items; it += GridX()) {
@@ -298,7 +358,7 @@ TF_HSM_GLOBAL void HiddenGradTiledKernel(Args<T> a, int64 item_begin, int64 num_
 #pragma unroll
     for (int i = 0; i < C::TM; ++i) {
       const int r = C::Row(i);
-      out[i] = r < nt ? a.d_hidden + a.entry_token[sl.entry0 + t0 + r] * dim + d0 : nullptr;
+      out[i] = r < nt ? a.d_hidden + a.visit_row[sl.visit0 + t0 + r] * dim + d0 : nullptr;
 #pragma unroll
       for (int j = 0; j < C::TN; ++j) {
         const int c = C::Col(j);
@@ -330,11 +390,11 @@ TF_HSM_GLOBAL void HiddenGradSmallKernel(Args<T> a, int64 e_begin, int64 e_end) 
   const int64 dim = a.dim;
   for (int64 e = e_begin + BlockX() * (BlockDimX() / kWarpSize) + ThreadX() / kWarpSize;
        e < e_end; e += warps) {
-    const Slice sl = a.slices[a.entry_slice[e]];
+    const Slice sl = a.slices[a.visit_slice[e]];
     if (sl.num_slots > kSmallSlots) continue;
-    const T* c = a.coef + sl.coef + (e - sl.entry0) * sl.num_slots;
+    const T* c = a.coef + sl.coef + (e - sl.visit0) * sl.num_slots;
     const T* w = a.weights + sl.first_slot * dim;
-    T* dh = a.d_hidden + a.entry_token[e] * dim;
+    T* dh = a.d_hidden + a.visit_row[e] * dim;
     for (int64 d = lane; d < dim; d += kWarpSize) {
       T acc = dh[d];
       for (int64 j = 0; j < sl.num_slots; ++j) acc = Fma(c[j], w[j * dim + d], acc);
@@ -346,26 +406,16 @@ TF_HSM_GLOBAL void HiddenGradSmallKernel(Args<T> a, int64 e_begin, int64 e_end) 
 // value(r, k) = hidden[token(k)][d0 + r], and 1 in column D when `ones` (for db).
 template <typename T>
 struct HiddenColumns {
+  static constexpr bool kKFast = false;
   const T* hidden;
-  const int64* entry_token;
-  int64 entry0, count, dim, d0;
+  const int64* visit_row;
+  int64 visit0, count, dim, d0;
   bool ones;
-  template <int R, int BK, int NT>
-  TF_HSM_DEVICE void Fill(T (&s)[BK][R + 1], int64 k0, int tid) const {
-#pragma unroll
-    for (int idx = tid; idx < R * BK; idx += NT) {
-      const int r = idx % R, k = idx / R;
-      const int64 d = d0 + r;
-      T v = T(0);
-      if (k0 + k < count) {
-        if (d < dim) {
-          v = hidden[entry_token[entry0 + k0 + k] * dim + d];
-        } else if (d == dim && ones) {
-          v = T(1);
-        }
-      }
-      s[k][r] = v;
-    }
+  TF_HSM_DEVICE T Value(int r, int64 k) const {
+    if (k >= count) return T(0);
+    const int64 d = d0 + r;
+    if (d < dim) return hidden[visit_row[visit0 + k] * dim + d];
+    return (d == dim && ones) ? T(1) : T(0);
   }
 };
 
@@ -373,7 +423,7 @@ struct HiddenColumns {
 // [dW | db]: coef^T @ [H | 1] over the slice's tokens in order, continuing the chain of
 // the group's earlier slices (offset > 0) from memory.
 template <typename T, class C>
-TF_HSM_GLOBAL void WeightGradTiledKernel(Args<T> a, int64 item_begin, int64 num_items) {
+TF_HSM_GLOBAL void TF_HSM_TILE_BOUNDS WeightGradTiledKernel(Args<T> a, int64 item_begin, int64 num_items) {
   TF_HSM_SHARED TileSmem<T, C> smem;
   const int64 dim = a.dim;
   const bool bias = a.bias_rows != nullptr;
@@ -400,7 +450,7 @@ TF_HSM_GLOBAL void WeightGradTiledKernel(Args<T> a, int64 item_begin, int64 num_
       }
     }
     TileProduct<T, C>(smem, StridedCols<T>{a.coef + sl.coef + j0, k, k - j0, sl.count},
-                      HiddenColumns<T>{a.hidden, a.entry_token, sl.entry0, sl.count, dim, d0,
+                      HiddenColumns<T>{a.hidden, a.visit_row, sl.visit0, sl.count, dim, d0,
                                        bias},
                       sl.count, acc);
 #pragma unroll
@@ -415,6 +465,37 @@ TF_HSM_GLOBAL void WeightGradTiledKernel(Args<T> a, int64 item_begin, int64 num_
         } else if (d == dim && bias) {
           a.bias_rows[sl.row0 + j] = acc[i][jj];
         }
+      }
+    }
+  }
+}
+
+// The same for a small node's short slice, a warp per slice: lane d accumulates columns
+// d, d + 32, ... of each row over the slice's tokens in order (the tiled kernel's chains,
+// the bias as fma(coef, 1, acc) like its column of ones), so either kernel gives the same
+// bits.
+template <typename T>
+TF_HSM_GLOBAL void WeightGradWarpKernel(Args<T> a, int64 item_begin, int64 num_items) {
+  const int lane = ThreadX() % kWarpSize;
+  const int64 warps = GridX() * (BlockDimX() / kWarpSize);
+  const int64 dim = a.dim;
+  for (int64 it = BlockX() * (BlockDimX() / kWarpSize) + ThreadX() / kWarpSize; it < num_items;
+       it += warps) {
+    const Slice sl = a.slices[a.items[item_begin + it].slice];
+    const int64 k = sl.num_slots;
+    const T* coef = a.coef + sl.coef;
+    const int64* rows = a.visit_row + sl.visit0;
+    for (int64 j = 0; j < k; ++j) {
+      T* dw = a.weight_rows + (sl.row0 + j) * dim;
+      for (int64 d = lane; d < dim; d += kWarpSize) {
+        T acc = sl.offset > 0 ? dw[d] : T(0);
+        for (int64 t = 0; t < sl.count; ++t) acc = Fma(coef[t * k + j], a.hidden[rows[t] * dim + d], acc);
+        dw[d] = acc;
+      }
+      if (a.bias_rows != nullptr && lane == 0) {
+        T acc = sl.offset > 0 ? a.bias_rows[sl.row0 + j] : T(0);
+        for (int64 t = 0; t < sl.count; ++t) acc = Fma(coef[t * k + j], T(1), acc);
+        a.bias_rows[sl.row0 + j] = acc;
       }
     }
   }
@@ -466,11 +547,14 @@ Args<T> MakeArgs(const GpuLogProbPlan& plan, const SoftmaxParams<T>& p, void* wo
   a.dim = p.dim;
   a.slices = reinterpret_cast<const Slice*>(base + plan.slices);
   a.items = reinterpret_cast<const Item*>(base + plan.items);
-  a.entry_token = reinterpret_cast<const int64*>(base + plan.entry_token);
-  a.entry_slot = reinterpret_cast<const int64*>(base + plan.entry_slot);
-  a.entry_slice = reinterpret_cast<const int64*>(base + plan.entry_slice);
+  a.visit_row = reinterpret_cast<const int64*>(base + plan.visit_row);
+  a.visit_slot = reinterpret_cast<const int64*>(base + plan.visit_slot);
+  a.visit_slice = reinterpret_cast<const int64*>(base + plan.visit_slice);
   a.token_begin = reinterpret_cast<const int64*>(base + plan.token_begin);
   a.token_entries = reinterpret_cast<const int64*>(base + plan.token_entries);
+  a.cand_visit = reinterpret_cast<const int64*>(base + plan.cand_visit);
+  a.cand_slot = reinterpret_cast<const int64*>(base + plan.cand_slot);
+  a.num_candidates = plan.num_candidates;
   a.group_row = reinterpret_cast<const int64*>(base + plan.group_row);
   a.group_first = reinterpret_cast<const int64*>(base + plan.group_first);
   a.num_groups = plan.num_groups;
@@ -482,11 +566,14 @@ Args<T> MakeArgs(const GpuLogProbPlan& plan, const SoftmaxParams<T>& p, void* wo
   return a;
 }
 
-std::string CheckCall(const GpuLogProbPlan& plan, bool backward, int64 value_bytes, int64 dim,
-                      bool has_bias, const void* workspace) {
-  if (plan.backward != backward) {
-    return backward ? "LogProbBackwardGpu needs a plan prepared with backward = true"
-                    : "LogProbForwardGpu needs a plan prepared with backward = false";
+std::string CheckCall(const GpuLogProbPlan& plan, GpuLogProbPlan::Mode mode, int64 value_bytes,
+                      int64 dim, bool has_bias, const void* workspace) {
+  if (plan.mode != mode) {
+    static const char* kNeeds[] = {
+        "LogProbForwardGpu needs a plan from PrepareLogProbGpu with backward = false",
+        "LogProbBackwardGpu needs a plan from PrepareLogProbGpu with backward = true",
+        "LogProbCandidatesGpu needs a plan from PrepareLogProbCandidatesGpu"};
+    return kNeeds[static_cast<int>(mode)];
   }
   if (plan.value_bytes != value_bytes) return "the plan was prepared for another value type";
   if (plan.dim != dim) return "the plan was prepared for another hidden size";
@@ -518,11 +605,11 @@ std::string LaunchLogits(const Args<T>& a, const GpuLogProbPlan::Wave& w, cudaSt
       Launch(&LogitsTiledKernel<T, NarrowTile, kStore>, Blocks(w.logits_narrow.count, 1),
              kThreads, s, a, w.logits_narrow.begin, w.logits_narrow.count),
       "LogitsTiledKernel (16 tokens)");
-  if (w.small_entries > 0) {
+  if (w.small_visits > 0) {
     TF_HSM_RETURN_IF_CUDA_ERROR(
         Launch(&LogitsSmallKernel<T, kStore>,
-               Blocks(w.entry_end - w.entry_begin, kWarpsPerBlock), kThreads, s, a,
-               w.entry_begin, w.entry_end),
+               Blocks(w.visit_end - w.visit_begin, kWarpsPerBlock), kThreads, s, a,
+               w.visit_begin, w.visit_end),
         "LogitsSmallKernel");
   }
   return "";
@@ -530,9 +617,9 @@ std::string LaunchLogits(const Args<T>& a, const GpuLogProbPlan::Wave& w, cudaSt
 
 // Appends a group's work to one wave's lists.
 struct WaveLists {
-  std::vector<Item> logits_wide, logits_narrow, dw[3];
+  std::vector<Item> logits_wide, logits_narrow, dw[3], dw_warp;
   struct LevelLists {
-    int64 level = -1, entry_begin = 0, entry_end = 0, small_entries = 0;
+    int64 level = -1, visit_begin = 0, visit_end = 0, small_visits = 0;
     std::vector<Item> dh_wide, dh_narrow;
   };
   std::vector<LevelLists> levels;
@@ -549,86 +636,121 @@ GpuLogProbPlan::Range Append(const std::vector<Item>& src, std::vector<Item>* it
 }  // namespace
 }  // namespace gpu
 
+namespace gpu {
+namespace {
+
+// The work of one call, built on the host. Kernels see "visits": (group, hidden row) pairs
+// whose logsumexp they compute. For log_prob a visit is a plan entry; for candidates it is
+// one of the distinct hidden rows among a group's candidate entries, so a node's logsumexp
+// is computed once per row however many of the row's candidates pass through it.
 template <typename T>
-std::string PrepareLogProbGpu(const VisitPlan& plan, const TreeView& tree, int64 dim,
-                              bool has_bias, bool backward, int64 coef_budget,
-                              GpuLogProbPlan* out) {
-  using gpu::Item;
-  using gpu::Slice;
-  using gpu::WaveLists;
+std::string BuildWork(const VisitPlan& plan, const TreeView& tree, int64 dim, bool has_bias,
+                      GpuLogProbPlan::Mode mode, int64 coef_budget, int64 num_candidates,
+                      GpuLogProbPlan* out) {
   *out = GpuLogProbPlan();
   GpuLogProbPlan& gp = *out;
   if (dim < 0) return "the hidden size must not be negative";
+  const bool backward = mode == GpuLogProbPlan::kBackward;
+  const bool candidates = mode == GpuLogProbPlan::kCandidates;
+  if (candidates && num_candidates < 1 && plan.num_tokens > 0) {
+    return "the number of candidates per row must be positive";
+  }
   const int64 num_groups = plan.num_groups();
   const int64 num_entries = static_cast<int64>(plan.entry_token.size());
   const int64 num_tokens = plan.num_tokens;
-  gp.backward = backward;
+  gp.mode = mode;
   gp.has_bias = has_bias;
   gp.value_bytes = sizeof(T);
   gp.dim = dim;
   gp.num_tokens = num_tokens;
-  gp.num_entries = num_entries;
   gp.num_groups = num_groups;
   gp.num_rows = plan.num_rows();
+  gp.num_candidates = candidates ? num_candidates : 0;
 
-  // Partial logsumexps: one per (entry, slot chunk).
+  // Visits of each group: [visit_begin[g], visit_begin[g + 1]).
+  std::vector<int64> group_visits, visit_row, visit_slot, entry_visit;
+  if (candidates) {
+    group_visits.assign(num_groups + 1, 0);
+    entry_visit.resize(num_entries);
+    for (int64 g = 0; g < num_groups; ++g) {
+      group_visits[g] = static_cast<int64>(visit_row.size());
+      // Entries are in token order, so a row's candidates in a group are adjacent.
+      for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
+        const int64 row = plan.entry_token[e] / num_candidates;
+        if (e == plan.group_begin[g] || row != visit_row.back()) {
+          visit_row.push_back(row);
+          visit_slot.push_back(plan.entry_slot[e]);
+        }
+        entry_visit[e] = static_cast<int64>(visit_row.size()) - 1;
+      }
+    }
+    group_visits[num_groups] = static_cast<int64>(visit_row.size());
+  }
+  const std::vector<int64>& vbegin = candidates ? group_visits : plan.group_begin;
+  const std::vector<int64>& vrow = candidates ? visit_row : plan.entry_token;
+  const std::vector<int64>& vslot = candidates ? visit_slot : plan.entry_slot;
+  const int64 num_visits = static_cast<int64>(vrow.size());
+  gp.num_visits = num_visits;
+
+  // Partial logsumexps: one per (visit, slot chunk).
   std::vector<int64> group_first(num_groups), group_chunks(num_groups), group_partial(num_groups);
   int64 num_partials = 0;
   for (int64 g = 0; g < num_groups; ++g) {
     const int64 node = plan.group_node[g];
     group_first[g] = tree.child_begin[node];
     const int64 k = tree.child_begin[node + 1] - group_first[g];
-    group_chunks[g] = k <= gpu::kSmallSlots ? 1 : gpu::CeilDiv(k, gpu::kChunkSlots);
+    group_chunks[g] = k <= kSmallSlots ? 1 : CeilDiv(k, kChunkSlots);
     group_partial[g] = num_partials;
-    num_partials += (plan.group_begin[g + 1] - plan.group_begin[g]) * group_chunks[g];
+    num_partials += (vbegin[g + 1] - vbegin[g]) * group_chunks[g];
   }
   gp.num_partials = num_partials;
 
-  // Slices, grouped into waves whose coefficients fit the budget (forward: one wave).
+  // Slices, grouped into waves whose coefficients fit the budget (otherwise one wave).
   const int64 budget = backward ? std::max<int64>(coef_budget, 1)
                                 : std::numeric_limits<int64>::max();
-  const int64 dw_rows[3] = {gpu::DwTile4::BM, gpu::DwTile16::BM, gpu::DwTile64::BM};
-  const int64 dw_cols[3] = {gpu::DwTile4::BN, gpu::DwTile16::BN, gpu::DwTile64::BN};
+  const int64 dw_rows[3] = {DwTile4::BM, DwTile16::BM, DwTile64::BM};
+  const int64 dw_cols[3] = {DwTile4::BN, DwTile16::BN, DwTile64::BN};
   std::vector<Slice> slices;
   std::vector<Item> items;
-  std::vector<int64> entry_slice(num_entries);
+  std::vector<int64> visit_slice(num_visits);
   WaveLists lists;
   GpuLogProbPlan::Wave wave;
   int64 used = 0;
   auto close_wave = [&]() {
-    if (wave.entry_end == wave.entry_begin) return;
+    if (wave.visit_end == wave.visit_begin) return;
     wave.coef_elements = used;
-    wave.logits_wide = gpu::Append(lists.logits_wide, &items);
-    wave.logits_narrow = gpu::Append(lists.logits_narrow, &items);
+    wave.logits_wide = Append(lists.logits_wide, &items);
+    wave.logits_narrow = Append(lists.logits_narrow, &items);
     for (const auto& l : lists.levels) {
       GpuLogProbPlan::Level level;
-      level.entry_begin = l.entry_begin;
-      level.entry_end = l.entry_end;
-      level.small_entries = l.small_entries;
-      level.dh_wide = gpu::Append(l.dh_wide, &items);
-      level.dh_narrow = gpu::Append(l.dh_narrow, &items);
+      level.visit_begin = l.visit_begin;
+      level.visit_end = l.visit_end;
+      level.small_visits = l.small_visits;
+      level.dh_wide = Append(l.dh_wide, &items);
+      level.dh_narrow = Append(l.dh_narrow, &items);
       wave.levels.push_back(level);
     }
-    for (int c = 0; c < 3; ++c) wave.dw[c] = gpu::Append(lists.dw[c], &items);
+    for (int c = 0; c < 3; ++c) wave.dw[c] = Append(lists.dw[c], &items);
+    wave.dw_warp = Append(lists.dw_warp, &items);
     gp.waves.push_back(wave);
-    const int64 next = wave.entry_end;
+    const int64 next = wave.visit_end;
     wave = GpuLogProbPlan::Wave();
-    wave.entry_begin = wave.entry_end = next;
+    wave.visit_begin = wave.visit_end = next;
     lists = WaveLists();
     used = 0;
   };
   for (int64 level = 0; level < plan.num_levels(); ++level) {
     for (int64 g = plan.level_begin[level]; g < plan.level_begin[level + 1]; ++g) {
-      const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
+      const int64 n = vbegin[g + 1] - vbegin[g];
       const int64 k = tree.child_begin[plan.group_node[g] + 1] - group_first[g];
-      const bool small = k <= gpu::kSmallSlots;
-      const bool wide = n > gpu::kNarrowTokens;
+      const bool small = k <= kSmallSlots;
+      const bool wide = n > kNarrowTokens;
       for (int64 offset = 0; offset < n;) {
         if (backward && used > 0 && budget - used < k) close_wave();
         const int64 take =
             backward ? std::min(n - offset, std::max<int64>(1, (budget - used) / k)) : n - offset;
         Slice sl;
-        sl.entry0 = plan.group_begin[g] + offset;
+        sl.visit0 = vbegin[g] + offset;
         sl.count = take;
         sl.first_slot = group_first[g];
         sl.num_slots = k;
@@ -639,12 +761,12 @@ std::string PrepareLogProbGpu(const VisitPlan& plan, const TreeView& tree, int64
         sl.offset = offset;
         const int64 s = static_cast<int64>(slices.size());
         slices.push_back(sl);
-        for (int64 e = sl.entry0; e < sl.entry0 + take; ++e) entry_slice[e] = s;
+        for (int64 v = sl.visit0; v < sl.visit0 + take; ++v) visit_slice[v] = s;
         if (backward) used += take * k;
-        wave.entry_end = sl.entry0 + take;
-        if (small) wave.small_entries += take;
+        wave.visit_end = sl.visit0 + take;
+        if (small) wave.small_visits += take;
 
-        const int64 bm = wide ? gpu::WideTile::BM : gpu::NarrowTile::BM;
+        const int64 bm = wide ? WideTile::BM : NarrowTile::BM;
         if (!small) {
           auto& dst = wide ? lists.logits_wide : lists.logits_narrow;
           for (int64 t0 = 0; t0 < take; t0 += bm)
@@ -654,21 +776,25 @@ std::string PrepareLogProbGpu(const VisitPlan& plan, const TreeView& tree, int64
           if (lists.levels.empty() || lists.levels.back().level != level) {
             lists.levels.emplace_back();
             lists.levels.back().level = level;
-            lists.levels.back().entry_begin = sl.entry0;
+            lists.levels.back().visit_begin = sl.visit0;
           }
           auto& lv = lists.levels.back();
-          lv.entry_end = sl.entry0 + take;
+          lv.visit_end = sl.visit0 + take;
           if (small) {
-            lv.small_entries += take;
+            lv.small_visits += take;
           } else {
             auto& dst = wide ? lv.dh_wide : lv.dh_narrow;
             for (int64 t0 = 0; t0 < take; t0 += bm)
-              for (int64 d0 = 0; d0 < dim; d0 += gpu::WideTile::BN) dst.push_back({s, t0, d0});
+              for (int64 d0 = 0; d0 < dim; d0 += WideTile::BN) dst.push_back({s, t0, d0});
           }
-          const int cfg = k <= dw_rows[0] ? 0 : (k <= dw_rows[1] ? 1 : 2);
-          const int64 cols = dim + (has_bias ? 1 : 0);
-          for (int64 j0 = 0; j0 < k; j0 += dw_rows[cfg])
-            for (int64 d0 = 0; d0 < cols; d0 += dw_cols[cfg]) lists.dw[cfg].push_back({s, j0, d0});
+          if (small && take <= kWarpGradTokens) {
+            lists.dw_warp.push_back({s, 0, 0});
+          } else {
+            const int cfg = k <= dw_rows[0] ? 0 : (k <= dw_rows[1] ? 1 : 2);
+            const int64 cols = dim + (has_bias ? 1 : 0);
+            for (int64 j0 = 0; j0 < k; j0 += dw_rows[cfg])
+              for (int64 d0 = 0; d0 < cols; d0 += dw_cols[cfg]) lists.dw[cfg].push_back({s, j0, d0});
+          }
         }
         offset += take;
       }
@@ -681,15 +807,15 @@ std::string PrepareLogProbGpu(const VisitPlan& plan, const TreeView& tree, int64
   int64 cursor = 0;
   auto reserve = [&cursor](int64 bytes) {
     const int64 at = cursor;
-    cursor += (bytes + gpu::kAlign - 1) / gpu::kAlign * gpu::kAlign;
+    cursor += (bytes + kAlign - 1) / kAlign * kAlign;
     return at;
   };
   const int64 w = sizeof(int64);
-  gp.slices = reserve(gp.num_slices * gpu::kSliceWords * w);
-  gp.items = reserve(static_cast<int64>(items.size()) * gpu::kItemWords * w);
-  gp.entry_token = reserve(num_entries * w);
-  gp.entry_slot = reserve(num_entries * w);
-  gp.entry_slice = reserve(num_entries * w);
+  gp.slices = reserve(gp.num_slices * kSliceWords * w);
+  gp.items = reserve(static_cast<int64>(items.size()) * kItemWords * w);
+  gp.visit_row = reserve(num_visits * w);
+  gp.visit_slot = reserve(num_visits * w);
+  gp.visit_slice = reserve(num_visits * w);
   if (!backward) {
     gp.token_begin = reserve((num_tokens + 1) * w);
     gp.token_entries = reserve(num_entries * w);
@@ -697,13 +823,17 @@ std::string PrepareLogProbGpu(const VisitPlan& plan, const TreeView& tree, int64
     gp.group_row = reserve((num_groups + 1) * w);
     gp.group_first = reserve(num_groups * w);
   }
+  if (candidates) {
+    gp.cand_visit = reserve(num_entries * w);
+    gp.cand_slot = reserve(num_entries * w);
+  }
   const int64 staging_bytes = cursor;
   const int64 v = sizeof(T);
   gp.partial_max = reserve(num_partials * v);
   gp.partial_sum = reserve(num_partials * v);
-  gp.taken = reserve(num_entries * v);
+  gp.taken = reserve(num_visits * v);
   if (backward) {
-    gp.lse = reserve(num_entries * v);
+    gp.lse = reserve(num_visits * v);
     int64 coef = 0;
     for (const auto& wv : gp.waves) coef = std::max(coef, wv.coef_elements);
     gp.coef = reserve(coef * v);
@@ -712,11 +842,13 @@ std::string PrepareLogProbGpu(const VisitPlan& plan, const TreeView& tree, int64
 
   gp.staging.assign(staging_bytes / w, 0);
   int64* words = gp.staging.data();
-  std::memcpy(words + gp.slices / w, slices.data(), slices.size() * sizeof(Slice));
-  std::memcpy(words + gp.items / w, items.data(), items.size() * sizeof(Item));
-  std::copy(plan.entry_token.begin(), plan.entry_token.end(), words + gp.entry_token / w);
-  std::copy(plan.entry_slot.begin(), plan.entry_slot.end(), words + gp.entry_slot / w);
-  std::copy(entry_slice.begin(), entry_slice.end(), words + gp.entry_slice / w);
+  if (!slices.empty()) {
+    std::memcpy(words + gp.slices / w, slices.data(), slices.size() * sizeof(Slice));
+  }
+  if (!items.empty()) std::memcpy(words + gp.items / w, items.data(), items.size() * sizeof(Item));
+  std::copy(vrow.begin(), vrow.end(), words + gp.visit_row / w);
+  std::copy(vslot.begin(), vslot.end(), words + gp.visit_slot / w);
+  std::copy(visit_slice.begin(), visit_slice.end(), words + gp.visit_slice / w);
   if (!backward) {
     // Each token's entries in plan order, which is root first.
     int64* begin = words + gp.token_begin / w;
@@ -729,6 +861,52 @@ std::string PrepareLogProbGpu(const VisitPlan& plan, const TreeView& tree, int64
     std::copy(plan.group_row.begin(), plan.group_row.end(), words + gp.group_row / w);
     std::copy(group_first.begin(), group_first.end(), words + gp.group_first / w);
   }
+  if (candidates) {
+    std::copy(entry_visit.begin(), entry_visit.end(), words + gp.cand_visit / w);
+    std::copy(plan.entry_slot.begin(), plan.entry_slot.end(), words + gp.cand_slot / w);
+  }
+  return "";
+}
+
+}  // namespace
+}  // namespace gpu
+
+template <typename T>
+std::string PrepareLogProbGpu(const VisitPlan& plan, const TreeView& tree, int64 dim,
+                              bool has_bias, bool backward, int64 coef_budget,
+                              GpuLogProbPlan* out) {
+  return gpu::BuildWork<T>(plan, tree, dim, has_bias,
+                           backward ? GpuLogProbPlan::kBackward : GpuLogProbPlan::kForward,
+                           coef_budget, 0, out);
+}
+
+template <typename T>
+std::string PrepareLogProbCandidatesGpu(const VisitPlan& plan, const TreeView& tree, int64 dim,
+                                        bool has_bias, int64 num_candidates,
+                                        GpuLogProbPlan* out) {
+  return gpu::BuildWork<T>(plan, tree, dim, has_bias, GpuLogProbPlan::kCandidates, 0,
+                           num_candidates, out);
+}
+
+template <typename T>
+std::string LogProbCandidatesGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T>& p, T* out,
+                                 void* workspace, GpuStream stream) {
+  using namespace gpu;  // NOLINT: the kernels and launch helpers of this file
+  std::string err = CheckCall(plan, GpuLogProbPlan::kCandidates, sizeof(T), p.dim,
+                              p.biases != nullptr, workspace);
+  if (!err.empty() || plan.num_tokens == 0) return err;
+  err = Upload(plan, workspace, stream);
+  if (!err.empty()) return err;
+  Args<T> a = MakeArgs(plan, p, workspace);
+  a.log_prob = out;
+  for (const auto& w : plan.waves) {
+    err = LaunchLogits<T, false>(a, w, stream);
+    if (!err.empty()) return err;
+  }
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      Launch(&FinishCandidatesKernel<T>, Blocks(plan.num_tokens, kWarpsPerBlock), kThreads,
+             stream, a, plan.num_tokens),
+      "FinishCandidatesKernel");
   return "";
 }
 
@@ -737,7 +915,7 @@ std::string LogProbForwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T>
                               T* log_prob, void* workspace, GpuStream stream) {
   using namespace gpu;  // NOLINT: the kernels and launch helpers of this file
   std::string err =
-      CheckCall(plan, false, sizeof(T), p.dim, p.biases != nullptr, workspace);
+      CheckCall(plan, GpuLogProbPlan::kForward, sizeof(T), p.dim, p.biases != nullptr, workspace);
   if (!err.empty() || plan.num_tokens == 0) return err;
   err = Upload(plan, workspace, stream);
   if (!err.empty()) return err;
@@ -760,7 +938,7 @@ std::string LogProbBackwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T
                                void* workspace, GpuStream stream) {
   using namespace gpu;  // NOLINT: the kernels and launch helpers of this file
   std::string err =
-      CheckCall(plan, true, sizeof(T), p.dim, p.biases != nullptr, workspace);
+      CheckCall(plan, GpuLogProbPlan::kBackward, sizeof(T), p.dim, p.biases != nullptr, workspace);
   if (!err.empty() || plan.num_tokens == 0) return err;
   if ((grads.bias_rows != nullptr) != plan.has_bias) {
     return "bias_rows must be given exactly when there are biases";
@@ -784,14 +962,14 @@ std::string LogProbBackwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T
   for (const auto& w : plan.waves) {
     err = LaunchLogits<T, true>(a, w, stream);
     if (!err.empty()) return err;
-    const int64 entries = w.entry_end - w.entry_begin;
+    const int64 entries = w.visit_end - w.visit_begin;
     TF_HSM_RETURN_IF_CUDA_ERROR(
         Launch(&LogSumExpKernel<T>, Blocks(entries, kThreads), kThreads, stream, a,
-               w.entry_begin, w.entry_end),
+               w.visit_begin, w.visit_end),
         "LogSumExpKernel");
     TF_HSM_RETURN_IF_CUDA_ERROR(
         Launch(&CoefficientKernel<T>, Blocks(entries, kWarpsPerBlock), kThreads, stream, a,
-               w.entry_begin, w.entry_end),
+               w.visit_begin, w.visit_end),
         "CoefficientKernel");
     // dh level by level: within a level each token is in one group, so tiles own their
     // rows; across levels the chain continues in order.
@@ -805,11 +983,11 @@ std::string LogProbBackwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T
           Launch(&HiddenGradTiledKernel<T, NarrowTile>, Blocks(l.dh_narrow.count, 1),
                  kThreads, stream, a, l.dh_narrow.begin, l.dh_narrow.count),
           "HiddenGradTiledKernel (16 tokens)");
-      if (l.small_entries > 0) {
+      if (l.small_visits > 0) {
         TF_HSM_RETURN_IF_CUDA_ERROR(
             Launch(&HiddenGradSmallKernel<T>,
-                   Blocks(l.entry_end - l.entry_begin, kWarpsPerBlock), kThreads, stream, a,
-                   l.entry_begin, l.entry_end),
+                   Blocks(l.visit_end - l.visit_begin, kWarpsPerBlock), kThreads, stream, a,
+                   l.visit_begin, l.visit_end),
             "HiddenGradSmallKernel");
       }
     }
@@ -825,6 +1003,10 @@ std::string LogProbBackwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T
         Launch(&WeightGradTiledKernel<T, DwTile64>, Blocks(w.dw[2].count, 1), kThreads,
                stream, a, w.dw[2].begin, w.dw[2].count),
         "WeightGradTiledKernel (64 slots)");
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&WeightGradWarpKernel<T>, Blocks(w.dw_warp.count, kWarpsPerBlock), kThreads,
+               stream, a, w.dw_warp.begin, w.dw_warp.count),
+        "WeightGradWarpKernel");
   }
   return "";
 }
@@ -836,7 +1018,11 @@ std::string LogProbBackwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T
                                             T*, void*, GpuStream);                           \
   template std::string LogProbBackwardGpu<T>(const GpuLogProbPlan&, const SoftmaxParams<T>&, \
                                              const T*, const LogProbGrads<T>&, void*,        \
-                                             GpuStream);
+                                             GpuStream);                                     \
+  template std::string PrepareLogProbCandidatesGpu<T>(const VisitPlan&, const TreeView&,     \
+                                                      int64, bool, int64, GpuLogProbPlan*);  \
+  template std::string LogProbCandidatesGpu<T>(const GpuLogProbPlan&,                        \
+                                               const SoftmaxParams<T>&, T*, void*, GpuStream);
 TF_HSM_INSTANTIATE(float)
 TF_HSM_INSTANTIATE(double)
 #undef TF_HSM_INSTANTIATE

@@ -29,12 +29,18 @@
 //  - Backward: logits are recomputed and kept as coefficients upstream * (onehot - p) in
 //    a workspace buffer of at most coef_budget elements (larger batches run in waves of
 //    whole (group, token range) slices; a single slice always fits). Then dh += coef @ W
-//    level by level, and dW = coef^T @ [H | 1] (the column of ones gives db).
+//    level by level, and dW = coef^T @ [H | 1] (the column of ones gives db); short
+//    slices of small nodes (binary trees' deep levels) take a warp each instead of tiles.
 //  - Determinism: no atomics. Every output element is owned by one thread and is one
 //    chain of fused multiply-adds in a fixed order: dh over (level, slot), dW and db over
 //    the group's tokens in plan order, continued across waves through memory. Results are
 //    bitwise reproducible run to run and equal (up to the sign of zeros) for any
 //    coef_budget.
+//  - Candidates (LogProbCandidatesGpu): the forward kernels over the distinct (row, node)
+//    visits of the candidates, then each candidate's path summed root first.
+// Numerics: float32 accumulation for float, expf/logf of CUDA's math library; results agree
+// with the CPU core to rounding (the harness checks 1e-3 relative in float32, 1e-9 in
+// float64), not bitwise (the CPU core sums in other orders and has its own float exp).
 // All sizes and offsets are int64.
 #ifndef TF_HSM_CC_CORE_LOG_PROB_GPU_H_
 #define TF_HSM_CC_CORE_LOG_PROB_GPU_H_
@@ -56,7 +62,8 @@ using GpuStream = CUstream_st*;
 // Default bound (elements) on the backward pass's coefficient buffer: 256 MB in float32.
 constexpr int64 kDefaultGpuCoefBudget = int64{1} << 26;
 
-// The host-side description of one forward or backward call; see PrepareLogProbGpu.
+// The host-side description of one forward, backward or candidates call; see
+// PrepareLogProbGpu and PrepareLogProbCandidatesGpu.
 struct GpuLogProbPlan {
   struct Range {
     int64 begin = 0;  // first work item
@@ -64,32 +71,38 @@ struct GpuLogProbPlan {
   };
   // The part of a wave at one path position (tree level).
   struct Level {
-    int64 entry_begin = 0, entry_end = 0;  // visits, a contiguous range of plan entries
-    int64 small_entries = 0;               // of them, visits of nodes with <= 32 children
+    int64 visit_begin = 0, visit_end = 0;  // a contiguous range of visits
+    int64 small_visits = 0;                // of them, visits of nodes with <= 32 children
     Range dh_wide, dh_narrow;              // tiled dh work items
   };
   // Slices whose coefficients fit the buffer together, processed one after another.
   struct Wave {
-    int64 entry_begin = 0, entry_end = 0;
-    int64 small_entries = 0;
+    int64 visit_begin = 0, visit_end = 0;
+    int64 small_visits = 0;
     int64 coef_elements = 0;
     Range logits_wide, logits_narrow;
     std::vector<Level> levels;
-    Range dw[3];  // by node size: <= 4, <= 16, > 16 children
+    Range dw[3];    // tiled, by node size: <= 4, <= 16, > 16 children
+    Range dw_warp;  // a warp per slice: small nodes, at most 16 tokens
   };
 
-  bool backward = false;
+  enum Mode { kForward, kBackward, kCandidates };
+  Mode mode = kForward;
   bool has_bias = false;
   int64 value_bytes = 0;  // sizeof(T)
   int64 dim = 0;
-  int64 num_tokens = 0, num_entries = 0, num_groups = 0, num_rows = 0, num_slices = 0;
-  int64 num_partials = 0;
+  int64 num_tokens = 0, num_groups = 0, num_rows = 0, num_slices = 0, num_partials = 0;
+  // Visits: (group, hidden row) pairs whose logsumexp is computed; one per plan entry,
+  // except for candidates (one per distinct row of a group).
+  int64 num_visits = 0;
+  int64 num_candidates = 0;  // kCandidates: candidates per hidden row
 
   // Uploaded to the start of the workspace (int64 words).
   std::vector<int64> staging;
   // Byte offsets of the arrays within the workspace.
-  int64 slices = 0, items = 0, entry_token = 0, entry_slot = 0, entry_slice = 0;
+  int64 slices = 0, items = 0, visit_row = 0, visit_slot = 0, visit_slice = 0;
   int64 token_begin = 0, token_entries = 0, group_row = 0, group_first = 0;
+  int64 cand_visit = 0, cand_slot = 0;
   int64 partial_max = 0, partial_sum = 0, taken = 0, lse = 0, coef = 0;
   int64 workspace_bytes = 0;
   std::vector<Wave> waves;
@@ -116,6 +129,21 @@ template <typename T>
 std::string LogProbBackwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T>& p,
                                const T* upstream, const LogProbGrads<T>& grads,
                                void* workspace, GpuStream stream);
+
+// The contract of LogProbCandidates (inference.h) on the GPU: out[i * M + m] =
+// log P(candidates[i * M + m] | hidden row i), M = num_candidates. plan comes from
+// BuildVisitPlan with the candidates as targets (candidate (i, m) is token i * M + m), as
+// the CPU core builds it. A node's logsumexp is computed once per hidden row however many
+// of the row's candidates pass through it; a candidate equal to a LogProbForwardGpu target
+// gets the same bits.
+template <typename T>
+std::string PrepareLogProbCandidatesGpu(const VisitPlan& plan, const TreeView& tree, int64 dim,
+                                        bool has_bias, int64 num_candidates,
+                                        GpuLogProbPlan* out);
+
+template <typename T>
+std::string LogProbCandidatesGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T>& p, T* out,
+                                 void* workspace, GpuStream stream);
 
 }  // namespace tf_hsm
 

@@ -1,0 +1,1240 @@
+// Standalone checks and timings of the CUDA kernels (cc/core/*.cu) against the CPU core
+// (cc/core/*.cc, the code the CPU op runs), built by nvcc alone: no TensorFlow, no Bazel.
+// See cc/gpu_harness.sh for how to build and run it.
+//
+// Correctness, for every case in float64 and float32:
+//  - random trees of every kind (random mixed, balanced, two-level, Huffman binary and
+//    4-ary on Zipf counts, frequency-clustered, chains of single-child nodes, one very wide
+//    node), depths 1-10 (Huffman trees deeper), branching up to 100K;
+//  - log_prob, dh, the sparse dW / db rows and row_ids against the CPU core run in float64
+//    on the same values (row ids must match exactly);
+//  - outputs are poisoned (a signalling-NaN pattern) with guard regions before and after,
+//    and the workspace is filled with NaN bytes: every output element must be written,
+//    nothing outside them, and no uninitialised scratch may reach a result;
+//  - the same call twice gives the same bits; a small coefficient budget (many waves)
+//    gives the same values; NaN in one token's hidden state stays in that token.
+//  - LogProbCandidatesGpu against the CPU core's LogProbCandidates, and bit for bit against
+//    the forward kernel for candidates equal to the target.
+// In the host emulator (--emulate builds) every GPU result is also recomputed under a
+// shuffled and a reversed thread schedule and must match bit for bit (a missing barrier
+// shows up there); --time there only smoke-tests the timing code on shrunk scenarios.
+//
+// Timing (--time, GPU only): the benchmark scenarios of PERFORMANCE.md, each call timed with
+// cudaEvents (median of repeats after warm-up) against its roofline, using ceilings measured
+// in the same run: an FMA-throughput kernel (and cuBLAS SGEMM when built with it) for
+// FLOP/s and a device-to-device copy for bytes/s.
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <queue>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc/core/gpu_compat.cuh"
+#include "cc/core/inference.h"
+#include "cc/core/log_prob.h"
+#include "cc/core/log_prob_gpu.h"
+#include "cc/core/tree_view.h"
+#include "cc/core/visit_plan.h"
+
+#ifdef TF_HSM_HAVE_CUBLAS
+#include <cublas_v2.h>
+#endif
+
+namespace tf_hsm {
+namespace harness {
+
+#ifdef TF_HSM_GPU_EMULATE
+constexpr bool kEmulated = true;
+#else
+constexpr bool kEmulated = false;
+#endif
+
+struct Options {
+  bool quick = kEmulated;
+  bool time = false;
+  bool check = true;
+  bool check_timed = false;
+  bool verbose = false;
+  std::uint64_t seed = 1;
+  std::string only;  // run only cases whose name contains this
+  std::string json;  // timing results, one JSON object per line
+  int warmup = 3, repeats = 15;
+};
+
+int failures = 0;
+int checks = 0;
+
+#define HARNESS_EXPECT(cond, ...)                                      \
+  do {                                                                 \
+    ++checks;                                                          \
+    if (!(cond)) {                                                     \
+      ++failures;                                                      \
+      std::fprintf(stderr, "FAILED (%s:%d) %s: ", __FILE__, __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                               \
+      std::fprintf(stderr, "\n");                                      \
+    }                                                                  \
+  } while (0)
+
+void CudaOrDie(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "CUDA error in %s: %s\n", what, cudaGetErrorString(err));
+    std::exit(2);
+  }
+}
+
+// ---- Trees -------------------------------------------------------------------------------
+
+// A tree under construction: kids[n] lists node n's children in order; a code c >= 0 is
+// class c, c < 0 is node -c - 1. Node 0 is the root; nodes need not be in BFS order.
+struct Shape {
+  std::vector<std::vector<int64>> kids;
+  int64 num_classes = 0;
+  int64 AddNode() {
+    kids.emplace_back();
+    return static_cast<int64>(kids.size()) - 1;
+  }
+};
+
+int64 NodeCode(int64 node) { return -node - 1; }
+
+// The layout contract of tree_view.h.
+struct HostTree {
+  std::vector<int64> child_begin, slot_child, path_begin, path_nodes, path_slots;
+  int64 num_classes = 0;
+  int64 max_depth = 0, max_branching = 0;
+  TreeView view() const {
+    TreeView v;
+    v.num_classes = num_classes;
+    v.num_nodes = static_cast<int64>(child_begin.size()) - 1;
+    v.num_slots = static_cast<int64>(slot_child.size());
+    v.path_length = static_cast<int64>(path_nodes.size());
+    v.child_begin = child_begin.data();
+    v.slot_child = slot_child.data();
+    v.path_begin = path_begin.data();
+    v.path_nodes = path_nodes.data();
+    v.path_slots = path_slots.data();
+    return v;
+  }
+  int64 num_slots() const { return static_cast<int64>(slot_child.size()); }
+};
+
+// Numbers the nodes breadth-first (children after their parent) and, when rng is given,
+// relabels the classes at random so ids do not follow the tree order.
+HostTree Layout(const Shape& shape, std::mt19937_64* rng) {
+  const int64 C = shape.num_classes;
+  std::vector<int64> label(C);
+  std::iota(label.begin(), label.end(), 0);
+  if (rng != nullptr) std::shuffle(label.begin(), label.end(), *rng);
+  std::vector<int64> order{0}, new_id(shape.kids.size(), -1);
+  new_id[0] = 0;
+  for (size_t q = 0; q < order.size(); ++q) {
+    for (int64 code : shape.kids[order[q]]) {
+      if (code < 0) {
+        const int64 child = -code - 1;
+        new_id[child] = static_cast<int64>(order.size());
+        order.push_back(child);
+      }
+    }
+  }
+  HostTree t;
+  t.num_classes = C;
+  const int64 M = static_cast<int64>(order.size());
+  std::vector<int64> parent_slot(M, -1), slot_node, class_slot(C, -1);
+  t.child_begin.push_back(0);
+  for (int64 n = 0; n < M; ++n) {
+    const auto& kids = shape.kids[order[n]];
+    t.max_branching = std::max<int64>(t.max_branching, static_cast<int64>(kids.size()));
+    for (int64 code : kids) {
+      const int64 s = static_cast<int64>(t.slot_child.size());
+      if (code >= 0) {
+        t.slot_child.push_back(label[code]);
+        class_slot[label[code]] = s;
+      } else {
+        const int64 child = new_id[-code - 1];
+        t.slot_child.push_back(C + child);
+        parent_slot[child] = s;
+      }
+      slot_node.push_back(n);
+    }
+    t.child_begin.push_back(static_cast<int64>(t.slot_child.size()));
+  }
+  t.path_begin.push_back(0);
+  for (int64 c = 0; c < C; ++c) {
+    if (class_slot[c] < 0) {
+      std::fprintf(stderr, "internal error: class %" PRId64 " is not in the tree\n", c);
+      std::exit(2);
+    }
+    std::vector<int64> steps;
+    for (int64 s = class_slot[c]; s >= 0; s = parent_slot[slot_node[s]]) steps.push_back(s);
+    std::reverse(steps.begin(), steps.end());
+    for (int64 s : steps) {
+      t.path_nodes.push_back(slot_node[s]);
+      t.path_slots.push_back(s);
+    }
+    t.max_depth = std::max<int64>(t.max_depth, static_cast<int64>(steps.size()));
+    t.path_begin.push_back(static_cast<int64>(t.path_nodes.size()));
+  }
+  return t;
+}
+
+// Breadth-first random growth: each node gets 1..max_branching children, each a new node
+// with probability p_internal (while above max_depth and below max_classes), else a class.
+Shape RandomShapeOnce(std::mt19937_64& rng, int64 max_branching, int max_depth,
+                      double p_internal, int64 max_classes) {
+  Shape s;
+  s.AddNode();
+  std::vector<int> depth{1};
+  std::uniform_real_distribution<double> uniform(0, 1);
+  for (size_t n = 0; n < s.kids.size(); ++n) {
+    const int64 k = 1 + static_cast<int64>(rng() % max_branching);
+    for (int64 j = 0; j < k; ++j) {
+      if (depth[n] < max_depth && s.num_classes < max_classes && uniform(rng) < p_internal) {
+        const int64 child = s.AddNode();
+        depth.push_back(depth[n] + 1);
+        s.kids[n].push_back(NodeCode(child));
+      } else {
+        s.kids[n].push_back(s.num_classes++);
+      }
+    }
+  }
+  return s;
+}
+
+// As above, retried until the tree has at least two classes and (below 3 levels) reaches
+// its depth limit, so every case tests something.
+Shape RandomShape(std::mt19937_64& rng, int64 max_branching, int max_depth, double p_internal,
+                  int64 max_classes) {
+  for (int attempt = 0;; ++attempt) {
+    Shape s = RandomShapeOnce(rng, std::max<int64>(2, max_branching), max_depth, p_internal,
+                              max_classes);
+    if (s.num_classes < 2 && attempt < 1000) continue;
+    if (attempt < 200 && max_depth <= 10 && max_classes > 50) {
+      // Depth reached: some node at max_depth - 1 levels below the root.
+      std::vector<int> depth(s.kids.size(), 0);
+      int deepest = 1;
+      depth[0] = 1;
+      for (size_t n = 0; n < s.kids.size(); ++n)
+        for (int64 code : s.kids[n])
+          if (code < 0) deepest = std::max(deepest, depth[-code - 1] = depth[n] + 1);
+      if (deepest < max_depth) continue;
+    }
+    return s;
+  }
+}
+
+// Classes [lo, hi) under `node`, split into at most `branching` near-equal parts.
+void SplitRange(Shape* s, int64 node, int64 lo, int64 hi, int64 branching) {
+  const int64 n = hi - lo;
+  if (n <= branching) {
+    for (int64 c = lo; c < hi; ++c) s->kids[node].push_back(c);
+    return;
+  }
+  for (int64 p = 0; p < branching; ++p) {
+    const int64 a = lo + n * p / branching, b = lo + n * (p + 1) / branching;
+    if (b - a == 1) {
+      s->kids[node].push_back(a);
+    } else if (b > a) {
+      const int64 child = s->AddNode();
+      s->kids[node].push_back(NodeCode(child));
+      SplitRange(s, child, a, b, branching);
+    }
+  }
+}
+
+Shape BalancedShape(int64 num_classes, int64 branching) {
+  Shape s;
+  s.num_classes = num_classes;
+  s.AddNode();
+  SplitRange(&s, 0, 0, num_classes, branching);
+  return s;
+}
+
+// A root with `groups` children, each a node holding a contiguous block of classes.
+Shape TwoLevelShape(int64 num_classes, int64 groups) {
+  Shape s;
+  s.num_classes = num_classes;
+  s.AddNode();
+  for (int64 p = 0; p < groups; ++p) {
+    const int64 a = num_classes * p / groups, b = num_classes * (p + 1) / groups;
+    if (b - a == 1) {
+      s.kids[0].push_back(a);
+    } else if (b > a) {
+      const int64 child = s.AddNode();
+      s.kids[0].push_back(NodeCode(child));
+      for (int64 c = a; c < b; ++c) s.kids[child].push_back(c);
+    }
+  }
+  return s;
+}
+
+// Huffman tree on counts with the given branching (the first merge takes fewer nodes so
+// that every later merge takes exactly `branching`).
+Shape HuffmanShape(const std::vector<double>& counts, int64 branching) {
+  Shape s;
+  const int64 C = static_cast<int64>(counts.size());
+  s.num_classes = C;
+  s.AddNode();  // the root, filled last
+  typedef std::pair<double, int64> Entry;  // (weight, code); ties broken by code
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  for (int64 c = 0; c < C; ++c) heap.push({counts[c], c});
+  if (C == 1) {
+    s.kids[0].push_back(0);
+    return s;
+  }
+  int64 take = branching == 2 ? 2 : (C - 2) % (branching - 1) + 2;
+  while (true) {
+    take = std::min<int64>(take, static_cast<int64>(heap.size()));
+    const bool last = take == static_cast<int64>(heap.size());
+    const int64 node = last ? 0 : s.AddNode();
+    double w = 0;
+    for (int64 j = 0; j < take; ++j) {
+      w += heap.top().first;
+      s.kids[node].push_back(heap.top().second);
+      heap.pop();
+    }
+    if (last) break;
+    heap.push({w, NodeCode(node)});
+    take = branching;
+  }
+  return s;
+}
+
+// Two levels, classes sorted by decreasing count and cut into groups of about equal total
+// count: frequent classes share a few small nodes.
+Shape ClusteredShape(const std::vector<double>& counts, int64 groups) {
+  const int64 C = static_cast<int64>(counts.size());
+  std::vector<int64> order(C);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64 a, int64 b) { return counts[a] > counts[b]; });
+  const double total = std::accumulate(counts.begin(), counts.end(), 0.0);
+  Shape s;
+  s.num_classes = C;
+  s.AddNode();
+  int64 node = -1;
+  double acc = 0;
+  int64 made = 0;
+  for (int64 i = 0; i < C; ++i) {
+    if (node < 0 || (acc >= total * made / groups && made < groups)) {
+      node = s.AddNode();
+      s.kids[0].push_back(NodeCode(node));
+      ++made;
+    }
+    s.kids[node].push_back(order[i]);
+    acc += counts[order[i]];
+  }
+  return s;
+}
+
+// depth levels, each node with `side` classes and one child node (the last: classes only);
+// side = 0 gives single-child nodes.
+Shape ChainShape(int depth, int64 side) {
+  Shape s;
+  s.AddNode();
+  int64 node = 0;
+  for (int d = 1; d <= depth; ++d) {
+    for (int64 j = 0; j < side; ++j) s.kids[node].push_back(s.num_classes++);
+    if (d == depth) {
+      s.kids[node].push_back(s.num_classes++);
+      if (side == 0) s.kids[node].push_back(s.num_classes++);
+    } else {
+      const int64 child = s.AddNode();
+      s.kids[node].push_back(NodeCode(child));
+      node = child;
+    }
+  }
+  return s;
+}
+
+std::vector<double> ZipfCounts(int64 n, double exponent) {
+  std::vector<double> c(n);
+  for (int64 i = 0; i < n; ++i) c[i] = 1e9 / std::pow(static_cast<double>(i + 1), exponent);
+  return c;
+}
+
+// ---- Data --------------------------------------------------------------------------------
+
+struct Case {
+  std::string name;
+  HostTree tree;
+  int64 tokens = 0, dim = 0;
+  bool bias = true;
+  double zipf = 1.0;      // target distribution exponent (0: uniform)
+  double weight_scale = 0.3;
+  int64 budget = kDefaultGpuCoefBudget;
+};
+
+template <typename T>
+struct Data {
+  std::vector<T> hidden, weights, biases, upstream;
+  std::vector<int64> targets;
+};
+
+template <typename T>
+Data<T> MakeData(const Case& c, std::mt19937_64& rng) {
+  Data<T> d;
+  std::normal_distribution<double> normal(0, 1);
+  const int64 S = c.tree.num_slots(), C = c.tree.num_classes;
+  d.hidden.resize(c.tokens * c.dim);
+  d.weights.resize(S * c.dim);
+  d.biases.resize(c.bias ? S : 0);
+  d.upstream.resize(c.tokens);
+  for (auto& v : d.hidden) v = static_cast<T>(normal(rng));
+  const double ws = c.weight_scale / std::sqrt(std::max<double>(1.0, c.dim / 16.0));
+  for (auto& v : d.weights) v = static_cast<T>(ws * normal(rng));
+  for (auto& v : d.biases) v = static_cast<T>(normal(rng));
+  for (auto& v : d.upstream) v = static_cast<T>(normal(rng));
+  // Zipf over a random ranking of the classes.
+  std::vector<int64> rank(C);
+  std::iota(rank.begin(), rank.end(), 0);
+  std::shuffle(rank.begin(), rank.end(), rng);
+  std::vector<double> cdf(C);
+  double total = 0;
+  for (int64 i = 0; i < C; ++i) {
+    total += c.zipf == 0 ? 1.0 : 1.0 / std::pow(static_cast<double>(i + 1), c.zipf);
+    cdf[i] = total;
+  }
+  std::uniform_real_distribution<double> uniform(0, total);
+  d.targets.resize(c.tokens);
+  for (auto& t : d.targets) {
+    const int64 i = std::lower_bound(cdf.begin(), cdf.end(), uniform(rng)) - cdf.begin();
+    t = rank[std::min(i, C - 1)];
+  }
+  return d;
+}
+
+template <typename To, typename From>
+std::vector<To> Convert(const std::vector<From>& v) {
+  return std::vector<To>(v.begin(), v.end());
+}
+
+// ---- CPU core ----------------------------------------------------------------------------
+
+ParallelFor ThreadPoolFor() {
+  return [](int64 total, int64, const std::function<void(int64, int64)>& work) {
+    if (total <= 0) return;
+    const int64 threads = std::min<int64>(total, std::max(1u, std::thread::hardware_concurrency()));
+    if (threads == 1) {
+      work(0, total);
+      return;
+    }
+    std::vector<std::thread> pool;
+    for (int64 k = 0; k < threads; ++k) {
+      pool.emplace_back([&, k] { work(total * k / threads, total * (k + 1) / threads); });
+    }
+    for (auto& t : pool) t.join();
+  };
+}
+
+template <typename T>
+struct Result {
+  std::vector<T> log_prob, d_hidden, d_rows, d_bias;
+  std::vector<int64> row_ids;
+  double forward_ms = 0, backward_ms = 0;
+};
+
+template <typename T>
+Result<T> RunCpu(const Case& c, const VisitPlan& plan, const Data<T>& d) {
+  SoftmaxParams<T> p;
+  p.hidden = d.hidden.data();
+  p.weights = d.weights.data();
+  p.biases = c.bias ? d.biases.data() : nullptr;
+  p.dim = c.dim;
+  Result<T> r;
+  const ParallelFor pf = ThreadPoolFor();
+  r.log_prob.resize(c.tokens);
+  LogProbForward<T>(plan, c.tree.view(), p, pf, r.log_prob.data());
+  r.d_hidden.resize(c.tokens * c.dim);
+  r.d_rows.resize(plan.num_rows() * c.dim);
+  r.d_bias.resize(c.bias ? plan.num_rows() : 0);
+  r.row_ids.resize(plan.num_rows());
+  LogProbGrads<T> g;
+  g.hidden = r.d_hidden.data();
+  g.weight_rows = r.d_rows.data();
+  g.bias_rows = c.bias ? r.d_bias.data() : nullptr;
+  g.row_ids = r.row_ids.data();
+  LogProbBackward<T>(plan, c.tree.view(), p, d.upstream.data(), pf, g);
+  return r;
+}
+
+// ---- GPU ---------------------------------------------------------------------------------
+
+template <typename T>
+struct Poison;
+template <>
+struct Poison<float> {
+  static constexpr std::uint32_t kBits = 0x7F8A5A5Bu;  // a signalling NaN no kernel makes
+};
+template <>
+struct Poison<double> {
+  static constexpr std::uint64_t kBits = 0x7FF15A5A5A5A5A5Bull;
+};
+template <>
+struct Poison<int64> {
+  static constexpr std::uint64_t kBits = 0x7A5A5A5A5A5A5A5Bull;
+};
+
+template <typename T>
+T PoisonValue() {
+  T v;
+  const auto bits = Poison<T>::kBits;
+  std::memcpy(&v, &bits, sizeof(T));
+  return v;
+}
+
+template <typename T>
+bool IsPoison(T v) {
+  const auto bits = Poison<T>::kBits;
+  return std::memcmp(&v, &bits, sizeof(T)) == 0;
+}
+
+constexpr int64 kGuard = 64;  // poisoned elements before and after every output
+
+// A device array with poisoned guard regions on both sides.
+template <typename T>
+struct DeviceArray {
+  T* base = nullptr;
+  int64 size = 0;
+  DeviceArray() = default;
+  explicit DeviceArray(int64 n) : size(n) {
+    CudaOrDie(cudaMalloc(&base, (n + 2 * kGuard) * sizeof(T)), "cudaMalloc");
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() {
+    if (base != nullptr) cudaFree(base);
+  }
+  T* data() const { return base + kGuard; }
+  void Upload(const std::vector<T>& v) {
+    CudaOrDie(cudaMemcpy(data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice),
+              "upload");
+  }
+  void Poison() {
+    std::vector<T> p(size + 2 * kGuard, PoisonValue<T>());
+    CudaOrDie(cudaMemcpy(base, p.data(), p.size() * sizeof(T), cudaMemcpyHostToDevice),
+              "poison");
+  }
+  // Downloads the array; checks that the guards are intact and (if all_written) that no
+  // element still holds the poison.
+  std::vector<T> Download(const char* what, bool all_written) const {
+    std::vector<T> all(size + 2 * kGuard);
+    CudaOrDie(cudaMemcpy(all.data(), base, all.size() * sizeof(T), cudaMemcpyDeviceToHost),
+              "download");
+    int64 guard_hits = 0, unwritten = 0;
+    for (int64 i = 0; i < kGuard; ++i) {
+      guard_hits += !IsPoison(all[i]);
+      guard_hits += !IsPoison(all[kGuard + size + i]);
+    }
+    if (all_written) {
+      for (int64 i = 0; i < size; ++i) unwritten += IsPoison(all[kGuard + i]);
+    }
+    HARNESS_EXPECT(guard_hits == 0, "%s: %" PRId64 " writes outside the array", what, guard_hits);
+    HARNESS_EXPECT(unwritten == 0, "%s: %" PRId64 " of %" PRId64 " elements never written",
+                   what, unwritten, size);
+    return std::vector<T>(all.begin() + kGuard, all.begin() + kGuard + size);
+  }
+};
+
+template <typename T>
+struct DeviceInputs {
+  DeviceArray<T> hidden, weights, biases, upstream;
+  DeviceInputs(const Data<T>& d)
+      : hidden(d.hidden.size()), weights(d.weights.size()), biases(d.biases.size()),
+        upstream(d.upstream.size()) {
+    hidden.Upload(d.hidden);
+    weights.Upload(d.weights);
+    biases.Upload(d.biases);
+    upstream.Upload(d.upstream);
+  }
+};
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(int64 bytes) {
+    CudaOrDie(cudaMalloc(&ptr, std::max<int64>(bytes, 1)), "cudaMalloc workspace");
+    // NaN bytes: a kernel that reads scratch it never wrote produces NaN in a result.
+    CudaOrDie(cudaMemset(ptr, 0xFF, std::max<int64>(bytes, 1)), "cudaMemset workspace");
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(ptr); }
+};
+
+// Median of `repeats` timings of call() (after `warmup` untimed calls), in ms.
+double TimeCalls(const std::function<std::string()>& call, int warmup, int repeats) {
+  for (int i = 0; i < warmup; ++i) {
+    const std::string err = call();
+    if (!err.empty()) {
+      std::fprintf(stderr, "%s\n", err.c_str());
+      std::exit(2);
+    }
+  }
+  cudaEvent_t start, stop;
+  CudaOrDie(cudaEventCreate(&start), "cudaEventCreate");
+  CudaOrDie(cudaEventCreate(&stop), "cudaEventCreate");
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    CudaOrDie(cudaEventRecord(start, nullptr), "cudaEventRecord");
+    const std::string err = call();
+    CudaOrDie(cudaEventRecord(stop, nullptr), "cudaEventRecord");
+    CudaOrDie(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    if (!err.empty()) {
+      std::fprintf(stderr, "%s\n", err.c_str());
+      std::exit(2);
+    }
+    float t = 0;
+    CudaOrDie(cudaEventElapsedTime(&t, start, stop), "cudaEventElapsedTime");
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms.empty() ? 0 : ms[ms.size() / 2];
+}
+
+template <typename T>
+Result<T> RunGpu(const Case& c, const VisitPlan& plan, DeviceInputs<T>& in, int64 budget,
+                 bool expect_finite, const Options* timing) {
+  Result<T> r;
+  SoftmaxParams<T> p;
+  p.hidden = in.hidden.data();
+  p.weights = in.weights.data();
+  p.biases = c.bias ? in.biases.data() : nullptr;
+  p.dim = c.dim;
+  const TreeView tree = c.tree.view();
+
+  GpuLogProbPlan fwd, bwd;
+  std::string err = PrepareLogProbGpu<T>(plan, tree, c.dim, c.bias, false, budget, &fwd);
+  HARNESS_EXPECT(err.empty(), "%s: %s", c.name.c_str(), err.c_str());
+  err = PrepareLogProbGpu<T>(plan, tree, c.dim, c.bias, true, budget, &bwd);
+  HARNESS_EXPECT(err.empty(), "%s: %s", c.name.c_str(), err.c_str());
+
+  DeviceArray<T> log_prob(c.tokens), d_hidden(c.tokens * c.dim);
+  DeviceArray<T> d_rows(plan.num_rows() * c.dim), d_bias(c.bias ? plan.num_rows() : 0);
+  DeviceArray<int64> row_ids(plan.num_rows());
+  for (auto* a : {&log_prob, &d_hidden, &d_rows, &d_bias}) a->Poison();
+  row_ids.Poison();
+  DeviceBuffer ws_fwd(fwd.workspace_bytes), ws_bwd(bwd.workspace_bytes);
+
+  LogProbGrads<T> g;
+  g.hidden = d_hidden.data();
+  g.weight_rows = d_rows.data();
+  g.bias_rows = c.bias ? d_bias.data() : nullptr;
+  g.row_ids = row_ids.data();
+  auto forward = [&]() { return LogProbForwardGpu<T>(fwd, p, log_prob.data(), ws_fwd.ptr, nullptr); };
+  auto backward = [&]() {
+    return LogProbBackwardGpu<T>(bwd, p, in.upstream.data(), g, ws_bwd.ptr, nullptr);
+  };
+  err = forward();
+  HARNESS_EXPECT(err.empty(), "%s forward: %s", c.name.c_str(), err.c_str());
+  err = backward();
+  HARNESS_EXPECT(err.empty(), "%s backward: %s", c.name.c_str(), err.c_str());
+  CudaOrDie(cudaDeviceSynchronize(), "kernels");
+  const std::string what = c.name + (sizeof(T) == 4 ? " float32" : " float64");
+  r.log_prob = log_prob.Download((what + " log_prob").c_str(), true);
+  r.d_hidden = d_hidden.Download((what + " d_hidden").c_str(), true);
+  r.d_rows = d_rows.Download((what + " weight_rows").c_str(), true);
+  r.d_bias = d_bias.Download((what + " bias_rows").c_str(), true);
+  r.row_ids = row_ids.Download((what + " row_ids").c_str(), true);
+  (void)expect_finite;
+  if (timing != nullptr) {
+    r.forward_ms = TimeCalls(forward, timing->warmup, timing->repeats);
+    r.backward_ms = TimeCalls(backward, timing->warmup, timing->repeats);
+  }
+  return r;
+}
+
+// log P of M candidates per token (candidate 0 is the token's target), on the GPU and with
+// the CPU core's LogProbCandidates in float64.
+template <typename T>
+void CheckCandidates(const Case& c, const Data<T>& d, DeviceInputs<T>& in,
+                     const Result<T>& forward, std::mt19937_64& rng, const std::string& what);
+
+// ---- Comparisons -------------------------------------------------------------------------
+
+double Rms(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x * x;
+  return v.empty() ? 0 : std::sqrt(s / v.size());
+}
+
+// |got - want| <= rtol * (|want| + rms(want)) elementwise; NaN must match NaN.
+template <typename T>
+double Compare(const std::string& what, const std::vector<T>& got, const std::vector<double>& want,
+               double rtol) {
+  HARNESS_EXPECT(got.size() == want.size(), "%s: %zu values, want %zu", what.c_str(),
+                 got.size(), want.size());
+  if (got.size() != want.size()) return INFINITY;
+  const double scale = Rms(want);
+  double worst = 0;
+  int64 bad = 0, first_bad = -1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], w = want[i];
+    if (std::isnan(w) || std::isnan(g)) {
+      if (std::isnan(w) != std::isnan(g)) {
+        ++bad;
+        if (first_bad < 0) first_bad = static_cast<int64>(i);
+      }
+      continue;
+    }
+    const double err = std::fabs(g - w) / (std::fabs(w) + scale + 1e-300);
+    worst = std::max(worst, err);
+    if (!(err <= rtol)) {
+      ++bad;
+      if (first_bad < 0) first_bad = static_cast<int64>(i);
+    }
+  }
+  HARNESS_EXPECT(bad == 0, "%s: %" PRId64 " of %zu values off (first [%" PRId64 "]: %.9g vs %.9g)",
+                 what.c_str(), bad, got.size(), first_bad,
+                 first_bad >= 0 ? static_cast<double>(got[first_bad]) : 0.0,
+                 first_bad >= 0 ? want[first_bad] : 0.0);
+  return worst;
+}
+
+template <typename T>
+bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+// Equal values (+0 == -0, NaN == NaN).
+template <typename T>
+bool SameValues(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!(a[i] == b[i]) && !(a[i] != a[i] && b[i] != b[i])) return false;
+  }
+  return true;
+}
+
+template <typename T>
+void ExpectSame(const std::string& what, const Result<T>& a, const Result<T>& b, bool bits) {
+  auto same = [bits](const auto& x, const auto& y) { return bits ? SameBits(x, y) : SameValues(x, y); };
+  HARNESS_EXPECT(same(a.log_prob, b.log_prob), "%s: log_prob differs", what.c_str());
+  HARNESS_EXPECT(same(a.d_hidden, b.d_hidden), "%s: d_hidden differs", what.c_str());
+  HARNESS_EXPECT(same(a.d_rows, b.d_rows), "%s: weight rows differ", what.c_str());
+  HARNESS_EXPECT(same(a.d_bias, b.d_bias), "%s: bias rows differ", what.c_str());
+  HARNESS_EXPECT(a.row_ids == b.row_ids, "%s: row ids differ", what.c_str());
+}
+
+int64 CoefElements(const VisitPlan& plan, const HostTree& tree) {
+  int64 total = 0;
+  for (int64 g = 0; g < plan.num_groups(); ++g) {
+    const int64 n = plan.group_node[g];
+    total += (plan.group_begin[g + 1] - plan.group_begin[g]) *
+             (tree.child_begin[n + 1] - tree.child_begin[n]);
+  }
+  return total;
+}
+
+template <typename T>
+void CheckCase(const Case& c, std::mt19937_64& rng, const Options& opt) {
+  const Data<T> data = MakeData<T>(c, rng);
+  const std::string what = c.name + (sizeof(T) == 4 ? " float32" : " float64");
+  VisitPlan plan;
+  const std::string err = BuildVisitPlan(c.tree.view(), data.targets.data(), c.tokens, &plan);
+  HARNESS_EXPECT(err.empty(), "%s: %s", what.c_str(), err.c_str());
+  if (!err.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const Data<double> data64{Convert<double>(data.hidden), Convert<double>(data.weights),
+                            Convert<double>(data.biases), Convert<double>(data.upstream),
+                            data.targets};
+  const Result<double> ref = RunCpu<double>(c, plan, data64);
+  const double cpu_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  DeviceInputs<T> in(data);
+  const auto t1 = std::chrono::steady_clock::now();
+  const Result<T> gpu = RunGpu<T>(c, plan, in, c.budget, true, nullptr);
+  const double gpu_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  const double rtol = sizeof(T) == 8 ? 1e-9 : 1e-3;
+  double worst = 0;
+  worst = std::max(worst, Compare(what + " log_prob", gpu.log_prob, ref.log_prob, rtol));
+  worst = std::max(worst, Compare(what + " d_hidden", gpu.d_hidden, ref.d_hidden, rtol));
+  worst = std::max(worst, Compare(what + " weight_rows", gpu.d_rows, ref.d_rows, rtol));
+  worst = std::max(worst, Compare(what + " bias_rows", gpu.d_bias, ref.d_bias, rtol));
+  HARNESS_EXPECT(gpu.row_ids == ref.row_ids, "%s: row ids differ from the CPU core", what.c_str());
+
+  // Run to run: the same bits.
+  const Result<T> again = RunGpu<T>(c, plan, in, c.budget, true, nullptr);
+  ExpectSame(what + " (second run)", gpu, again, true);
+  // A budget that forces many waves and split groups: the same values.
+  const int64 coef = CoefElements(plan, c.tree);
+  if (coef > 1) {
+    const int64 small = std::max<int64>(1, coef / 7);
+    const Result<T> waves = RunGpu<T>(c, plan, in, small, true, nullptr);
+    ExpectSame(what + " (coef budget " + std::to_string(small) + ")", gpu, waves, false);
+  }
+  CheckCandidates<T>(c, data, in, gpu, rng, what);
+#ifdef TF_HSM_GPU_EMULATE
+  // Another thread interleaving must not change a bit.
+  tf_hsm_emu::SetSchedule(tf_hsm_emu::Schedule::kShuffled, rng());
+  const Result<T> shuffled = RunGpu<T>(c, plan, in, c.budget, true, nullptr);
+  tf_hsm_emu::SetSchedule(tf_hsm_emu::Schedule::kForward);
+  ExpectSame(what + " (shuffled thread schedule)", gpu, shuffled, true);
+  tf_hsm_emu::SetSchedule(tf_hsm_emu::Schedule::kReverse);
+  const Result<T> reversed = RunGpu<T>(c, plan, in, c.budget, true, nullptr);
+  tf_hsm_emu::SetSchedule(tf_hsm_emu::Schedule::kForward);
+  ExpectSame(what + " (reversed thread schedule)", gpu, reversed, true);
+#endif
+  if (opt.verbose || failures > 0) {
+    std::printf("  %-44s C=%-7" PRId64 " depth=%-3" PRId64 " K<=%-7" PRId64 " T=%-5" PRId64
+                " D=%-4" PRId64 " rows=%-8" PRId64 " max rel err %.2e  (cpu %.2fs, gpu %.2fs)\n",
+                what.c_str(), c.tree.num_classes, c.tree.max_depth, c.tree.max_branching,
+                c.tokens, c.dim, plan.num_rows(), worst, cpu_s, gpu_s);
+    std::fflush(stdout);
+  }
+}
+
+template <typename T>
+void CheckCandidates(const Case& c, const Data<T>& d, DeviceInputs<T>& in,
+                     const Result<T>& forward, std::mt19937_64& rng, const std::string& what) {
+  const int64 M = 1 + static_cast<int64>(rng() % 5), N = c.tokens, C = c.tree.num_classes;
+  std::vector<int64> cand(N * M);
+  for (int64 i = 0; i < N; ++i) {
+    cand[i * M] = d.targets[i];
+    for (int64 m = 1; m < M; ++m) {
+      // Repeats of the target and of each other, and other classes.
+      const int64 r = static_cast<int64>(rng() % 4);
+      cand[i * M + m] = r == 0 ? d.targets[i] : (r == 1 ? cand[i * M + m - 1] : static_cast<int64>(rng() % C));
+    }
+  }
+  VisitPlan plan;
+  const std::string err = BuildVisitPlan(c.tree.view(), cand.data(), N * M, &plan);
+  HARNESS_EXPECT(err.empty(), "%s candidates: %s", what.c_str(), err.c_str());
+  if (!err.empty()) return;
+  // The CPU core in float64.
+  const std::vector<double> h64 = Convert<double>(d.hidden), w64 = Convert<double>(d.weights),
+                            b64 = Convert<double>(d.biases);
+  SoftmaxParams<double> p64{h64.data(), w64.data(), c.bias ? b64.data() : nullptr, c.dim};
+  std::vector<double> ref(N * M);
+  const std::string cpu_err =
+      LogProbCandidates<double>(c.tree.view(), p64, N, cand.data(), M, ThreadPoolFor(), ref.data());
+  HARNESS_EXPECT(cpu_err.empty(), "%s candidates (CPU): %s", what.c_str(), cpu_err.c_str());
+  // The GPU.
+  GpuLogProbPlan gp;
+  std::string gerr = PrepareLogProbCandidatesGpu<T>(plan, c.tree.view(), c.dim, c.bias, M, &gp);
+  HARNESS_EXPECT(gerr.empty(), "%s candidates: %s", what.c_str(), gerr.c_str());
+  DeviceArray<T> out(N * M);
+  out.Poison();
+  DeviceBuffer ws(gp.workspace_bytes);
+  SoftmaxParams<T> p{in.hidden.data(), in.weights.data(), c.bias ? in.biases.data() : nullptr,
+                     c.dim};
+  gerr = LogProbCandidatesGpu<T>(gp, p, out.data(), ws.ptr, nullptr);
+  HARNESS_EXPECT(gerr.empty(), "%s candidates: %s", what.c_str(), gerr.c_str());
+  CudaOrDie(cudaDeviceSynchronize(), "candidates");
+  const std::vector<T> got = out.Download((what + " candidates").c_str(), true);
+  Compare(what + " candidates (M=" + std::to_string(M) + ")", got, ref,
+          sizeof(T) == 8 ? 1e-9 : 1e-3);
+  // Candidate 0 is the target: the same bits as the forward kernel.
+  int64 differ = 0;
+  for (int64 i = 0; i < N; ++i) {
+    differ += std::memcmp(&got[i * M], &forward.log_prob[i], sizeof(T)) != 0;
+  }
+  HARNESS_EXPECT(differ == 0, "%s candidates: %" PRId64 " of %" PRId64
+                 " targets differ from LogProbForwardGpu", what.c_str(), differ, N);
+}
+
+// NaN in one token's hidden state: only that token's log-probability is NaN.
+void CheckNanStaysInItsRow(std::mt19937_64& rng) {
+  Case c;
+  c.name = "nan_row";
+  c.tree = Layout(RandomShape(rng, 40, 3, 0.3, 300), &rng);
+  c.tokens = 40;
+  c.dim = 19;
+  Data<float> d = MakeData<float>(c, rng);
+  for (int64 k = 0; k < c.dim; k += 5) d.hidden[7 * c.dim + k] = NAN;
+  VisitPlan plan;
+  BuildVisitPlan(c.tree.view(), d.targets.data(), c.tokens, &plan);
+  DeviceInputs<float> in(d);
+  GpuLogProbPlan fwd;
+  PrepareLogProbGpu<float>(plan, c.tree.view(), c.dim, c.bias, false, kDefaultGpuCoefBudget, &fwd);
+  DeviceArray<float> out(c.tokens);
+  out.Poison();
+  DeviceBuffer ws(fwd.workspace_bytes);
+  SoftmaxParams<float> p{in.hidden.data(), in.weights.data(), in.biases.data(), c.dim};
+  const std::string err = LogProbForwardGpu<float>(fwd, p, out.data(), ws.ptr, nullptr);
+  HARNESS_EXPECT(err.empty(), "nan_row: %s", err.c_str());
+  const std::vector<float> lp = out.Download("nan_row log_prob", true);
+  for (int64 i = 0; i < c.tokens; ++i) {
+    HARNESS_EXPECT(std::isnan(lp[i]) == (i == 7), "nan_row: token %" PRId64 " isnan=%d", i,
+                   static_cast<int>(std::isnan(lp[i])));
+  }
+}
+
+// ---- The cases ---------------------------------------------------------------------------
+
+std::vector<Case> CorrectnessCases(std::mt19937_64& rng, bool quick) {
+  std::vector<Case> cases;
+  auto add = [&](const std::string& name, HostTree tree, int64 tokens, int64 dim, bool bias) {
+    Case c;
+    c.name = name;
+    c.tree = std::move(tree);
+    c.tokens = tokens;
+    c.dim = dim;
+    c.bias = bias;
+    cases.push_back(std::move(c));
+  };
+  const int64 s = quick ? 1 : 4;  // size multiplier
+  // Random mixed trees: leaves and internal children at one node, depths 1..10.
+  const int64 branchings[] = {300, 2, 3, 5, 8, 17, 33, 70, 4, 6};
+  for (int depth = 1; depth <= 10; ++depth) {
+    const int64 b = branchings[depth - 1];
+    const int64 dims[] = {1, 7, 16, 33, 64};
+    add("random_mixed_d" + std::to_string(depth) + "_b" + std::to_string(b),
+        Layout(RandomShape(rng, b, depth, depth == 1 ? 0.0 : std::min(0.85, 3.0 / (1 + b)), 400 * s), &rng),
+        (quick ? 24 : 150) + static_cast<int64>(rng() % (30 * s)), dims[depth % 5],
+        depth % 3 != 0);
+  }
+  add("balanced_b2", Layout(BalancedShape(quick ? 200 : 1000, 2), &rng), 40 * s, 24, true);
+  add("balanced_b5", Layout(BalancedShape(quick ? 300 : 3000, 5), &rng), 40 * s, 40, false);
+  add("balanced_b47_3level", Layout(BalancedShape(quick ? 3000 : 100000, 47), &rng), 50 * s,
+      quick ? 16 : 64, true);
+  add("two_level_sqrt", Layout(TwoLevelShape(quick ? 2500 : 100000, quick ? 50 : 317), &rng),
+      60 * s, quick ? 20 : 128, true);
+  add("huffman_b2", Layout(HuffmanShape(ZipfCounts(quick ? 500 : 10000, 1.0), 2), nullptr),
+      60 * s, 20, true);
+  add("huffman_b4", Layout(HuffmanShape(ZipfCounts(quick ? 500 : 10000, 1.0), 4), nullptr),
+      60 * s, 12, false);
+  add("clustered_two_level", Layout(ClusteredShape(ZipfCounts(quick ? 2000 : 50000, 1.0),
+                                                   quick ? 20 : 200), &rng),
+      70 * s, 24, true);
+  add("chain_single_children_d10", Layout(ChainShape(10, 0), &rng), 30 * s, 9, true);
+  add("chain_side3_d10", Layout(ChainShape(10, 3), &rng), 30 * s, 17, false);
+  add("wide_root", Layout(TwoLevelShape(quick ? 1500 : 100000, quick ? 1500 : 100000), &rng),
+      quick ? 20 : 300, quick ? 8 : 64, true);
+  add("wide_under_single_child_root", Layout(TwoLevelShape(quick ? 700 : 30000, 1), &rng),
+      quick ? 20 : 200, quick ? 8 : 32, true);
+  add("wide_inner", Layout(TwoLevelShape(quick ? 1200 : 200000, 2), &rng), quick ? 20 : 300,
+      quick ? 8 : 48, false);
+  add("one_token", Layout(RandomShape(rng, 60, 4, 0.4, 500), &rng), 1, 10, true);
+  add("no_tokens", Layout(RandomShape(rng, 10, 3, 0.4, 100), &rng), 0, 10, true);
+  add("zero_dim_with_bias", Layout(RandomShape(rng, 50, 3, 0.4, 300), &rng), 30, 0, true);
+  add("zero_dim_no_bias", Layout(RandomShape(rng, 50, 3, 0.4, 300), &rng), 30, 0, false);
+  // Every token in one wide group: many 64-token tiles, chunks and long dW chains.
+  add("many_tokens_one_node", Layout(TwoLevelShape(quick ? 600 : 5000, 1), &rng),
+      quick ? 150 : 3000, quick ? 10 : 96, true);
+  if (!quick) {
+    add("wide_100k_big_dim", Layout(TwoLevelShape(100000, 1), &rng), 257, 300, true);
+    add("huffman_b2_d512", Layout(HuffmanShape(ZipfCounts(100000, 1.0), 2), nullptr), 640, 512,
+        true);
+  }
+  return cases;
+}
+
+// ---- Timing ------------------------------------------------------------------------------
+
+#ifndef TF_HSM_GPU_EMULATE
+// FMA throughput: independent chains per thread, so latency is hidden.
+__global__ void FmaPeakKernel(float* out, int iterations, float x) {
+  float a[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) a[k] = x + k + threadIdx.x;
+  for (int i = 0; i < iterations; ++i) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) a[k] = fmaf(a[k], 0.9999f, 0.0001f);
+  }
+  float s = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) s += a[k];
+  if (s == 1234.5f) out[threadIdx.x] = s;  // never true; keeps the work
+}
+#endif
+
+struct Ceilings {
+  double flops = 0;      // FLOP/s, FMA-throughput kernel
+  double sgemm = 0;      // FLOP/s, cuBLAS (0 when not built with it)
+  double bandwidth = 0;  // bytes/s, device-to-device copy
+  std::string device;
+};
+
+Ceilings MeasureCeilings(const Options& opt) {
+  Ceilings c;
+#ifndef TF_HSM_GPU_EMULATE
+  cudaDeviceProp prop;
+  CudaOrDie(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  c.device = prop.name;
+  float* sink = nullptr;
+  CudaOrDie(cudaMalloc(&sink, 1024 * sizeof(float)), "cudaMalloc");
+  const int blocks = prop.multiProcessorCount * 8, threads = 256, iterations = 1 << 14;
+  const double fma_ms = TimeCalls(
+      [&]() {
+        FmaPeakKernel<<<blocks, threads>>>(sink, iterations, 1.0f);
+        return std::string(cudaGetErrorString(cudaGetLastError())) == "no error"
+                   ? std::string()
+                   : std::string("FmaPeakKernel failed");
+      },
+      opt.warmup, opt.repeats);
+  c.flops = 2.0 * 8 * iterations * blocks * threads / (fma_ms * 1e-3);
+  cudaFree(sink);
+  size_t free_bytes = 0, total_bytes = 0;
+  CudaOrDie(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+  const size_t bytes = std::min<size_t>(size_t{1} << 30, free_bytes / 4);
+  void *a = nullptr, *b = nullptr;
+  CudaOrDie(cudaMalloc(&a, bytes), "cudaMalloc");
+  CudaOrDie(cudaMalloc(&b, bytes), "cudaMalloc");
+  CudaOrDie(cudaMemset(a, 0, bytes), "cudaMemset");
+  const double copy_ms = TimeCalls(
+      [&]() {
+        const cudaError_t e = cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, nullptr);
+        return e == cudaSuccess ? std::string() : std::string(cudaGetErrorString(e));
+      },
+      opt.warmup, opt.repeats);
+  c.bandwidth = 2.0 * bytes / (copy_ms * 1e-3);
+  cudaFree(a);
+  cudaFree(b);
+#ifdef TF_HSM_HAVE_CUBLAS
+  {
+    const int n = 8192;
+    float *x = nullptr, *y = nullptr, *z = nullptr;
+    CudaOrDie(cudaMalloc(&x, sizeof(float) * n * n), "cudaMalloc");
+    CudaOrDie(cudaMalloc(&y, sizeof(float) * n * n), "cudaMalloc");
+    CudaOrDie(cudaMalloc(&z, sizeof(float) * n * n), "cudaMalloc");
+    cudaMemset(x, 0, sizeof(float) * n * n);
+    cudaMemset(y, 0, sizeof(float) * n * n);
+    cublasHandle_t handle;
+    cublasCreate(&handle);
+    cublasSetMathMode(handle, CUBLAS_PEDANTIC_MATH);  // plain FP32, like the HSM kernels
+    const float one = 1, zero = 0;
+    const double ms = TimeCalls(
+        [&]() {
+          cublasSgemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, x, n, y, n, &zero, z, n);
+          return std::string();
+        },
+        opt.warmup, opt.repeats);
+    c.sgemm = 2.0 * n * n * n / (ms * 1e-3);
+    cublasDestroy(handle);
+    cudaFree(x);
+    cudaFree(y);
+    cudaFree(z);
+  }
+#endif
+#else
+  (void)opt;
+  c.device = "host emulator";
+#endif
+  return c;
+}
+
+// The scenarios of PERFORMANCE.md; `shrink` > 1 divides V, T and D (for a smoke run of the
+// timing code in the emulator).
+std::vector<Case> TimingCases(std::mt19937_64& rng, int64 shrink) {
+  std::vector<Case> cases;
+  auto add = [&](const std::string& name, HostTree tree, int64 tokens, int64 dim) {
+    Case c;
+    c.name = name;
+    c.tree = std::move(tree);
+    c.tokens = std::max<int64>(1, tokens / shrink);
+    c.dim = std::max<int64>(1, dim / shrink);
+    c.bias = true;
+    cases.push_back(std::move(c));
+  };
+  // Scenario B: V = 100K, D = 512, T = 640 and 2560.
+  {
+    const int64 V = 100000 / shrink;
+    const HostTree two = Layout(TwoLevelShape(V, 317 / shrink), &rng);
+    const HostTree three = Layout(BalancedShape(V, 47), &rng);
+    const HostTree huff = Layout(HuffmanShape(ZipfCounts(V, 1.0), 2), nullptr);
+    for (int64 T : {640, 2560}) {
+      add("B_two_level_317_T" + std::to_string(T), two, T, 512);
+      add("B_three_level_47_T" + std::to_string(T), three, T, 512);
+      add("B_huffman_T" + std::to_string(T), huff, T, 512);
+    }
+  }
+  // Scenario C: V = 793471, D = 512, T = 320.
+  {
+    const int64 V = 793471 / shrink;
+    const std::vector<double> counts = ZipfCounts(V, 1.0);
+    add("C_two_level_891", Layout(TwoLevelShape(V, 891 / shrink), &rng), 320, 512);
+    add("C_huffman", Layout(HuffmanShape(counts, 2), nullptr), 320, 512);
+    add("C_clustered_891", Layout(ClusteredShape(counts, 891 / shrink), nullptr), 320, 512);
+  }
+  // Scenario D: V = 1M, D = 300, T = 256 and 3200.
+  {
+    const int64 V = 1000000 / shrink;
+    const HostTree two = Layout(TwoLevelShape(V, 1000 / shrink), &rng);
+    const HostTree huff = Layout(HuffmanShape(ZipfCounts(V, 1.0), 2), nullptr);
+    for (int64 T : {256, 3200}) {
+      add("D_two_level_1000_T" + std::to_string(T), two, T, 300);
+      add("D_huffman_T" + std::to_string(T), huff, T, 300);
+    }
+  }
+  return cases;
+}
+
+void TimeCase(const Case& c, std::mt19937_64& rng, const Options& opt, const Ceilings& ceil,
+              FILE* json) {
+  const Data<float> data = MakeData<float>(c, rng);
+  VisitPlan plan;
+  const auto h0 = std::chrono::steady_clock::now();
+  const std::string err = BuildVisitPlan(c.tree.view(), data.targets.data(), c.tokens, &plan);
+  GpuLogProbPlan fwd;
+  PrepareLogProbGpu<float>(plan, c.tree.view(), c.dim, c.bias, false, kDefaultGpuCoefBudget, &fwd);
+  const double host_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
+  if (!err.empty()) {
+    std::fprintf(stderr, "%s: %s\n", c.name.c_str(), err.c_str());
+    ++failures;
+    return;
+  }
+  DeviceInputs<float> in(data);
+  const Result<float> gpu = RunGpu<float>(c, plan, in, c.budget, true, &opt);
+  if (opt.check_timed) {
+    const Data<double> d64{Convert<double>(data.hidden), Convert<double>(data.weights),
+                           Convert<double>(data.biases), Convert<double>(data.upstream),
+                           data.targets};
+    const Result<double> ref = RunCpu<double>(c, plan, d64);
+    Compare(c.name + " log_prob", gpu.log_prob, ref.log_prob, 1e-3);
+    Compare(c.name + " d_hidden", gpu.d_hidden, ref.d_hidden, 1e-3);
+    Compare(c.name + " weight_rows", gpu.d_rows, ref.d_rows, 1e-3);
+  }
+  // Roofline counts as in PERFORMANCE.md.
+  double visits_k = 0;  // sum over visits of the node's branching
+  for (int64 g = 0; g < plan.num_groups(); ++g) {
+    const int64 n = plan.group_node[g];
+    visits_k += static_cast<double>(plan.group_begin[g + 1] - plan.group_begin[g]) *
+                (c.tree.child_begin[n + 1] - c.tree.child_begin[n]);
+  }
+  const double D = c.dim, T = c.tokens, R = plan.num_rows();
+  const double fwd_flops = 2 * D * visits_k, bwd_flops = 2 * fwd_flops;
+  const double fwd_bytes = 4 * D * R + 4 * T * D;
+  const double bwd_bytes = 4 * D * R + 4 * D * R + 8 * T * D;
+  const double peak = ceil.sgemm > 0 ? ceil.sgemm : ceil.flops;
+  const double fwd_floor = 1e3 * std::max(fwd_flops / peak, fwd_bytes / ceil.bandwidth);
+  const double bwd_floor = 1e3 * std::max(bwd_flops / peak, bwd_bytes / ceil.bandwidth);
+  std::printf("  %-26s V=%-7" PRId64 " D=%-4" PRId64 " T=%-5" PRId64 " rows=%-8" PRId64
+              " | fwd %8.3f ms (floor %7.3f, %5.1f%%) | bwd %8.3f ms (floor %7.3f, %5.1f%%)"
+              " | host plan %.2f ms\n",
+              c.name.c_str(), c.tree.num_classes, c.dim, c.tokens, plan.num_rows(),
+              gpu.forward_ms, fwd_floor, 100 * fwd_floor / gpu.forward_ms, gpu.backward_ms,
+              bwd_floor, 100 * bwd_floor / gpu.backward_ms, host_ms);
+  std::fflush(stdout);
+  if (json != nullptr) {
+    std::fprintf(json,
+                 "{\"case\": \"%s\", \"device\": \"%s\", \"classes\": %" PRId64
+                 ", \"dim\": %" PRId64 ", \"tokens\": %" PRId64 ", \"rows\": %" PRId64
+                 ", \"max_depth\": %" PRId64 ", \"forward_ms\": %.4f, \"backward_ms\": %.4f"
+                 ", \"forward_floor_ms\": %.4f, \"backward_floor_ms\": %.4f"
+                 ", \"forward_flops\": %.6g, \"backward_flops\": %.6g"
+                 ", \"forward_bytes\": %.6g, \"backward_bytes\": %.6g, \"host_plan_ms\": %.4f"
+                 ", \"peak_flops\": %.6g, \"fma_flops\": %.6g, \"sgemm_flops\": %.6g"
+                 ", \"bandwidth\": %.6g}\n",
+                 c.name.c_str(), ceil.device.c_str(), c.tree.num_classes, c.dim, c.tokens,
+                 plan.num_rows(), c.tree.max_depth, gpu.forward_ms, gpu.backward_ms, fwd_floor,
+                 bwd_floor, fwd_flops, bwd_flops, fwd_bytes, bwd_bytes, host_ms, peak,
+                 ceil.flops, ceil.sgemm, ceil.bandwidth);
+    std::fflush(json);
+  }
+}
+
+int Main(int argc, char** argv) {
+  Options opt;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--quick") {
+      opt.quick = true;
+    } else if (a == "--full") {
+      opt.quick = false;
+    } else if (a == "--time") {
+      opt.time = true;
+    } else if (a == "--time-only") {
+      opt.time = true;
+      opt.check = false;
+    } else if (a == "--check-timed") {
+      opt.check_timed = true;
+    } else if (a == "--verbose" || a == "-v") {
+      opt.verbose = true;
+    } else if (a == "--seed") {
+      opt.seed = std::strtoull(value().c_str(), nullptr, 10);
+    } else if (a == "--only") {
+      opt.only = value();
+    } else if (a == "--json") {
+      opt.json = value();
+    } else if (a == "--repeats") {
+      opt.repeats = std::atoi(value().c_str());
+    } else if (a == "--warmup") {
+      opt.warmup = std::atoi(value().c_str());
+    } else {
+      std::fprintf(stderr,
+                   "usage: gpu_harness [--quick|--full] [--time|--time-only] [--check-timed]\n"
+                   "                   [--only SUBSTRING] [--seed N] [--json FILE]\n"
+                   "                   [--repeats N] [--warmup N] [--verbose]\n");
+      return 2;
+    }
+  }
+  std::printf("tf_hsm GPU harness (%s), %s cases, seed %" PRIu64 "\n",
+              kEmulated ? "host emulator" : "CUDA", opt.quick ? "quick" : "full", opt.seed);
+  std::mt19937_64 rng(opt.seed);
+  if (opt.check) {
+    const std::vector<Case> cases = CorrectnessCases(rng, opt.quick);
+    for (const Case& c : cases) {
+      if (!opt.only.empty() && c.name.find(opt.only) == std::string::npos) continue;
+      const int before = failures;
+      CheckCase<double>(c, rng, opt);
+      CheckCase<float>(c, rng, opt);
+      std::printf("[%s] %s\n", failures == before ? "PASS" : "FAIL", c.name.c_str());
+      std::fflush(stdout);
+    }
+    if (opt.only.empty() || std::string("nan_row").find(opt.only) != std::string::npos) {
+      const int before = failures;
+      CheckNanStaysInItsRow(rng);
+      std::printf("[%s] nan_row\n", failures == before ? "PASS" : "FAIL");
+    }
+  }
+  if (opt.time) {
+    if (kEmulated) {
+      // A smoke run of the timing code on scenarios shrunk 32x: the times mean nothing.
+      std::printf("timing in the host emulator: scenarios shrunk 32x, times meaningless\n");
+      Ceilings ceil;
+      ceil.flops = 1e12;
+      ceil.bandwidth = 1e11;
+      ceil.device = "host emulator";
+      Options quick = opt;
+      quick.warmup = 0;
+      quick.repeats = 1;
+      FILE* json = opt.json.empty() ? nullptr : std::fopen(opt.json.c_str(), "w");
+      for (const Case& c : TimingCases(rng, 32)) {
+        if (!opt.only.empty() && c.name.find(opt.only) == std::string::npos) continue;
+        TimeCase(c, rng, quick, ceil, json);
+      }
+      if (json != nullptr) std::fclose(json);
+    } else {
+      const Ceilings ceil = MeasureCeilings(opt);
+      std::printf("device %s: FMA kernel %.1f TFLOP/s, cuBLAS SGEMM %s, copy %.0f GB/s\n",
+                  ceil.device.c_str(), ceil.flops / 1e12,
+                  ceil.sgemm > 0 ? (std::to_string(ceil.sgemm / 1e12) + " TFLOP/s").c_str()
+                                 : "not built",
+                  ceil.bandwidth / 1e9);
+      FILE* json = opt.json.empty() ? nullptr : std::fopen(opt.json.c_str(), "w");
+      const std::vector<Case> cases = TimingCases(rng, 1);
+      for (const Case& c : cases) {
+        if (!opt.only.empty() && c.name.find(opt.only) == std::string::npos) continue;
+        TimeCase(c, rng, opt, ceil, json);
+      }
+      if (json != nullptr) std::fclose(json);
+    }
+  }
+  std::printf("%d checks, %d failed\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace harness
+}  // namespace tf_hsm
+
+int main(int argc, char** argv) { return tf_hsm::harness::Main(argc, argv); }

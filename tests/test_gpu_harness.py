@@ -1,0 +1,64 @@
+"""Builds the standalone CUDA harness (cc/gpu_harness.sh) and runs the CUDA kernels in its
+host emulator, so the GPU code is compiled and executed on machines without a GPU.
+
+- test_harness_compiles: nvcc builds the kernels (SM 80 and 90), the harness and the CPU
+  core it compares against; skipped when nvcc is missing.
+- test_kernels_in_emulator: the same kernel source built by the host compiler with
+  cc/core/gpu_emulation.cuh (every CUDA thread a fiber) and checked against the CPU core
+  on the quick cases, under three thread schedules; needs only g++.
+- test_harness_on_gpu: the real thing, when a GPU and nvcc are present.
+Neither TensorFlow nor PyTorch is involved.
+"""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "cc", "gpu_harness.sh")
+
+
+def _nvcc():
+  return os.environ.get("TF_HSM_NVCC") or shutil.which("nvcc")
+
+
+def _run(args, timeout):
+  result = subprocess.run([SCRIPT] + args, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+  print(result.stdout[-4000:])
+  print(result.stderr[-4000:])
+  return result
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
+def test_harness_compiles():
+  result = _run(["--compile-only"], timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert os.path.exists(os.path.join(ROOT, "build", "gpu_harness", "gpu_harness_cuda"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="no host C++ compiler")
+def test_kernels_in_emulator():
+  result = _run(["--emulate", "--quick"], timeout=900)
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+  assert ", 0 failed" in result.stdout
+
+
+def _has_gpu():
+  smi = shutil.which("nvidia-smi")
+  if smi is None:
+    return False
+  return subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_nvcc() is None or not _has_gpu(), reason="needs nvcc and a CUDA GPU")
+def test_harness_on_gpu():
+  result = _run(["--quick"], timeout=900)
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+  assert ", 0 failed" in result.stdout
