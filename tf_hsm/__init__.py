@@ -3,12 +3,17 @@
 from tf_hsm.tree import Tree
 from tf_hsm.ops import log_prob, sgd_step
 from tf_hsm.inference import log_prob_all, log_prob_candidates, sample, top_k
+from tf_hsm.layers import HierarchicalSoftmax
+from tf_hsm import losses, optimizers
 
 __all__ = [
+    "HierarchicalSoftmax",
     "Tree",
     "log_prob",
     "log_prob_all",
     "log_prob_candidates",
+    "losses",
+    "optimizers",
     "sample",
     "sgd_step",
     "top_k",

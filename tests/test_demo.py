@@ -1,0 +1,97 @@
+"""python -m tf_hsm.demo: the corpus, the vocabulary, the unigram start, and a tiny run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tf_hsm
+from tf_hsm import demo
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_stdlib_corpus_is_real_text_and_deterministic():
+  documents = demo.stdlib_documents()
+  assert documents == demo.stdlib_documents()
+  tokens = [t for d in documents for t in demo.tokenize(d)]
+  assert len(tokens) > 200_000
+  counts = {}
+  for t in tokens:
+    counts[t] = counts.get(t, 0) + 1
+  top = sorted(counts, key=counts.get, reverse=True)[:20]
+  assert {"the", "a", "of", "to", "is"} <= set(top)
+
+
+def test_tokenize():
+  assert demo.tokenize("Return the max_depth of a Tree, don't fail!") == [
+      "return", "the", "max_depth", "of", "a", "tree", ",", "don't", "fail", "!"]
+
+
+def test_split_and_vocabulary():
+  documents = [f"word{i % 7} common common text{i}" for i in range(300)]
+  train, held_out = demo.split_corpus(documents, max_tokens=1000, seed=1)
+  assert (train, held_out) == demo.split_corpus(documents, max_tokens=1000, seed=1)
+  assert len(train) + len(held_out) == 1000
+  assert 0.08 < len(held_out) / 1000 < 0.12
+  words, counts = demo.build_vocab(train, size=5, min_count=2)
+  assert words[0] == demo.UNK and words[1] == "common" and len(words) == 5
+  assert counts.sum() == len(train) and counts[0] > 0  # <unk> occurs in training
+  words, _ = demo.build_vocab(train, size=10_000, min_count=2)
+  assert not any(w.startswith("text") for w in words)  # each seen once
+  ids = demo.encode(["common", "never-seen"], words)
+  assert ids.tolist() == [words.index("common"), 0]
+  x, y = demo.sequences(np.arange(11, dtype=np.int32), 3)
+  assert x.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+  assert y.tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+@pytest.mark.parametrize("kind", ["two_level", "huffman", "balanced"])
+def test_tree_biases_start_at_the_unigram_distribution(kind):
+  counts = np.array([50, 0, 7, 300, 1, 1, 12, 40, 3, 9], np.float64)
+  tree = demo.make_tree(kind, counts)
+  biases = demo.tree_unigram_biases(tree, counts)
+  weights = np.zeros((tree.num_slots, 3), np.float32)
+  hidden = np.ones((len(counts), 3), np.float32)
+  log_probs = tf_hsm.log_prob(hidden, weights, biases.astype(np.float32), tree,
+                              np.arange(len(counts)))
+  np.testing.assert_allclose(log_probs.numpy(), demo.unigram_log_probs(counts), rtol=1e-5)
+
+
+def test_tiny_run_writes_table_plot_and_json(tmp_path, capsys):
+  corpus = tmp_path / "corpus.txt"
+  sentences = ["the cat sat on the mat .", "a dog ran to the cat .",
+               "the mat is red and the dog is brown ."]
+  corpus.write_text("\n\n".join(sentences[i % 3] for i in range(60)))
+  out = tmp_path / "results"
+  results = demo.main(["--corpus", str(corpus), "--max-tokens", "400", "--epochs", "1",
+                       "--vocab", "12", "--hidden", "8", "--seq-len", "5", "--batch", "4",
+                       "--tree", "huffman", "--out", str(out)])
+  printed = capsys.readouterr().out
+  assert "HSM (huffman)" in printed and "full softmax" in printed
+  assert "val_loss:" in printed  # the Keras progress bar
+  for name in ("results.json", "results.md", "perplexity.png"):
+    assert (out / name).stat().st_size > 0
+  with open(out / "results.json") as f:
+    saved = json.load(f)
+  assert saved["vocab_size"] == results["vocab_size"] <= 12
+  assert [m["name"] for m in saved["models"]] == ["HSM (huffman)", "full softmax"]
+  for model in saved["models"]:
+    assert len(model["held_out_perplexity"]) == 2 and len(model["train_seconds"]) == 1
+    assert all(np.isfinite(model["held_out_perplexity"]))
+    # Both start from the same unigram model.
+    assert model["held_out_perplexity"][0] == pytest.approx(
+        saved["models"][0]["held_out_perplexity"][0], rel=0.05)
+  assert len((out / "results.md").read_text().strip().split("\n")) == 4  # head, rule, 2 rows
+
+
+def test_command_line_help():
+  result = subprocess.run([sys.executable, "-m", "tf_hsm.demo", "--help"], cwd=_REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+  assert result.returncode == 0, result.stderr
+  for flag in ("--tree", "--vocab", "--epochs", "--hidden", "--seq-len", "--batch",
+               "--max-tokens", "--corpus", "--out"):
+    assert flag in result.stdout

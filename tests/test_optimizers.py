@@ -1,0 +1,221 @@
+"""tf_hsm.optimizers: LazyAdam and SparseAdagrad against Keras' Adam and Adagrad, lazy
+(touched-rows-only) updates, O(touched rows) graphs, serialization, model.fit."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hsm
+from tf_hsm import losses
+from tf_hsm.layers import HierarchicalSoftmax
+from tf_hsm.optimizers import LazyAdam
+from tf_hsm.optimizers import SparseAdagrad
+
+_ROWS, _DIM = 30, 4
+
+
+def _run(optimizer, gradients, init, sparse=True, use_function=True):
+  """Applies a list of (values, indices) gradients to a fresh variable; returns it."""
+  variable = keras.Variable(init)
+
+  def step(values, indices):
+    grad = tf.IndexedSlices(values, indices, tf.constant(init.shape, tf.int64))
+    optimizer.apply([grad if sparse else tf.convert_to_tensor(grad)], [variable])
+
+  if use_function:
+    step = tf.function(step)
+  for values, indices in gradients:
+    step(tf.constant(values), tf.constant(indices, tf.int64))
+  return variable
+
+
+def _slots(optimizer):
+  return [v.numpy() for v in optimizer.variables[2:]]  # after iterations, learning_rate
+
+
+def _gradients(rng, steps, always=(), extra=8, duplicates=True):
+  """Random sparse gradients; rows in `always` are touched on every step."""
+  out = []
+  for _ in range(steps):
+    others = rng.choice(np.setdiff1d(np.arange(_ROWS), always), size=extra, replace=False)
+    indices = np.concatenate([np.asarray(always, np.int64), others])
+    if duplicates:
+      indices = np.concatenate([indices, rng.choice(indices, size=4)])
+    rng.shuffle(indices)
+    out.append((rng.normal(size=(indices.size, _DIM)).astype(np.float32), indices))
+  return out
+
+
+@pytest.mark.parametrize("use_function", [True, False])
+def test_sparse_adagrad_equals_keras_adagrad(rng, use_function):
+  init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
+  grads = _gradients(rng, 8)
+  kwargs = dict(learning_rate=0.1, initial_accumulator_value=0.2, epsilon=1e-6)
+  mine = SparseAdagrad(**kwargs)
+  ref = keras.optimizers.Adagrad(**kwargs)
+  ours = _run(mine, grads, init, use_function=use_function)
+  theirs = _run(ref, grads, init, sparse=False, use_function=use_function)
+  # Duplicate rows may be summed in another order: a few ulps at most.
+  np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-7)
+  for a, b in zip(_slots(mine), _slots(ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_sparse_adagrad_is_bitwise_keras_adagrad_without_duplicates(rng):
+  init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
+  grads = _gradients(rng, 6, duplicates=False)
+  ours = _run(SparseAdagrad(0.05), grads, init)
+  theirs = _run(keras.optimizers.Adagrad(0.05), grads, init, sparse=False)
+  np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+  # Keras' Adagrad given the IndexedSlices itself (unique rows) agrees to an ulp (its
+  # sparse path rounds the division differently from its own dense path).
+  theirs = _run(keras.optimizers.Adagrad(0.05), grads, init, sparse=True)
+  np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_lazy_adam_equals_adam_on_rows_touched_every_step(rng, amsgrad):
+  init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
+  always = [0, 3, 7, 11]
+  grads = _gradients(rng, 10, always=always)
+  kwargs = dict(learning_rate=0.05, beta_1=0.8, beta_2=0.95, epsilon=1e-5, amsgrad=amsgrad)
+  mine, ref = LazyAdam(**kwargs), keras.optimizers.Adam(**kwargs)
+  ours = _run(mine, grads, init)
+  theirs = _run(ref, grads, init, sparse=False)
+  np.testing.assert_allclose(ours.numpy()[always], theirs.numpy()[always], rtol=1e-6,
+                             atol=1e-7)
+  for a, b in zip(_slots(mine), _slots(ref)):
+    np.testing.assert_allclose(a[always], b[always], rtol=1e-6, atol=1e-7)
+
+
+def test_lazy_adam_is_bitwise_adam_when_every_row_is_touched(rng):
+  init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
+  grads = [(rng.normal(size=(_ROWS, _DIM)).astype(np.float32), rng.permutation(_ROWS))
+           for _ in range(5)]
+  ours = _run(LazyAdam(0.01), grads, init)
+  theirs = _run(keras.optimizers.Adam(0.01), grads, init, sparse=False)
+  np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+@pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad])
+def test_untouched_rows_and_slots_are_left_alone(rng, make):
+  init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
+  optimizer = make(learning_rate=0.1)
+  variable = keras.Variable(init)
+  optimizer.build([variable])
+  before = _slots(optimizer)
+  grads = _gradients(rng, 3, extra=5)
+  touched = np.unique(np.concatenate([g[1] for g in grads]))
+  untouched = np.setdiff1d(np.arange(_ROWS), touched)
+  for values, indices in grads:
+    optimizer.apply([tf.IndexedSlices(tf.constant(values), tf.constant(indices),
+                                      tf.constant([_ROWS, _DIM]))], [variable])
+  assert untouched.size > 0
+  np.testing.assert_array_equal(variable.numpy()[untouched], init[untouched])
+  assert np.all(variable.numpy()[touched] != init[touched])
+  for b, a in zip(before, _slots(optimizer)):
+    np.testing.assert_array_equal(a[untouched], b[untouched])
+    assert np.all(a[touched] != b[touched])
+
+
+def test_lazy_adam_bias_correction_uses_the_global_step(rng):
+  """A row first touched at step 3 gets the step-3 bias correction (as TF-Addons)."""
+  init = np.zeros((_ROWS, _DIM), np.float32)
+  g = np.full((1, _DIM), 0.5, np.float32)
+  lr, b1, b2, eps = 0.1, 0.9, 0.999, 1e-7
+  optimizer = LazyAdam(learning_rate=lr, beta_1=b1, beta_2=b2, epsilon=eps)
+  grads = [(g, [0]), (g, [0]), (g, [1])]
+  variable = _run(optimizer, grads, init)
+  m, v = (1 - b1) * 0.5, (1 - b2) * 0.25
+  alpha = lr * np.sqrt(1 - b2**3) / (1 - b1**3)
+  np.testing.assert_allclose(variable.numpy()[1], -alpha * m / (np.sqrt(v) + eps), rtol=1e-5)
+
+
+@pytest.mark.parametrize("make,reference", [(LazyAdam, keras.optimizers.Adam),
+                                            (SparseAdagrad, keras.optimizers.Adagrad)])
+def test_dense_gradients_are_the_parent_optimizer_bit_for_bit(rng, make, reference):
+  init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
+  grads = [(rng.normal(size=(_ROWS, _DIM)).astype(np.float32), np.arange(_ROWS))
+           for _ in range(4)]
+  ours = _run(make(0.02), grads, init, sparse=False)
+  theirs = _run(reference(0.02), grads, init, sparse=False)
+  np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+@pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad])
+def test_duplicate_indices_are_summed(rng, make):
+  init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
+  values = rng.normal(size=(5, _DIM)).astype(np.float32)
+  split = _run(make(0.1), [(values, [4, 9, 4, 2, 9])], init)
+  merged = np.stack([values[0] + values[2], values[1] + values[4], values[3]])
+  summed = _run(make(0.1), [(merged, [4, 9, 2])], init)
+  np.testing.assert_allclose(split.numpy(), summed.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def _graph_tensor_sizes(optimizer, rows, dim, touched):
+  variable = keras.Variable(tf.zeros([rows, dim]))
+  optimizer.build([variable])
+
+  @tf.function
+  def step(values, indices):
+    optimizer.apply([tf.IndexedSlices(values, indices, tf.constant([rows, dim], tf.int64))],
+                    [variable])
+
+  graph = step.get_concrete_function(tf.TensorSpec([touched, dim]),
+                                     tf.TensorSpec([touched], tf.int64)).graph
+  sizes = []
+  for op in graph.get_operations():
+    for out in op.outputs:
+      if out.dtype.is_floating and out.shape.is_fully_defined():
+        sizes.append(out.shape.num_elements())
+  return sizes
+
+
+@pytest.mark.parametrize("make,reference", [(LazyAdam, keras.optimizers.Adam),
+                                            (SparseAdagrad, keras.optimizers.Adagrad)])
+def test_a_sparse_step_builds_no_table_sized_tensor(make, reference):
+  """Per-step work is O(touched rows): no float tensor of the table's size in the graph.
+
+  (Keras' own optimizer, checked the same way, does build them: the check has teeth.)
+  """
+  rows, dim, touched = 100_003, 3, 5
+  assert max(_graph_tensor_sizes(make(), rows, dim, touched)) < rows
+  assert max(_graph_tensor_sizes(reference(), rows, dim, touched)) >= rows * dim
+
+
+@pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad])
+def test_serialization(make):
+  optimizer = make(learning_rate=0.25, epsilon=1e-4)
+  config = keras.optimizers.serialize(optimizer)
+  assert config["class_name"] == make.__name__ and "tf_hsm" in config["module"] + str(
+      config.get("registered_name"))
+  restored = keras.optimizers.deserialize(config)
+  assert type(restored) is make
+  assert restored.get_config() == optimizer.get_config()
+
+
+@pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad])
+def test_fit_touches_only_the_rows_in_the_batches(rng, make):
+  vocab, seq_len = 60, 4
+  tree = tf_hsm.Tree.two_level(vocab)
+  tokens = keras.Input((seq_len,), dtype="int32")
+  targets = keras.Input((seq_len,), dtype="int32")
+  embedding = keras.layers.Embedding(vocab, 6)
+  hsm = HierarchicalSoftmax(tree)
+  model = keras.Model([tokens, targets], hsm(embedding(tokens), targets))
+  model.compile(optimizer=make(learning_rate=0.05), loss=losses.nll)
+  x = rng.integers(0, vocab // 2, size=(32, seq_len))  # input words from the first half
+  y = rng.integers(0, 8, size=(32, seq_len))  # targets in the first clusters only
+  table_before, embedding_before = hsm.kernel.numpy(), embedding.embeddings.numpy()
+  history = model.fit([x, y], y, batch_size=8, epochs=3, verbose=0)
+  assert history.history["loss"][-1] < history.history["loss"][0]
+  np.testing.assert_array_equal(embedding.embeddings.numpy()[vocab // 2:],
+                                embedding_before[vocab // 2:])
+  # A path node's softmax touches all its children's rows.
+  visited = {node for c in range(8) for node, _ in tree.path(c)}
+  touched = np.concatenate([np.arange(*tree.child_range(n)) for n in sorted(visited)])
+  untouched = np.setdiff1d(np.arange(tree.num_slots), touched)
+  assert untouched.size > tree.num_slots // 2
+  np.testing.assert_array_equal(hsm.kernel.numpy()[untouched], table_before[untouched])
+  assert np.all(hsm.kernel.numpy()[touched] != table_before[touched])

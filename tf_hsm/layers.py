@@ -1,0 +1,173 @@
+"""`HierarchicalSoftmax`, the Keras 3 layer over `tf_hsm.log_prob`."""
+
+import keras
+import tensorflow as tf
+
+from tf_hsm import _loader
+from tf_hsm.ops import log_prob
+from tf_hsm.tree import Tree
+
+# A SavedModel that uses the Hsm> ops (from `model.export`) can only be loaded once they
+# are registered; do that on import when the library is there, and leave the error for
+# the first op call otherwise.
+try:
+  _loader.ops()
+except ImportError:
+  pass
+
+
+@keras.saving.register_keras_serializable(package="tf_hsm")
+class HierarchicalSoftmax(keras.layers.Layer):
+  """Hierarchical softmax output layer: `layer(hidden, targets)` -> log P(targets | hidden).
+
+  Holds a `[tree.num_slots, D]` weight table (`kernel`, one row per tree edge) and, with
+  `use_bias`, `[tree.num_slots]` biases. Only the rows on the targets' paths are read, so
+  a step costs about depth x branching dot products per token instead of num_classes,
+  and the table's gradient is a `tf.IndexedSlices` over the touched rows: pair the layer
+  with `tf_hsm.optimizers.LazyAdam` or `SparseAdagrad` to keep the update that sparse too.
+
+  Padding: targets < 0 give log-probability 0 and no gradient, and so do positions where
+  a Keras mask is 0 (the `mask` argument, or the mask of `hidden` propagated from an
+  upstream layer such as `Embedding(mask_zero=True)`). The output carries the combined
+  mask, so `tf_hsm.losses.nll` averages over real tokens only.
+
+  Mixed precision (`mixed_float16`, `mixed_bfloat16`): the table stays float32 and is
+  never cast (no O(table) copy per step); the low-precision hidden states are cast to
+  float32, and the log-probabilities are computed and returned in float32, so that the
+  loss keeps full precision. Under a float64 policy everything is float64.
+
+  Inference: `top_k`, `log_prob_all` and `sample` run `tf_hsm.inference` on this
+  layer's weights.
+
+  Args:
+    tree: a `tf_hsm.Tree` (or its `get_config()` dict).
+    use_bias: whether to add a bias per tree edge.
+    kernel_initializer: initializer of the `[num_slots, D]` table; the default matches
+      `keras.layers.Dense`'s, so it is a like-for-like replacement of a full softmax.
+    bias_initializer, kernel_regularizer, bias_regularizer, kernel_constraint,
+      bias_constraint: as in `keras.layers.Dense`. A regularizer or constraint acts on
+      the whole table and makes its gradient (or update) dense.
+    **kwargs: base `keras.layers.Layer` arguments (name, dtype, trainable, ...).
+
+  Call arguments:
+    hidden: `[..., D]` float hidden states, e.g. `[B, D]` or `[B, T, D]`.
+    targets: integer class ids with `hidden`'s leading shape; < 0 marks padding.
+    mask: optional boolean mask with `targets`' shape; False marks padding.
+
+  Returns:
+    float32 (float64 under a float64 policy) log-probabilities with `targets`' shape.
+  """
+
+  def __init__(self, tree, use_bias=True, kernel_initializer="glorot_uniform",
+               bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
+               kernel_constraint=None, bias_constraint=None, **kwargs):
+    super().__init__(**kwargs)
+    if isinstance(tree, dict):
+      tree = Tree.from_config(tree)
+    if not isinstance(tree, Tree):
+      raise TypeError(f"tree must be a tf_hsm.Tree, got {type(tree).__name__}")
+    self.tree = tree
+    self.use_bias = bool(use_bias)
+    self.kernel_initializer = keras.initializers.get(kernel_initializer)
+    self.bias_initializer = keras.initializers.get(bias_initializer)
+    self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+    self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+    self.kernel_constraint = keras.constraints.get(kernel_constraint)
+    self.bias_constraint = keras.constraints.get(bias_constraint)
+    self.supports_masking = True
+    # XLA cannot compile the custom op: keeps Keras' jit_compile="auto" (on by default
+    # on GPU machines) from trying.
+    self.supports_jit = False
+
+  @property
+  def num_classes(self):
+    return self.tree.num_classes
+
+  def build(self, hidden_shape, targets_shape=None):
+    dim = hidden_shape[-1]
+    if dim is None:
+      raise ValueError("HierarchicalSoftmax needs a known last dimension of `hidden`, "
+                       f"got shape {hidden_shape}")
+    # autocast=False: under mixed precision the op reads the float32 table directly;
+    # Keras' autocast would copy the whole table to float16/bfloat16 on every call.
+    self.kernel = self.add_weight(
+        name="kernel", shape=(self.tree.num_slots, dim),
+        initializer=self.kernel_initializer, regularizer=self.kernel_regularizer,
+        constraint=self.kernel_constraint, autocast=False)
+    if self.use_bias:
+      self.bias = self.add_weight(
+          name="bias", shape=(self.tree.num_slots,), initializer=self.bias_initializer,
+          regularizer=self.bias_regularizer, constraint=self.bias_constraint,
+          autocast=False)
+    else:
+      self.bias = None
+
+  def _hidden(self, hidden):
+    """hidden in the table's dtype: low-precision activations are computed in float32."""
+    hidden = tf.convert_to_tensor(hidden)
+    dtype = tf.as_dtype(self.kernel.dtype)
+    return hidden if hidden.dtype == dtype else tf.cast(hidden, dtype)
+
+  def _check_built(self, what):
+    if not self.built:
+      raise ValueError(f"HierarchicalSoftmax.{what} needs a built layer: call it on data "
+                       "(or call build(hidden_shape)) first")
+
+  def call(self, hidden, targets, mask=None, hidden_mask=None):
+    # `hidden_mask` is filled in by Keras with the mask of `hidden` (multi-input layers
+    # receive one `<argument>_mask` per tensor argument).
+    targets = tf.convert_to_tensor(targets)
+    valid = targets >= 0
+    for extra in (mask, hidden_mask):
+      if extra is not None:
+        valid = tf.logical_and(valid, tf.cast(extra, tf.bool))
+    safe_targets = tf.where(valid, targets, tf.zeros_like(targets))
+    out = log_prob(self._hidden(hidden), self.kernel, self.bias, self.tree, safe_targets)
+    out = tf.where(valid, out, tf.zeros_like(out))
+    out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
+    return out
+
+  def compute_mask(self, hidden, previous_mask=None):
+    # `call` attaches the real mask (it depends on the targets) to its output.
+    return None
+
+  def top_k(self, hidden, k):
+    """The k most probable classes: `tf_hsm.inference.top_k` with this layer's weights.
+
+    Returns:
+      (log_probs, classes), each `[..., k]`.
+    """
+    from tf_hsm import inference  # pylint: disable=g-import-not-at-top
+    self._check_built("top_k")
+    return inference.top_k(self._hidden(hidden), self.kernel, self.bias, self.tree, k)
+
+  def log_prob_all(self, hidden, **kwargs):
+    """log P(c | hidden) for every class c: `[..., num_classes]`.
+
+    Keyword arguments go to `tf_hsm.inference.log_prob_all`.
+    """
+    from tf_hsm import inference  # pylint: disable=g-import-not-at-top
+    self._check_built("log_prob_all")
+    return inference.log_prob_all(self._hidden(hidden), self.kernel, self.bias, self.tree,
+                                  **kwargs)
+
+  def sample(self, hidden, seed=None, temperature=1.0):
+    """Draws one class per hidden state: `tf_hsm.inference.sample` with these weights."""
+    from tf_hsm import inference  # pylint: disable=g-import-not-at-top
+    self._check_built("sample")
+    return inference.sample(self._hidden(hidden), self.kernel, self.bias, self.tree,
+                            seed=seed, temperature=temperature)
+
+  def get_config(self):
+    config = super().get_config()
+    config.update({
+        "tree": self.tree.get_config(),
+        "use_bias": self.use_bias,
+        "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+        "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+        "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
+        "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
+        "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
+        "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+    })
+    return config

@@ -1,0 +1,126 @@
+"""Keras 3 optimizers that update only the rows of a table that a step touched.
+
+Keras' own Adam and Adagrad turn a `tf.IndexedSlices` gradient (what `tf_hsm.log_prob`
+and `tf.gather` / `keras.layers.Embedding` produce for their tables) into an update of the
+whole variable, so a step costs O(table) however few rows it touched. The optimizers here
+apply an IndexedSlices gradient with gathers and scatters over the touched rows only:
+per-step work and memory are O(touched rows x D). Dense gradients (every other variable of
+a model) go through the parent class unchanged.
+
+Both are drop-in replacements: same constructor arguments, same slot variables, same
+checkpoint layout as `keras.optimizers.Adam` / `keras.optimizers.Adagrad`.
+
+Rows named more than once in one IndexedSlices are summed first, so a sparse gradient
+means exactly what its dense equivalent (`tf.convert_to_tensor(grad)`) means. (Keras'
+Adam and Adagrad, given such a gradient directly, square the duplicates separately and
+get a different result from their own dense path.)
+
+Caveats shared by both: Keras applies `weight_decay`, `use_ema` and
+`gradient_accumulation_steps` to whole variables, so they bring back a per-step cost of
+O(table). Regularise the table some other way, or accept that cost.
+"""
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+
+def _merge_duplicates(gradient, dtype):
+  """Sums the rows of an IndexedSlices that share an index.
+
+  Returns:
+    (indices, values): unique row ids (in order of first appearance) and the summed
+    rows, cast to `dtype`.
+  """
+  values = tf.cast(gradient.values, dtype)
+  unique, position = tf.unique(gradient.indices)
+  values = tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0])
+  return unique, values
+
+
+def _rows(variable):
+  """The tf.Variable behind a Keras variable (scatter ops need it)."""
+  return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+@keras.saving.register_keras_serializable(package="tf_hsm")
+class LazyAdam(keras.optimizers.Adam):
+  """Adam that, for a sparse gradient, updates only the touched rows and their moments.
+
+  For a dense gradient this is `keras.optimizers.Adam`, bit for bit. For a
+  `tf.IndexedSlices` gradient (duplicate indices are summed first), the rows r it names
+  get
+
+      m[r] <- m[r] + (1 - beta_1) * (g[r] - m[r])
+      v[r] <- v[r] + (1 - beta_2) * (g[r]^2 - v[r])        (v_hat[r] <- max(v_hat[r], v[r]))
+      var[r] <- var[r] - alpha_t * m[r] / (sqrt(v[r]) + epsilon)
+      alpha_t = learning_rate * sqrt(1 - beta_2^t) / (1 - beta_1^t)
+
+  and every other row, with its m and v, is left alone ("lazy"): its moments do not
+  decay on steps that do not touch it.
+
+  Bias correction uses the optimizer's global step count t = iterations + 1, not a
+  per-row count, as TensorFlow Addons' LazyAdam does. So a row touched on every step
+  follows exactly the trajectory Keras' Adam gives it (the same float operations in the
+  same order), while a row touched rarely gets the bias correction of a long-running
+  optimizer: its first updates are smaller than a fresh Adam's would be.
+
+  Args: as `keras.optimizers.Adam`.
+  """
+
+  def update_step(self, gradient, variable, learning_rate):
+    if not isinstance(gradient, tf.IndexedSlices):
+      return super().update_step(gradient, variable, learning_rate)
+    dtype = variable.dtype
+    indices, grad = _merge_duplicates(gradient, dtype)
+    # The same scalar expressions as keras.optimizers.Adam.update_step.
+    lr = ops.cast(learning_rate, dtype)
+    local_step = ops.cast(self.iterations + 1, dtype)
+    beta_1_power = ops.power(ops.cast(self.beta_1, dtype), local_step)
+    beta_2_power = ops.power(ops.cast(self.beta_2, dtype), local_step)
+    alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+
+    index = self._get_variable_index(variable)
+    m = _rows(self._momentums[index])
+    v = _rows(self._velocities[index])
+    m_rows = tf.gather(m, indices)
+    v_rows = tf.gather(v, indices)
+    m_rows = m_rows + (grad - m_rows) * tf.cast(1 - self.beta_1, dtype)
+    v_rows = v_rows + (tf.square(grad) - v_rows) * tf.cast(1 - self.beta_2, dtype)
+    m.scatter_update(tf.IndexedSlices(m_rows, indices))
+    v.scatter_update(tf.IndexedSlices(v_rows, indices))
+    if self.amsgrad:
+      v_hat = _rows(self._velocity_hats[index])
+      v_rows = tf.maximum(tf.gather(v_hat, indices), v_rows)
+      v_hat.scatter_update(tf.IndexedSlices(v_rows, indices))
+    step = (m_rows * alpha) / (tf.sqrt(v_rows) + tf.cast(self.epsilon, dtype))
+    _rows(variable).scatter_sub(tf.IndexedSlices(step, indices))
+
+
+@keras.saving.register_keras_serializable(package="tf_hsm")
+class SparseAdagrad(keras.optimizers.Adagrad):
+  """Adagrad that, for a sparse gradient, updates only the touched rows and accumulators.
+
+  Adagrad leaves a row with zero gradient unchanged anyway, so this is exactly
+  `keras.optimizers.Adagrad` applied to the densified gradient (duplicate indices
+  summed), only without touching the other rows:
+
+      acc[r] <- acc[r] + g[r]^2
+      var[r] <- var[r] - learning_rate * g[r] / sqrt(acc[r] + epsilon)
+
+  Dense gradients go through `keras.optimizers.Adagrad` unchanged.
+
+  Args: as `keras.optimizers.Adagrad`.
+  """
+
+  def update_step(self, gradient, variable, learning_rate):
+    if not isinstance(gradient, tf.IndexedSlices):
+      return super().update_step(gradient, variable, learning_rate)
+    dtype = variable.dtype
+    indices, grad = _merge_duplicates(gradient, dtype)
+    lr = ops.cast(learning_rate, dtype)
+    acc = _rows(self._accumulators[self._get_variable_index(variable)])
+    acc_rows = tf.gather(acc, indices) + tf.square(grad)
+    acc.scatter_update(tf.IndexedSlices(acc_rows, indices))
+    step = (lr * grad) / tf.sqrt(acc_rows + tf.cast(self.epsilon, dtype))
+    _rows(variable).scatter_sub(tf.IndexedSlices(step, indices))
