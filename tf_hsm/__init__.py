@@ -4,11 +4,12 @@ from tf_hsm.tree import Tree
 from tf_hsm.ops import log_prob, sgd_step
 from tf_hsm.inference import log_prob_all, log_prob_candidates, sample, top_k
 from tf_hsm.layers import HierarchicalSoftmax
-from tf_hsm import losses, optimizers
+from tf_hsm import baselines, losses, optimizers
 
 __all__ = [
     "HierarchicalSoftmax",
     "Tree",
+    "baselines",
     "log_prob",
     "log_prob_all",
     "log_prob_candidates",

@@ -1,0 +1,234 @@
+"""TF side of the bench: a case's inputs, every method's timed functions, machine ceilings."""
+
+import inspect
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tf_hsm import _bench_setup as setup
+from tf_hsm import baselines
+from tf_hsm.ops import log_prob
+from tf_hsm.tree import Tree
+
+_LOG_PROB_FNS = {
+    "tf_hsm": log_prob,
+    "gather": baselines.gather_log_prob,
+    "embedding_lookup": baselines.embedding_lookup_log_prob,
+    "map_fn": baselines.map_fn_log_prob,
+    "dense_tree": baselines.dense_tree_log_prob,
+}
+
+
+def force(outputs):
+  """Waits for a function's results by reading every output tensor on the host."""
+  for t in tf.nest.flatten(outputs, expand_composites=True):
+    t.numpy()
+
+
+def timed_call(fn):
+  start = time.perf_counter()
+  force(fn())
+  return time.perf_counter() - start
+
+
+def mutates_table(method, spec):
+  """Whether a method's timed step updates its table (optimizer or fused SGD step)."""
+  if method in setup.TOPK_METHODS:
+    return False
+  return (method == setup.FUSED_SGD or spec["kind"] == "mem"
+          or spec.get("optimizer", "none") != "none")
+
+
+class CaseInputs:
+  """Hidden states, targets and the parameter tables of one case.
+
+  Only the tables the methods need are created: the [S, D] slot table (+ biases) for the
+  tree methods, the [V, D] class table for full/sampled softmax and dense top-k. Methods
+  that only read a table share one; a method whose step updates its table gets its own:
+  a sparse update (Keras SGD's scatter_sub of an IndexedSlices gradient, for one) switches
+  a TF resource variable to copy-on-read, after which every read copies the whole table,
+  which would then be charged to every method sharing it.
+  """
+
+  def __init__(self, spec, methods):
+    needs_tree = any(m not in setup.CLASS_TABLE_METHODS for m in methods)
+    self.tree = Tree.load(spec["tree_path"]) if needs_tree else None
+    self.spec = spec
+    v, d, t = spec["vocab"], spec["dim"], spec["tokens"]
+    seed = spec["seed"]
+    self.targets = tf.constant(setup.zipf_targets(v, t, seed))
+    self.hidden = tf.random.stateless_normal([t, d], seed=[seed, 1])
+    self._tables = {}
+    for m in methods:
+      self.tables(m)
+
+  def tables(self, method):
+    """(weights, biases) variables for `method`, created on first use."""
+    spec = self.spec
+    by_class = method in setup.CLASS_TABLE_METHODS
+    key = (by_class, method if mutates_table(method, spec) else None)
+    if key not in self._tables:
+      rows = spec["vocab"] if by_class else self.tree.num_slots
+      self._tables[key] = self._table(rows, spec["dim"], spec["seed"] + 2 + by_class)
+    return self._tables[key]
+
+  @staticmethod
+  def _table(rows, dim, seed):
+    """[rows, dim] weights uniform in [0, 1) and zero biases, as variables.
+
+    One random op straight into the variable: no temporaries of the table's size (scaling
+    the values would hold three copies at once), and no sparse op, which would put the
+    variable in copy-on-read mode.
+    """
+    weights = tf.Variable(tf.raw_ops.StatelessRandomUniform(
+        shape=[rows, dim], seed=[seed, 0], dtype=tf.float32))
+    biases = tf.Variable(tf.zeros([rows]))
+    return weights, biases
+
+
+def fused_sgd_available():
+  from tf_hsm import ops  # pylint: disable=import-outside-toplevel
+  return hasattr(ops, "sgd_step")
+
+
+def make_optimizer(name):
+  """A Keras optimizer by name (None for "none"); lazy_adam / sparse_adagrad are
+  tf_hsm.optimizers' row-sparse versions."""
+  if name in (None, "none"):
+    return None
+  import keras  # pylint: disable=import-outside-toplevel
+  if name in ("lazy_adam", "sparse_adagrad"):
+    from tf_hsm import optimizers  # pylint: disable=import-outside-toplevel
+    cls = optimizers.LazyAdam if name == "lazy_adam" else optimizers.SparseAdagrad
+    return cls(learning_rate=1e-3)
+  classes = {"sgd": keras.optimizers.SGD, "adagrad": keras.optimizers.Adagrad,
+             "adam": keras.optimizers.Adam}
+  return classes[name](learning_rate=1e-3)
+
+
+def _top_k_op():
+  """tf_hsm.inference.top_k, or None while that module does not exist."""
+  try:
+    from tf_hsm import inference  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  return getattr(inference, "top_k", None)
+
+
+def top_k_available():
+  return _top_k_op() is not None
+
+
+def _top_k_call(op, h, w, b, tree, k):
+  """Calls top_k asking for the number of expanded nodes when the API offers it."""
+  params = inspect.signature(op).parameters
+  for flag in ("return_num_expanded", "return_expanded", "return_stats", "with_stats"):
+    if flag in params:
+      return op(h, w, b, tree, k, **{flag: True})
+  return op(h, w, b, tree, k)
+
+
+class Method:
+  """The timed functions of one method on one case.
+
+  fwd: the forward (log-probs, loss, or top-k); step: forward + backward (+ the optimizer
+  update), or None for inference methods. Both are tf.functions without arguments.
+  """
+
+  def __init__(self, name, inputs, spec):
+    self.name = name
+    self.info = {}
+    tree, y, h = inputs.tree, inputs.targets, inputs.hidden
+    optimizer = "sgd" if spec["kind"] == "mem" else spec.get("optimizer", "none")
+    self.step = None
+    if name in setup.TOPK_METHODS:
+      self.fwd = self._top_k_fn(name, inputs, spec)
+      return
+    w, b = inputs.tables(name)
+    if name == setup.FUSED_SGD:
+      from tf_hsm import ops  # pylint: disable=import-outside-toplevel
+      self.fwd = tf.function(lambda: log_prob(h, w, b, tree, y))
+      self.step = tf.function(lambda: ops.sgd_step(h, w, b, tree, y, 1e-3))
+      return
+    if name in _LOG_PROB_FNS:
+      fn = _LOG_PROB_FNS[name]
+      loss_fn = lambda: -tf.reduce_mean(fn(h, w, b, tree, y))
+      fwd = lambda: fn(h, w, b, tree, y)
+    elif name == "full_softmax":
+      fwd = lambda: baselines.full_softmax_log_prob(h, w, b, y)
+      loss_fn = lambda: -tf.reduce_mean(fwd())
+    elif name == "sampled_softmax":
+      num_sampled = spec["num_sampled"]
+      fwd = lambda: baselines.sampled_softmax_loss(h, w, b, y, num_sampled, seed=7)
+      loss_fn = lambda: tf.reduce_mean(fwd())
+    else:
+      raise ValueError(f"unknown method {name!r}")
+    self.fwd = tf.function(fwd)
+    opt = make_optimizer(optimizer)
+    self.optimizer = opt
+
+    @tf.function
+    def step():
+      with tf.GradientTape() as tape:
+        tape.watch(h)
+        loss = loss_fn()
+      dh, dw, db = tape.gradient(loss, [h, w, b])
+      if opt is None:
+        return loss, dh, dw, db
+      opt.apply_gradients([(dw, w), (db, b)])
+      return loss, dh
+
+    self.step = step
+
+  def _top_k_fn(self, name, inputs, spec):
+    h, k = inputs.hidden, spec.get("k", setup.TOPK_K)
+    w, b = inputs.tables(name)
+    if name == "dense_top_k":
+
+      def dense():
+        logits = tf.matmul(h, w, transpose_b=True) + b
+        values, classes = tf.math.top_k(logits, k)
+        return values - tf.reduce_logsumexp(logits, axis=-1, keepdims=True), classes
+
+      return tf.function(dense)
+    op = _top_k_op()
+    if op is None:
+      raise NotImplementedError("tf_hsm.inference.top_k is not available")
+    tree = inputs.tree
+    fn = tf.function(lambda: _top_k_call(op, h, w, b, tree, k))
+    outputs = fn()
+    if isinstance(outputs, (tuple, list)) and len(outputs) >= 3:
+      expanded = np.asarray(outputs[2].numpy(), np.float64)
+      self.info["nodes_expanded_per_row"] = float(expanded.mean())
+    return fn
+
+
+def measure_ceilings(quick=False, repeats=None, max_bytes=None):
+  """The machine's matmul rate (a large tf.matmul) and memory read bandwidth (a reduce over
+  an array far larger than the caches), best of `repeats`, in this process.
+
+  Args:
+    quick: smaller sizes and fewer repeats.
+    repeats: timed runs of each (default 5; quick 3).
+    max_bytes: cap on the reduced array's size (it shares the process's memory limit).
+
+  Returns:
+    dict(matmul_gflops, read_gbps, matmul_n, read_mb).
+  """
+  repeats = repeats or (3 if quick else 5)
+  n = 1024 if quick else 2048
+  a = tf.random.stateless_uniform([n, n], seed=[1, 2])
+  b = tf.random.stateless_uniform([n, n], seed=[3, 4])
+  matmul = tf.function(lambda: tf.matmul(a, b))
+  words = (16 if quick else 64) * 2**20
+  if max_bytes:
+    words = int(max(2**20, min(words, max_bytes // 4)))
+  x = tf.fill([words], 1.0)  # one buffer; random ops would hold temporaries as large
+  reduce = tf.function(lambda: tf.reduce_sum(x))
+  force(matmul())
+  force(reduce())
+  t_mm = min(timed_call(matmul) for _ in range(repeats))
+  t_rd = min(timed_call(reduce) for _ in range(repeats))
+  return {"matmul_gflops": 2 * n**3 / t_mm / 1e9, "read_gbps": 4 * words / t_rd / 1e9,
+          "matmul_n": n, "read_mb": 4 * words / 2**20}

@@ -1,0 +1,218 @@
+"""Benchmark inputs: scenarios, trees, Zipf targets and the work counts of a case.
+
+NumPy and `tf_hsm.Tree` only: shared by the bench driver and its worker processes, so
+that every process rebuilds exactly the same targets from a seed.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+
+from tf_hsm.tree import Tree
+
+# Tree kinds: key -> label used in tables and plots.
+TREE_LABELS = {
+    "two_level": "2-level",
+    "three_level": "3-level K=47",
+    "huffman": "Huffman-2",
+    "freq_two_level": "freq-2-level",
+}
+
+TRAIN_METHODS = ("tf_hsm", "gather", "embedding_lookup", "map_fn", "dense_tree",
+                 "full_softmax", "sampled_softmax")
+TOPK_METHODS = ("tf_hsm_top_k", "dense_top_k")
+# tf_hsm.sgd_step: forward, backward and SGD update fused, no gradient materialised. Runs
+# in the memory scenario and, with --optimizer sgd, in every training scenario.
+FUSED_SGD = "tf_hsm_sgd_step"
+ALL_METHODS = TRAIN_METHODS + (FUSED_SGD,) + TOPK_METHODS
+# Methods over the [V, D] class table rather than the [S, D] slot table.
+CLASS_TABLE_METHODS = ("full_softmax", "sampled_softmax", "dense_top_k")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+  """One named scenario: every (V, T, tree) combination is a case.
+
+  kind: "train" (log-prob fwd and fwd+bwd), "topk" (inference), or "mem" (fwd+bwd+SGD
+  peak memory against the table size).
+  """
+  name: str
+  kind: str
+  vocab: tuple
+  dim: int
+  tokens: tuple
+  trees: tuple
+  methods: tuple = TRAIN_METHODS
+  note: str = ""
+
+
+# PERFORMANCE.md, "Benchmark scenarios", plus the inference and memory scenarios.
+FULL_SCENARIOS = {
+    "A": Scenario("A", "train", (10_000,), 256, (1_120,), ("huffman", "two_level"),
+                  note="PTB-like, 32x35 tokens"),
+    "B": Scenario("B", "train", (100_000,), 512, (640, 2_560),
+                  ("two_level", "three_level", "huffman"), note="32x20 and 128x20 tokens"),
+    "C": Scenario("C", "train", (793_471,), 512, (320,),
+                  ("two_level", "huffman", "freq_two_level"), note="One Billion Word vocab"),
+    "D": Scenario("D", "train", (1_000_000, 3_000_000, 10_000_000), 300, (256, 3_200),
+                  ("two_level", "huffman"), note="single output; 32x100 per timestep"),
+    "E": Scenario("E", "train", (312_000,), 100, (1_024,), ("huffman",),
+                  note="fastText-like"),
+    "topk": Scenario("topk", "topk", (1_000_000,), 64, (64,), ("two_level", "huffman"),
+                     methods=TOPK_METHODS, note="top-10 classes of 64 rows"),
+    "mem": Scenario("mem", "mem", (2_000_000,), 300, (3_200,), ("two_level",),
+                    methods=("tf_hsm", FUSED_SGD),
+                    note="fwd+bwd+sparse SGD, peak RSS vs table"),
+}
+
+# --quick: the same scenarios, small enough that all of them run in ~2 minutes on 2 cores.
+QUICK_SCENARIOS = {
+    "A": Scenario("A", "train", (2_000,), 64, (128,), ("huffman",)),
+    "B": Scenario("B", "train", (10_000,), 64, (64,), ("three_level",)),
+    "C": Scenario("C", "train", (20_000,), 32, (64,), ("freq_two_level",)),
+    "D": Scenario("D", "train", (50_000,), 32, (32,), ("two_level",)),
+    "E": Scenario("E", "train", (20_000,), 32, (64,), ("huffman",)),
+    "topk": Scenario("topk", "topk", (100_000,), 64, (64,), ("two_level",),
+                     methods=TOPK_METHODS),
+    "mem": Scenario("mem", "mem", (200_000,), 64, (256,), ("two_level",),
+                    methods=("tf_hsm", FUSED_SGD)),
+}
+
+SCENARIO_NAMES = tuple(FULL_SCENARIOS) + ("custom",)
+TOPK_K = 10
+
+
+def zipf_weights(num_classes):
+  """Unnormalised Zipf(1) probabilities 1/rank of the frequency-sorted classes 0..V-1."""
+  return 1.0 / np.arange(1, num_classes + 1, dtype=np.float64)
+
+
+def zipf_targets(num_classes, num_tokens, seed):
+  """Class ids drawn with P(c) proportional to 1/(c+1), by inverse CDF (fast at 10M)."""
+  cdf = np.cumsum(zipf_weights(num_classes))
+  u = np.random.default_rng(seed).random(num_tokens) * cdf[-1]
+  return np.minimum(np.searchsorted(cdf, u, side="right"), num_classes - 1).astype(np.int64)
+
+
+def build_tree(kind, num_classes):
+  """The tree of one kind over `num_classes` Zipf-sorted classes."""
+  if kind == "two_level":
+    return Tree.two_level(num_classes)
+  if kind == "three_level":
+    return Tree.balanced(num_classes, 47)
+  if kind == "huffman":
+    return Tree.huffman(zipf_weights(num_classes))
+  if kind == "freq_two_level":
+    return Tree.two_level(num_classes, counts=zipf_weights(num_classes))
+  raise ValueError(f"unknown tree kind {kind!r}; known: {sorted(TREE_LABELS)}")
+
+
+def work_counts(tree, targets):
+  """Exact work of one HSM step over `targets` (PERFORMANCE.md roofline terms).
+
+  Returns:
+    dict with sum_k (sum over tokens and path nodes of the node's number of children),
+    rows (distinct weight rows touched: the children of every visited node), nodes
+    (distinct nodes visited), mean_depth.
+  """
+  widths = np.diff(tree.child_begin)
+  class_cost = np.add.reduceat(widths[tree.path_nodes], tree.path_begin[:-1])
+  unique = np.unique(targets)
+  lengths = tree.class_depth[unique]
+  offsets = np.cumsum(lengths) - lengths
+  steps = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(
+      tree.path_begin[unique] - offsets, lengths)
+  nodes = np.unique(tree.path_nodes[steps])
+  return {
+      "sum_k": int(class_cost[targets].sum()),
+      "rows": int(widths[nodes].sum()),
+      "nodes": int(nodes.size),
+      "mean_depth": float(tree.class_depth[targets].mean()),
+  }
+
+
+def tree_summary(tree):
+  depth = tree.class_depth
+  return {
+      "num_classes": tree.num_classes, "num_nodes": tree.num_nodes,
+      "num_slots": tree.num_slots, "max_depth": tree.max_depth,
+      "max_branching": tree.max_branching, "mean_class_depth": float(depth.mean()),
+  }
+
+
+def prepare_tree(kind, num_classes, path):
+  """Builds a tree, saves it to `path` (workers load it) and returns its summary."""
+  tree = build_tree(kind, num_classes)
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as f:
+    tree.save(f)
+  os.replace(tmp, path)
+  return tree, tree_summary(tree)
+
+
+def case_work(tree, num_classes, num_tokens, seed, num_sampled):
+  """Work counts of a case for every method family."""
+  targets = zipf_targets(num_classes, num_tokens, seed)
+  work = work_counts(tree, targets)
+  work["unique_targets"] = int(np.unique(targets).size)
+  work["sampled_rows"] = min(num_classes, work["unique_targets"] + int(num_sampled))
+  return work
+
+
+def table_bytes(method, num_classes, num_slots, dim, itemsize=4):
+  """Bytes of the parameter table(s) a method trains (weights and biases)."""
+  rows = num_classes if method in CLASS_TABLE_METHODS else num_slots
+  return rows * (dim + 1) * itemsize
+
+
+def fmt_count(n):
+  """10000 -> '10K', 793471 -> '793K', 10000000 -> '10M'."""
+  for div, suffix in ((10**6, "M"), (10**3, "K")):
+    if n >= div:
+      value = n / div
+      return f"{value:.3g}{suffix}" if value < 100 else f"{round(value)}{suffix}"
+  return str(n)
+
+
+def roofline_floor(flops, nbytes, gflops_rate, gbps_rate):
+  """max(FLOPs / matmul rate, bytes / bandwidth), seconds (None without ceilings)."""
+  if not gflops_rate or not gbps_rate:
+    return None
+  return max(flops / (gflops_rate * 1e9), nbytes / (gbps_rate * 1e9))
+
+
+def method_work(method, case, optimizer):
+  """(flops, bytes) of one method's forward and of its timed step, from PERFORMANCE.md.
+
+  HSM methods (tf_hsm and the exact baselines) are all charged the useful HSM work:
+  forward 2*D*sum_k FLOPs, backward about twice that; bytes 4*D*|R| read forward, again
+  backward, dW written, plus 4*T*D for h (8*T*D with dh), plus the optimizer's
+  read-modify-write of the touched rows (and of its slot rows). Full softmax: 2*T*V*D
+  forward, 6*T*V*D with backward; the whole table read twice and its dense gradient
+  written. Sampled softmax: the HSM formulas with sum_k = T*(num_sampled+1) and R the
+  true plus sampled rows.
+
+  Returns:
+    dict(fwd_flops, fwd_bytes, step_flops, step_bytes, rows).
+  """
+  d, t, v = case["dim"], case["tokens"], case["vocab"]
+  work = case["work"]
+  e = 4
+  opt_slots = {"none": None, "sgd": 0, "adagrad": 1, "sparse_adagrad": 1, "adam": 2,
+               "lazy_adam": 2}.get(optimizer)
+  if method in ("full_softmax", "dense_top_k"):
+    rows, mults = v, t * v
+    fwd_bytes = e * d * rows + e * t * d
+    step_bytes = 3 * e * d * rows + 2 * e * t * d
+  else:
+    if method == "sampled_softmax":
+      rows, mults = work["sampled_rows"], t * (min(v, case["num_sampled"]) + 1)
+    else:
+      rows, mults = work["rows"], work["sum_k"]
+    fwd_bytes = e * d * rows + e * t * d
+    step_bytes = 3 * e * d * rows + 2 * e * t * d
+  if opt_slots is not None:
+    step_bytes += 2 * e * d * rows * (1 + opt_slots)
+  return {"fwd_flops": 2 * d * mults, "fwd_bytes": fwd_bytes,
+          "step_flops": 6 * d * mults, "step_bytes": step_bytes, "rows": rows}
