@@ -81,10 +81,13 @@ fi
 
 # --- Build ------------------------------------------------------------------------------
 say "building the op library"
-bazel build --noshow_progress //cc:_hsm_ops.so //cc:core_test //cc:inference_test 2>&1 | grep -vE '^(INFO|Loading|Analyzing)' || true
-if [ ! -f bazel-bin/cc/_hsm_ops.so ]; then
+build_log=$(mktemp)
+if ! bazel build --noshow_progress //cc:_hsm_ops.so //cc:core_test //cc:inference_test \
+    >"$build_log" 2>&1; then
+  grep -vE '^(INFO|Loading|Analyzing)' "$build_log" || true; rm -f "$build_log"
   say "the build failed; see the messages above (bazel build //cc:_hsm_ops.so)"; exit 1
 fi
+rm -f "$build_log"
 if ! cmp -s bazel-bin/cc/_hsm_ops.so tf_hsm/_hsm_ops.so; then
   install -m 0755 bazel-bin/cc/_hsm_ops.so tf_hsm/_hsm_ops.so
 fi
@@ -125,6 +128,13 @@ case "${TF_HSM_CUDA:-0}" in
 esac
 # --- end of CUDA kernels ----------------------------------------------------------------
 
-"$python" -c "import tf_hsm, tf_hsm._loader as l; l.ops()" 2>/dev/null \
+# Make `import tf_hsm` work from any directory in this environment (a .pth entry for
+# this checkout, so rebuilds need no reinstall).
+site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ "$root" != "$(cat "$site/tf_hsm.pth" 2>/dev/null)" ]; then
+  printf '%s\n' "$root" > "$site/tf_hsm.pth"
+fi
+
+(cd / && "$python" -c "import tf_hsm, tf_hsm._loader as l; l.ops()") 2>/dev/null \
   && say "ready: $python -c 'import tf_hsm'" \
   || { say "the library was built but does not load"; "$python" -c "import tf_hsm._loader as l; l.ops()"; exit 1; }
