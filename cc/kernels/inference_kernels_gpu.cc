@@ -1,18 +1,24 @@
-// GPU OpKernel for Hsm>LogProbCandidates: the CPU kernel's validation and visit plan on the
-// host, then the CUDA core (LogProbCandidatesGpu in cc/core/log_prob_gpu.h) on the op's
-// stream. Hsm>TopK, Hsm>LogProbAll and Hsm>Sample have no GPU kernel yet: TensorFlow runs
-// them on the CPU (copying hidden there) when they are placed on a GPU.
+// GPU OpKernels for Hsm>LogProbCandidates, Hsm>LogProbAll, Hsm>Sample and Hsm>TopK: the CPU
+// kernels' validation on the host, then the CUDA core (LogProbCandidatesGpu in
+// cc/core/log_prob_gpu.h; LogProbAllGpu, SampleGpu and TopKGpu in cc/core/inference_gpu.h)
+// on the op's stream. The GPU TopK evaluates every class and selects the top k (same
+// output order as the CPU's best-first search; num_expanded is then the number of
+// internal nodes); see inference_gpu.h.
 //
 // Only the GPU build of the op library compiles this file with GOOGLE_CUDA (see
 // log_prob_kernels_gpu.cc); in the CPU build it is an empty translation unit. The
-// candidates and the tree tensors are HostMemory inputs, as for Hsm>LogProb.
+// candidates, the tree tensors and the small scalar inputs (class_range, seed,
+// temperature) are HostMemory inputs, as for Hsm>LogProb.
 #if GOOGLE_CUDA
 #define EIGEN_USE_GPU
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cc/core/inference_gpu.h"
 #include "cc/core/log_prob.h"
 #include "cc/core/log_prob_gpu.h"
 #include "cc/core/visit_plan.h"
@@ -29,8 +35,10 @@ using ::tensorflow::DT_INT8;
 using ::tensorflow::OpKernel;
 using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::OpKernelContext;
+using ::tensorflow::Status;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
+using ::tensorflow::TensorShapeUtils;
 namespace errors = ::tensorflow::errors;
 
 namespace {
@@ -89,6 +97,143 @@ class LogProbCandidatesGpuOp : public OpKernel {
   }
 };
 
+// Reads hidden/weights/biases (inputs 0..2) and the tree (with slot_child) starting at input
+// first_tree, as the CPU kernels do.
+template <typename T>
+Status ReadInferenceGpu(OpKernelContext* ctx, int first_tree, SoftmaxInputs* in,
+                        SoftmaxParams<T>* params, TreeView* tree) {
+  TF_RETURN_IF_ERROR(ReadSoftmaxInputs(ctx, in));
+  TF_RETURN_IF_ERROR(ReadTree(ctx, first_tree, first_tree + 4, in->weights->dim_size(0), tree));
+  params->hidden = in->hidden->flat<T>().data();
+  params->weights = in->weights->flat<T>().data();
+  params->biases = in->has_bias ? in->biases->flat<T>().data() : nullptr;
+  params->dim = in->dim;
+  return Status();
+}
+
+Status WorkspaceFor(OpKernelContext* ctx, const GpuInferencePlan& plan, Tensor* workspace) {
+  return ctx->allocate_temp(DT_INT8, TensorShape({std::max<int64>(plan.workspace_bytes, 16)}),
+                            workspace);
+}
+
+template <typename T>
+class TopKGpuOp : public OpKernel {
+ public:
+  explicit TopKGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    SoftmaxInputs in;
+    SoftmaxParams<T> params;
+    TreeView tree;
+    OP_REQUIRES_OK(ctx, ReadInferenceGpu(ctx, 3, &in, &params, &tree));
+    OP_REQUIRES(ctx, k_ <= tree.num_classes,
+                errors::InvalidArgument("k = ", k_, " must be in [1, num_classes] = [1, ",
+                                        tree.num_classes, "]"));
+    GpuInferencePlan plan;
+    std::string err = PrepareTopKGpu<T>(tree, in.num_tokens, in.dim, in.has_bias, k_,
+                                        kDefaultGpuInferenceBudget, &plan);
+    OP_REQUIRES(ctx, err.empty(), errors::InvalidArgument(err));
+    const TensorShape batch = BatchShape(*in.hidden);
+    TensorShape out_shape = batch;
+    out_shape.AddDim(k_);
+    Tensor *log_probs, *classes, *expanded;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &log_probs));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, out_shape, &classes));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, batch, &expanded));
+    if (in.num_tokens == 0) return;
+    Tensor workspace;
+    OP_REQUIRES_OK(ctx, WorkspaceFor(ctx, plan, &workspace));
+    err = TopKGpu<T>(plan, params, log_probs->flat<T>().data(), classes->flat<int64_t>().data(),
+                     expanded->flat<int64_t>().data(), workspace.flat<int8_t>().data(),
+                     ctx->eigen_gpu_device().stream());
+    OP_REQUIRES(ctx, err.empty(), errors::Internal("Hsm>TopK on GPU: ", err));
+  }
+
+ private:
+  int64_t k_ = 0;
+};
+
+template <typename T>
+class LogProbAllGpuOp : public OpKernel {
+ public:
+  explicit LogProbAllGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    SoftmaxInputs in;
+    SoftmaxParams<T> params;
+    TreeView tree;
+    OP_REQUIRES_OK(ctx, ReadInferenceGpu(ctx, 4, &in, &params, &tree));
+    const Tensor& range = ctx->input(3);
+    OP_REQUIRES(ctx, range.dims() == 1 && range.NumElements() == 2,
+                errors::InvalidArgument("class_range must be a vector (begin, end), got shape ",
+                                        range.shape().DebugString()));
+    const int64 begin = range.flat<int64_t>()(0), end = range.flat<int64_t>()(1);
+    OP_REQUIRES(ctx, 0 <= begin && begin <= end && end <= tree.num_classes,
+                errors::InvalidArgument("class_range = [", begin, ", ", end,
+                                        ") must satisfy 0 <= begin <= end <= num_classes = ",
+                                        tree.num_classes));
+    GpuInferencePlan plan;
+    std::string err = PrepareLogProbAllGpu<T>(tree, in.num_tokens, in.dim, in.has_bias, begin,
+                                              end, kDefaultGpuInferenceBudget, &plan);
+    OP_REQUIRES(ctx, err.empty(), errors::InvalidArgument(err));
+    TensorShape out_shape = BatchShape(*in.hidden);
+    out_shape.AddDim(end - begin);
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+    if (out->NumElements() == 0) return;
+    Tensor workspace;
+    OP_REQUIRES_OK(ctx, WorkspaceFor(ctx, plan, &workspace));
+    err = LogProbAllGpu<T>(plan, params, out->flat<T>().data(), workspace.flat<int8_t>().data(),
+                           ctx->eigen_gpu_device().stream());
+    OP_REQUIRES(ctx, err.empty(), errors::Internal("Hsm>LogProbAll on GPU: ", err));
+  }
+};
+
+template <typename T>
+class SampleGpuOp : public OpKernel {
+ public:
+  explicit SampleGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    SoftmaxInputs in;
+    SoftmaxParams<T> params;
+    TreeView tree;
+    OP_REQUIRES_OK(ctx, ReadInferenceGpu(ctx, 5, &in, &params, &tree));
+    const Tensor& seed = ctx->input(3);
+    const Tensor& temperature = ctx->input(4);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(seed.shape()),
+                errors::InvalidArgument("seed must be a scalar, got shape ",
+                                        seed.shape().DebugString()));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(temperature.shape()),
+                errors::InvalidArgument("temperature must be a scalar, got shape ",
+                                        temperature.shape().DebugString()));
+    const T temp = temperature.scalar<T>()();
+    OP_REQUIRES(ctx, temp > T(0) && !std::isinf(temp),
+                errors::InvalidArgument("temperature = ", temp, " must be positive and finite"));
+    GpuInferencePlan plan;
+    std::string err = PrepareSampleGpu<T>(tree, in.num_tokens, in.dim, in.has_bias, &plan);
+    OP_REQUIRES(ctx, err.empty(), errors::InvalidArgument(err));
+    Tensor* classes;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &classes));
+    if (in.num_tokens == 0) return;
+    Tensor workspace;
+    OP_REQUIRES_OK(ctx, WorkspaceFor(ctx, plan, &workspace));
+    err = SampleGpu<T>(plan, params, static_cast<std::uint64_t>(seed.scalar<int64_t>()()), temp,
+                       classes->flat<int64_t>().data(), workspace.flat<int8_t>().data(),
+                       ctx->eigen_gpu_device().stream());
+    OP_REQUIRES(ctx, err.empty(), errors::Internal("Hsm>Sample on GPU: ", err));
+  }
+};
+
+#define TF_HSM_TREE_HOST_MEMORY    \
+  HostMemory("child_begin")        \
+      .HostMemory("path_begin")    \
+      .HostMemory("path_nodes")    \
+      .HostMemory("path_slots")    \
+      .HostMemory("slot_child")
+
 #define REGISTER_GPU(T)                                                                   \
   REGISTER_KERNEL_BUILDER(Name("Hsm>LogProbCandidates")                                   \
                               .Device(DEVICE_GPU)                                         \
@@ -98,10 +243,27 @@ class LogProbCandidatesGpuOp : public OpKernel {
                               .HostMemory("path_begin")                                   \
                               .HostMemory("path_nodes")                                   \
                               .HostMemory("path_slots"),                                  \
-                          LogProbCandidatesGpuOp<T>);
+                          LogProbCandidatesGpuOp<T>);                               \
+  REGISTER_KERNEL_BUILDER(                                                                \
+      Name("Hsm>TopK").Device(DEVICE_GPU).TypeConstraint<T>("T").TF_HSM_TREE_HOST_MEMORY, \
+      TopKGpuOp<T>);                                                                      \
+  REGISTER_KERNEL_BUILDER(Name("Hsm>LogProbAll")                                          \
+                              .Device(DEVICE_GPU)                                         \
+                              .TypeConstraint<T>("T")                                     \
+                              .HostMemory("class_range")                                  \
+                              .TF_HSM_TREE_HOST_MEMORY,                                   \
+                          LogProbAllGpuOp<T>);                                            \
+  REGISTER_KERNEL_BUILDER(Name("Hsm>Sample")                                              \
+                              .Device(DEVICE_GPU)                                         \
+                              .TypeConstraint<T>("T")                                     \
+                              .HostMemory("seed")                                         \
+                              .HostMemory("temperature")                                  \
+                              .TF_HSM_TREE_HOST_MEMORY,                                   \
+                          SampleGpuOp<T>);
 REGISTER_GPU(float)
 REGISTER_GPU(double)
 #undef REGISTER_GPU
+#undef TF_HSM_TREE_HOST_MEMORY
 
 }  // namespace
 }  // namespace tf_hsm

@@ -15,6 +15,14 @@
 //    gives the same values; NaN in one token's hidden state stays in that token.
 //  - LogProbCandidatesGpu against the CPU core's LogProbCandidates, and bit for bit against
 //    the forward kernel for candidates equal to the target.
+//  - inference (cc/core/inference_gpu.h): LogProbAllGpu against the CPU core's LogProbAll in
+//    float64 to tolerance, a random class_range in waves of one row bit for bit against the
+//    full table; SampleGpu against the CPU core's Sample in the same precision with the same
+//    seed (classes equal but for at most 1 + 1% of rows, whose uniform may fall within
+//    rounding of a cumulative boundary); TopKGpu log-probs to tolerance against the CPU
+//    core's best-first TopK, classes equal except for near ties (none allowed in float64),
+//    each reported value that of its class, num_expanded = num_nodes, waves of one row bit
+//    for bit; every output NaN-poisoned; a NaN row stays in its row (-1 for Sample).
 // In the host emulator (--emulate builds) every GPU result is also recomputed under a
 // shuffled and a reversed thread schedule and must match bit for bit (a missing barrier
 // shows up there); --time there only smoke-tests the timing code on shrunk scenarios.
@@ -42,6 +50,7 @@
 
 #include "cc/core/gpu_compat.cuh"
 #include "cc/core/inference.h"
+#include "cc/core/inference_gpu.h"
 #include "cc/core/log_prob.h"
 #include "cc/core/log_prob_gpu.h"
 #include "cc/core/tree_view.h"
@@ -660,6 +669,9 @@ Result<T> RunGpu(const Case& c, const VisitPlan& plan, DeviceInputs<T>& in, int6
 template <typename T>
 void CheckCandidates(const Case& c, const Data<T>& d, DeviceInputs<T>& in,
                      const Result<T>& forward, std::mt19937_64& rng, const std::string& what);
+template <typename T>
+void CheckInference(const Case& c, const Data<T>& d, DeviceInputs<T>& in, std::mt19937_64& rng,
+                    const std::string& what);
 
 // ---- Comparisons -------------------------------------------------------------------------
 
@@ -775,6 +787,7 @@ void CheckCase(const Case& c, std::mt19937_64& rng, const Options& opt) {
     ExpectSame(what + " (coef budget " + std::to_string(small) + ")", gpu, waves, false);
   }
   CheckCandidates<T>(c, data, in, gpu, rng, what);
+  CheckInference<T>(c, data, in, rng, what);
 #ifdef TF_HSM_GPU_EMULATE
   // Another thread interleaving must not change a bit.
   tf_hsm_emu::SetSchedule(tf_hsm_emu::Schedule::kShuffled, rng());
@@ -842,6 +855,229 @@ void CheckCandidates(const Case& c, const Data<T>& d, DeviceInputs<T>& in,
   }
   HARNESS_EXPECT(differ == 0, "%s candidates: %" PRId64 " of %" PRId64
                  " targets differ from LogProbForwardGpu", what.c_str(), differ, N);
+}
+
+// ---- Inference: LogProbAllGpu, SampleGpu and TopKGpu against the CPU core ---------------
+
+template <typename T>
+SoftmaxParams<T> DeviceParams(const Case& c, DeviceInputs<T>& in) {
+  return SoftmaxParams<T>{in.hidden.data(), in.weights.data(),
+                          c.bias ? in.biases.data() : nullptr, c.dim};
+}
+
+// Every class's log-probability for classes [begin, end), NaN-poisoned output.
+template <typename T>
+std::vector<T> RunLogProbAllGpu(const Case& c, DeviceInputs<T>& in, int64 begin, int64 end,
+                                int64 budget, const std::string& what) {
+  GpuInferencePlan gp;
+  std::string err = PrepareLogProbAllGpu<T>(c.tree.view(), c.tokens, c.dim, c.bias, begin, end,
+                                            budget, &gp);
+  HARNESS_EXPECT(err.empty(), "%s: %s", what.c_str(), err.c_str());
+  DeviceArray<T> out(c.tokens * (end - begin));
+  out.Poison();
+  DeviceBuffer ws(gp.workspace_bytes);
+  if (err.empty()) {
+    err = LogProbAllGpu<T>(gp, DeviceParams(c, in), out.data(), ws.ptr, nullptr);
+    HARNESS_EXPECT(err.empty(), "%s: %s", what.c_str(), err.c_str());
+  }
+  CudaOrDie(cudaDeviceSynchronize(), "LogProbAllGpu");
+  return out.Download(what.c_str(), true);
+}
+
+template <typename T>
+std::vector<int64> RunSampleGpu(const Case& c, DeviceInputs<T>& in, std::uint64_t seed,
+                                T temperature, const std::string& what) {
+  GpuInferencePlan gp;
+  std::string err = PrepareSampleGpu<T>(c.tree.view(), c.tokens, c.dim, c.bias, &gp);
+  HARNESS_EXPECT(err.empty(), "%s: %s", what.c_str(), err.c_str());
+  DeviceArray<int64> out(c.tokens);
+  out.Poison();
+  DeviceBuffer ws(gp.workspace_bytes);
+  if (err.empty()) {
+    err = SampleGpu<T>(gp, DeviceParams(c, in), seed, temperature, out.data(), ws.ptr, nullptr);
+    HARNESS_EXPECT(err.empty(), "%s: %s", what.c_str(), err.c_str());
+  }
+  CudaOrDie(cudaDeviceSynchronize(), "SampleGpu");
+  return out.Download(what.c_str(), true);
+}
+
+template <typename T>
+struct TopKOut {
+  std::vector<T> log_probs;
+  std::vector<int64> classes, expanded;
+};
+
+template <typename T>
+TopKOut<T> RunTopKGpu(const Case& c, DeviceInputs<T>& in, int64 k, int64 budget,
+                      const std::string& what) {
+  GpuInferencePlan gp;
+  std::string err = PrepareTopKGpu<T>(c.tree.view(), c.tokens, c.dim, c.bias, k, budget, &gp);
+  HARNESS_EXPECT(err.empty(), "%s: %s", what.c_str(), err.c_str());
+  DeviceArray<T> lp(c.tokens * k);
+  DeviceArray<int64> cls(c.tokens * k), expanded(c.tokens);
+  lp.Poison();
+  cls.Poison();
+  expanded.Poison();
+  DeviceBuffer ws(gp.workspace_bytes);
+  if (err.empty()) {
+    err = TopKGpu<T>(gp, DeviceParams(c, in), lp.data(), cls.data(), expanded.data(), ws.ptr,
+                     nullptr);
+    HARNESS_EXPECT(err.empty(), "%s: %s", what.c_str(), err.c_str());
+  }
+  CudaOrDie(cudaDeviceSynchronize(), "TopKGpu");
+  TopKOut<T> r;
+  r.log_probs = lp.Download((what + " log_probs").c_str(), true);
+  r.classes = cls.Download((what + " classes").c_str(), true);
+  r.expanded = expanded.Download((what + " num_expanded").c_str(), true);
+  return r;
+}
+
+// LogProbAll to tolerance against the CPU core in float64 (a class range: the full table's
+// bits); Sample against the CPU core's Sample in the same precision, same seed (equal
+// classes but for rows whose uniform falls within rounding of a boundary: at most 1 + 1%);
+// TopK log-probs to tolerance and classes equal, except where two classes' float64
+// log-probabilities are within tolerance (a near tie that rounding may order either way).
+// Each also run to run, in waves of one row, and (emulated) under other thread schedules.
+template <typename T>
+void CheckInference(const Case& c, const Data<T>& d, DeviceInputs<T>& in, std::mt19937_64& rng,
+                    const std::string& what) {
+  const TreeView view = c.tree.view();
+  const int64 N = c.tokens, C = c.tree.num_classes, M = view.num_nodes;
+  const double rtol = sizeof(T) == 8 ? 1e-9 : 1e-3;
+  const std::vector<double> h64 = Convert<double>(d.hidden), w64 = Convert<double>(d.weights),
+                            b64 = Convert<double>(d.biases);
+  const SoftmaxParams<double> p64{h64.data(), w64.data(), c.bias ? b64.data() : nullptr, c.dim};
+
+  // LogProbAll.
+  std::vector<double> all64(N * C);
+  std::string err = LogProbAll<double>(view, p64, N, 0, C, ThreadPoolFor(), all64.data());
+  HARNESS_EXPECT(err.empty(), "%s log_prob_all (CPU): %s", what.c_str(), err.c_str());
+  const std::vector<T> all =
+      RunLogProbAllGpu<T>(c, in, 0, C, kDefaultGpuInferenceBudget, what + " log_prob_all");
+  Compare(what + " log_prob_all", all, all64, rtol);
+  HARNESS_EXPECT(SameBits(all, RunLogProbAllGpu<T>(c, in, 0, C, kDefaultGpuInferenceBudget,
+                                                   what + " log_prob_all again")),
+                 "%s log_prob_all: a second run differs", what.c_str());
+  const int64 b = static_cast<int64>(rng() % C);
+  const int64 e = b + static_cast<int64>(rng() % (C - b + 1));
+  const std::vector<T> part = RunLogProbAllGpu<T>(c, in, b, e, 1, what + " log_prob_all range");
+  int64 part_differ = 0;
+  for (int64 i = 0; i < N; ++i)
+    for (int64 j = 0; j < e - b; ++j)
+      part_differ += std::memcmp(&part[i * (e - b) + j], &all[i * C + b + j], sizeof(T)) != 0;
+  HARNESS_EXPECT(part_differ == 0,
+                 "%s log_prob_all class_range [%" PRId64 ", %" PRId64 ") in waves of one row: %"
+                 PRId64 " values differ from the full table", what.c_str(), b, e, part_differ);
+
+  // Sample.
+  const std::uint64_t seed = rng();
+  const T temperature = rng() % 2 ? T(1) : T(0.7);
+  std::vector<int64> want(N);
+  const SoftmaxParams<T> pt{d.hidden.data(), d.weights.data(),
+                            c.bias ? d.biases.data() : nullptr, c.dim};
+  err = Sample<T>(view, pt, N, seed, temperature, ThreadPoolFor(), want.data());
+  HARNESS_EXPECT(err.empty(), "%s sample (CPU): %s", what.c_str(), err.c_str());
+  const std::vector<int64> got = RunSampleGpu<T>(c, in, seed, temperature, what + " sample");
+  int64 differ = 0, invalid = 0;
+  for (int64 i = 0; i < N; ++i) {
+    differ += got[i] != want[i];
+    invalid += !(got[i] >= 0 && got[i] < C) && got[i] != want[i];
+  }
+  HARNESS_EXPECT(invalid == 0, "%s sample: %" PRId64 " invalid classes", what.c_str(), invalid);
+  HARNESS_EXPECT(differ <= 1 + N / 100, "%s sample: %" PRId64 " of %" PRId64
+                 " classes differ from the CPU core's", what.c_str(), differ, N);
+  HARNESS_EXPECT(got == RunSampleGpu<T>(c, in, seed, temperature, what + " sample again"),
+                 "%s sample: a second run differs", what.c_str());
+
+  // TopK.
+  const int64 k = C <= 64 && rng() % 2 ? C : 1 + static_cast<int64>(rng() % std::min<int64>(C, 8));
+  std::vector<double> lp64(N * k);
+  std::vector<int64> cls64(N * k), expanded64(N);
+  err = TopK<double>(view, p64, N, k, ThreadPoolFor(), lp64.data(), cls64.data(),
+                     expanded64.data());
+  HARNESS_EXPECT(err.empty(), "%s top_k (CPU): %s", what.c_str(), err.c_str());
+  const std::string tk = what + " top_k (k=" + std::to_string(k) + ")";
+  const TopKOut<T> top = RunTopKGpu<T>(c, in, k, kDefaultGpuInferenceBudget, tk);
+  Compare(tk + " log_probs", top.log_probs, lp64, rtol);
+  int64 wrong = 0, ties = 0;
+  for (int64 i = 0; i < N; ++i) {
+    for (int64 j = 0; j < k; ++j) {
+      const int64 g = top.classes[i * k + j];
+      if (g < 0 || g >= C) {
+        ++wrong;
+        continue;
+      }
+      for (int64 j2 = 0; j2 < j; ++j2) wrong += top.classes[i * k + j2] == g;
+      const double v = all64[i * C + g];
+      const double tol = rtol * (std::fabs(v) + 1);
+      wrong += !(std::fabs(top.log_probs[i * k + j] - v) <= tol);  // the value is g's
+      if (g != cls64[i * k + j]) {
+        if (std::fabs(v - lp64[i * k + j]) <= tol) {
+          ++ties;
+        } else {
+          ++wrong;
+        }
+      }
+    }
+    wrong += top.expanded[i] != M;
+  }
+  HARNESS_EXPECT(wrong == 0, "%s: %" PRId64 " wrong classes", tk.c_str(), wrong);
+  if (sizeof(T) == 8) {
+    HARNESS_EXPECT(ties == 0, "%s: %" PRId64 " classes differ (near ties) in float64", tk.c_str(),
+                   ties);
+  }
+  const TopKOut<T> waves = RunTopKGpu<T>(c, in, k, 1, tk + " in waves of one row");
+  HARNESS_EXPECT(SameBits(top.log_probs, waves.log_probs) && top.classes == waves.classes,
+                 "%s: waves of one row differ", tk.c_str());
+#ifdef TF_HSM_GPU_EMULATE
+  for (auto schedule : {tf_hsm_emu::Schedule::kShuffled, tf_hsm_emu::Schedule::kReverse}) {
+    tf_hsm_emu::SetSchedule(schedule, rng());
+    const std::vector<T> all2 =
+        RunLogProbAllGpu<T>(c, in, 0, C, kDefaultGpuInferenceBudget, what + " log_prob_all");
+    const std::vector<int64> got2 = RunSampleGpu<T>(c, in, seed, temperature, what + " sample");
+    const TopKOut<T> top2 = RunTopKGpu<T>(c, in, k, kDefaultGpuInferenceBudget, tk);
+    tf_hsm_emu::SetSchedule(tf_hsm_emu::Schedule::kForward);
+    HARNESS_EXPECT(SameBits(all, all2) && got == got2 && SameBits(top.log_probs, top2.log_probs) &&
+                       top.classes == top2.classes,
+                   "%s inference: another thread schedule changes a result", what.c_str());
+  }
+#endif
+}
+
+// NaN in one row's hidden state: only that row is NaN (LogProbAll), class -1 (Sample), NaN
+// values and classes in id order (TopK), as the CPU core does.
+void CheckInferenceNanRow(std::mt19937_64& rng) {
+  Case c;
+  c.name = "nan_row_inference";
+  c.tree = Layout(RandomShape(rng, 40, 3, 0.3, 300), &rng);
+  c.tokens = 20;
+  c.dim = 13;
+  Data<float> d = MakeData<float>(c, rng);
+  for (int64 k = 0; k < c.dim; k += 4) d.hidden[7 * c.dim + k] = NAN;
+  DeviceInputs<float> in(d);
+  const TreeView view = c.tree.view();
+  const int64 N = c.tokens, C = c.tree.num_classes, k = std::min<int64>(C, 5);
+  const std::vector<float> all = RunLogProbAllGpu<float>(c, in, 0, C, kDefaultGpuInferenceBudget,
+                                                         "nan_row log_prob_all");
+  int64 bad = 0;
+  for (int64 i = 0; i < N; ++i)
+    for (int64 j = 0; j < C; ++j) bad += std::isnan(all[i * C + j]) != (i == 7);
+  HARNESS_EXPECT(bad == 0, "nan_row log_prob_all: %" PRId64 " values with NaN in the wrong row", bad);
+  const SoftmaxParams<float> p{d.hidden.data(), d.weights.data(), d.biases.data(), c.dim};
+  std::vector<int64> want(N);
+  Sample<float>(view, p, N, 42, 1.0f, ThreadPoolFor(), want.data());
+  const std::vector<int64> got = RunSampleGpu<float>(c, in, 42, 1.0f, "nan_row sample");
+  HARNESS_EXPECT(got[7] == -1 && want[7] == -1, "nan_row sample: class %" PRId64 " (CPU %" PRId64
+                 ")", got[7], want[7]);
+  std::vector<float> lp(N * k);
+  std::vector<int64> cls(N * k), expanded(N);
+  TopK<float>(view, p, N, k, ThreadPoolFor(), lp.data(), cls.data(), expanded.data());
+  const TopKOut<float> top = RunTopKGpu<float>(c, in, k, kDefaultGpuInferenceBudget, "nan_row top_k");
+  bad = 0;
+  for (int64 j = 0; j < k; ++j) {
+    bad += !std::isnan(top.log_probs[7 * k + j]) || top.classes[7 * k + j] != cls[7 * k + j];
+  }
+  HARNESS_EXPECT(bad == 0, "nan_row top_k: row 7 differs from the CPU core (%" PRId64 ")", bad);
 }
 
 // NaN in one token's hidden state: only that token's log-probability is NaN.
@@ -1195,6 +1431,9 @@ int Main(int argc, char** argv) {
       const int before = failures;
       CheckNanStaysInItsRow(rng);
       std::printf("[%s] nan_row\n", failures == before ? "PASS" : "FAIL");
+      const int before_inference = failures;
+      CheckInferenceNanRow(rng);
+      std::printf("[%s] nan_row_inference\n", failures == before_inference ? "PASS" : "FAIL");
     }
   }
   if (opt.time) {
