@@ -5,6 +5,7 @@
 
 #include <functional>
 
+#include "cc/core/log_prob.h"
 #include "cc/core/tree_view.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -29,6 +30,17 @@ struct SoftmaxInputs {
 ::tensorflow::Status CheckSoftmaxTensors(const ::tensorflow::Tensor& hidden,
                                          const ::tensorflow::Tensor& weights,
                                          const ::tensorflow::Tensor& biases, SoftmaxInputs* in);
+
+// The core's view of validated dense inputs.
+template <typename T>
+SoftmaxParams<T> ParamsOf(const SoftmaxInputs& in) {
+  SoftmaxParams<T> params;
+  params.hidden = in.hidden->flat<T>().data();
+  params.weights = in.weights->flat<T>().data();
+  params.biases = in.has_bias ? in.biases->flat<T>().data() : nullptr;
+  params.dim = in.dim;
+  return params;
+}
 
 // Validates the rank-1 int64 tree tensors child_begin, path_begin, path_nodes, path_slots at
 // inputs first..first+3 (and slot_child at `slot_child_input` when >= 0) and fills *tree.

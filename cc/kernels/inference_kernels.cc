@@ -31,10 +31,7 @@ Status ReadInference(OpKernelContext* ctx, int first_tree, bool with_slot_child,
   TF_RETURN_IF_ERROR(ReadSoftmaxInputs(ctx, in));
   TF_RETURN_IF_ERROR(ReadTree(ctx, first_tree, with_slot_child ? first_tree + 4 : -1,
                               in->weights->dim_size(0), tree));
-  params->hidden = in->hidden->flat<T>().data();
-  params->weights = in->weights->flat<T>().data();
-  params->biases = in->has_bias ? in->biases->flat<T>().data() : nullptr;
-  params->dim = in->dim;
+  *params = ParamsOf<T>(*in);
   return Status();
 }
 

@@ -27,10 +27,7 @@ template <typename T>
   TF_RETURN_IF_ERROR(ReadClassIds(ctx->input(3), "targets", BatchShape(*in->hidden), &targets));
   const std::string problem = BuildVisitPlan(*tree, targets.data(), in->num_tokens, plan);
   if (!problem.empty()) return errors::InvalidArgument(problem);
-  params->hidden = in->hidden->flat<T>().data();
-  params->weights = in->weights->flat<T>().data();
-  params->biases = in->has_bias ? in->biases->flat<T>().data() : nullptr;
-  params->dim = in->dim;
+  *params = ParamsOf<T>(*in);
   return ::tensorflow::Status();
 }
 

@@ -103,11 +103,8 @@ class SgdStepOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, in.hidden->shape(), &hidden_grad));
     T* w = weights->flat<T>().data();
     T* b = use_bias_ ? biases->flat<T>().data() : nullptr;
-    SoftmaxParams<T> params;
-    params.hidden = in.hidden->flat<T>().data();
-    params.weights = w;
-    params.biases = b;
-    params.dim = in.dim;
+    // The table is read and updated in place: params.weights aliases grads.sgd_weights.
+    const SoftmaxParams<T> params = ParamsOf<T>(in);
     const ParallelFor parallel_for = CpuParallelFor(ctx);
     LogProbForward<T>(plan, tree, params, parallel_for, log_prob->flat<T>().data());
     // d loss / d log_prob = -loss_scale.
