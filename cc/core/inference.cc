@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cc/core/simd.h"
+#include "cc/core/softmax_util.h"
 #include "cc/core/visit_plan.h"
 
 namespace tf_hsm {
@@ -34,11 +35,6 @@ std::string Message(const Args&... args) {
   return s.str();
 }
 
-template <typename T>
-T* Grow(std::vector<T>* v, int64 n) {
-  if (static_cast<int64>(v->size()) < n) v->resize(n);
-  return v->data();
-}
 
 // The splitmix64 finaliser: a bijection of 64-bit words that mixes every input bit.
 inline std::uint64_t Mix64(std::uint64_t z) {
@@ -187,43 +183,6 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64 fir
     for (int64 r = 0; r < nr; ++r)
       for (int64 j = 0; j < kb; ++j) z[r * ld + j] += b[j];
   }
-}
-
-// Folds n more logits into a running (max, sum of exp(z - max)), vectorized: the lane
-// sums are combined in a fixed order. A NaN logit makes the sum NaN (the max ignores it),
-// so NaN reaches exactly the rows it came from.
-template <typename T>
-void FoldLogSumExp(const T* z, int64 n, T* exps, T* row_max, T* row_sum) {
-  typedef simd::VecT<T> V;
-  constexpr int64 w = simd::Vec<T>::kWidth;
-  const T ninf = -std::numeric_limits<T>::infinity();
-  V vmax = simd::Splat<T>(ninf);
-  int64 j = 0;
-  for (; j + w <= n; j += w) {
-    const V v = simd::Load(z + j);
-    vmax = v > vmax ? v : vmax;
-  }
-  if (j < n) {
-    V v = simd::Splat<T>(ninf);
-    std::memcpy(&v, z + j, (n - j) * sizeof(T));
-    vmax = v > vmax ? v : vmax;
-  }
-  T lanes[w];
-  std::memcpy(lanes, &vmax, sizeof(vmax));
-  T chunk_max = ninf;
-  for (int64 l = 0; l < w; ++l) chunk_max = lanes[l] > chunk_max ? lanes[l] : chunk_max;
-  T m = *row_max;
-  if (chunk_max > m) {
-    *row_sum *= std::exp(m - chunk_max);
-    m = chunk_max;
-  }
-  for (j = 0; j < n; ++j) exps[j] = z[j] - m;
-  simd::ExpInPlace(exps, n);
-  V acc = {};
-  for (j = 0; j + w <= n; j += w) acc += simd::Load(exps + j);
-  if (j < n) acc += simd::LoadPartial(exps + j, n - j);
-  *row_sum += simd::ReduceSum<T>(acc);
-  *row_max = m;
 }
 
 // lse[r] = logsumexp(z[r * ld + 0..K)) for r < nr, for nodes of at most kWidth children

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cc/core/simd.h"
+#include "cc/core/softmax_util.h"
 
 namespace tf_hsm {
 namespace {
@@ -33,11 +34,6 @@ Scratch<T>& ThreadScratch() {
   return scratch;
 }
 
-template <typename T>
-T* Grow(std::vector<T>* v, int64 n) {
-  if (static_cast<int64>(v->size()) < n) v->resize(n);
-  return v->data();
-}
 
 // The weight block of one node.
 template <typename T>
@@ -75,25 +71,6 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
     for (int64 r = 0; r < nt; ++r)
       for (int64 j = 0; j < kb; ++j) tile[r * ld + j] += b[j];
   }
-}
-
-// Folds n more logits into a running (max, sum of exp(z - max)). A NaN logit makes the sum
-// NaN; the max ignores it, so NaN propagates to exactly this row.
-template <typename T>
-void FoldLogSumExp(const T* z, int64 n, T* exps, T* row_max, T* row_sum) {
-  T m = *row_max;
-  T chunk_max = -std::numeric_limits<T>::infinity();
-  for (int64 j = 0; j < n; ++j) chunk_max = z[j] > chunk_max ? z[j] : chunk_max;
-  if (chunk_max > m) {
-    *row_sum *= std::exp(m - chunk_max);
-    m = chunk_max;
-  }
-  for (int64 j = 0; j < n; ++j) exps[j] = z[j] - m;
-  simd::ExpInPlace(exps, n);
-  T s = *row_sum;
-  for (int64 j = 0; j < n; ++j) s += exps[j];
-  *row_sum = s;
-  *row_max = m;
 }
 
 // Turns logits into coefficients of dz: upstream * (onehot(taken) - softmax).

@@ -1,0 +1,61 @@
+// Small helpers shared by the CPU cores of the training and inference ops.
+#ifndef TF_HSM_CC_CORE_SOFTMAX_UTIL_H_
+#define TF_HSM_CC_CORE_SOFTMAX_UTIL_H_
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cc/core/simd.h"
+#include "cc/core/tree_view.h"
+
+namespace tf_hsm {
+
+// Grows per-thread scratch on demand (never shrinks) and returns its data.
+template <typename T>
+T* Grow(std::vector<T>* v, int64 n) {
+  if (static_cast<int64>(v->size()) < n) v->resize(n);
+  return v->data();
+}
+
+// Folds n more logits into a running (max, sum of exp(z - max)), vectorized: the lane
+// sums are combined in a fixed order. A NaN logit makes the sum NaN (the max ignores it),
+// so NaN reaches exactly the rows it came from.
+template <typename T>
+void FoldLogSumExp(const T* z, int64 n, T* exps, T* row_max, T* row_sum) {
+  typedef simd::VecT<T> V;
+  constexpr int64 w = simd::Vec<T>::kWidth;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  V vmax = simd::Splat<T>(ninf);
+  int64 j = 0;
+  for (; j + w <= n; j += w) {
+    const V v = simd::Load(z + j);
+    vmax = v > vmax ? v : vmax;
+  }
+  if (j < n) {
+    V v = simd::Splat<T>(ninf);
+    std::memcpy(&v, z + j, (n - j) * sizeof(T));
+    vmax = v > vmax ? v : vmax;
+  }
+  T lanes[w];
+  std::memcpy(lanes, &vmax, sizeof(vmax));
+  T chunk_max = ninf;
+  for (int64 l = 0; l < w; ++l) chunk_max = lanes[l] > chunk_max ? lanes[l] : chunk_max;
+  T m = *row_max;
+  if (chunk_max > m) {
+    *row_sum *= std::exp(m - chunk_max);
+    m = chunk_max;
+  }
+  for (j = 0; j < n; ++j) exps[j] = z[j] - m;
+  simd::ExpInPlace(exps, n);
+  V acc = {};
+  for (j = 0; j + w <= n; j += w) acc += simd::Load(exps + j);
+  if (j < n) acc += simd::LoadPartial(exps + j, n - j);
+  *row_sum += simd::ReduceSum<T>(acc);
+  *row_max = m;
+}
+
+}  // namespace tf_hsm
+
+#endif  // TF_HSM_CC_CORE_SOFTMAX_UTIL_H_
