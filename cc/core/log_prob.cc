@@ -47,6 +47,114 @@ NodeBlock<T> BlockOf(const TreeView& tree, int64 node) {
   return {tree.child_begin[node], tree.child_begin[node + 1] - tree.child_begin[node]};
 }
 
+// Nodes with at most this many children are not grouped: each token walks its own path
+// through them (see WalkPath). Their blocks are too small for the grouped kernels to repay
+// the bookkeeping, and a deep binary tree would pay one thread-pool synchronisation per
+// level; walked, a whole batch needs one pass over the tokens and one over the nodes.
+constexpr int64 kWalkMaxBranching = 8;
+constexpr int64 kWalkItemEntries = 64;  // visits per dW work item of walked nodes
+
+bool IsWalked(const TreeView& tree, int64 node) {
+  return tree.child_begin[node + 1] - tree.child_begin[node] <= kWalkMaxBranching;
+}
+
+// One step of a token's walk through a small node whose K rows start at w. Returns
+// z[taken] - logsumexp(z) when want_value (else 0: the log is skipped). With grad set, also
+// computes the coefficients upstream * (onehot(taken) - softmax(z)), stores them at coef
+// when that is set, and adds coef @ W to dh when that is set. Everything derives from z
+// alone, so a later call with the same inputs reproduces the coefficients bit for bit (the
+// dW pass relies on it). The K logits live in the lanes of one vector: no round trips
+// through memory between the dot products, the softmax and the dh update.
+template <typename T, int K>
+T SmallStep(const T* h, const T* w, const T* b, int64 D, int64 taken, T upstream,
+            bool want_value, bool grad, T* coef, T* dh) {
+  using V = simd::VecT<T>;
+  constexpr int64 vw = simd::Vec<T>::kWidth;
+  V acc[K];
+  for (int k = 0; k < K; ++k) acc[k] = V{};
+  int64 d = 0;
+  for (; d + vw <= D; d += vw) {
+    const V hv = simd::Load(h + d);
+    for (int k = 0; k < K; ++k) acc[k] += hv * simd::Load(w + k * D + d);
+  }
+  if (d < D) {
+    const V hv = simd::LoadPartial(h + d, D - d);
+    for (int k = 0; k < K; ++k) acc[k] += hv * simd::LoadPartial(w + k * D + d, D - d);
+  }
+  V z = simd::ReduceEach<T, K>(acc);
+  if (b != nullptr) z += simd::LoadPartial(b, K);
+  const auto lane = simd::Iota<T>();
+  const auto valid = lane < K;
+  const T m = simd::ReduceMax<T>(valid ? z : simd::Splat<T>(-std::numeric_limits<T>::infinity()));
+  // A NaN logit never wins the max; it reaches e, hence the sum, and so the value and dh.
+  V e = simd::ExpVec(z - m);
+  e = valid ? e : V{};
+  const T sum = simd::ReduceSum<T>(e);
+  if (grad) {
+    V c = e * (-upstream / sum);
+    c += lane == static_cast<int>(taken) ? simd::Splat<T>(upstream) : V{};
+    if (coef != nullptr) simd::StorePartial(coef, c, K);
+    if (dh != nullptr) {
+      for (d = 0; d + vw <= D; d += vw) {
+        V out = simd::Load(dh + d);
+        for (int k = 0; k < K; ++k) out += c[k] * simd::Load(w + k * D + d);
+        simd::Store(dh + d, out);
+      }
+      if (d < D) {
+        V out = simd::LoadPartial(dh + d, D - d);
+        for (int k = 0; k < K; ++k) out += c[k] * simd::LoadPartial(w + k * D + d, D - d);
+        simd::StorePartial(dh + d, out, D - d);
+      }
+    }
+  }
+  return want_value ? z[taken] - (m + std::log(sum)) : T(0);
+}
+
+template <typename T>
+using SmallStepFn = T (*)(const T*, const T*, const T*, int64, int64, T, bool, bool, T*, T*);
+
+template <typename T>
+SmallStepFn<T> SmallStepFor(int64 k) {
+  static const SmallStepFn<T> table[kWalkMaxBranching + 1] = {
+      nullptr,          SmallStep<T, 1>, SmallStep<T, 2>, SmallStep<T, 3>, SmallStep<T, 4>,
+      SmallStep<T, 5>, SmallStep<T, 6>, SmallStep<T, 7>, SmallStep<T, 8>};
+  return table[k];
+}
+
+// Token i's steps through small nodes, in path order: returns the sum of their
+// log-probability terms when want_value. With dh set (backward), dh gets every step's
+// coef @ W, and when keep, step s = plan.token_step_begin[i] + l stores its coefficients at
+// coef[s * stride].
+template <typename T>
+T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p, int64 i,
+           T upstream, bool want_value, T* dh, T* coef, bool keep, int64 stride) {
+  const int64 D = p.dim;
+  const int64 path = plan.token_path[i];
+  const int64 depth = plan.token_step_begin[i + 1] - plan.token_step_begin[i];
+  const int64 step0 = plan.token_step_begin[i];
+  const T* h = p.hidden + i * D;
+  T sum = 0;
+  for (int64 l = 0; l < depth; ++l) {
+    const int64 node = tree.path_nodes[path + l];
+    const int64 first = tree.child_begin[node], k = tree.child_begin[node + 1] - first;
+    if (k > kWalkMaxBranching) continue;
+    if (l + 1 < depth) {
+      // The next node's rows sit at a random place in the table: start fetching them now.
+      const int64 next = tree.path_nodes[path + l + 1];
+      const int64 next_first = tree.child_begin[next];
+      const int64 next_k = std::min(tree.child_begin[next + 1] - next_first, kWalkMaxBranching);
+      const char* row = reinterpret_cast<const char*>(p.weights + next_first * D);
+      const int64 bytes = next_k * D * static_cast<int64>(sizeof(T));
+      for (int64 o = 0; o < bytes; o += 64) __builtin_prefetch(row + o);
+    }
+    const T* b = p.biases != nullptr ? p.biases + first : nullptr;
+    T* c = dh != nullptr && keep ? coef + (step0 + l) * stride : nullptr;
+    sum += SmallStepFor<T>(k)(h, p.weights + first * D, b, D, tree.path_slots[path + l] - first,
+                              upstream, want_value, dh != nullptr, c, dh);
+  }
+  return sum;
+}
+
 // tile[r * ld + j] = z_{first_slot + j}(h_r) for r < nt, j < kb. With enough tokens to
 // amortise it, the weight rows are first packed into panels for the outer-product kernel;
 // the choice depends only on nt, which the plan fixes, so results never depend on threads.
@@ -179,9 +287,25 @@ struct Item {
   int64 count;
 };
 
-std::vector<Item> TokenTiles(const VisitPlan& plan, int64 g_begin, int64 g_end, int64 tile) {
+bool HasWalkedGroups(const VisitPlan& plan, const TreeView& tree) {
+  for (int64 g = 0; g < plan.num_groups(); ++g) {
+    if (IsWalked(tree, plan.group_node[g])) return true;
+  }
+  return false;
+}
+
+// Rough scalar operations per token of a walk, for the thread pool's shard sizes.
+int64 WalkCostPerToken(const VisitPlan& plan, int64 dim) {
+  if (plan.num_tokens == 0) return 0;
+  return 6 * dim * (1 + plan.num_steps() / plan.num_tokens);
+}
+
+// Walked groups (small nodes) are left out.
+std::vector<Item> TokenTiles(const VisitPlan& plan, const TreeView& tree, int64 g_begin,
+                             int64 g_end, int64 tile) {
   std::vector<Item> items;
   for (int64 g = g_begin; g < g_end; ++g) {
+    if (IsWalked(tree, plan.group_node[g])) continue;
     const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
     for (int64 o = 0; o < n; o += tile) items.push_back({g, o, std::min(tile, n - o)});
   }
@@ -190,13 +314,16 @@ std::vector<Item> TokenTiles(const VisitPlan& plan, int64 g_begin, int64 g_end, 
 
 }  // namespace
 
+namespace {
+
+// log_prob[i] = the sum of token i's steps through grouped nodes (zero if none).
 template <typename T>
-void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
+void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
                     const ParallelFor& parallel_for, T* log_prob) {
   const int64 num_entries = static_cast<int64>(plan.entry_token.size());
   std::vector<T> entry_value(num_entries);
-  // No level ordering is needed: every entry writes only its own value.
-  const std::vector<Item> items = TokenTiles(plan, 0, plan.num_groups(), kTokenTile);
+  // Grouped nodes. No level ordering is needed: every entry writes only its own value.
+  const std::vector<Item> items = TokenTiles(plan, tree, 0, plan.num_groups(), kTokenTile);
   int64 total_cost = 0;
   for (const Item& it : items) {
     total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * p.dim;
@@ -214,9 +341,29 @@ void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
       for (int64 r = 0; r < it.count; ++r) entry_value[e0 + r] = taken[r] - lse[r];
     }
   });
-  // Sum each token's steps root first; entries are stored level by level.
+  // Sum each token's grouped steps root first (entries are stored level by level).
   std::fill(log_prob, log_prob + plan.num_tokens, T(0));
-  for (int64 e = 0; e < num_entries; ++e) log_prob[plan.entry_token[e]] += entry_value[e];
+  for (int64 g = 0; g < plan.num_groups(); ++g) {
+    if (IsWalked(tree, plan.group_node[g])) continue;
+    for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
+      log_prob[plan.entry_token[e]] += entry_value[e];
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
+                    const ParallelFor& parallel_for, T* log_prob) {
+  GroupedForward(plan, tree, p, parallel_for, log_prob);
+  if (!HasWalkedGroups(plan, tree)) return;
+  // Then each token's walked steps, in path order.
+  parallel_for(plan.num_tokens, WalkCostPerToken(plan, p.dim), [&](int64 begin, int64 end) {
+    for (int64 i = begin; i < end; ++i) {
+      log_prob[i] += WalkPath<T>(plan, tree, p, i, T(0), true, nullptr, nullptr, false, 0);
+    }
+  });
 }
 
 template <typename T>
@@ -224,76 +371,81 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
                      const T* upstream, const ParallelFor& parallel_for,
                      const LogProbGrads<T>& grads, int64 coef_budget) {
   const int64 D = p.dim;
+  // The forward values, read before any in-place update; the walk below adds its part.
+  if (grads.log_prob != nullptr) GroupedForward(plan, tree, p, parallel_for, grads.log_prob);
   std::fill(grads.hidden, grads.hidden + plan.num_tokens * D, T(0));
   std::vector<T> entry_lse(plan.entry_token.size());
   std::vector<T> coef_store;
   std::vector<int64> coef_offset(plan.num_groups() + 1, 0);
 
+  // A group handled by a single token tile gets its dW rows in phase A, straight from
+  // the coefficients in hand; larger groups (several tiles) get them in phase B.
+  auto whole_group = [&](int64 g) {
+    return plan.group_begin[g + 1] - plan.group_begin[g] <= kTokenTile;
+  };
+  // The weight-gradient rows [k0, k0 + kb) of group g go either to the output rows or,
+  // for in-place SGD, to a per-thread scratch block applied to the table when complete.
+  const bool sgd = grads.sgd_weights != nullptr;
+  struct RowBlock {
+    T* dw;
+    T* db;
+  };
+  auto begin_rows = [&](int64 g, int64 k0, int64 kb) -> RowBlock {
+    RowBlock out;
+    const int64 row0 = plan.group_row[g] + k0;
+    const bool with_bias = p.biases != nullptr && (sgd ? grads.sgd_biases != nullptr
+                                                        : grads.bias_rows != nullptr);
+    if (sgd) {
+      Scratch<T>& s = ThreadScratch<T>();
+      out.dw = Grow(&s.sgd_rows, kb * D);
+      out.db = with_bias ? Grow(&s.sgd_bias, kb) : nullptr;
+    } else {
+      out.dw = grads.weight_rows + row0 * D;
+      out.db = with_bias ? grads.bias_rows + row0 : nullptr;
+      const int64 first = tree.child_begin[plan.group_node[g]] + k0;
+      for (int64 j = 0; j < kb; ++j) grads.row_ids[row0 + j] = first + j;
+    }
+    std::fill(out.dw, out.dw + kb * D, T(0));
+    if (out.db != nullptr) std::fill(out.db, out.db + kb, T(0));
+    return out;
+  };
+  // block += coef^T @ H over nt tokens (and db += column sums of coef).
+  auto accumulate_rows = [&](const RowBlock& block, int64 kb, const T* z, int64 ld,
+                             const T* const* rows, int64 nt) {
+    simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D);
+    if (block.db != nullptr) {
+      for (int64 r = 0; r < nt; ++r)
+        for (int64 j = 0; j < kb; ++j) block.db[j] += z[r * ld + j];
+    }
+  };
+  auto end_rows = [&](int64 g, int64 k0, int64 kb, const RowBlock& block) {
+    if (!sgd) return;
+    const int64 first = tree.child_begin[plan.group_node[g]] + k0;
+    const T lr = grads.sgd_learning_rate;
+    T* w = grads.sgd_weights + first * D;
+    for (int64 i = 0; i < kb * D; ++i) w[i] -= lr * block.dw[i];
+    if (block.db != nullptr) {
+      for (int64 j = 0; j < kb; ++j) grads.sgd_biases[first + j] -= lr * block.db[j];
+    }
+  };
+
+  // Grouped (large) nodes, level by level.
   for (int64 level = 0; level < plan.num_levels(); ++level) {
     const int64 g_begin = plan.level_begin[level], g_end = plan.level_begin[level + 1];
     // Keep this level's coefficients for the dW phase when they fit the budget.
     int64 need = 0;
     for (int64 g = g_begin; g < g_end; ++g) {
       coef_offset[g] = need;
+      if (IsWalked(tree, plan.group_node[g])) continue;
       need += (plan.group_begin[g + 1] - plan.group_begin[g]) * BlockOf<T>(tree, plan.group_node[g]).size;
     }
+    if (need == 0) continue;
     const bool keep = need <= coef_budget;
     if (keep && static_cast<int64>(coef_store.size()) < need) coef_store.resize(need);
 
-    // A group handled by a single token tile gets its dW rows in phase A, straight from
-    // the coefficients in hand; larger groups (several tiles) get them in phase B.
-    auto whole_group = [&](int64 g) {
-      return plan.group_begin[g + 1] - plan.group_begin[g] <= kTokenTile;
-    };
-    // The weight-gradient rows [k0, k0 + kb) of group g go either to the output rows or,
-    // for in-place SGD, to a per-thread scratch block applied to the table when complete.
-    const bool sgd = grads.sgd_weights != nullptr;
-    struct RowBlock {
-      T* dw;
-      T* db;
-    };
-    auto begin_rows = [&](int64 g, int64 k0, int64 kb) -> RowBlock {
-      RowBlock out;
-      const int64 row0 = plan.group_row[g] + k0;
-      const bool with_bias = p.biases != nullptr && (sgd ? grads.sgd_biases != nullptr
-                                                          : grads.bias_rows != nullptr);
-      if (sgd) {
-        Scratch<T>& s = ThreadScratch<T>();
-        out.dw = Grow(&s.sgd_rows, kb * D);
-        out.db = with_bias ? Grow(&s.sgd_bias, kb) : nullptr;
-      } else {
-        out.dw = grads.weight_rows + row0 * D;
-        out.db = with_bias ? grads.bias_rows + row0 : nullptr;
-        const int64 first = tree.child_begin[plan.group_node[g]] + k0;
-        for (int64 j = 0; j < kb; ++j) grads.row_ids[row0 + j] = first + j;
-      }
-      std::fill(out.dw, out.dw + kb * D, T(0));
-      if (out.db != nullptr) std::fill(out.db, out.db + kb, T(0));
-      return out;
-    };
-    // block += coef^T @ H over nt tokens (and db += column sums of coef).
-    auto accumulate_rows = [&](const RowBlock& block, int64 kb, const T* z, int64 ld,
-                               const T* const* rows, int64 nt) {
-      simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D);
-      if (block.db != nullptr) {
-        for (int64 r = 0; r < nt; ++r)
-          for (int64 j = 0; j < kb; ++j) block.db[j] += z[r * ld + j];
-      }
-    };
-    auto end_rows = [&](int64 g, int64 k0, int64 kb, const RowBlock& block) {
-      if (!sgd) return;
-      const int64 first = tree.child_begin[plan.group_node[g]] + k0;
-      const T lr = grads.sgd_learning_rate;
-      T* w = grads.sgd_weights + first * D;
-      for (int64 i = 0; i < kb * D; ++i) w[i] -= lr * block.dw[i];
-      if (block.db != nullptr) {
-        for (int64 j = 0; j < kb; ++j) grads.sgd_biases[first + j] -= lr * block.db[j];
-      }
-    };
-
     // Phase A: per token tile, logsumexp, coefficients, and dh += coef @ W_node. Within a
     // level each token is in one tile only, so the dh rows are written without races.
-    const std::vector<Item> items = TokenTiles(plan, g_begin, g_end, kTokenTile);
+    const std::vector<Item> items = TokenTiles(plan, tree, g_begin, g_end, kTokenTile);
     int64 total_cost = 0;
     for (const Item& it : items) total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * D;
     const int64 cost = items.empty() ? 0 : 4 * total_cost / static_cast<int64>(items.size());
@@ -360,7 +512,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     std::vector<Item> chunks;
     int64 chunk_cost = 0;
     for (int64 g = g_begin; g < g_end; ++g) {
-      if (whole_group(g)) continue;
+      if (whole_group(g) || IsWalked(tree, plan.group_node[g])) continue;
       const int64 k = BlockOf<T>(tree, plan.group_node[g]).size;
       const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
       for (int64 k0 = 0; k0 < k; k0 += kGradSlotTile) {
@@ -400,6 +552,85 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
       }
     });
   }
+
+  // Walked (small) nodes, after every grouped level so that each dh row sums its terms in
+  // a fixed order: pass 1 walks every token's path (logits, lse, coefficients, dh); pass 2
+  // gives each walked group its dW rows, summed over its tokens in token order.
+  if (!HasWalkedGroups(plan, tree)) return;
+  std::vector<int64> group_level(plan.num_groups());
+  int64 stride = 0;
+  for (int64 level = 0; level < plan.num_levels(); ++level) {
+    for (int64 g = plan.level_begin[level]; g < plan.level_begin[level + 1]; ++g) {
+      group_level[g] = level;
+      const int64 k = BlockOf<T>(tree, plan.group_node[g]).size;
+      if (k <= kWalkMaxBranching) stride = std::max(stride, k);
+    }
+  }
+  const bool keep = plan.num_steps() * stride <= coef_budget;
+  std::vector<T> step_coef(keep ? plan.num_steps() * stride : 0);
+  parallel_for(plan.num_tokens, 2 * WalkCostPerToken(plan, D), [&](int64 begin, int64 end) {
+    for (int64 i = begin; i < end; ++i) {
+      const T value = WalkPath<T>(plan, tree, p, i, upstream[i], grads.log_prob != nullptr,
+                                  grads.hidden + i * D, step_coef.data(), keep, stride);
+      if (grads.log_prob != nullptr) grads.log_prob[i] += value;
+    }
+  });
+
+  // Work items: runs of consecutive walked groups with about kWalkItemEntries visits.
+  struct GroupRun {
+    int64 begin, end;
+  };
+  std::vector<GroupRun> runs;
+  int64 run_begin = -1, run_entries = 0;
+  for (int64 g = 0; g < plan.num_groups(); ++g) {
+    if (!IsWalked(tree, plan.group_node[g])) continue;
+    if (run_begin < 0) run_begin = g;
+    run_entries += plan.group_begin[g + 1] - plan.group_begin[g];
+    if (run_entries >= kWalkItemEntries) {
+      runs.push_back({run_begin, g + 1});
+      run_begin = -1;
+      run_entries = 0;
+    }
+  }
+  if (run_begin >= 0) runs.push_back({run_begin, plan.num_groups()});
+  const int64 run_cost = kWalkItemEntries * stride * D * (keep ? 2 : 4);
+  parallel_for(static_cast<int64>(runs.size()), run_cost, [&](int64 begin, int64 end) {
+    using V = simd::VecT<T>;
+    constexpr int64 vw = simd::Vec<T>::kWidth;
+    T recomputed[kWalkMaxBranching];
+    for (int64 r = begin; r < end; ++r) {
+      for (int64 g = runs[r].begin; g < runs[r].end; ++g) {
+        const int64 node = plan.group_node[g];
+        if (!IsWalked(tree, node)) continue;
+        const NodeBlock<T> blk = BlockOf<T>(tree, node);
+        const T* w = p.weights + blk.first_slot * D;
+        const T* b = p.biases != nullptr ? p.biases + blk.first_slot : nullptr;
+        const RowBlock block = begin_rows(g, 0, blk.size);
+        for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
+          const int64 i = plan.entry_token[e];
+          const int64 step = plan.token_step_begin[i] + group_level[g];
+          const T* h = p.hidden + i * D;
+          const T* c = step_coef.data() + step * stride;
+          if (!keep) {
+            SmallStepFor<T>(blk.size)(h, w, b, D, plan.entry_slot[e] - blk.first_slot, upstream[i],
+                                      false, true, recomputed, nullptr);
+            c = recomputed;
+          }
+          for (int64 k = 0; k < blk.size; ++k) {
+            T* out = block.dw + k * D;
+            const T ck = c[k];
+            int64 d = 0;
+            for (; d + vw <= D; d += vw) simd::Store(out + d, simd::Load(out + d) + ck * simd::Load(h + d));
+            if (d < D) {
+              simd::StorePartial(out + d, simd::LoadPartial(out + d, D - d) + ck * simd::LoadPartial(h + d, D - d), D - d);
+            }
+            if (block.db != nullptr) block.db[k] += ck;
+          }
+        }
+        end_rows(g, 0, blk.size, block);
+      }
+    }
+  });
 }
 
 #define TF_HSM_INSTANTIATE(T)                                                             \

@@ -48,6 +48,10 @@ struct LogProbGrads {
   T* sgd_weights = nullptr;
   T* sgd_biases = nullptr;
   T sgd_learning_rate = 0;
+
+  // When set, also receives log_prob[num_tokens], bit-identical to LogProbForward's, read
+  // before any in-place update: a fused step then walks small nodes once, not twice.
+  T* log_prob = nullptr;
 };
 
 // Upper bound (in elements) on the softmax coefficients kept between the dh and dW phases

@@ -11,6 +11,11 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__AVX512F__) && !defined(__CUDACC__)
+#include <immintrin.h>
+#define TF_HSM_MASKED_PARTIALS 1
+#endif
+
 namespace tf_hsm {
 namespace simd {
 
@@ -41,7 +46,9 @@ inline VecT<T> Load(const T* p) {
   return v;
 }
 
-// Loads n < kWidth elements, the rest zero.
+// Loads n < kWidth elements, the rest zero. With AVX-512 a masked load (the masked-out
+// lanes are never read, so no fault past the end); otherwise a copy, which for a size
+// unknown at compile time is a library call on every tail of every dot product.
 template <typename T>
 inline VecT<T> LoadPartial(const T* p, int64 n) {
   VecT<T> v = {};
@@ -59,52 +66,158 @@ inline void StorePartial(T* p, VecT<T> v, int64 n) {
   std::memcpy(p, &v, n * sizeof(T));
 }
 
+#ifdef TF_HSM_MASKED_PARTIALS
+template <>
+inline VecT<float> LoadPartial<float>(const float* p, int64 n) {
+  return reinterpret_cast<VecT<float>>(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p));
+}
+template <>
+inline VecT<double> LoadPartial<double>(const double* p, int64 n) {
+  return reinterpret_cast<VecT<double>>(_mm512_maskz_loadu_pd(static_cast<__mmask8>((1u << n) - 1), p));
+}
+template <>
+inline void StorePartial<float>(float* p, VecT<float> v, int64 n) {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), reinterpret_cast<__m512>(v));
+}
+template <>
+inline void StorePartial<double>(double* p, VecT<double> v, int64 n) {
+  _mm512_mask_storeu_pd(p, static_cast<__mmask8>((1u << n) - 1), reinterpret_cast<__m512d>(v));
+}
+#endif
+
 template <typename T>
 inline VecT<T> Splat(T x) {
   VecT<T> v = {};
   return v + x;
 }
 
-// Sum of the lanes, always in the same order.
+// Sum of the lanes, always in the same order: lane i += lane i + half for half = w/2, ...,
+// 1, as lane shuffles and vector adds rather than a scalar loop through memory. The
+// shuffle patterns are literal constants: built at run time, they cost a trip through the
+// stack on every call.
 template <typename T>
 inline T ReduceSum(VecT<T> v) {
-  constexpr int w = Vec<T>::kWidth;
-  T lanes[w];
-  std::memcpy(lanes, &v, sizeof(v));
-  for (int half = w / 2; half > 0; half /= 2) {
-    for (int i = 0; i < half; ++i) lanes[i] += lanes[i + half];
+  if constexpr (Vec<T>::kWidth == 16) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  } else {
+    static_assert(Vec<T>::kWidth == 8, "vectors of 8 or 16 lanes");
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
   }
-  return lanes[0];
+  return v[0];
 }
 
 // Sums each of kWidth vectors: lane k of the result is the sum of the lanes of v[k].
 // A fixed tree of lane shuffles and adds (about 3 operations per vector instead of a
 // scalar loop per vector), so dot products pay little for their horizontal reduction.
-template <typename T>
-inline VecT<T> ReduceEach(const VecT<T>* v) {
-  typedef typename Vec<T>::itype I;
-  constexpr int w = Vec<T>::kWidth;
-  VecT<T> level[w];
-  for (int k = 0; k < w; ++k) level[k] = v[k];
-  int count = w;
-  // Each pass halves the lanes per group and doubles the groups: combining a and b puts
-  // a's partial sums in the low half of the result and b's in the high half.
-  for (int lanes = w; lanes > 1; lanes /= 2) {
-    const int half = lanes / 2;
-    I lo, hi;
-    for (int t = 0; t < w; ++t) {
-      const int u = t % (w / 2);
-      const int index = (u / half) * lanes + u % half + (t < w / 2 ? 0 : w);
-      lo[t] = index;
-      hi[t] = index + half;
+// Each pass halves the lanes per group and doubles the groups: combining a and b puts a's
+// partial sums in the low half of the result and b's in the high half. The shuffle
+// patterns are literal constants (computed at run time they would cost more than the
+// reduction itself).
+namespace internal {
+
+template <typename T, int kHalf>
+inline VecT<T> CombinePair(VecT<T> a, VecT<T> b) {
+  if constexpr (Vec<T>::kWidth == 16) {
+    if constexpr (kHalf == 8) {
+      return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+             __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    } else if constexpr (kHalf == 4) {
+      return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+             __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    } else if constexpr (kHalf == 2) {
+      return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+             __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    } else {
+      return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+             __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     }
-    for (int k = 0; k < count / 2; ++k) {
-      level[k] = __builtin_shuffle(level[2 * k], level[2 * k + 1], lo) +
-                 __builtin_shuffle(level[2 * k], level[2 * k + 1], hi);
+  } else {
+    static_assert(Vec<T>::kWidth == 8, "vectors of 8 or 16 lanes");
+    if constexpr (kHalf == 4) {
+      return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+             __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+    } else if constexpr (kHalf == 2) {
+      return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) +
+             __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+    } else {
+      return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+             __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
     }
-    count /= 2;
   }
-  return level[0];
+}
+
+// One pass with kHalf lanes per group over kCount vectors (combined in pairs), or over a
+// single vector combined with itself once the pairs have run out, then the next pass.
+template <typename T, int kHalf, int kCount>
+inline VecT<T> ReducePasses(VecT<T>* level) {
+  if constexpr (kCount > 1) {
+    for (int k = 0; k < kCount / 2; ++k) {
+      level[k] = CombinePair<T, kHalf>(level[2 * k], level[2 * k + 1]);
+    }
+  } else {
+    level[0] = CombinePair<T, kHalf>(level[0], level[0]);
+  }
+  if constexpr (kHalf == 1) {
+    return level[0];
+  } else {
+    return ReducePasses<T, kHalf / 2, (kCount > 1 ? kCount / 2 : 1)>(level);
+  }
+}
+
+constexpr int PowerOfTwoAtLeast(int n) { return n <= 1 ? 1 : 2 * PowerOfTwoAtLeast((n + 1) / 2); }
+
+}  // namespace internal
+
+// Lane k of the result is the sum of the lanes of v[k], for k < kCount <= kWidth (lanes
+// from kCount on are unspecified). Each sum is the same pairwise tree as ReduceSum's.
+template <typename T, int kCount = Vec<T>::kWidth>
+inline VecT<T> ReduceEach(const VecT<T>* v) {
+  constexpr int w = Vec<T>::kWidth;
+  static_assert(kCount >= 1 && kCount <= w, "one vector per result lane");
+  constexpr int padded = internal::PowerOfTwoAtLeast(kCount);
+  VecT<T> level[padded];
+  for (int k = 0; k < kCount; ++k) level[k] = v[k];
+  for (int k = kCount; k < padded; ++k) level[k] = VecT<T>{};
+  return internal::ReducePasses<T, w / 2, padded>(level);
+}
+
+// Largest lane, by the same tree as ReduceSum. A NaN lane loses every comparison.
+template <typename T>
+inline T ReduceMax(VecT<T> v) {
+  if constexpr (Vec<T>::kWidth == 16) {
+    VecT<T> s = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v = s > v ? s : v;
+    s = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v = s > v ? s : v;
+    s = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v = s > v ? s : v;
+    s = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    v = s > v ? s : v;
+  } else {
+    VecT<T> s = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v = s > v ? s : v;
+    s = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v = s > v ? s : v;
+    s = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    v = s > v ? s : v;
+  }
+  return v[0];
+}
+
+// The lane indices 0, 1, ..., kWidth - 1.
+template <typename T>
+inline typename Vec<T>::itype Iota() {
+  static const typename Vec<T>::itype iota = [] {
+    typename Vec<T>::itype v;
+    for (int i = 0; i < Vec<T>::kWidth; ++i) v[i] = i;
+    return v;
+  }();
+  return iota;
 }
 
 // out[i * ldo + j] = dot(a[i][0:d], b[j * ldb + 0:d]) for i < na, j < nb.
@@ -346,6 +459,12 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
 // gives inf. double keeps std::exp, whose accuracy the float64 gradient checks rely on.
 inline void ExpInPlace(double* x, int64 n) {
   for (int64 i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// exp of every lane; double lanes go through std::exp (see ExpInPlace).
+inline Vec<double>::type ExpVec(Vec<double>::type x) {
+  for (int i = 0; i < Vec<double>::kWidth; ++i) x[i] = std::exp(x[i]);
+  return x;
 }
 
 inline Vec<float>::type ExpVec(Vec<float>::type x) {

@@ -29,6 +29,8 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   // Validate targets and the paths they read; find each token's depth.
   std::vector<int64> depth(num_tokens);
   int64 max_depth = 0;
+  plan->token_path.resize(num_tokens);
+  plan->token_step_begin.assign(num_tokens + 1, 0);
   for (int64 i = 0; i < num_tokens; ++i) {
     const int64 t = targets[i];
     if (t < 0 || t >= C) {
@@ -57,6 +59,8 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
       }
     }
     depth[i] = e - b;
+    plan->token_path[i] = b;
+    plan->token_step_begin[i + 1] = plan->token_step_begin[i] + depth[i];
     max_depth = std::max(max_depth, depth[i]);
   }
 

@@ -23,10 +23,14 @@ struct VisitPlan {
   std::vector<int64> group_row;    // [groups + 1], prefix sums of the nodes' branching
   std::vector<int64> entry_token;  // [entries]
   std::vector<int64> entry_slot;   // [entries], the slot taken at this visit
+  // Per token, for kernels that walk a token's path instead of visiting groups:
+  std::vector<int64> token_path;        // [tokens], index of its first step in path_nodes
+  std::vector<int64> token_step_begin;  // [tokens + 1], prefix sums of the path lengths
 
   int64 num_levels() const { return static_cast<int64>(level_begin.size()) - 1; }
   int64 num_groups() const { return static_cast<int64>(group_node.size()); }
   int64 num_rows() const { return group_row.empty() ? 0 : group_row.back(); }
+  int64 num_steps() const { return token_step_begin.empty() ? 0 : token_step_begin.back(); }
 };
 
 // Builds the plan for targets[0..num_tokens). Checks every target and every tree offset the

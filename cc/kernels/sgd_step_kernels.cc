@@ -106,7 +106,6 @@ class SgdStepOp : public OpKernel {
     // The table is read and updated in place: params.weights aliases grads.sgd_weights.
     const SoftmaxParams<T> params = ParamsOf<T>(in);
     const ParallelFor parallel_for = CpuParallelFor(ctx);
-    LogProbForward<T>(plan, tree, params, parallel_for, log_prob->flat<T>().data());
     // d loss / d log_prob = -loss_scale.
     std::vector<T> upstream(in.num_tokens);
     const T* s = scale.flat<T>().data();
@@ -116,6 +115,7 @@ class SgdStepOp : public OpKernel {
     grads.sgd_weights = w;
     grads.sgd_biases = b;
     grads.sgd_learning_rate = learning_rate.scalar<T>()();
+    grads.log_prob = log_prob->flat<T>().data();
     LogProbBackward<T>(plan, tree, params, upstream.data(), parallel_for, grads);
   }
 

@@ -192,8 +192,8 @@ void TestDeterminism() {
   }
 }
 
-// In-place SGD gives the table that applying the sparse gradient rows would give, and the
-// same hidden gradient.
+// In-place SGD gives the table that applying the sparse gradient rows would give, the
+// same hidden gradient and (as the fused op's output) the same log-probabilities.
 void TestInPlaceSgd() {
   std::mt19937_64 rng(5);
   std::normal_distribution<double> normal(0, 1);
@@ -224,8 +224,9 @@ void TestInPlaceSgd() {
       p.weights = w_sgd.data();  // aliases the table being updated, as in the op
       p.biases = b_sgd.data();
       p.dim = D;
-      LogProbForward<double>(plan, t.view(), p, ThreadedFor(3), lp.data());
+      // The fused step's log_prob output, read before the update, must equal the forward's.
       LogProbGrads<double> g;
+      g.log_prob = lp.data();
       g.hidden = dh.data();
       g.sgd_weights = w_sgd.data();
       g.sgd_biases = b_sgd.data();
