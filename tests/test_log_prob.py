@@ -192,3 +192,33 @@ def test_training_loop_lowers_the_loss(rng):
 
   losses = [float(step(features, targets)) for _ in range(60)]
   assert losses[-1] < 0.7 * losses[0], losses[::10]
+
+
+def test_reused_gradient_buffer_never_overwrites_a_held_gradient(rng):
+  # Weight gradients of 4 MB and more reuse one buffer across calls, but only once nothing
+  # else references it: a gradient the caller still holds must survive the next call.
+  tree = tf_hsm.Tree.two_level(20_000)
+  dim = 128
+  w = tf.Variable(rng.normal(size=(tree.num_slots, dim)).astype(np.float32))
+  b = tf.Variable(rng.normal(size=tree.num_slots).astype(np.float32))
+
+  def weight_grad(seed):
+    r = np.random.default_rng(seed)
+    h = tf.constant(r.normal(size=(3000, dim)).astype(np.float32))
+    y = tf.constant(r.integers(0, 20_000, size=3000))
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf_hsm.log_prob(h, w, b, tree, y))
+    return tape.gradient(loss, w)
+
+  first = weight_grad(1)
+  assert first.values.shape[0] * dim * 4 >= 4 << 20   # large enough to be reused
+  kept = first.values.numpy().copy()
+  second = weight_grad(2)
+  np.testing.assert_array_equal(first.values.numpy(), kept)
+  assert not np.array_equal(second.values.numpy()[:100], kept[:100])
+  del first, second
+  again = weight_grad(1)   # may now reuse the buffer, and must give the same bits
+  np.testing.assert_array_equal(again.values.numpy(), kept)
+  step = tf.function(lambda: weight_grad(1).values)
+  for _ in range(3):
+    np.testing.assert_array_equal(step().numpy(), kept)

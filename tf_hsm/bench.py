@@ -272,7 +272,7 @@ def expand_cases(scenarios, args, tree_dir, opts):
                 "tree": kind, "tree_path": tree_path, "seed": opts.seed,
                 "num_sampled": opts.num_sampled, "k": setup.TOPK_K, "note": sc.note}
         methods = list(sc.methods)
-        if sc.kind == "train" and opts.optimizer == "sgd":
+        if sc.kind == "train" and opts.optimizer == "sgd" and setup.FUSED_SGD not in methods:
           methods.insert(1, setup.FUSED_SGD)
         methods = [m for m in methods if not args.methods or m in args.methods]
         if sc.kind != "topk" and "tf_hsm" not in methods:

@@ -120,6 +120,27 @@ ParallelFor CpuParallelFor(OpKernelContext* ctx) {
   };
 }
 
+::tensorflow::Status ReusableOutput::Allocate(OpKernelContext* ctx, int index, int64 rows,
+                                              int64 cols, Tensor** out) {
+  constexpr int64 kMinReuseBytes = int64{4} << 20;
+  const ::tensorflow::DataType dtype = ctx->expected_output_dtype(index);
+  const int64 bytes = rows * cols * static_cast<int64>(::tensorflow::DataTypeSize(dtype));
+  if (bytes < kMinReuseBytes) return ctx->allocate_output(index, TensorShape({rows, cols}), out);
+  ::tensorflow::mutex_lock lock(mu_);
+  const bool reusable = buffer_.IsInitialized() && buffer_.RefCountIsOne() &&
+                        buffer_.dtype() == dtype && buffer_.dim_size(1) == cols &&
+                        buffer_.dim_size(0) >= rows;
+  if (!reusable) {
+    // Some headroom: the number of touched rows varies from batch to batch.
+    Tensor fresh;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({rows + rows / 4, cols}), &fresh));
+    buffer_ = fresh;
+  }
+  ctx->set_output(index, buffer_.Slice(0, rows));
+  *out = ctx->mutable_output(index);
+  return Status();
+}
+
 TensorShape BatchShape(const Tensor& hidden) {
   TensorShape batch = hidden.shape();
   batch.RemoveLastDims(1);

@@ -9,6 +9,7 @@
 #include "cc/core/tree_view.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/util/work_sharder.h"
 
 namespace tf_hsm {
@@ -55,6 +56,22 @@ SoftmaxParams<T> ParamsOf(const SoftmaxInputs& in) {
 
 // The CPU device's thread pool as the core's ParallelFor.
 ParallelFor CpuParallelFor(::tensorflow::OpKernelContext* ctx);
+
+// An op output [rows, cols] whose buffer is kept by the kernel and handed out again on the
+// next call when nobody else holds it any more. The sparse weight gradient is 80-800 MB per
+// step at large vocabularies; as a fresh allocation each step, glibc maps it from the OS
+// and unmaps it on free, so every step pays a page fault and a page clear for all of it.
+// A buffer still referenced (the caller kept last step's gradient) is never reused, so
+// outputs never alias anything visible; small outputs are allocated normally.
+class ReusableOutput {
+ public:
+  ::tensorflow::Status Allocate(::tensorflow::OpKernelContext* ctx, int index, int64 rows,
+                                int64 cols, ::tensorflow::Tensor** out);
+
+ private:
+  ::tensorflow::mutex mu_;
+  ::tensorflow::Tensor buffer_ TF_GUARDED_BY(mu_);
+};
 
 // hidden's shape without its last dimension.
 ::tensorflow::TensorShape BatchShape(const ::tensorflow::Tensor& hidden);

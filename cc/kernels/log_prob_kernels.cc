@@ -67,7 +67,7 @@ class LogProbGradOp : public OpKernel {
     const int64 rows = plan.num_rows();
     Tensor *hidden_grad, *weight_rows, *bias_rows, *row_ids;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, in.hidden->shape(), &hidden_grad));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({rows, in.dim}), &weight_rows));
+    OP_REQUIRES_OK(ctx, weight_rows_.Allocate(ctx, 1, rows, in.dim, &weight_rows));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({in.has_bias ? rows : 0}), &bias_rows));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({rows}), &row_ids));
     LogProbGrads<T> grads;
@@ -77,6 +77,9 @@ class LogProbGradOp : public OpKernel {
     grads.row_ids = row_ids->flat<int64_t>().data();
     LogProbBackward<T>(plan, tree, params, upstream.flat<T>().data(), CpuParallelFor(ctx), grads);
   }
+
+ private:
+  ReusableOutput weight_rows_;
 };
 
 #define REGISTER_CPU(T)                                                                  \
