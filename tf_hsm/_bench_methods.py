@@ -201,6 +201,11 @@ class Method:
         return values - tf.reduce_logsumexp(logits, axis=-1, keepdims=True), classes
 
       return tf.function(dense)
+    if name == setup.LOG_PROB_ALL:
+      from tf_hsm import inference  # pylint: disable=import-outside-toplevel
+      tree = inputs.tree
+      # One column leaves the function: copying [rows, C] to the host would time the copy.
+      return tf.function(lambda: inference.log_prob_all(h, w, b, tree)[:, :1])
     op = _top_k_op()
     if op is None:
       raise NotImplementedError("tf_hsm.inference.top_k is not available")

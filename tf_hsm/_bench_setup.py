@@ -21,7 +21,11 @@ TREE_LABELS = {
 
 TRAIN_METHODS = ("tf_hsm", "gather", "embedding_lookup", "map_fn", "dense_tree",
                  "full_softmax", "sampled_softmax")
-TOPK_METHODS = ("tf_hsm_top_k", "dense_top_k")
+# Inference methods of the topk scenario. tf_hsm_log_prob_all computes every class's
+# log-probability for each row (its roofline: one read of the whole table, one write of
+# the [rows, C] output).
+LOG_PROB_ALL = "tf_hsm_log_prob_all"
+TOPK_METHODS = ("tf_hsm_top_k", "dense_top_k", LOG_PROB_ALL)
 # tf_hsm.sgd_step: forward, backward and SGD update fused, no gradient materialised. Runs
 # in the memory scenario and, with --optimizer sgd, in every training scenario.
 FUSED_SGD = "tf_hsm_sgd_step"
@@ -61,7 +65,8 @@ FULL_SCENARIOS = {
                   methods=TRAIN_METHODS + (FUSED_SGD,),
                   note="fastText-like; fastText's own step is an in-place SGD"),
     "topk": Scenario("topk", "topk", (1_000_000,), 64, (64,), ("two_level", "huffman"),
-                     methods=TOPK_METHODS, note="top-10 classes of 64 rows"),
+                     methods=TOPK_METHODS,
+                     note="top-10 classes of 64 rows; log_prob_all of the same rows"),
     "mem": Scenario("mem", "mem", (2_000_000,), 300, (3_200,), ("two_level",),
                     methods=("tf_hsm", FUSED_SGD),
                     note="fwd+bwd+sparse SGD, peak RSS vs table"),
@@ -202,7 +207,12 @@ def method_work(method, case, optimizer):
   e = 4
   opt_slots = {"none": None, "sgd": 0, "adagrad": 1, "sparse_adagrad": 1, "adam": 2,
                "lazy_adam": 2}.get(optimizer)
-  if method in ("full_softmax", "dense_top_k"):
+  if method == LOG_PROB_ALL:
+    slots = case["tree_summary"]["num_slots"]
+    rows, mults = slots, t * slots
+    fwd_bytes = e * (d + 1) * slots + e * t * d + e * t * v
+    step_bytes = fwd_bytes
+  elif method in ("full_softmax", "dense_top_k"):
     rows, mults = v, t * v
     fwd_bytes = e * d * rows + e * t * d
     step_bytes = 3 * e * d * rows + 2 * e * t * d

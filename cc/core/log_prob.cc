@@ -390,7 +390,9 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     T* dw;
     T* db;
   };
-  auto begin_rows = [&](int64 g, int64 k0, int64 kb) -> RowBlock {
+  // With zero_fill false the rows are left as they are: the first accumulation into them
+  // must then overwrite (which gives the same bits as zeroing first).
+  auto begin_rows = [&](int64 g, int64 k0, int64 kb, bool zero_fill) -> RowBlock {
     RowBlock out;
     const int64 row0 = plan.group_row[g] + k0;
     const bool with_bias = p.biases != nullptr && (sgd ? grads.sgd_biases != nullptr
@@ -405,14 +407,14 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
       const int64 first = tree.child_begin[plan.group_node[g]] + k0;
       for (int64 j = 0; j < kb; ++j) grads.row_ids[row0 + j] = first + j;
     }
-    std::fill(out.dw, out.dw + kb * D, T(0));
+    if (zero_fill) std::fill(out.dw, out.dw + kb * D, T(0));
     if (out.db != nullptr) std::fill(out.db, out.db + kb, T(0));
     return out;
   };
   // block += coef^T @ H over nt tokens (and db += column sums of coef).
   auto accumulate_rows = [&](const RowBlock& block, int64 kb, const T* z, int64 ld,
-                             const T* const* rows, int64 nt) {
-    simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D);
+                             const T* const* rows, int64 nt, bool overwrite) {
+    simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D, overwrite);
     if (block.db != nullptr) {
       for (int64 r = 0; r < nt; ++r)
         for (int64 j = 0; j < kb; ++j) block.db[j] += z[r * ld + j];
@@ -471,8 +473,8 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           }
           for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
             const int64 kb = std::min(kSlotTile, blk.size - k0);
-            const RowBlock block = begin_rows(it.group, k0, kb);
-            accumulate_rows(block, kb, z + k0, blk.size, rows, it.count);
+            const RowBlock block = begin_rows(it.group, k0, kb, false);
+            accumulate_rows(block, kb, z + k0, blk.size, rows, it.count, true);
             end_rows(it.group, k0, kb, block);
           }
           continue;
@@ -498,8 +500,8 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           }
           simd::AccumulateRows<T>(out_rows, it.count, z, ld, p.weights + (blk.first_slot + k0) * D, D, kb, D);
           if (owns_rows) {
-            const RowBlock block = begin_rows(it.group, k0, kb);
-            accumulate_rows(block, kb, z, ld, rows, it.count);
+            const RowBlock block = begin_rows(it.group, k0, kb, false);
+            accumulate_rows(block, kb, z, ld, rows, it.count, true);
             end_rows(it.group, k0, kb, block);
           }
         }
@@ -527,7 +529,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         const Item& ch = chunks[c];
         const int64 g = ch.group, k0 = ch.offset, kb = ch.count;
         const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[g]);
-        const RowBlock block = begin_rows(g, k0, kb);
+        const RowBlock block = begin_rows(g, k0, kb, false);
         const int64 e_begin = plan.group_begin[g], n = plan.group_begin[g + 1] - e_begin;
         Scratch<T>& s = ThreadScratch<T>();
         T* tile = Grow(&s.tile, kTokenTile * kSlotTile);
@@ -537,7 +539,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e_begin + t0 + r] * D;
           if (keep) {
             accumulate_rows(block, kb, coef_store.data() + coef_offset[g] + t0 * blk.size + k0,
-                            blk.size, rows, nt);
+                            blk.size, rows, nt, t0 == 0);
           } else {
             Logits(p, rows, nt, blk, k0, kb, tile, kGradSlotTile);
             for (int64 r = 0; r < nt; ++r) {
@@ -545,7 +547,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
               Coefficients(tile + r * kGradSlotTile, kb, entry_lse[e], upstream[plan.entry_token[e]],
                            plan.entry_slot[e] - blk.first_slot - k0);
             }
-            accumulate_rows(block, kb, tile, kGradSlotTile, rows, nt);
+            accumulate_rows(block, kb, tile, kGradSlotTile, rows, nt, t0 == 0);
           }
         }
         end_rows(g, k0, kb, block);
@@ -605,7 +607,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         const NodeBlock<T> blk = BlockOf<T>(tree, node);
         const T* w = p.weights + blk.first_slot * D;
         const T* b = p.biases != nullptr ? p.biases + blk.first_slot : nullptr;
-        const RowBlock block = begin_rows(g, 0, blk.size);
+        const RowBlock block = begin_rows(g, 0, blk.size, true);
         for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
           const int64 i = plan.entry_token[e];
           const int64 step = plan.token_step_begin[i] + group_level[g];

@@ -405,10 +405,11 @@ void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* 
 }
 
 // out[j * ldo + 0:d] += sum_i coef[i * ldc + j] * a[i][0:d] for j < nb, i < na, summed in
-// increasing i. This is dW_block += coef^T @ H.
+// increasing i. This is dW_block += coef^T @ H. With overwrite, out's old contents are
+// neither read nor needed: the sums start from +0, exactly as if out had been zeroed.
 template <typename T>
 void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
-                          const T* const* a, int64 na, int64 d) {
+                          const T* const* a, int64 na, int64 d, bool overwrite = false) {
   constexpr int64 w = Vec<T>::kWidth;
   constexpr int64 kCols = 4, kVecs = 4;  // 16 independent accumulator chains
   for (int64 j0 = 0; j0 < nb; j0 += kCols) {
@@ -418,7 +419,8 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
       for (; k + kVecs * w <= d; k += kVecs * w) {
         VecT<T> acc[kCols][kVecs];
         for (int64 c = 0; c < kCols; ++c)
-          for (int64 v = 0; v < kVecs; ++v) acc[c][v] = Load(out + (j0 + c) * ldo + k + v * w);
+          for (int64 v = 0; v < kVecs; ++v)
+            acc[c][v] = overwrite ? VecT<T>{} : Load(out + (j0 + c) * ldo + k + v * w);
         for (int64 i = 0; i < na; ++i) {
           VecT<T> av[kVecs];
           for (int64 v = 0; v < kVecs; ++v) av[v] = Load(a[i] + k + v * w);
@@ -435,7 +437,7 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
       VecT<T> acc[kCols];
       for (int64 c = 0; c < cols; ++c) {
         T* o = out + (j0 + c) * ldo + k;
-        acc[c] = n == w ? Load(o) : LoadPartial(o, n);
+        acc[c] = overwrite ? VecT<T>{} : n == w ? Load(o) : LoadPartial(o, n);
       }
       for (int64 i = 0; i < na; ++i) {
         const VecT<T> av = n == w ? Load(a[i] + k) : LoadPartial(a[i] + k, n);
