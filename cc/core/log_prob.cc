@@ -122,12 +122,12 @@ SmallStepFn<T> SmallStepFor(int64 k) {
 }
 
 // Token i's steps through small nodes, in path order: returns the sum of their
-// log-probability terms when want_value. With dh set (backward), dh gets every step's
+// log-probability terms when want_value. With grad (backward), dh gets every step's
 // coef @ W, and when keep, step s = plan.token_step_begin[i] + l stores its coefficients at
-// coef[s * stride].
+// coef[s * stride]. (dh may be null when D = 0: grad, not dh, says which pass this is.)
 template <typename T>
 T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p, int64 i,
-           T upstream, bool want_value, T* dh, T* coef, bool keep, int64 stride) {
+           T upstream, bool want_value, bool grad, T* dh, T* coef, bool keep, int64 stride) {
   const int64 D = p.dim;
   const int64 path = plan.token_path[i];
   const int64 depth = plan.token_step_begin[i + 1] - plan.token_step_begin[i];
@@ -148,9 +148,9 @@ T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& 
       for (int64 o = 0; o < bytes; o += 64) __builtin_prefetch(row + o);
     }
     const T* b = p.biases != nullptr ? p.biases + first : nullptr;
-    T* c = dh != nullptr && keep ? coef + (step0 + l) * stride : nullptr;
+    T* c = grad && keep ? coef + (step0 + l) * stride : nullptr;
     sum += SmallStepFor<T>(k)(h, p.weights + first * D, b, D, tree.path_slots[path + l] - first,
-                              upstream, want_value, dh != nullptr, c, dh);
+                              upstream, want_value, grad, c, dh);
   }
   return sum;
 }
@@ -361,7 +361,7 @@ void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
   // Then each token's walked steps, in path order.
   parallel_for(plan.num_tokens, WalkCostPerToken(plan, p.dim), [&](int64 begin, int64 end) {
     for (int64 i = begin; i < end; ++i) {
-      log_prob[i] += WalkPath<T>(plan, tree, p, i, T(0), true, nullptr, nullptr, false, 0);
+      log_prob[i] += WalkPath<T>(plan, tree, p, i, T(0), true, false, nullptr, nullptr, false, 0);
     }
   });
 }
@@ -572,7 +572,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
   std::vector<T> step_coef(keep ? plan.num_steps() * stride : 0);
   parallel_for(plan.num_tokens, 2 * WalkCostPerToken(plan, D), [&](int64 begin, int64 end) {
     for (int64 i = begin; i < end; ++i) {
-      const T value = WalkPath<T>(plan, tree, p, i, upstream[i], grads.log_prob != nullptr,
+      const T value = WalkPath<T>(plan, tree, p, i, upstream[i], grads.log_prob != nullptr, true,
                                   grads.hidden + i * D, step_coef.data(), keep, stride);
       if (grads.log_prob != nullptr) grads.log_prob[i] += value;
     }

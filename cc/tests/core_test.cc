@@ -158,6 +158,11 @@ void TestAgainstReference() {
     CheckAgainstReference<double>(rng, t, N, D, trial % 2 == 0, 1e-10, "double");
     CheckAgainstReference<float>(rng, t, N, D, trial % 3 == 0, 2e-4, "float");
   }
+  // D = 0: the logits are the biases alone (hidden and its gradient are empty).
+  for (int trial = 0; trial < 4; ++trial) {
+    const Layout t = RandomLayout(rng, 2 + trial * 5, 1 + trial, 0.3, 200);
+    CheckAgainstReference<double>(rng, t, 1 + rng() % 50, 0, true, 1e-10, "D=0 double");
+  }
   // One wide node: more children than a slot tile (online logsumexp across tiles).
   const Layout wide = RandomLayout(rng, 700, 1, 0.0, 1000);
   CheckAgainstReference<double>(rng, wide, 150, 33, true, 1e-10, "wide double");
