@@ -84,8 +84,10 @@ namespace row_panel {
 
 // kGroups row groups x kCols weight rows of the product. Each output is accumulated over k
 // in kSplit interleaved partial sums (k mod kSplit, combined in a fixed order at the end):
-// small tiles need the independent chains to keep the multiply-add units busy.
-template <typename T, int64 kGroups, int64 kCols, int64 kSplit>
+// small tiles need the independent chains to keep the multiply-add units busy. The result
+// goes to out[row * ld + column], or with kSlotMajor to out[column * ld + row] as whole
+// vectors (lanes past `rows` then hold the zero padding's logits).
+template <typename T, int64 kGroups, int64 kCols, int64 kSplit, bool kSlotMajor>
 inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64 nb,
                  int64 rows, T* out, int64 ld) {
   typedef simd::VecT<T> V;
@@ -115,6 +117,11 @@ inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64
       for (int64 q = 0; q < kGroups; ++q)
         for (int64 c = 0; c < kCols; ++c) acc[u][q][c] += acc[u + half][q][c];
   const int64 cols = std::min(kCols, nb - j0);
+  if constexpr (kSlotMajor) {
+    for (int64 q = 0; q < kGroups; ++q)
+      for (int64 c = 0; c < cols; ++c) simd::Store(out + (j0 + c) * ld + q * w, acc[0][q][c]);
+    return;
+  }
   for (int64 q = 0; q < kGroups; ++q) {
     for (int64 c = 0; c < cols; ++c) {
       T lanes[w];
@@ -129,26 +136,39 @@ inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64
 // out[r * ld + j] = sum_k rows[r][k] * b[j * ldb + k] for r < nr, j < nb, with the rows
 // packed by PackRows: each vector holds kWidth rows and each weight element is broadcast,
 // so the (much larger) weight block is never repacked. The summation order depends only
-// on nb (the tile's width), never on the rows around an output.
-template <typename T>
+// on nb (the tile's width), never on the rows around an output. kSlotMajor: the same
+// values at out[j * ld + r], ld a multiple of kWidth, rows padded to whole vectors.
+// [ahead, ahead + ahead_bytes) is requested into L2 along the way (the caller's next weight
+// block), spread over the first row groups' tiles so the loads overlap the arithmetic.
+template <typename T, bool kSlotMajor = false>
 void RowPanelDots(const T* hp, int64 nr, const T* b, int64 ldb, int64 nb, int64 d, T* out,
-                  int64 ld) {
+                  int64 ld, const void* ahead = nullptr, int64 ahead_bytes = 0) {
   constexpr int64 w = simd::Vec<T>::kWidth;
+  constexpr int64 kLine = 64;
   const int64 groups = (nr + w - 1) / w;
+  const char* next = static_cast<const char*>(ahead);
+  auto prefetch = [&](int64 part, int64 parts) {
+    for (int64 o = ahead_bytes * part / parts / kLine * kLine; o < ahead_bytes * (part + 1) / parts; o += kLine) {
+      __builtin_prefetch(next + o, 0, 2);
+    }
+  };
   // Weight rows per tile: 8, or fewer for the small nodes of binary trees.
   auto columns = [&](auto group_tag, int64 g) {
     constexpr int64 G = decltype(group_tag)::value;
     const T* panel = hp + g * d * w;
-    T* o = out + g * w * ld;
+    T* o = out + (kSlotMajor ? g * w : g * w * ld);
     const int64 rows = nr - g * w;
+    if (g == 0 && nb <= 4) prefetch(0, 1);
     // The split depends on nb only, so an output's bits do not depend on its row group.
     if (nb <= 2) {
-      row_panel::Tile<T, G, 2, 4>(panel, d, b, ldb, 0, nb, rows, o, ld);
+      row_panel::Tile<T, G, 2, 4, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld);
     } else if (nb <= 4) {
-      row_panel::Tile<T, G, 4, 2>(panel, d, b, ldb, 0, nb, rows, o, ld);
+      row_panel::Tile<T, G, 4, 2, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld);
     } else {
+      const int64 tiles = (nb + 7) / 8;
       for (int64 j0 = 0; j0 < nb; j0 += 8) {
-        row_panel::Tile<T, G, 8, 1>(panel, d, b, ldb, j0, nb, rows, o, ld);
+        if (g == 0) prefetch(j0 / 8, tiles);
+        row_panel::Tile<T, G, 8, 1, kSlotMajor>(panel, d, b, ldb, j0, nb, rows, o, ld);
       }
     }
   };
@@ -899,6 +919,169 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
   }
 }
 
+// SweepItemRun for a batch of 16 or more rows (the packed kernel), in the rows' direction:
+// each node's logits are kept slot-major, zt[j * ld + r] with the item's rows padded to
+// whole vectors (ld of them), so one vector holds one child's logits for kWidth rows.
+// The logsumexp is then a lane-wise fold over the children (vector exp and log, no
+// horizontal reductions), a child node's values are whole vectors of `values`, and a run
+// of consecutive classes is written to the output rows through kWidth x kWidth register
+// transposes. The tile-by-tile online fold (a tile's max, then the running sum rescaled)
+// is the same whether or not the node's logits fit in scratch, so the results do not
+// depend on the batch size's effect on that choice.
+template <typename T>
+void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan& plan,
+                          const SweepItem& it, const T* const* block_rows, int64 stride,
+                          T* values, T* out, int64 width) {
+  typedef simd::VecT<T> V;
+  constexpr int64 w = simd::Vec<T>::kWidth;
+  constexpr int64 kMaxGroups = kBlockRows / w;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  Scratch<T>& s = ThreadScratch<T>();
+  const int64 nt = it.rows, groups = (nt + w - 1) / w, ld = groups * w;
+  const int64 tail = nt - (groups - 1) * w;  // rows of the last group
+  auto group_rows = [&](int64 g) { return g + 1 < groups ? w : tail; };
+  auto load_rows = [&](const T* src, int64 g) {
+    return group_rows(g) == w ? simd::Load(src + g * w) : simd::LoadPartial(src + g * w, tail);
+  };
+  auto store_rows = [&](T* dst, int64 g, V v) {
+    if (group_rows(g) == w) {
+      simd::Store(dst + g * w, v);
+    } else {
+      simd::StorePartial(dst + g * w, v, tail);
+    }
+  };
+  const T* hp = PackedRows(block_rows + it.row, nt, p.dim, true);
+  T* lse = Grow(&s.lse, ld);          // per row, for the transposed run writes
+  T* parent_row = Grow(&s.row_max, ld);
+  T* out_rows = out + it.row * width;
+  const int64 C = t.num_classes;
+  int64 prefetched = 0;  // weight rows before this one were requested already
+  for (int64 q = it.first; q < it.last; ++q) {
+    const int64 n = plan.node[q];
+    const int64 first = t.child_begin[n], K = t.child_begin[n + 1] - first;
+    const int64* codes = t.slot_child + first;
+    const int64 run = plan.run[q];
+    V parent[kMaxGroups], m[kMaxGroups], sum[kMaxGroups], l[kMaxGroups];
+    for (int64 g = 0; g < groups; ++g) {
+      parent[g] = load_rows(values + q * stride + it.row, g);
+      m[g] = simd::Splat<T>(ninf);
+      sum[g] = V{};
+    }
+    // With every logit kept, each value is written once, finished; otherwise each tile's
+    // raw logits are parked at their destinations and finished there at the end.
+    const bool kept = K * ld <= kKeepLogits;
+    T* zs = Grow(&s.z, (kept ? K : std::min(K, kSlotTile)) * ld);
+    // Writes the values of children [j0, j0 + kb) from their logits zt[(j - j0) * ld + r]:
+    // finished (parent + logit - lse) or, when !finish, the raw logits.
+    auto emit = [&](const T* zt, int64 j0, int64 kb, bool finish) {
+      auto value = [&](V z, int64 g) { return finish ? parent[g] + (z - l[g]) : z; };
+      if (run >= 0) {
+        // Blocks of kWidth children, transposed in registers into pieces of output rows.
+        // (Streaming stores past the caches, with the rows staged and written in whole lines
+        // while the next node computes, measured no faster on these machines.)
+        for (int64 g = 0; g < groups; ++g) {
+          for (int64 jb = 0; jb < kb; jb += w) {
+            const int64 cols = std::min(w, kb - jb);
+            V block[w];
+            for (int64 c = 0; c < w; ++c) block[c] = c < cols ? simd::Load(zt + (jb + c) * ld + g * w) : V{};
+            simd::Transpose<T>(block);
+            for (int64 r = 0; r < group_rows(g); ++r) {
+              const int64 row = g * w + r;
+              V v = block[r];
+              if (finish) v = parent_row[row] + (v - lse[row]);
+              T* o = out_rows + row * width + run + j0 + jb;
+              if (cols == w) {
+                simd::Store(o, v);
+              } else {
+                simd::StorePartial(o, v, cols);
+              }
+            }
+          }
+        }
+        return;
+      }
+      for (int64 j = 0; j < kb; ++j) {
+        const int64 code = codes[j0 + j];
+        const T* zj = zt + j * ld;
+        if (code >= C) {
+          const int64 position = plan.position[code - C];
+          if (position < 0) continue;  // off every path to the class range
+          for (int64 g = 0; g < groups; ++g) {
+            store_rows(values + position * stride + it.row, g, value(simd::Load(zj + g * w), g));
+          }
+        } else if (code >= plan.class_begin && code < plan.class_end) {
+          T* o = out_rows + (code - plan.class_begin);
+          for (int64 g = 0; g < groups; ++g) {
+            const V v = value(simd::Load(zj + g * w), g);
+            for (int64 r = 0; r < group_rows(g); ++r) o[(g * w + r) * width] = v[r];
+          }
+        }
+      }
+    };
+    for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
+      const int64 kb = std::min(kSlotTile, K - k0);
+      T* zt = kept ? zs + k0 * ld : zs;
+      // Ask for the weight rows up to a tile past this one (the node's next tile or the
+      // next nodes' rows: a level's nodes are numbered, so stored, in order), each once.
+      const int64 ahead_begin = std::max(first + k0 + kb, prefetched);
+      prefetched = std::max(prefetched, std::min(first + k0 + kb + kSlotTile, t.num_slots));
+      RowPanelDots<T, true>(hp, nt, p.weights + (first + k0) * p.dim, p.dim, kb, p.dim, zt, ld,
+                            p.weights + ahead_begin * p.dim,
+                            std::max<int64>(0, prefetched - ahead_begin) * p.dim * static_cast<int64>(sizeof(T)));
+      const T* bias = p.biases == nullptr ? nullptr : p.biases + first + k0;
+      for (int64 g = 0; g < groups; ++g) {
+        T* zg = zt + g * w;
+        V tile_max = simd::Splat<T>(ninf);
+        for (int64 j = 0; j < kb; ++j) {
+          V z = simd::Load(zg + j * ld);
+          if (bias != nullptr) {
+            z += bias[j];
+            simd::Store(zg + j * ld, z);
+          }
+          tile_max = z > tile_max ? z : tile_max;  // NaN loses: the sum carries it
+        }
+        const V new_max = tile_max > m[g] ? tile_max : m[g];
+        const V scale = tile_max > m[g] ? simd::ExpVec(m[g] - new_max) : simd::Splat<T>(1);
+        V exps = {};
+        for (int64 j = 0; j < kb; ++j) exps += simd::ExpVec(simd::Load(zg + j * ld) - new_max);
+        sum[g] = sum[g] * scale;
+        sum[g] += exps;
+        m[g] = new_max;
+      }
+      if (!kept) emit(zt, k0, kb, false);
+    }
+    for (int64 g = 0; g < groups; ++g) {
+      l[g] = m[g] + simd::LogVec(sum[g]);
+      simd::Store(lse + g * w, l[g]);
+      simd::Store(parent_row + g * w, parent[g]);
+    }
+    if (kept) {
+      emit(zs, 0, K, true);
+      continue;
+    }
+    // Finish the parked values in place.
+    if (run >= 0) {
+      for (int64 r = 0; r < nt; ++r) {
+        T* o = out_rows + r * width + run;
+        for (int64 j = 0; j < K; ++j) o[j] = parent_row[r] + (o[j] - lse[r]);
+      }
+      continue;
+    }
+    for (int64 j = 0; j < K; ++j) {
+      const int64 code = codes[j];
+      if (code >= C) {
+        const int64 position = plan.position[code - C];
+        if (position < 0) continue;
+        T* dst = values + position * stride + it.row;
+        for (int64 g = 0; g < groups; ++g) store_rows(dst, g, parent[g] + (load_rows(dst, g) - l[g]));
+      } else if (code >= plan.class_begin && code < plan.class_end) {
+        T* o = out_rows + (code - plan.class_begin);
+        for (int64 r = 0; r < nt; ++r) o[r * width] = parent_row[r] + (o[r * width] - lse[r]);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // LogProbCandidates helpers.
 // ---------------------------------------------------------------------------------------
@@ -999,8 +1182,13 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
       const int64 cost = 2 * work * nr / static_cast<int64>(items.size());
       parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
         for (int64 i = begin; i < end; ++i) {
-          SweepItemRun(tree, p, plan, items[i], rows.data(), block, values.data(),
-                       out + r0 * width, width, packed);
+          if (packed) {
+            SweepItemRowsInLanes(tree, p, plan, items[i], rows.data(), block, values.data(),
+                                 out + r0 * width, width);
+          } else {
+            SweepItemRun(tree, p, plan, items[i], rows.data(), block, values.data(),
+                         out + r0 * width, width, packed);
+          }
         }
       });
     }

@@ -186,6 +186,54 @@ inline VecT<T> ReduceEach(const VecT<T>* v) {
   return internal::ReducePasses<T, w / 2, padded>(level);
 }
 
+// Transposes the kWidth x kWidth matrix whose row r is v[r], in place: afterwards lane c
+// of v[r] is what lane r of v[c] was. Stage h exchanges bit h of the row index with bit h
+// of the lane index (rows r and r + h trade the off-diagonal h x h blocks), so log2(kWidth)
+// stages of two-vector shuffles with literal patterns do it, with no trip through memory.
+namespace internal {
+
+template <typename T, int kHalf>
+inline void TransposeStage(VecT<T>* v) {
+  constexpr int w = Vec<T>::kWidth;
+  for (int r = 0; r < w; ++r) {
+    if (r & kHalf) continue;
+    const VecT<T> a = v[r], b = v[r + kHalf];
+    if constexpr (w == 16 && kHalf == 8) {
+      v[r] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+      v[r + kHalf] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    } else if constexpr (w == 16 && kHalf == 4) {
+      v[r] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+      v[r + kHalf] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    } else if constexpr (w == 16 && kHalf == 2) {
+      v[r] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      v[r + kHalf] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    } else if constexpr (w == 16) {
+      v[r] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+      v[r + kHalf] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    } else if constexpr (kHalf == 4) {
+      v[r] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11);
+      v[r + kHalf] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+    } else if constexpr (kHalf == 2) {
+      v[r] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13);
+      v[r + kHalf] = __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    } else {
+      v[r] = __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14);
+      v[r + kHalf] = __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+    }
+  }
+}
+
+}  // namespace internal
+
+template <typename T>
+inline void Transpose(VecT<T>* v) {
+  static_assert(Vec<T>::kWidth == 8 || Vec<T>::kWidth == 16, "vectors of 8 or 16 lanes");
+  if constexpr (Vec<T>::kWidth == 16) internal::TransposeStage<T, 8>(v);
+  internal::TransposeStage<T, 4>(v);
+  internal::TransposeStage<T, 2>(v);
+  internal::TransposeStage<T, 1>(v);
+}
+
 // Largest lane, by the same tree as ReduceSum. A NaN lane loses every comparison.
 template <typename T>
 inline T ReduceMax(VecT<T> v) {
@@ -469,6 +517,30 @@ inline Vec<double>::type ExpVec(Vec<double>::type x) {
   return x;
 }
 
+#ifdef TF_HSM_MASKED_PARTIALS
+// AVX-512: the same reduction and polynomial, with n rounded by vrndscaleps and the 2^n
+// applied by vscalefps, which is exact and overflows to inf by itself (x is clamped just
+// above log(FLT_MAX) so that it does); about half the instructions of the portable
+// version. min/max take x as the second operand so a NaN lane stays NaN.
+inline Vec<float>::type ExpVec(Vec<float>::type x) {
+  const __m512 hi = _mm512_set1_ps(88.8f), lo = _mm512_set1_ps(-87.3365f);
+  __m512 v = reinterpret_cast<__m512>(x);
+  const __mmask16 keep = _mm512_cmp_ps_mask(v, lo, _CMP_NLT_UQ);  // not below lo (or NaN)
+  v = _mm512_max_ps(lo, _mm512_min_ps(hi, v));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return reinterpret_cast<Vec<float>::type>(_mm512_maskz_scalef_ps(keep, p, n));
+}
+#else
 inline Vec<float>::type ExpVec(Vec<float>::type x) {
   typedef Vec<float>::type V;
   typedef Vec<float>::itype I;
@@ -503,6 +575,57 @@ inline Vec<float>::type ExpVec(Vec<float>::type x) {
   y = too_big ? inf : y;
   y = is_nan ? x : y;
   return y;
+}
+#endif
+
+// Natural log of every lane. float: x = m * 2^e with m in [sqrt(1/2), sqrt(2)), then
+// log(x) = e ln 2 + log(m), log(m) = f - f^2/2 + f^3 P(f) for f = m - 1 with the degree-8
+// minimax P of the Cephes library (max error ~1 ulp); ln 2 is split in two so e ln 2 adds
+// no rounding of its own. Subnormals are scaled up first; 0 gives -inf, a negative or NaN
+// lane NaN, +inf stays +inf. double lanes go through std::log.
+inline Vec<double>::type LogVec(Vec<double>::type x) {
+  for (int i = 0; i < Vec<double>::kWidth; ++i) x[i] = std::log(x[i]);
+  return x;
+}
+
+inline Vec<float>::type LogVec(Vec<float>::type x) {
+  typedef Vec<float>::type V;
+  typedef Vec<float>::itype I;
+  const I tiny = x < std::numeric_limits<float>::min();
+  V xs = tiny ? x * 8388608.0f : x;  // 2^23 brings a subnormal into the normal range
+  I bits;
+  std::memcpy(&bits, &xs, sizeof(bits));
+  I e = ((bits >> 23) & 0xff) - 127;
+  e = tiny ? e - 23 : e;
+  const I mant_bits = (bits & 0x007fffff) | 0x3f800000;  // the same mantissa, exponent 0
+  V m;
+  std::memcpy(&m, &mant_bits, sizeof(m));
+  const I above = m > 1.41421356237f;
+  m = above ? m * 0.5f : m;
+  e = above ? e + 1 : e;
+  const V f = m - 1.0f;
+  const V f2 = f * f;
+  V poly = Splat<float>(7.0376836292e-2f);
+  poly = poly * f - 1.1514610310e-1f;
+  poly = poly * f + 1.1676998740e-1f;
+  poly = poly * f - 1.2420140846e-1f;
+  poly = poly * f + 1.4249322787e-1f;
+  poly = poly * f - 1.6668057665e-1f;
+  poly = poly * f + 2.0000714765e-1f;
+  poly = poly * f - 2.4999993993e-1f;
+  poly = poly * f + 3.3333331174e-1f;
+  const V ef = __builtin_convertvector(e, V);
+  V y = poly * f * f2;
+  y = y + ef * -2.12194440e-4f;
+  y = y - 0.5f * f2;
+  V r = f + y;
+  r = r + ef * 0.693359375f;
+  const V inf = Splat<float>(std::numeric_limits<float>::infinity());
+  const V nan = Splat<float>(std::numeric_limits<float>::quiet_NaN());
+  r = x == inf ? inf : r;
+  r = x == 0.0f ? -inf : r;
+  r = x < 0.0f || x != x ? nan : r;
+  return r;
 }
 
 inline void ExpInPlace(float* x, int64 n) {

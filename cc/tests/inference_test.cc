@@ -275,6 +275,22 @@ void TestLogProbAll() {
   CheckLogProbAll<double>(rng, wide, 70, 7, true, 1e-10, "wide double");
   CheckLogProbAll<float>(rng, wide, 70, 7, false, 2e-4, "wide float");
   CheckLogProbAll<float>(rng, Balanced(1000, 2), 5, 3, true, 2e-4, "binary float");
+  // 16 or more rows take the rows-in-lanes sweep: runs of consecutive classes (written
+  // through register transposes), a partial last row group, a second row block, and flat
+  // roots too wide for their logits to stay in scratch.
+  CheckLogProbAll<float>(rng, Balanced(3000, 60), 40, 9, true, 2e-4, "runs float");
+  CheckLogProbAll<double>(rng, Balanced(3000, 60), 70, 9, false, 1e-10, "runs double");
+  CheckLogProbAll<float>(rng, Balanced(1000, 2), 17, 4, true, 2e-4, "binary float, 17 rows");
+  CheckLogProbAll<float>(rng, Balanced(9000, 9000), 40, 5, true, 2e-4, "flat float");
+  CheckLogProbAll<double>(rng, Balanced(9000, 9000), 20, 5, true, 1e-10, "flat double");
+  // A root as wide, whose children are a node and classes in descending order (no run).
+  const int64 wide_c = 9000;
+  std::vector<int64> wide_slots = {wide_c + 1};
+  for (int64 c = wide_c - 1; c >= 2; --c) wide_slots.push_back(c);
+  wide_slots.push_back(0);
+  wide_slots.push_back(1);
+  const Layout scattered = MakeLayout(wide_c, {0, wide_c - 1, wide_c + 1}, wide_slots);
+  CheckLogProbAll<float>(rng, scattered, 33, 4, true, 2e-4, "wide scattered float");
 }
 
 // Upper quantile of chi-square with df degrees of freedom at z standard deviations
