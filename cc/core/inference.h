@@ -55,8 +55,11 @@ std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows
 // level by level; with a partial range only the nodes on paths to those classes are
 // evaluated, so the whole table can be processed in chunks; a chunk equals the slice of
 // the full result bit for bit. Rows are processed in blocks of up to 64 that share every
-// weight block; the nodes of a level run in parallel. Needs tree.slot_child, and the
-// paths for a partial range.
+// weight block; the nodes of a level run in parallel. From 16 rows on, a node's logits are
+// kept with the rows in the vector lanes, so its logsumexp is lane-wise vector work and a
+// run of consecutive classes reaches the output rows through register transposes (the
+// logsumexp then uses simd::LogVec; values agree with the per-row path to rounding).
+// Needs tree.slot_child, and the paths for a partial range.
 template <typename T>
 std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows,
                        int64 class_begin, int64 class_end, const ParallelFor& parallel_for,
