@@ -86,10 +86,13 @@ namespace row_panel {
 // in kSplit interleaved partial sums (k mod kSplit, combined in a fixed order at the end):
 // small tiles need the independent chains to keep the multiply-add units busy. The result
 // goes to out[row * ld + column], or with kSlotMajor to out[column * ld + row] as whole
-// vectors (lanes past `rows` then hold the zero padding's logits).
+// vectors (lanes past `rows` then hold the zero padding's logits); slot-major outputs can
+// also get bias[column] added and be folded into group_max[q], the lane-wise running max
+// of row group q (a NaN never wins it), while they are still in registers.
 template <typename T, int64 kGroups, int64 kCols, int64 kSplit, bool kSlotMajor>
 inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64 nb,
-                 int64 rows, T* out, int64 ld) {
+                 int64 rows, T* out, int64 ld, const T* bias = nullptr,
+                 simd::VecT<T>* group_max = nullptr) {
   typedef simd::VecT<T> V;
   constexpr int64 w = simd::Vec<T>::kWidth;
   const T* bc[kCols];
@@ -118,8 +121,14 @@ inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64
         for (int64 c = 0; c < kCols; ++c) acc[u][q][c] += acc[u + half][q][c];
   const int64 cols = std::min(kCols, nb - j0);
   if constexpr (kSlotMajor) {
-    for (int64 q = 0; q < kGroups; ++q)
-      for (int64 c = 0; c < cols; ++c) simd::Store(out + (j0 + c) * ld + q * w, acc[0][q][c]);
+    for (int64 q = 0; q < kGroups; ++q) {
+      for (int64 c = 0; c < cols; ++c) {
+        V z = acc[0][q][c];
+        if (bias != nullptr) z += bias[j0 + c];
+        simd::Store(out + (j0 + c) * ld + q * w, z);
+        if (group_max != nullptr) group_max[q] = z > group_max[q] ? z : group_max[q];
+      }
+    }
     return;
   }
   for (int64 q = 0; q < kGroups; ++q) {
@@ -137,12 +146,14 @@ inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64
 // packed by PackRows: each vector holds kWidth rows and each weight element is broadcast,
 // so the (much larger) weight block is never repacked. The summation order depends only
 // on nb (the tile's width), never on the rows around an output. kSlotMajor: the same
-// values at out[j * ld + r], ld a multiple of kWidth, rows padded to whole vectors.
+// values at out[j * ld + r], ld a multiple of kWidth, rows padded to whole vectors, plus
+// bias[j] when bias is given, and folded into group_max[g] for row group g when given.
 // [ahead, ahead + ahead_bytes) is requested into L2 along the way (the caller's next weight
 // block), spread over the first row groups' tiles so the loads overlap the arithmetic.
 template <typename T, bool kSlotMajor = false>
 void RowPanelDots(const T* hp, int64 nr, const T* b, int64 ldb, int64 nb, int64 d, T* out,
-                  int64 ld, const void* ahead = nullptr, int64 ahead_bytes = 0) {
+                  int64 ld, const void* ahead = nullptr, int64 ahead_bytes = 0,
+                  const T* bias = nullptr, simd::VecT<T>* group_max = nullptr) {
   constexpr int64 w = simd::Vec<T>::kWidth;
   constexpr int64 kLine = 64;
   const int64 groups = (nr + w - 1) / w;
@@ -157,18 +168,19 @@ void RowPanelDots(const T* hp, int64 nr, const T* b, int64 ldb, int64 nb, int64 
     constexpr int64 G = decltype(group_tag)::value;
     const T* panel = hp + g * d * w;
     T* o = out + (kSlotMajor ? g * w : g * w * ld);
+    simd::VecT<T>* gmax = group_max == nullptr ? nullptr : group_max + g;
     const int64 rows = nr - g * w;
     if (g == 0 && nb <= 4) prefetch(0, 1);
     // The split depends on nb only, so an output's bits do not depend on its row group.
     if (nb <= 2) {
-      row_panel::Tile<T, G, 2, 4, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld);
+      row_panel::Tile<T, G, 2, 4, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld, bias, gmax);
     } else if (nb <= 4) {
-      row_panel::Tile<T, G, 4, 2, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld);
+      row_panel::Tile<T, G, 4, 2, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld, bias, gmax);
     } else {
       const int64 tiles = (nb + 7) / 8;
       for (int64 j0 = 0; j0 < nb; j0 += 8) {
         if (g == 0) prefetch(j0 / 8, tiles);
-        row_panel::Tile<T, G, 8, 1, kSlotMajor>(panel, d, b, ldb, j0, nb, rows, o, ld);
+        row_panel::Tile<T, G, 8, 1, kSlotMajor>(panel, d, b, ldb, j0, nb, rows, o, ld, bias, gmax);
       }
     }
   };
@@ -1025,23 +1037,18 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       // next nodes' rows: a level's nodes are numbered, so stored, in order), each once.
       const int64 ahead_begin = std::max(first + k0 + kb, prefetched);
       prefetched = std::max(prefetched, std::min(first + k0 + kb + kSlotTile, t.num_slots));
+      // The logits with their biases, and each row group's max over the tile (a NaN logit
+      // loses the max; the sum carries it).
+      V tile_max[kMaxGroups];
+      for (int64 g = 0; g < groups; ++g) tile_max[g] = simd::Splat<T>(ninf);
       RowPanelDots<T, true>(hp, nt, p.weights + (first + k0) * p.dim, p.dim, kb, p.dim, zt, ld,
                             p.weights + ahead_begin * p.dim,
-                            std::max<int64>(0, prefetched - ahead_begin) * p.dim * static_cast<int64>(sizeof(T)));
-      const T* bias = p.biases == nullptr ? nullptr : p.biases + first + k0;
+                            std::max<int64>(0, prefetched - ahead_begin) * p.dim * static_cast<int64>(sizeof(T)),
+                            p.biases == nullptr ? nullptr : p.biases + first + k0, tile_max);
       for (int64 g = 0; g < groups; ++g) {
-        T* zg = zt + g * w;
-        V tile_max = simd::Splat<T>(ninf);
-        for (int64 j = 0; j < kb; ++j) {
-          V z = simd::Load(zg + j * ld);
-          if (bias != nullptr) {
-            z += bias[j];
-            simd::Store(zg + j * ld, z);
-          }
-          tile_max = z > tile_max ? z : tile_max;  // NaN loses: the sum carries it
-        }
-        const V new_max = tile_max > m[g] ? tile_max : m[g];
-        const V scale = tile_max > m[g] ? simd::ExpVec(m[g] - new_max) : simd::Splat<T>(1);
+        const T* zg = zt + g * w;
+        const V new_max = tile_max[g] > m[g] ? tile_max[g] : m[g];
+        const V scale = tile_max[g] > m[g] ? simd::ExpVec(m[g] - new_max) : simd::Splat<T>(1);
         V exps = {};
         for (int64 j = 0; j < kb; ++j) exps += simd::ExpVec(simd::Load(zg + j * ld) - new_max);
         sum[g] = sum[g] * scale;
