@@ -170,11 +170,14 @@ void RowPanelDots(const T* hp, int64 nr, const T* b, int64 ldb, int64 nb, int64 
     T* o = out + (kSlotMajor ? g * w : g * w * ld);
     simd::VecT<T>* gmax = group_max == nullptr ? nullptr : group_max + g;
     const int64 rows = nr - g * w;
-    if (g == 0 && nb <= 4) prefetch(0, 1);
     // The split depends on nb only, so an output's bits do not depend on its row group.
-    if (nb <= 2) {
+    // Slot-major outputs always use one chain (kSplit 1), so their bits do not depend on
+    // nb either (LogProbAll batches small nodes).
+    if (!kSlotMajor && nb <= 2) {
+      if (g == 0) prefetch(0, 1);
       row_panel::Tile<T, G, 2, 4, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld, bias, gmax);
-    } else if (nb <= 4) {
+    } else if (!kSlotMajor && nb <= 4) {
+      if (g == 0) prefetch(0, 1);
       row_panel::Tile<T, G, 4, 2, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld, bias, gmax);
     } else {
       const int64 tiles = (nb + 7) / 8;
@@ -738,6 +741,11 @@ struct SweepPlan {
   // [P] c >= 0 when every child of the node is a class of the range, in consecutive
   // columns c, c + 1, ... (a cluster of consecutive classes); else -1.
   std::vector<int64> run;
+  // [P] the row of `values` that holds each needed node's log-probabilities: two levels'
+  // worth of rows, alternating by depth, since a level's values are read by that level
+  // and written by the one above it (a binary tree's values would otherwise take P rows).
+  std::vector<int64> value_row;
+  int64 value_rows = 0;
 };
 
 // Finds the nodes needed for classes [class_begin, class_end) and checks every offset the
@@ -835,6 +843,18 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     plan->run[q] = run_in_id_order[i++];
     position[n] = q;
   }
+  int64 widest = 0;
+  for (int64 d = 0; d <= max_depth; ++d) {
+    widest = std::max(widest, plan->level_begin[d + 1] - plan->level_begin[d]);
+  }
+  plan->value_row.resize(count);
+  plan->value_rows = 0;
+  for (int64 d = 0; d <= max_depth; ++d) {
+    for (int64 q = plan->level_begin[d]; q < plan->level_begin[d + 1]; ++q) {
+      plan->value_row[q] = q - plan->level_begin[d] + (d % 2) * widest;
+      plan->value_rows = std::max(plan->value_rows, plan->value_row[q] + 1);
+    }
+  }
   return "";
 }
 
@@ -846,7 +866,7 @@ struct SweepItem {
 };
 
 // Processes the nodes at positions [it.first, it.last) for some rows of a block:
-// node values of those rows are in values[q * stride + row], the block's output rows in
+// node values of those rows are in values[plan.value_row[q] * stride + row], the block's output rows in
 // out[row * width + column]. `packed` selects the logits kernel for the whole call.
 template <typename T>
 void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan& plan,
@@ -870,14 +890,14 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
                  ? nullptr : out + (it.row + i) * width + column;
     }
     const int64 q = plan.position[code - C];
-    return q < 0 ? nullptr : values + q * stride + it.row + i;
+    return q < 0 ? nullptr : values + plan.value_row[q] * stride + it.row + i;
   };
   for (int64 q = it.first; q < it.last; ++q) {
     const int64 n = plan.node[q];
     const int64 first = t.child_begin[n], K = t.child_begin[n + 1] - first;
     const int64* codes = t.slot_child + first;
     const int64 run = plan.run[q];
-    const T* parent = values + q * stride + it.row;
+    const T* parent = values + plan.value_row[q] * stride + it.row;
     for (int64 i = 0; i < nt; ++i) {
       row_max[i] = -std::numeric_limits<T>::infinity();
       row_sum[i] = 0;
@@ -937,9 +957,11 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
 // The logsumexp is then a lane-wise fold over the children (vector exp and log, no
 // horizontal reductions), a child node's values are whole vectors of `values`, and a run
 // of consecutive classes is written to the output rows through kWidth x kWidth register
-// transposes. The tile-by-tile online fold (a tile's max, then the running sum rescaled)
-// is the same whether or not the node's logits fit in scratch, so the results do not
-// depend on the batch size's effect on that choice.
+// transposes. Nodes of at most a tile of children that are stored one after the other
+// (consecutive ids, as the small nodes of a level are) share one logits pass over their
+// rows; the logits kernel sums each output in one chain over k, so its bits do not depend
+// on that batching. A larger node is folded tile by tile (a tile's max, then the running
+// sum rescaled), the same whether or not its logits fit in scratch.
 template <typename T>
 void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan& plan,
                           const SweepItem& it, const T* const* block_rows, int64 stride,
@@ -967,84 +989,138 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
   T* parent_row = Grow(&s.row_max, ld);
   T* out_rows = out + it.row * width;
   const int64 C = t.num_classes;
-  int64 prefetched = 0;  // weight rows before this one were requested already
-  for (int64 q = it.first; q < it.last; ++q) {
+
+  // One node's children and the values that finish them: parent + (logit - lse).
+  struct Node {
+    int64 position;
+    const int64* codes;
+    int64 run;
+    V parent[kMaxGroups], lse[kMaxGroups];
+  };
+  auto start = [&](int64 q, Node* node) {
+    const int64 n = plan.node[q];
+    node->position = q;
+    node->codes = t.slot_child + t.child_begin[n];
+    node->run = plan.run[q];
+    for (int64 g = 0; g < groups; ++g) node->parent[g] = load_rows(values + plan.value_row[q] * stride + it.row, g);
+  };
+  auto set_lse = [&](Node* node, const V* m, const V* sum) {
+    for (int64 g = 0; g < groups; ++g) {
+      node->lse[g] = m[g] + simd::LogVec(sum[g]);
+      simd::Store(lse + g * w, node->lse[g]);
+      simd::Store(parent_row + g * w, node->parent[g]);
+    }
+  };
+  // Writes the values of children [j0, j0 + kb) of the node from their logits
+  // zt[(j - j0) * ld + r]: finished or, when !finish, the raw logits.
+  auto emit = [&](const Node& node, const T* zt, int64 j0, int64 kb, bool finish) {
+    auto value = [&](V z, int64 g) { return finish ? node.parent[g] + (z - node.lse[g]) : z; };
+    if (node.run >= 0) {
+      // Blocks of kWidth children, transposed in registers into pieces of output rows.
+      // (Streaming stores past the caches, with the rows staged and written in whole lines
+      // while the next node computes, measured no faster on these machines.)
+      for (int64 g = 0; g < groups; ++g) {
+        for (int64 jb = 0; jb < kb; jb += w) {
+          const int64 cols = std::min(w, kb - jb);
+          V block[w];
+          for (int64 c = 0; c < w; ++c) block[c] = c < cols ? simd::Load(zt + (jb + c) * ld + g * w) : V{};
+          simd::Transpose<T>(block);
+          for (int64 r = 0; r < group_rows(g); ++r) {
+            const int64 row = g * w + r;
+            V v = block[r];
+            if (finish) v = parent_row[row] + (v - lse[row]);
+            T* o = out_rows + row * width + node.run + j0 + jb;
+            if (cols == w) {
+              simd::Store(o, v);
+            } else {
+              simd::StorePartial(o, v, cols);
+            }
+          }
+        }
+      }
+      return;
+    }
+    for (int64 j = 0; j < kb; ++j) {
+      const int64 code = node.codes[j0 + j];
+      const T* zj = zt + j * ld;
+      if (code >= C) {
+        const int64 position = plan.position[code - C];
+        if (position < 0) continue;  // off every path to the class range
+        for (int64 g = 0; g < groups; ++g) {
+          store_rows(values + plan.value_row[position] * stride + it.row, g, value(simd::Load(zj + g * w), g));
+        }
+      } else if (code >= plan.class_begin && code < plan.class_end) {
+        T* o = out_rows + (code - plan.class_begin);
+        for (int64 g = 0; g < groups; ++g) {
+          const V v = value(simd::Load(zj + g * w), g);
+          for (int64 r = 0; r < group_rows(g); ++r) o[(g * w + r) * width] = v[r];
+        }
+      }
+    }
+  };
+  // The logits of weight rows [first, first + count) with their biases, into zt, asking
+  // along the way for the rows up to a tile past them (the next nodes of a level are
+  // stored next), each row once; and each row group's max when group_max is given.
+  int64 prefetched = 0;
+  auto logits = [&](int64 first, int64 count, T* zt, V* group_max) {
+    const int64 ahead_begin = std::max(first + count, prefetched);
+    prefetched = std::max(prefetched, std::min(first + count + kSlotTile, t.num_slots));
+    RowPanelDots<T, true>(hp, nt, p.weights + first * p.dim, p.dim, count, p.dim, zt, ld,
+                          p.weights + ahead_begin * p.dim,
+                          std::max<int64>(0, prefetched - ahead_begin) * p.dim * static_cast<int64>(sizeof(T)),
+                          p.biases == nullptr ? nullptr : p.biases + first, group_max);
+  };
+
+  for (int64 q = it.first; q < it.last;) {
     const int64 n = plan.node[q];
     const int64 first = t.child_begin[n], K = t.child_begin[n + 1] - first;
-    const int64* codes = t.slot_child + first;
-    const int64 run = plan.run[q];
-    V parent[kMaxGroups], m[kMaxGroups], sum[kMaxGroups], l[kMaxGroups];
+    Node node;
+    V m[kMaxGroups], sum[kMaxGroups];
+    if (K <= kSlotTile) {
+      // A batch of small nodes stored one after the other: one logits pass, then each
+      // node's max, sum and values (a NaN logit loses the max; the sum carries it).
+      int64 last = q + 1, slots = K;
+      for (; last < it.last && plan.node[last] == plan.node[last - 1] + 1; ++last) {
+        const int64 k = t.child_begin[plan.node[last] + 1] - t.child_begin[plan.node[last]];
+        if (slots + k > kSlotTile) break;
+        slots += k;
+      }
+      T* zs = Grow(&s.z, slots * ld);
+      logits(first, slots, zs, nullptr);
+      for (; q < last; ++q) {
+        const int64 b = t.child_begin[plan.node[q]], k = t.child_begin[plan.node[q] + 1] - b;
+        const T* zn = zs + (b - first) * ld;
+        start(q, &node);
+        for (int64 g = 0; g < groups; ++g) {
+          V mg = simd::Splat<T>(ninf), sg = {};
+          for (int64 j = 0; j < k; ++j) {
+            const V z = simd::Load(zn + j * ld + g * w);
+            mg = z > mg ? z : mg;
+          }
+          for (int64 j = 0; j < k; ++j) sg += simd::ExpVec(simd::Load(zn + j * ld + g * w) - mg);
+          m[g] = mg;
+          sum[g] = sg;
+        }
+        set_lse(&node, m, sum);
+        emit(node, zn, 0, k, true);
+      }
+      continue;
+    }
+    start(q, &node);
     for (int64 g = 0; g < groups; ++g) {
-      parent[g] = load_rows(values + q * stride + it.row, g);
       m[g] = simd::Splat<T>(ninf);
       sum[g] = V{};
     }
     // With every logit kept, each value is written once, finished; otherwise each tile's
     // raw logits are parked at their destinations and finished there at the end.
     const bool kept = K * ld <= kKeepLogits;
-    T* zs = Grow(&s.z, (kept ? K : std::min(K, kSlotTile)) * ld);
-    // Writes the values of children [j0, j0 + kb) from their logits zt[(j - j0) * ld + r]:
-    // finished (parent + logit - lse) or, when !finish, the raw logits.
-    auto emit = [&](const T* zt, int64 j0, int64 kb, bool finish) {
-      auto value = [&](V z, int64 g) { return finish ? parent[g] + (z - l[g]) : z; };
-      if (run >= 0) {
-        // Blocks of kWidth children, transposed in registers into pieces of output rows.
-        // (Streaming stores past the caches, with the rows staged and written in whole lines
-        // while the next node computes, measured no faster on these machines.)
-        for (int64 g = 0; g < groups; ++g) {
-          for (int64 jb = 0; jb < kb; jb += w) {
-            const int64 cols = std::min(w, kb - jb);
-            V block[w];
-            for (int64 c = 0; c < w; ++c) block[c] = c < cols ? simd::Load(zt + (jb + c) * ld + g * w) : V{};
-            simd::Transpose<T>(block);
-            for (int64 r = 0; r < group_rows(g); ++r) {
-              const int64 row = g * w + r;
-              V v = block[r];
-              if (finish) v = parent_row[row] + (v - lse[row]);
-              T* o = out_rows + row * width + run + j0 + jb;
-              if (cols == w) {
-                simd::Store(o, v);
-              } else {
-                simd::StorePartial(o, v, cols);
-              }
-            }
-          }
-        }
-        return;
-      }
-      for (int64 j = 0; j < kb; ++j) {
-        const int64 code = codes[j0 + j];
-        const T* zj = zt + j * ld;
-        if (code >= C) {
-          const int64 position = plan.position[code - C];
-          if (position < 0) continue;  // off every path to the class range
-          for (int64 g = 0; g < groups; ++g) {
-            store_rows(values + position * stride + it.row, g, value(simd::Load(zj + g * w), g));
-          }
-        } else if (code >= plan.class_begin && code < plan.class_end) {
-          T* o = out_rows + (code - plan.class_begin);
-          for (int64 g = 0; g < groups; ++g) {
-            const V v = value(simd::Load(zj + g * w), g);
-            for (int64 r = 0; r < group_rows(g); ++r) o[(g * w + r) * width] = v[r];
-          }
-        }
-      }
-    };
+    T* zs = Grow(&s.z, (kept ? K : kSlotTile) * ld);
     for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
       const int64 kb = std::min(kSlotTile, K - k0);
       T* zt = kept ? zs + k0 * ld : zs;
-      // Ask for the weight rows up to a tile past this one (the node's next tile or the
-      // next nodes' rows: a level's nodes are numbered, so stored, in order), each once.
-      const int64 ahead_begin = std::max(first + k0 + kb, prefetched);
-      prefetched = std::max(prefetched, std::min(first + k0 + kb + kSlotTile, t.num_slots));
-      // The logits with their biases, and each row group's max over the tile (a NaN logit
-      // loses the max; the sum carries it).
       V tile_max[kMaxGroups];
       for (int64 g = 0; g < groups; ++g) tile_max[g] = simd::Splat<T>(ninf);
-      RowPanelDots<T, true>(hp, nt, p.weights + (first + k0) * p.dim, p.dim, kb, p.dim, zt, ld,
-                            p.weights + ahead_begin * p.dim,
-                            std::max<int64>(0, prefetched - ahead_begin) * p.dim * static_cast<int64>(sizeof(T)),
-                            p.biases == nullptr ? nullptr : p.biases + first + k0, tile_max);
+      logits(first + k0, kb, zt, tile_max);
       for (int64 g = 0; g < groups; ++g) {
         const T* zg = zt + g * w;
         const V new_max = tile_max[g] > m[g] ? tile_max[g] : m[g];
@@ -1055,32 +1131,29 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
         sum[g] += exps;
         m[g] = new_max;
       }
-      if (!kept) emit(zt, k0, kb, false);
+      if (!kept) emit(node, zt, k0, kb, false);
     }
-    for (int64 g = 0; g < groups; ++g) {
-      l[g] = m[g] + simd::LogVec(sum[g]);
-      simd::Store(lse + g * w, l[g]);
-      simd::Store(parent_row + g * w, parent[g]);
-    }
+    set_lse(&node, m, sum);
+    ++q;
     if (kept) {
-      emit(zs, 0, K, true);
+      emit(node, zs, 0, K, true);
       continue;
     }
     // Finish the parked values in place.
-    if (run >= 0) {
+    if (node.run >= 0) {
       for (int64 r = 0; r < nt; ++r) {
-        T* o = out_rows + r * width + run;
+        T* o = out_rows + r * width + node.run;
         for (int64 j = 0; j < K; ++j) o[j] = parent_row[r] + (o[j] - lse[r]);
       }
       continue;
     }
     for (int64 j = 0; j < K; ++j) {
-      const int64 code = codes[j];
+      const int64 code = node.codes[j];
       if (code >= C) {
         const int64 position = plan.position[code - C];
         if (position < 0) continue;
-        T* dst = values + position * stride + it.row;
-        for (int64 g = 0; g < groups; ++g) store_rows(dst, g, parent[g] + (load_rows(dst, g) - l[g]));
+        T* dst = values + plan.value_row[position] * stride + it.row;
+        for (int64 g = 0; g < groups; ++g) store_rows(dst, g, node.parent[g] + (load_rows(dst, g) - node.lse[g]));
       } else if (code >= plan.class_begin && code < plan.class_end) {
         T* o = out_rows + (code - plan.class_begin);
         for (int64 r = 0; r < nt; ++r) o[r * width] = parent_row[r] + (o[r * width] - lse[r]);
@@ -1162,12 +1235,16 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   level_chunks[levels] = static_cast<int64>(chunk_work.size());
   chunk_begin.push_back(P);
 
+  // Rows per block: up to 64, fewer when the node values would take more than
+  // kNodeValueBudget (every block reads the whole table).
   int64 block = std::min(num_rows, kBlockRows);
-  if (block * P > kNodeValueBudget) block = std::max<int64>(std::min<int64>(block, 4), kNodeValueBudget / P);
+  if (block * plan.value_rows > kNodeValueBudget) {
+    block = std::max<int64>(std::min<int64>(block, 4), kNodeValueBudget / plan.value_rows);
+  }
   // The kernel is chosen by the batch size alone, so that a row's values do not depend
   // on the blocks and tiles around it (a chunk equals the slice of the full result).
   const bool packed = num_rows >= kPackMinRows;
-  std::vector<T> values(P * block);
+  std::vector<T> values(plan.value_rows * block);
   std::vector<const T*> rows(block);
   std::vector<SweepItem> items;
   for (int64 r0 = 0; r0 < num_rows; r0 += block) {
