@@ -1,6 +1,7 @@
 #include "cc/core/log_prob.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -411,10 +412,15 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     if (out.db != nullptr) std::fill(out.db, out.db + kb, T(0));
     return out;
   };
-  // block += coef^T @ H over nt tokens (and db += column sums of coef).
+  // block += coef^T @ H over nt tokens (and db += column sums of coef). Rows written by a
+  // single call (`only`) go to the gradient output past the caches when they are aligned:
+  // they are not read again by this op, and most of them are rows of clusters that got
+  // one or two tokens, where writing them is most of the work.
   auto accumulate_rows = [&](const RowBlock& block, int64 kb, const T* z, int64 ld,
-                             const T* const* rows, int64 nt, bool overwrite) {
-    simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D, overwrite);
+                             const T* const* rows, int64 nt, bool overwrite, bool only) {
+    const bool stream = only && !sgd && D * static_cast<int64>(sizeof(T)) % 64 == 0 &&
+                        reinterpret_cast<std::uintptr_t>(block.dw) % 64 == 0;
+    simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D, overwrite, stream);
     if (block.db != nullptr) {
       for (int64 r = 0; r < nt; ++r)
         for (int64 j = 0; j < kb; ++j) block.db[j] += z[r * ld + j];
@@ -474,7 +480,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
             const int64 kb = std::min(kSlotTile, blk.size - k0);
             const RowBlock block = begin_rows(it.group, k0, kb, false);
-            accumulate_rows(block, kb, z + k0, blk.size, rows, it.count, true);
+            accumulate_rows(block, kb, z + k0, blk.size, rows, it.count, true, true);
             end_rows(it.group, k0, kb, block);
           }
           continue;
@@ -501,11 +507,12 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           simd::AccumulateRows<T>(out_rows, it.count, z, ld, p.weights + (blk.first_slot + k0) * D, D, kb, D);
           if (owns_rows) {
             const RowBlock block = begin_rows(it.group, k0, kb, false);
-            accumulate_rows(block, kb, z, ld, rows, it.count, true);
+            accumulate_rows(block, kb, z, ld, rows, it.count, true, true);
             end_rows(it.group, k0, kb, block);
           }
         }
       }
+      simd::StreamFence();  // the streamed gradient rows, before other threads read them
     });
 
     // Phase B: for groups spanning several token tiles, per chunk of the node's slots,
@@ -539,7 +546,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e_begin + t0 + r] * D;
           if (keep) {
             accumulate_rows(block, kb, coef_store.data() + coef_offset[g] + t0 * blk.size + k0,
-                            blk.size, rows, nt, t0 == 0);
+                            blk.size, rows, nt, t0 == 0, false);
           } else {
             Logits(p, rows, nt, blk, k0, kb, tile, kGradSlotTile);
             for (int64 r = 0; r < nt; ++r) {
@@ -547,7 +554,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
               Coefficients(tile + r * kGradSlotTile, kb, entry_lse[e], upstream[plan.entry_token[e]],
                            plan.entry_slot[e] - blk.first_slot - k0);
             }
-            accumulate_rows(block, kb, tile, kGradSlotTile, rows, nt, t0 == 0);
+            accumulate_rows(block, kb, tile, kGradSlotTile, rows, nt, t0 == 0, false);
           }
         }
         end_rows(g, k0, kb, block);

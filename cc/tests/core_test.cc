@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -75,7 +76,8 @@ struct Run {
 template <typename T>
 Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w,
                const std::vector<T>* b, const std::vector<int64>& targets,
-               const std::vector<T>& upstream, int64 D, const ParallelFor& pf, int64 budget) {
+               const std::vector<T>& upstream, int64 D, const ParallelFor& pf, int64 budget,
+               int64 rows_offset = 0) {
   VisitPlan plan;
   const std::string err = BuildVisitPlan(t.view(), targets.data(), targets.size(), &plan);
   EXPECT(err.empty(), "%s", err.c_str());
@@ -88,15 +90,20 @@ Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w
   run.log_prob.resize(targets.size());
   LogProbForward<T>(plan, t.view(), p, pf, run.log_prob.data());
   run.d_hidden.resize(h.size());
-  run.d_rows.resize(plan.num_rows() * D);
+  // The weight-gradient rows start rows_offset elements past a 64-byte boundary (aligned
+  // rows are written with streaming stores).
+  const int64 per_line = 64 / static_cast<int64>(sizeof(T));
+  std::vector<T> storage(plan.num_rows() * D + 2 * per_line);
+  T* rows = storage.data() + (per_line - reinterpret_cast<std::uintptr_t>(storage.data()) % 64 / sizeof(T)) % per_line + rows_offset;
   run.d_bias_rows.resize(plan.num_rows());
   run.row_ids.resize(plan.num_rows());
   LogProbGrads<T> g;
   g.hidden = run.d_hidden.data();
-  g.weight_rows = run.d_rows.data();
+  g.weight_rows = rows;
   g.bias_rows = b ? run.d_bias_rows.data() : nullptr;
   g.row_ids = run.row_ids.data();
   LogProbBackward<T>(plan, t.view(), p, upstream.data(), pf, g, budget);
+  run.d_rows.assign(rows, rows + plan.num_rows() * D);
   return run;
 }
 
@@ -169,19 +176,32 @@ void TestAgainstReference() {
   CheckAgainstReference<float>(rng, wide, 150, 33, true, 2e-4, "wide float");
 }
 
+// Standard-normal hidden rows, weights, biases and upstream gradients, uniform targets.
+template <typename T>
+struct Inputs {
+  std::vector<T> h, w, b, up;
+  std::vector<int64> targets;
+};
+
+template <typename T>
+Inputs<T> RandomInputs(std::mt19937_64& rng, const Layout& t, int64 N, int64 D) {
+  std::normal_distribution<float> normal(0, 1);
+  const int64 S = static_cast<int64>(t.slot_child.size());
+  Inputs<T> in{std::vector<T>(N * D), std::vector<T>(S * D), std::vector<T>(S), std::vector<T>(N),
+               std::vector<int64>(N)};
+  for (auto* values : {&in.h, &in.w, &in.b, &in.up})
+    for (auto& v : *values) v = normal(rng);
+  for (auto& v : in.targets) v = rng() % t.num_classes;
+  return in;
+}
+
 void TestDeterminism() {
   std::mt19937_64 rng(2);
-  std::normal_distribution<float> normal(0, 1);
   for (int trial = 0; trial < 6; ++trial) {
     const Layout t = RandomLayout(rng, 300, 4, 0.05, 3000);
     const int64 N = 500, D = 37;
-    std::vector<float> h(N * D), w(t.slot_child.size() * D), b(t.slot_child.size()), up(N);
-    for (auto& v : h) v = normal(rng);
-    for (auto& v : w) v = normal(rng);
-    for (auto& v : b) v = normal(rng);
-    for (auto& v : up) v = normal(rng);
-    std::vector<int64> targets(N);
-    for (auto& v : targets) v = rng() % t.num_classes;
+    const Inputs<float> in = RandomInputs<float>(rng, t, N, D);
+    const auto& [h, w, b, up, targets] = in;
     const Run<float> a = RunCore<float>(t, h, w, &b, targets, up, D, SerialFor, kDefaultCoefBudget);
     // Threads hand out items one by one; budget 0 forces the recompute path for dW.
     for (int threads : {2, 5}) {
@@ -195,6 +215,31 @@ void TestDeterminism() {
       }
     }
   }
+}
+
+// Gradient rows written with streaming stores (aligned rows of whole vectors) are the
+// same bits as rows stored normally (an unaligned buffer), with and without threads.
+template <typename T>
+void CheckStreamedRows(std::mt19937_64& rng, int64 D) {
+  const Layout t = RandomLayout(rng, 200, 3, 0.05, 3000);
+  const int64 N = 300;
+  const Inputs<T> in = RandomInputs<T>(rng, t, N, D);
+  const auto& [h, w, b, up, targets] = in;
+  const Run<T> plain = RunCore<T>(t, h, w, &b, targets, up, D, SerialFor, kDefaultCoefBudget, 1);
+  for (int threads : {1, 3}) {
+    const Run<T> streamed = RunCore<T>(t, h, w, &b, targets, up, D,
+                                       threads == 1 ? SerialFor : ThreadedFor(threads), kDefaultCoefBudget, 0);
+    EXPECT(SameBits(plain.d_rows, streamed.d_rows), "streamed gradient rows differ (D %ld, threads %d)",
+           (long)D, threads);
+    EXPECT(SameBits(plain.d_hidden, streamed.d_hidden), "d_hidden differs (D %ld)", (long)D);
+  }
+}
+
+void TestStreamedGradientRows() {
+  std::mt19937_64 rng(9);
+  CheckStreamedRows<float>(rng, 32);
+  CheckStreamedRows<float>(rng, 80);
+  CheckStreamedRows<double>(rng, 24);
 }
 
 // In-place SGD gives the table that applying the sparse gradient rows would give, the
@@ -369,6 +414,7 @@ int main() {
       {"log_and_transpose", tf_hsm::TestLogAndTranspose},
       {"against_reference", tf_hsm::TestAgainstReference},
       {"determinism", tf_hsm::TestDeterminism},
+      {"streamed_gradient_rows", tf_hsm::TestStreamedGradientRows},
       {"nan_stays_in_its_row", tf_hsm::TestNanStaysInItsRow},
       {"in_place_sgd", tf_hsm::TestInPlaceSgd},
       {"validation", tf_hsm::TestValidation},
