@@ -14,6 +14,9 @@ namespace tf_hsm {
 namespace {
 
 constexpr int64 kTokenTile = 64;   // tokens per work item
+// The forward keeps no logits, so its items can be larger: a large group's weight block
+// is then packed into panels fewer times (once per item).
+constexpr int64 kForwardTokenTile = 256;
 constexpr int64 kSlotTile = 128;   // weight rows per logits tile (stays in L2 with D <= 1K)
 constexpr int64 kGradSlotTile = 16;  // weight rows per dW work item
 constexpr int64 kPackMinTokens = 16;  // fewer tokens use the unpacked dot-product kernel
@@ -199,7 +202,7 @@ void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
   Scratch<T>& s = ThreadScratch<T>();
   const T** rows = Grow(&s.rows, nt);
   for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e0 + r] * p.dim;
-  T* tile = Grow(&s.tile, kTokenTile * kSlotTile);
+  T* tile = Grow(&s.tile, nt * kSlotTile);
   T* exps = Grow(&s.exps, kSlotTile);
   T* row_max = Grow(&s.row_max, nt);
   T* row_sum = Grow(&s.row_sum, nt);
@@ -324,7 +327,7 @@ void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
   const int64 num_entries = static_cast<int64>(plan.entry_token.size());
   std::vector<T> entry_value(num_entries);
   // Grouped nodes. No level ordering is needed: every entry writes only its own value.
-  const std::vector<Item> items = TokenTiles(plan, tree, 0, plan.num_groups(), kTokenTile);
+  const std::vector<Item> items = TokenTiles(plan, tree, 0, plan.num_groups(), kForwardTokenTile);
   int64 total_cost = 0;
   for (const Item& it : items) {
     total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * p.dim;

@@ -341,6 +341,8 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
 
 // Same result layout as DotRows, one dot product at a time: for tiles with fewer than four
 // rows or columns, where DotRows' 4 x 4 register tile would mostly compute padding.
+constexpr int64 kPrefetchAhead = 8;  // weight rows
+
 template <typename T>
 void DotEach(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64 d, T* out,
              int64 ldo) {
@@ -348,6 +350,13 @@ void DotEach(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
   const int64 full = d - d % w;
   for (int64 i = 0; i < na; ++i) {
     for (int64 j = 0; j < nb; ++j) {
+      if (i == 0 && j + kPrefetchAhead < nb) {
+        // The first pass streams the rows from memory: ask for them a few rows ahead (the
+        // hardware prefetchers stop at every 4 KB page, and a matrix-vector product has
+        // too little arithmetic per row to hide the misses).
+        const char* row = reinterpret_cast<const char*>(b + (j + kPrefetchAhead) * ldb);
+        for (int64 o = 0; o < d * static_cast<int64>(sizeof(T)); o += 64) __builtin_prefetch(row + o, 0, 2);
+      }
       const T* bj = b + j * ldb;
       VecT<T> acc = {};
       for (int64 k = 0; k < full; k += w) acc += Load(a[i] + k) * Load(bj + k);
