@@ -865,17 +865,18 @@ struct SweepItem {
   int64 rows;
 };
 
-// Processes the nodes at positions [it.first, it.last) for some rows of a block:
-// node values of those rows are in values[plan.value_row[q] * stride + row], the block's output rows in
-// out[row * width + column]. `packed` selects the logits kernel for the whole call.
+// Processes the nodes at positions [it.first, it.last) for some rows of a block of fewer
+// than kPackMinRows rows, row by row with the dot-product kernels: node values of those
+// rows are in values[plan.value_row[q] * stride + row], the block's output rows in
+// out[row * width + column].
 template <typename T>
 void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan& plan,
                   const SweepItem& it, const T* const* block_rows, int64 stride, T* values,
-                  T* out, int64 width, bool packed) {
+                  T* out, int64 width) {
   Scratch<T>& s = ThreadScratch<T>();
   const int64 nt = it.rows;
   const T* const* rows = block_rows + it.row;
-  const T* hp = PackedRows(rows, nt, p.dim, packed);
+  const T* hp = nullptr;  // the unpacked kernels
   T* exps = Grow(&s.exps, std::max(kSlotTile, nt * simd::Vec<T>::kWidth));
   T* row_max = Grow(&s.row_max, nt);
   T* row_sum = Grow(&s.row_sum, nt);
@@ -1271,7 +1272,7 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
                                  out + r0 * width, width);
           } else {
             SweepItemRun(tree, p, plan, items[i], rows.data(), block, values.data(),
-                         out + r0 * width, width, packed);
+                         out + r0 * width, width);
           }
         }
       });
