@@ -31,7 +31,21 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   int64 max_depth = 0;
   plan->token_path.resize(num_tokens);
   plan->token_step_begin.assign(num_tokens + 1, 0);
+  // The paths of a large tree sit at random places in memory: each token's path_begin is
+  // requested kAhead tokens before it is read, and its path kAhead / 2 tokens before.
+  constexpr int64 kAhead = 16;
+  auto valid_target = [&](int64 i) { return targets[i] >= 0 && targets[i] < C; };
   for (int64 i = 0; i < num_tokens; ++i) {
+    if (i + kAhead < num_tokens && valid_target(i + kAhead)) {
+      __builtin_prefetch(tree.path_begin + targets[i + kAhead]);
+    }
+    if (i + kAhead / 2 < num_tokens && valid_target(i + kAhead / 2)) {
+      const int64 ahead = tree.path_begin[targets[i + kAhead / 2]];
+      if (ahead >= 0 && ahead < tree.path_length) {
+        __builtin_prefetch(tree.path_nodes + ahead);
+        __builtin_prefetch(tree.path_slots + ahead);
+      }
+    }
     const int64 t = targets[i];
     if (t < 0 || t >= C) {
       return Message("targets[", i, "] = ", t, " is not a class id in [0, ", C, ")");
@@ -70,12 +84,16 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   // positions still gets separate groups, one per level.
   std::vector<int64> table_node, table_group, used;
   std::vector<int64> level_tokens, level_groups, counts;
+  // The tokens whose paths reach this level, in token order.
+  std::vector<int64> active(num_tokens);
+  for (int64 i = 0; i < num_tokens; ++i) active[i] = i;
   for (int64 level = 0; level < max_depth; ++level) {
     const int64 first_group = plan->num_groups();
     level_tokens.clear();
     level_groups.clear();
-    int64 visits = 0;
-    for (int64 i = 0; i < num_tokens; ++i) visits += depth[i] > level;
+    active.erase(std::remove_if(active.begin(), active.end(), [&](int64 i) { return depth[i] <= level; }),
+                 active.end());
+    const int64 visits = static_cast<int64>(active.size());
     int64 capacity = 16;
     while (capacity < 2 * visits) capacity *= 2;
     if (static_cast<int64>(table_node.size()) < capacity) {
@@ -84,9 +102,8 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
     }
     const uint64_t mask = static_cast<uint64_t>(capacity) - 1;
     used.clear();
-    for (int64 i = 0; i < num_tokens; ++i) {
-      if (depth[i] <= level) continue;
-      const int64 n = tree.path_nodes[tree.path_begin[targets[i]] + level];
+    for (const int64 i : active) {
+      const int64 n = tree.path_nodes[plan->token_path[i] + level];
       uint64_t h = (static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull) >> 20 & mask;
       while (table_node[h] != -1 && table_node[h] != n) h = (h + 1) & mask;
       if (table_node[h] == -1) {
@@ -120,7 +137,7 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
       const int64 i = level_tokens[v];
       const int64 e = cursor[level_groups[v] - first_group]++;
       plan->entry_token[e] = i;
-      plan->entry_slot[e] = tree.path_slots[tree.path_begin[targets[i]] + level];
+      plan->entry_slot[e] = tree.path_slots[plan->token_path[i] + level];
     }
     plan->level_begin.push_back(plan->num_groups());
   }
