@@ -27,7 +27,7 @@ constexpr int64 kOnePassMaxLogits = int64{1} << 20;
 template <typename T>
 struct Scratch {
   std::vector<T> tile, exps, row_max, row_sum, taken_logit, lse, panels, sgd_rows, sgd_bias,
-      dh_acc, logits;
+      dh_acc, logits, staged_rows;
   std::vector<const T*> rows;
   std::vector<T*> out_rows;
 };
@@ -416,14 +416,23 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     return out;
   };
   // block += coef^T @ H over nt tokens (and db += column sums of coef). Rows written by a
-  // single call (`only`) go to the gradient output past the caches when they are aligned:
-  // they are not read again by this op, and most of them are rows of clusters that got
-  // one or two tokens, where writing them is most of the work.
+  // single call (`only`) go to the gradient output past the caches: they are not read
+  // again by this op, and most of them are rows of clusters that got one or two tokens,
+  // where writing them is most of the work. Rows that are whole cache lines are streamed
+  // as they are computed; others are computed into scratch and copied out with
+  // CopyStreaming (the block is one contiguous stretch of the output).
   auto accumulate_rows = [&](const RowBlock& block, int64 kb, const T* z, int64 ld,
                              const T* const* rows, int64 nt, bool overwrite, bool only) {
-    const bool stream = only && !sgd && D * static_cast<int64>(sizeof(T)) % 64 == 0 &&
-                        reinterpret_cast<std::uintptr_t>(block.dw) % 64 == 0;
-    simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D, overwrite, stream);
+    const bool stream = only && !sgd;
+    const bool aligned = D * static_cast<int64>(sizeof(T)) % 64 == 0 &&
+                         reinterpret_cast<std::uintptr_t>(block.dw) % 64 == 0;
+    if (stream && !aligned) {
+      T* staged = Grow(&ThreadScratch<T>().staged_rows, kb * D);
+      simd::AccumulateTransposed<T>(staged, D, kb, z, ld, rows, nt, D, true);
+      simd::CopyStreaming(block.dw, staged, kb * D);
+    } else {
+      simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D, overwrite, stream);
+    }
     if (block.db != nullptr) {
       for (int64 r = 0; r < nt; ++r)
         for (int64 j = 0; j < kb; ++j) block.db[j] += z[r * ld + j];

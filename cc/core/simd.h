@@ -75,6 +75,19 @@ inline void StoreStreaming(T* p, VecT<T> v) {
   Store(p, v);
 }
 
+// dst[0, n) = src[0, n), the 64-byte aligned stretch of dst written with StoreStreaming
+// (its unaligned ends with ordinary stores): for a block of output rows of any width.
+template <typename T>
+inline void CopyStreaming(T* dst, const T* src, int64 n) {
+  constexpr int64 w = Vec<T>::kWidth;
+  int64 head = static_cast<int64>((64 - reinterpret_cast<std::uintptr_t>(dst) % 64) % 64 / sizeof(T));
+  if (reinterpret_cast<std::uintptr_t>(dst) % sizeof(T) != 0 || head > n) head = n;
+  std::memcpy(dst, src, head * sizeof(T));
+  int64 i = head;
+  for (; i + w <= n; i += w) StoreStreaming(dst + i, Load(src + i));
+  std::memcpy(dst + i, src + i, (n - i) * sizeof(T));
+}
+
 inline void StreamFence() {
 #ifdef TF_HSM_MASKED_PARTIALS
   _mm_sfence();
