@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX512F__) && !defined(__CUDACC__)
 #include <immintrin.h>
@@ -452,37 +453,63 @@ void DotRowsPacked(const T* const* a, int64 na, const T* panels, int64 nb, int64
   }
 }
 
+namespace internal {
+
+// out[i0 + r][k, k + kVecs * kWidth) += sum_j coef[(i0 + r) * ldc + j] * b[j * ldb + k ...]
+// for r < kRows, summed in increasing j: kRows x kVecs independent accumulator chains.
+template <typename T, int64 kRows, int64 kVecs>
+inline void AccumulateRowsBlock(T* const* out, int64 i0, const T* coef, int64 ldc, const T* b,
+                                int64 ldb, int64 nb, int64 k) {
+  constexpr int64 w = Vec<T>::kWidth;
+  VecT<T> acc[kRows][kVecs];
+  for (int64 r = 0; r < kRows; ++r)
+    for (int64 v = 0; v < kVecs; ++v) acc[r][v] = Load(out[i0 + r] + k + v * w);
+  for (int64 j = 0; j < nb; ++j) {
+    const T* bj = b + j * ldb + k;
+    VecT<T> bv[kVecs];
+    for (int64 v = 0; v < kVecs; ++v) bv[v] = Load(bj + v * w);
+    for (int64 r = 0; r < kRows; ++r) {
+      const T c = coef[(i0 + r) * ldc + j];
+      for (int64 v = 0; v < kVecs; ++v) acc[r][v] += c * bv[v];
+    }
+  }
+  for (int64 r = 0; r < kRows; ++r)
+    for (int64 v = 0; v < kVecs; ++v) Store(out[i0 + r] + k + v * w, acc[r][v]);
+}
+
+}  // namespace internal
+
 // out[i][0:d] += sum_j coef[i * ldc + j] * b[j * ldb + 0:d] for i < na (out holds row
 // pointers), j < nb, summed in increasing j. This is dh += coef @ W_block.
 template <typename T>
 void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* b, int64 ldb,
                     int64 nb, int64 d) {
   constexpr int64 w = Vec<T>::kWidth;
-  constexpr int64 kRows = 4, kVecs = 4;  // 16 independent accumulator chains
-  for (int64 i0 = 0; i0 < na; i0 += kRows) {
-    const int64 rows = na - i0 < kRows ? na - i0 : kRows;
+  for (int64 i0 = 0; i0 < na; i0 += 4) {
+    const int64 rows = na - i0 < 4 ? na - i0 : 4;
     int64 k = 0;
-    if (rows == kRows) {
+    // At least 8 independent chains whatever the number of rows (a single token's row
+    // would otherwise wait on one multiply-add chain per vector).
+    auto blocks = [&](auto rows_tag, auto vecs_tag) {
+      constexpr int64 kRows = decltype(rows_tag)::value, kVecs = decltype(vecs_tag)::value;
       for (; k + kVecs * w <= d; k += kVecs * w) {
-        VecT<T> acc[kRows][kVecs];
-        for (int64 r = 0; r < kRows; ++r)
-          for (int64 v = 0; v < kVecs; ++v) acc[r][v] = Load(out[i0 + r] + k + v * w);
-        for (int64 j = 0; j < nb; ++j) {
-          const T* bj = b + j * ldb + k;
-          VecT<T> bv[kVecs];
-          for (int64 v = 0; v < kVecs; ++v) bv[v] = Load(bj + v * w);
-          for (int64 r = 0; r < kRows; ++r) {
-            const T c = coef[(i0 + r) * ldc + j];
-            for (int64 v = 0; v < kVecs; ++v) acc[r][v] += c * bv[v];
-          }
-        }
-        for (int64 r = 0; r < kRows; ++r)
-          for (int64 v = 0; v < kVecs; ++v) Store(out[i0 + r] + k + v * w, acc[r][v]);
+        internal::AccumulateRowsBlock<T, kRows, kVecs>(out, i0, coef, ldc, b, ldb, nb, k);
       }
+    };
+    if (rows == 4) {
+      blocks(std::integral_constant<int64, 4>(), std::integral_constant<int64, 4>());
+    } else if (rows == 3) {
+      blocks(std::integral_constant<int64, 3>(), std::integral_constant<int64, 4>());
+    } else if (rows == 2) {
+      blocks(std::integral_constant<int64, 2>(), std::integral_constant<int64, 4>());
+      blocks(std::integral_constant<int64, 2>(), std::integral_constant<int64, 2>());
+    } else {
+      blocks(std::integral_constant<int64, 1>(), std::integral_constant<int64, 8>());
+      blocks(std::integral_constant<int64, 1>(), std::integral_constant<int64, 4>());
     }
     for (; k < d; k += w) {
       const int64 n = d - k < w ? d - k : w;
-      VecT<T> acc[kRows];
+      VecT<T> acc[4];
       for (int64 r = 0; r < rows; ++r)
         acc[r] = n == w ? Load(out[i0 + r] + k) : LoadPartial(out[i0 + r] + k, n);
       for (int64 j = 0; j < nb; ++j) {
