@@ -485,25 +485,29 @@ template <typename T>
 void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* b, int64 ldb,
                     int64 nb, int64 d) {
   constexpr int64 w = Vec<T>::kWidth;
+  const int64 full_rows = na - na % 4, full_k = d - d % (4 * w);
+  // Groups of four rows, column blocks outer: the block's slice of b stays in L1 while
+  // every row group uses it (row groups outer would stream all of b from L2 per group).
+  for (int64 k = 0; k < full_k; k += 4 * w)
+    for (int64 i0 = 0; i0 < full_rows; i0 += 4)
+      internal::AccumulateRowsBlock<T, 4, 4>(out, i0, coef, ldc, b, ldb, nb, k);
   for (int64 i0 = 0; i0 < na; i0 += 4) {
     const int64 rows = na - i0 < 4 ? na - i0 : 4;
-    int64 k = 0;
-    // At least 8 independent chains whatever the number of rows (a single token's row
-    // would otherwise wait on one multiply-add chain per vector).
+    int64 k = rows == 4 ? full_k : 0;
+    // One to three rows: still at least 8 independent chains (a single token's row would
+    // otherwise wait on one multiply-add chain per vector).
     auto blocks = [&](auto rows_tag, auto vecs_tag) {
       constexpr int64 kRows = decltype(rows_tag)::value, kVecs = decltype(vecs_tag)::value;
       for (; k + kVecs * w <= d; k += kVecs * w) {
         internal::AccumulateRowsBlock<T, kRows, kVecs>(out, i0, coef, ldc, b, ldb, nb, k);
       }
     };
-    if (rows == 4) {
-      blocks(std::integral_constant<int64, 4>(), std::integral_constant<int64, 4>());
-    } else if (rows == 3) {
+    if (rows == 3) {
       blocks(std::integral_constant<int64, 3>(), std::integral_constant<int64, 4>());
     } else if (rows == 2) {
       blocks(std::integral_constant<int64, 2>(), std::integral_constant<int64, 4>());
       blocks(std::integral_constant<int64, 2>(), std::integral_constant<int64, 2>());
-    } else {
+    } else if (rows == 1) {
       blocks(std::integral_constant<int64, 1>(), std::integral_constant<int64, 8>());
       blocks(std::integral_constant<int64, 1>(), std::integral_constant<int64, 4>());
     }
@@ -538,33 +542,32 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
                           bool stream = false) {
   constexpr int64 w = Vec<T>::kWidth;
   constexpr int64 kCols = 4, kVecs = 4;  // 16 independent accumulator chains
-  for (int64 j0 = 0; j0 < nb; j0 += kCols) {
-    const int64 cols = nb - j0 < kCols ? nb - j0 : kCols;
-    int64 k = 0;
-    if (cols == kCols) {
-      for (; k + kVecs * w <= d; k += kVecs * w) {
-        VecT<T> acc[kCols][kVecs];
-        for (int64 c = 0; c < kCols; ++c)
-          for (int64 v = 0; v < kVecs; ++v)
-            acc[c][v] = overwrite ? VecT<T>{} : Load(out + (j0 + c) * ldo + k + v * w);
-        for (int64 i = 0; i < na; ++i) {
-          VecT<T> av[kVecs];
-          for (int64 v = 0; v < kVecs; ++v) av[v] = Load(a[i] + k + v * w);
-          const T* ci = coef + i * ldc + j0;
-          for (int64 c = 0; c < kCols; ++c)
-            for (int64 v = 0; v < kVecs; ++v) acc[c][v] += ci[c] * av[v];
-        }
-        for (int64 c = 0; c < kCols; ++c) {
-          for (int64 v = 0; v < kVecs; ++v) {
-            if (stream) {
-              StoreStreaming(out + (j0 + c) * ldo + k + v * w, acc[c][v]);
-            } else {
-              Store(out + (j0 + c) * ldo + k + v * w, acc[c][v]);
-            }
-          }
-        }
-      }
+  const int64 full_cols = nb - nb % kCols, full_k = d - d % (kVecs * w);
+  auto store = [&](T* o, VecT<T> v) {
+    if (stream) {
+      StoreStreaming(o, v);
+    } else {
+      Store(o, v);
     }
+  };
+  // Output rows [j0, j0 + 4) x columns [k, k + 4 kWidth), summed over every a[i].
+  auto tile = [&](int64 j0, int64 k) {
+    VecT<T> acc[kCols][kVecs];
+    for (int64 c = 0; c < kCols; ++c)
+      for (int64 v = 0; v < kVecs; ++v)
+        acc[c][v] = overwrite ? VecT<T>{} : Load(out + (j0 + c) * ldo + k + v * w);
+    for (int64 i = 0; i < na; ++i) {
+      VecT<T> av[kVecs];
+      for (int64 v = 0; v < kVecs; ++v) av[v] = Load(a[i] + k + v * w);
+      const T* ci = coef + i * ldc + j0;
+      for (int64 c = 0; c < kCols; ++c)
+        for (int64 v = 0; v < kVecs; ++v) acc[c][v] += ci[c] * av[v];
+    }
+    for (int64 c = 0; c < kCols; ++c)
+      for (int64 v = 0; v < kVecs; ++v) store(out + (j0 + c) * ldo + k + v * w, acc[c][v]);
+  };
+  // Output rows [j0, j0 + cols), columns from k on, one vector at a time.
+  auto rest = [&](int64 j0, int64 cols, int64 k) {
     for (; k < d; k += w) {
       const int64 n = d - k < w ? d - k : w;
       VecT<T> acc[kCols];
@@ -579,16 +582,28 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
       }
       for (int64 c = 0; c < cols; ++c) {
         T* o = out + (j0 + c) * ldo + k;
-        if (n == w && stream) {
-          StoreStreaming(o, acc[c]);
-        } else if (n == w) {
-          Store(o, acc[c]);
+        if (n == w) {
+          store(o, acc[c]);
         } else {
           StorePartial(o, acc[c], n);
         }
       }
     }
+  };
+  if (stream) {
+    // Each output row written in order (streamed lines then leave one row at a time).
+    for (int64 j0 = 0; j0 < full_cols; j0 += kCols) {
+      for (int64 k = 0; k < full_k; k += kVecs * w) tile(j0, k);
+      rest(j0, kCols, full_k);
+    }
+  } else {
+    // Column blocks outer: the a[i] slices of a block stay in L1 while every group of
+    // output rows uses them (row groups outer would stream all of a[i] from L2 per group).
+    for (int64 k = 0; k < full_k; k += kVecs * w)
+      for (int64 j0 = 0; j0 < full_cols; j0 += kCols) tile(j0, k);
+    for (int64 j0 = 0; j0 < full_cols; j0 += kCols) rest(j0, kCols, full_k);
   }
+  if (full_cols < nb) rest(full_cols, nb - full_cols, 0);
 }
 
 // exp(x) elementwise over n values in place. float: a vectorized Cody-Waite range reduction
