@@ -1,6 +1,7 @@
 #include "cc/core/log_prob.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -14,8 +15,8 @@ namespace tf_hsm {
 namespace {
 
 constexpr int64 kTokenTile = 64;   // tokens per work item
-// The forward keeps no logits, so its items can be larger: a large group's weight block
-// is then packed into panels fewer times (once per item).
+// The forward keeps no logits, so its items can be larger: fewer, longer work items for
+// the large groups.
 constexpr int64 kForwardTokenTile = 256;
 constexpr int64 kSlotTile = 128;   // weight rows per logits tile (stays in L2 with D <= 1K)
 constexpr int64 kGradSlotTile = 16;  // weight rows per dW work item
@@ -159,12 +160,40 @@ T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& 
   return sum;
 }
 
+// Each call of LogProbForward / LogProbBackward takes a new number, so that per-thread
+// caches of packed weights never outlive the call whose weights they copied.
+std::atomic<std::uint64_t> call_counter{0};
+
+// The whole block's weight rows packed into panels (simd::PackPanels), once per thread and
+// call: a large group is split into token tiles that the same thread mostly takes one
+// after the other, and each used to repack the block. Rows updated in place (sgd_step)
+// are never read again in the same call, so the copy stays valid for the call.
+template <typename T>
+const T* BlockPanels(const SoftmaxParams<T>& p, const NodeBlock<T>& blk, std::uint64_t call) {
+  struct Cache {
+    std::uint64_t call = 0;
+    const T* weights = nullptr;
+    int64 first_slot = -1, size = 0, dim = 0;
+  };
+  thread_local Cache cache;
+  constexpr int64 lanes = simd::Vec<T>::kWidth;
+  T* panels = Grow(&ThreadScratch<T>().panels, (blk.size + lanes - 1) / lanes * lanes * p.dim);
+  if (cache.call != call || cache.weights != p.weights || cache.first_slot != blk.first_slot ||
+      cache.size != blk.size || cache.dim != p.dim) {
+    simd::PackPanels<T>(p.weights + blk.first_slot * p.dim, p.dim, blk.size, p.dim, panels);
+    cache = {call, p.weights, blk.first_slot, blk.size, p.dim};
+  }
+  return panels;
+}
+
 // tile[r * ld + j] = z_{first_slot + j}(h_r) for r < nt, j < kb. With enough tokens to
 // amortise it, the weight rows are first packed into panels for the outer-product kernel;
 // the choice depends only on nt, which the plan fixes, so results never depend on threads.
+// k0 is a multiple of kWidth whenever nt >= kPackMinTokens (tiles of kSlotTile or
+// kGradSlotTile slots), so a tile's panels are a slice of the block's.
 template <typename T>
 void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
-            const NodeBlock<T>& blk, int64 k0, int64 kb, T* tile, int64 ld) {
+            const NodeBlock<T>& blk, int64 k0, int64 kb, T* tile, int64 ld, std::uint64_t call) {
   const int64 first_slot = blk.first_slot + k0;
   const T* w = p.weights + first_slot * p.dim;
   if (nt < 4 || blk.size < 4) {
@@ -172,8 +201,7 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
     simd::DotEach<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
   } else if (nt >= kPackMinTokens) {
     constexpr int64 lanes = simd::Vec<T>::kWidth;
-    T* panels = Grow(&ThreadScratch<T>().panels, (kb + lanes - 1) / lanes * lanes * p.dim);
-    simd::PackPanels<T>(w, p.dim, kb, p.dim, panels);
+    const T* panels = BlockPanels(p, blk, call) + k0 / lanes * lanes * p.dim;
     simd::DotRowsPacked<T>(rows, nt, panels, kb, p.dim, tile, ld);
   } else {
     simd::DotRows<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
@@ -198,7 +226,8 @@ void Coefficients(T* z, int64 n, T lse, T upstream, int64 taken) {
 // taken logit. When keep != nullptr, the logits are also written to keep[r * K + j].
 template <typename T>
 void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, int64 nt,
-                   const NodeBlock<T>& blk, T* keep, T* lse, T* taken_logit) {
+                   const NodeBlock<T>& blk, T* keep, T* lse, T* taken_logit,
+                   std::uint64_t call) {
   Scratch<T>& s = ThreadScratch<T>();
   const T** rows = Grow(&s.rows, nt);
   for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e0 + r] * p.dim;
@@ -214,7 +243,7 @@ void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
     const int64 kb = std::min(kSlotTile, blk.size - k0);
     T* z = keep != nullptr ? keep + k0 : tile;
     const int64 ld = keep != nullptr ? blk.size : kSlotTile;
-    Logits(p, rows, nt, blk, k0, kb, z, ld);
+    Logits(p, rows, nt, blk, k0, kb, z, ld, call);
     for (int64 r = 0; r < nt; ++r) {
       const T* zr = z + r * ld;
       const int64 taken = plan.entry_slot[e0 + r] - blk.first_slot - k0;
@@ -232,7 +261,7 @@ void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
 template <typename T>
 void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, int64 nt,
                          const NodeBlock<T>& blk, const T* upstream, T* z, T* lse,
-                         T* hidden_grad) {
+                         T* hidden_grad, std::uint64_t call) {
   const int64 D = p.dim;
   Scratch<T>& s = ThreadScratch<T>();
   const T** rows = Grow(&s.rows, nt);
@@ -252,7 +281,7 @@ void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64
   }
   for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
     const int64 kb = std::min(kSlotTile, blk.size - k0);
-    Logits(p, rows, nt, blk, k0, kb, z + k0, blk.size);
+    Logits(p, rows, nt, blk, k0, kb, z + k0, blk.size, call);
     for (int64 r = 0; r < nt; ++r) {
       const T* zr = z + r * blk.size + k0;
       T chunk_max = -std::numeric_limits<T>::infinity();
@@ -323,7 +352,7 @@ namespace {
 // log_prob[i] = the sum of token i's steps through grouped nodes (zero if none).
 template <typename T>
 void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
-                    const ParallelFor& parallel_for, T* log_prob) {
+                    const ParallelFor& parallel_for, T* log_prob, std::uint64_t call) {
   const int64 num_entries = static_cast<int64>(plan.entry_token.size());
   std::vector<T> entry_value(num_entries);
   // Grouped nodes. No level ordering is needed: every entry writes only its own value.
@@ -341,7 +370,7 @@ void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
       T* lse = Grow(&s.lse, it.count);
       T* taken = Grow(&s.taken_logit, it.count);
       NodeLogSumExp(p, plan, e0, it.count, BlockOf<T>(tree, plan.group_node[it.group]),
-                    static_cast<T*>(nullptr), lse, taken);
+                    static_cast<T*>(nullptr), lse, taken, call);
       for (int64 r = 0; r < it.count; ++r) entry_value[e0 + r] = taken[r] - lse[r];
     }
   });
@@ -360,7 +389,7 @@ void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
 template <typename T>
 void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
                     const ParallelFor& parallel_for, T* log_prob) {
-  GroupedForward(plan, tree, p, parallel_for, log_prob);
+  GroupedForward(plan, tree, p, parallel_for, log_prob, ++call_counter);
   if (!HasWalkedGroups(plan, tree)) return;
   // Then each token's walked steps, in path order.
   parallel_for(plan.num_tokens, WalkCostPerToken(plan, p.dim), [&](int64 begin, int64 end) {
@@ -376,7 +405,8 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
                      const LogProbGrads<T>& grads, int64 coef_budget) {
   const int64 D = p.dim;
   // The forward values, read before any in-place update; the walk below adds its part.
-  if (grads.log_prob != nullptr) GroupedForward(plan, tree, p, parallel_for, grads.log_prob);
+  const std::uint64_t call = ++call_counter;
+  if (grads.log_prob != nullptr) GroupedForward(plan, tree, p, parallel_for, grads.log_prob, call);
   std::fill(grads.hidden, grads.hidden + plan.num_tokens * D, T(0));
   std::vector<T> entry_lse(plan.entry_token.size());
   std::vector<T> coef_store;
@@ -481,7 +511,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         if (owns_rows && it.count * blk.size <= kOnePassMaxLogits) {
           // The choice depends on the plan only, never on the budget or the threads.
           T* z = kept != nullptr ? kept : Grow(&s.logits, it.count * blk.size);
-          NodeBackwardOnePass(p, plan, e0, it.count, blk, upstream, z, lse, grads.hidden);
+          NodeBackwardOnePass(p, plan, e0, it.count, blk, upstream, z, lse, grads.hidden, call);
           const T** rows = Grow(&s.rows, it.count);
           for (int64 r = 0; r < it.count; ++r) {
             entry_lse[e0 + r] = lse[r];
@@ -497,7 +527,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           }
           continue;
         }
-        NodeLogSumExp(p, plan, e0, it.count, blk, kept, lse, static_cast<T*>(nullptr));
+        NodeLogSumExp(p, plan, e0, it.count, blk, kept, lse, static_cast<T*>(nullptr), call);
         for (int64 r = 0; r < it.count; ++r) entry_lse[e0 + r] = lse[r];
         // NodeLogSumExp may have used s.rows; rebuild the row pointers it shares.
         const T** rows = Grow(&s.rows, it.count);
@@ -511,7 +541,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           const int64 kb = std::min(kSlotTile, blk.size - k0);
           T* z = keep ? kept + k0 : tile;
           const int64 ld = keep ? blk.size : kSlotTile;
-          if (!keep) Logits(p, rows, it.count, blk, k0, kb, z, ld);
+          if (!keep) Logits(p, rows, it.count, blk, k0, kb, z, ld, call);
           for (int64 r = 0; r < it.count; ++r) {
             Coefficients(z + r * ld, kb, lse[r], upstream[plan.entry_token[e0 + r]],
                          plan.entry_slot[e0 + r] - blk.first_slot - k0);
@@ -560,7 +590,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
             accumulate_rows(block, kb, coef_store.data() + coef_offset[g] + t0 * blk.size + k0,
                             blk.size, rows, nt, t0 == 0, false);
           } else {
-            Logits(p, rows, nt, blk, k0, kb, tile, kGradSlotTile);
+            Logits(p, rows, nt, blk, k0, kb, tile, kGradSlotTile, call);
             for (int64 r = 0; r < nt; ++r) {
               const int64 e = e_begin + t0 + r;
               Coefficients(tile + r * kGradSlotTile, kb, entry_lse[e], upstream[plan.entry_token[e]],
