@@ -242,6 +242,23 @@ void TestStreamedGradientRows() {
   CheckStreamedRows<double>(rng, 24);
 }
 
+// A call sees the weights as they are now, even at the same address as a previous call's
+// (packed copies of them are cached per thread within a call only).
+void TestWeightsChangedBetweenCalls() {
+  std::mt19937_64 rng(11);
+  const Layout t = Balanced(50, 50);  // one node, so every call packs the same block
+  const int64 N = 100, D = 24;        // many tokens per group: the packed kernel
+  Inputs<float> in = RandomInputs<float>(rng, t, N, D);
+  RunCore<float>(t, in.h, in.w, &in.b, in.targets, in.up, D, SerialFor, kDefaultCoefBudget);
+  for (auto& v : in.w) v = 0.5f * v + 0.25f;
+  const std::vector<float> moved = in.w;  // the same values at another address
+  const Run<float> again = RunCore<float>(t, in.h, in.w, &in.b, in.targets, in.up, D, SerialFor, kDefaultCoefBudget);
+  const Run<float> fresh = RunCore<float>(t, in.h, moved, &in.b, in.targets, in.up, D, SerialFor, kDefaultCoefBudget);
+  EXPECT(SameBits(again.log_prob, fresh.log_prob), "log_prob used the previous call's weights");
+  EXPECT(SameBits(again.d_hidden, fresh.d_hidden), "d_hidden used the previous call's weights");
+  EXPECT(SameBits(again.d_rows, fresh.d_rows), "d_rows used the previous call's weights");
+}
+
 // In-place SGD gives the table that applying the sparse gradient rows would give, the
 // same hidden gradient and (as the fused op's output) the same log-probabilities.
 void TestInPlaceSgd() {
@@ -415,6 +432,7 @@ int main() {
       {"against_reference", tf_hsm::TestAgainstReference},
       {"determinism", tf_hsm::TestDeterminism},
       {"streamed_gradient_rows", tf_hsm::TestStreamedGradientRows},
+      {"weights_changed_between_calls", tf_hsm::TestWeightsChangedBetweenCalls},
       {"nan_stays_in_its_row", tf_hsm::TestNanStaysInItsRow},
       {"in_place_sgd", tf_hsm::TestInPlaceSgd},
       {"validation", tf_hsm::TestValidation},
