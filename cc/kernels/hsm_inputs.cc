@@ -112,6 +112,51 @@ Status ReadClassIds(const Tensor& ids, const char* name, const TensorShape& batc
   return Status();
 }
 
+Status CheckTopK(int64 k, const TreeView& tree) {
+  if (k > tree.num_classes) {
+    return errors::InvalidArgument("k = ", k, " must be in [1, num_classes] = [1, ",
+                                   tree.num_classes, "]");
+  }
+  return Status();
+}
+
+Status ReadClassRange(const Tensor& range, const TreeView& tree, int64* begin, int64* end) {
+  if (range.dims() != 1 || range.NumElements() != 2) {
+    return errors::InvalidArgument("class_range must be a vector (begin, end), got shape ",
+                                   range.shape().DebugString());
+  }
+  *begin = range.flat<int64_t>()(0);
+  *end = range.flat<int64_t>()(1);
+  if (!(0 <= *begin && *begin <= *end && *end <= tree.num_classes)) {
+    return errors::InvalidArgument("class_range = [", *begin, ", ", *end,
+                                   ") must satisfy 0 <= begin <= end <= num_classes = ",
+                                   tree.num_classes);
+  }
+  return Status();
+}
+
+Status ReadCandidates(const Tensor& candidates, const TensorShape& batch, const TreeView& tree,
+                      std::vector<int64>* ids, int64* num_candidates) {
+  TensorShape lead = candidates.shape();
+  if (lead.dims() > 0) lead.RemoveLastDims(1);
+  if (candidates.dims() != batch.dims() + 1 || lead != batch) {
+    return errors::InvalidArgument("candidates must have shape [..., M] with hidden's "
+                                   "leading shape ", batch.DebugString(), ", got ",
+                                   candidates.shape().DebugString());
+  }
+  TF_RETURN_IF_ERROR(ReadClassIds(candidates, "candidates", candidates.shape(), ids));
+  *num_candidates = candidates.dim_size(candidates.dims() - 1);
+  for (int64 i = 0; i < static_cast<int64>(ids->size()); ++i) {
+    if ((*ids)[i] < 0 || (*ids)[i] >= tree.num_classes) {
+      return errors::InvalidArgument(
+          "candidates[", i / *num_candidates, ", ", i % *num_candidates, "] = ", (*ids)[i],
+          " is not a class id in [0, ", tree.num_classes,
+          ") (indices over hidden's flattened leading dimensions)");
+    }
+  }
+  return Status();
+}
+
 ParallelFor CpuParallelFor(OpKernelContext* ctx) {
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   return [workers](int64 total, int64 cost, const std::function<void(int64, int64)>& work) {

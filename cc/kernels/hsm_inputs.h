@@ -3,7 +3,10 @@
 #ifndef TF_HSM_CC_KERNELS_HSM_INPUTS_H_
 #define TF_HSM_CC_KERNELS_HSM_INPUTS_H_
 
+#include <cmath>
+#include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "cc/core/log_prob.h"
 #include "cc/core/tree_view.h"
@@ -53,6 +56,57 @@ SoftmaxParams<T> ParamsOf(const SoftmaxInputs& in) {
 ::tensorflow::Status ReadClassIds(const ::tensorflow::Tensor& ids, const char* name,
                                   const ::tensorflow::TensorShape& batch,
                                   std::vector<int64>* out);
+
+// The arguments of the inference ops, checked the same way on every device.
+// Hidden/weights/biases (inputs 0..2) and the tree starting at input first_tree (slot_child
+// after its four tensors when with_slot_child), as the core's views.
+template <typename T>
+::tensorflow::Status ReadInference(::tensorflow::OpKernelContext* ctx, int first_tree,
+                                   bool with_slot_child, SoftmaxInputs* in,
+                                   SoftmaxParams<T>* params, TreeView* tree) {
+  TF_RETURN_IF_ERROR(ReadSoftmaxInputs(ctx, in));
+  TF_RETURN_IF_ERROR(ReadTree(ctx, first_tree, with_slot_child ? first_tree + 4 : -1,
+                              in->weights->dim_size(0), tree));
+  *params = ParamsOf<T>(*in);
+  return ::tensorflow::Status();
+}
+
+// Hsm>TopK: k <= num_classes (the op's attribute already requires k >= 1).
+::tensorflow::Status CheckTopK(int64 k, const TreeView& tree);
+
+// Hsm>LogProbAll: class_range, a vector (begin, end) with 0 <= begin <= end <= C.
+::tensorflow::Status ReadClassRange(const ::tensorflow::Tensor& range, const TreeView& tree,
+                                    int64* begin, int64* end);
+
+// Hsm>Sample: scalar seed and temperature, the temperature positive and finite.
+template <typename T>
+::tensorflow::Status ReadSampleArgs(const ::tensorflow::Tensor& seed,
+                                    const ::tensorflow::Tensor& temperature,
+                                    std::uint64_t* seed_value, T* temperature_value) {
+  namespace errors = ::tensorflow::errors;
+  if (!::tensorflow::TensorShapeUtils::IsScalar(seed.shape())) {
+    return errors::InvalidArgument("seed must be a scalar, got shape ",
+                                   seed.shape().DebugString());
+  }
+  if (!::tensorflow::TensorShapeUtils::IsScalar(temperature.shape())) {
+    return errors::InvalidArgument("temperature must be a scalar, got shape ",
+                                   temperature.shape().DebugString());
+  }
+  *seed_value = static_cast<std::uint64_t>(seed.scalar<int64_t>()());
+  *temperature_value = temperature.scalar<T>()();
+  if (!(*temperature_value > T(0)) || std::isinf(*temperature_value)) {
+    return errors::InvalidArgument("temperature = ", *temperature_value,
+                                   " must be positive and finite");
+  }
+  return ::tensorflow::Status();
+}
+
+// Hsm>LogProbCandidates: candidates [..., M] with hidden's leading shape `batch`, every id
+// a class; copied into *ids (row-major) with *num_candidates = M.
+::tensorflow::Status ReadCandidates(const ::tensorflow::Tensor& candidates,
+                                    const ::tensorflow::TensorShape& batch,
+                                    const TreeView& tree, std::vector<int64>* ids,
+                                    int64* num_candidates);
 
 // The CPU device's thread pool as the core's ParallelFor.
 ParallelFor CpuParallelFor(::tensorflow::OpKernelContext* ctx);

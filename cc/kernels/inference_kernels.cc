@@ -18,22 +18,9 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::Status;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
-using ::tensorflow::TensorShapeUtils;
 namespace errors = ::tensorflow::errors;
 
 namespace {
-
-// Reads hidden/weights/biases (inputs 0..2) and the tree starting at input first_tree;
-// slot_child follows the four tree tensors when with_slot_child.
-template <typename T>
-Status ReadInference(OpKernelContext* ctx, int first_tree, bool with_slot_child,
-                     SoftmaxInputs* in, SoftmaxParams<T>* params, TreeView* tree) {
-  TF_RETURN_IF_ERROR(ReadSoftmaxInputs(ctx, in));
-  TF_RETURN_IF_ERROR(ReadTree(ctx, first_tree, with_slot_child ? first_tree + 4 : -1,
-                              in->weights->dim_size(0), tree));
-  *params = ParamsOf<T>(*in);
-  return Status();
-}
 
 Status FromCore(const std::string& problem) {
   return problem.empty() ? Status() : errors::InvalidArgument(problem);
@@ -51,9 +38,7 @@ class TopKOp : public OpKernel {
     SoftmaxParams<T> params;
     TreeView tree;
     OP_REQUIRES_OK(ctx, ReadInference(ctx, 3, true, &in, &params, &tree));
-    OP_REQUIRES(ctx, k_ <= tree.num_classes,
-                errors::InvalidArgument("k = ", k_, " must be in [1, num_classes] = [1, ",
-                                        tree.num_classes, "]"));
+    OP_REQUIRES_OK(ctx, CheckTopK(k_, tree));
     const TensorShape batch = BatchShape(*in.hidden);
     TensorShape out_shape = batch;
     out_shape.AddDim(k_);
@@ -81,15 +66,8 @@ class LogProbAllOp : public OpKernel {
     SoftmaxParams<T> params;
     TreeView tree;
     OP_REQUIRES_OK(ctx, ReadInference(ctx, 4, true, &in, &params, &tree));
-    const Tensor& range = ctx->input(3);
-    OP_REQUIRES(ctx, range.dims() == 1 && range.NumElements() == 2,
-                errors::InvalidArgument("class_range must be a vector (begin, end), got shape ",
-                                        range.shape().DebugString()));
-    const int64 begin = range.flat<int64_t>()(0), end = range.flat<int64_t>()(1);
-    OP_REQUIRES(ctx, 0 <= begin && begin <= end && end <= tree.num_classes,
-                errors::InvalidArgument("class_range = [", begin, ", ", end,
-                                        ") must satisfy 0 <= begin <= end <= num_classes = ",
-                                        tree.num_classes));
+    int64 begin, end;
+    OP_REQUIRES_OK(ctx, ReadClassRange(ctx->input(3), tree, &begin, &end));
     TensorShape out_shape = BatchShape(*in.hidden);
     out_shape.AddDim(end - begin);
     Tensor* out;
@@ -109,20 +87,13 @@ class SampleOp : public OpKernel {
     SoftmaxParams<T> params;
     TreeView tree;
     OP_REQUIRES_OK(ctx, ReadInference(ctx, 5, true, &in, &params, &tree));
-    const Tensor& seed = ctx->input(3);
-    const Tensor& temperature = ctx->input(4);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(seed.shape()),
-                errors::InvalidArgument("seed must be a scalar, got shape ",
-                                        seed.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(temperature.shape()),
-                errors::InvalidArgument("temperature must be a scalar, got shape ",
-                                        temperature.shape().DebugString()));
+    std::uint64_t seed;
+    T temperature;
+    OP_REQUIRES_OK(ctx, ReadSampleArgs(ctx->input(3), ctx->input(4), &seed, &temperature));
     Tensor* classes;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &classes));
-    OP_REQUIRES_OK(ctx, FromCore(Sample<T>(tree, params, in.num_tokens,
-                                           static_cast<std::uint64_t>(seed.scalar<int64_t>()()),
-                                           temperature.scalar<T>()(), CpuParallelFor(ctx),
-                                           classes->flat<int64_t>().data())));
+    OP_REQUIRES_OK(ctx, FromCore(Sample<T>(tree, params, in.num_tokens, seed, temperature,
+                                           CpuParallelFor(ctx), classes->flat<int64_t>().data())));
   }
 };
 
@@ -137,16 +108,10 @@ class LogProbCandidatesOp : public OpKernel {
     TreeView tree;
     OP_REQUIRES_OK(ctx, ReadInference(ctx, 4, false, &in, &params, &tree));
     const Tensor& candidates = ctx->input(3);
-    const TensorShape batch = BatchShape(*in.hidden);
-    TensorShape lead = candidates.shape();
-    if (lead.dims() > 0) lead.RemoveLastDims(1);
-    OP_REQUIRES(ctx, candidates.dims() == batch.dims() + 1 && lead == batch,
-                errors::InvalidArgument("candidates must have shape [..., M] with hidden's "
-                                        "leading shape ", batch.DebugString(), ", got ",
-                                        candidates.shape().DebugString()));
     std::vector<int64> ids;
-    OP_REQUIRES_OK(ctx, ReadClassIds(candidates, "candidates", candidates.shape(), &ids));
-    const int64 num_candidates = candidates.dim_size(candidates.dims() - 1);
+    int64 num_candidates;
+    OP_REQUIRES_OK(ctx, ReadCandidates(candidates, BatchShape(*in.hidden), tree, &ids,
+                                       &num_candidates));
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, candidates.shape(), &out));
     OP_REQUIRES_OK(ctx, FromCore(LogProbCandidates<T>(tree, params, in.num_tokens, ids.data(),

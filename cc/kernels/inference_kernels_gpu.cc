@@ -13,7 +13,6 @@
 #define EIGEN_USE_GPU
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -38,7 +37,6 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::Status;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
-using ::tensorflow::TensorShapeUtils;
 namespace errors = ::tensorflow::errors;
 
 namespace {
@@ -50,27 +48,14 @@ class LogProbCandidatesGpuOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     SoftmaxInputs in;
-    OP_REQUIRES_OK(ctx, ReadSoftmaxInputs(ctx, &in));
+    SoftmaxParams<T> params;
     TreeView tree;
-    OP_REQUIRES_OK(ctx, ReadTree(ctx, 4, -1, in.weights->dim_size(0), &tree));
+    OP_REQUIRES_OK(ctx, ReadInference(ctx, 4, false, &in, &params, &tree));
     const Tensor& candidates = ctx->input(3);
-    const TensorShape batch = BatchShape(*in.hidden);
-    TensorShape lead = candidates.shape();
-    if (lead.dims() > 0) lead.RemoveLastDims(1);
-    OP_REQUIRES(ctx, candidates.dims() == batch.dims() + 1 && lead == batch,
-                errors::InvalidArgument("candidates must have shape [..., M] with hidden's "
-                                        "leading shape ", batch.DebugString(), ", got ",
-                                        candidates.shape().DebugString()));
     std::vector<int64> ids;
-    OP_REQUIRES_OK(ctx, ReadClassIds(candidates, "candidates", candidates.shape(), &ids));
-    const int64 num_candidates = candidates.dim_size(candidates.dims() - 1);
-    for (int64 i = 0; i < static_cast<int64>(ids.size()); ++i) {
-      OP_REQUIRES(ctx, ids[i] >= 0 && ids[i] < tree.num_classes,
-                  errors::InvalidArgument(
-                      "candidates[", i / num_candidates, ", ", i % num_candidates, "] = ",
-                      ids[i], " is not a class id in [0, ", tree.num_classes,
-                      ") (indices over hidden's flattened leading dimensions)"));
-    }
+    int64 num_candidates;
+    OP_REQUIRES_OK(ctx, ReadCandidates(candidates, BatchShape(*in.hidden), tree, &ids,
+                                       &num_candidates));
     VisitPlan plan;
     const std::string problem =
         BuildVisitPlan(tree, ids.data(), static_cast<int64>(ids.size()), &plan);
@@ -85,31 +70,12 @@ class LogProbCandidatesGpuOp : public OpKernel {
                             &workspace));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, candidates.shape(), &out));
-    SoftmaxParams<T> params;
-    params.hidden = in.hidden->flat<T>().data();
-    params.weights = in.weights->flat<T>().data();
-    params.biases = in.has_bias ? in.biases->flat<T>().data() : nullptr;
-    params.dim = in.dim;
     err = LogProbCandidatesGpu<T>(gpu_plan, params, out->flat<T>().data(),
                                   workspace.flat<int8_t>().data(),
                                   ctx->eigen_gpu_device().stream());
     OP_REQUIRES(ctx, err.empty(), errors::Internal("Hsm>LogProbCandidates on GPU: ", err));
   }
 };
-
-// Reads hidden/weights/biases (inputs 0..2) and the tree (with slot_child) starting at input
-// first_tree, as the CPU kernels do.
-template <typename T>
-Status ReadInferenceGpu(OpKernelContext* ctx, int first_tree, SoftmaxInputs* in,
-                        SoftmaxParams<T>* params, TreeView* tree) {
-  TF_RETURN_IF_ERROR(ReadSoftmaxInputs(ctx, in));
-  TF_RETURN_IF_ERROR(ReadTree(ctx, first_tree, first_tree + 4, in->weights->dim_size(0), tree));
-  params->hidden = in->hidden->flat<T>().data();
-  params->weights = in->weights->flat<T>().data();
-  params->biases = in->has_bias ? in->biases->flat<T>().data() : nullptr;
-  params->dim = in->dim;
-  return Status();
-}
 
 Status WorkspaceFor(OpKernelContext* ctx, const GpuInferencePlan& plan, Tensor* workspace) {
   return ctx->allocate_temp(DT_INT8, TensorShape({std::max<int64>(plan.workspace_bytes, 16)}),
@@ -127,10 +93,8 @@ class TopKGpuOp : public OpKernel {
     SoftmaxInputs in;
     SoftmaxParams<T> params;
     TreeView tree;
-    OP_REQUIRES_OK(ctx, ReadInferenceGpu(ctx, 3, &in, &params, &tree));
-    OP_REQUIRES(ctx, k_ <= tree.num_classes,
-                errors::InvalidArgument("k = ", k_, " must be in [1, num_classes] = [1, ",
-                                        tree.num_classes, "]"));
+    OP_REQUIRES_OK(ctx, ReadInference(ctx, 3, true, &in, &params, &tree));
+    OP_REQUIRES_OK(ctx, CheckTopK(k_, tree));
     GpuInferencePlan plan;
     std::string err = PrepareTopKGpu<T>(tree, in.num_tokens, in.dim, in.has_bias, k_,
                                         kDefaultGpuInferenceBudget, &plan);
@@ -164,16 +128,9 @@ class LogProbAllGpuOp : public OpKernel {
     SoftmaxInputs in;
     SoftmaxParams<T> params;
     TreeView tree;
-    OP_REQUIRES_OK(ctx, ReadInferenceGpu(ctx, 4, &in, &params, &tree));
-    const Tensor& range = ctx->input(3);
-    OP_REQUIRES(ctx, range.dims() == 1 && range.NumElements() == 2,
-                errors::InvalidArgument("class_range must be a vector (begin, end), got shape ",
-                                        range.shape().DebugString()));
-    const int64 begin = range.flat<int64_t>()(0), end = range.flat<int64_t>()(1);
-    OP_REQUIRES(ctx, 0 <= begin && begin <= end && end <= tree.num_classes,
-                errors::InvalidArgument("class_range = [", begin, ", ", end,
-                                        ") must satisfy 0 <= begin <= end <= num_classes = ",
-                                        tree.num_classes));
+    OP_REQUIRES_OK(ctx, ReadInference(ctx, 4, true, &in, &params, &tree));
+    int64 begin, end;
+    OP_REQUIRES_OK(ctx, ReadClassRange(ctx->input(3), tree, &begin, &end));
     GpuInferencePlan plan;
     std::string err = PrepareLogProbAllGpu<T>(tree, in.num_tokens, in.dim, in.has_bias, begin,
                                               end, kDefaultGpuInferenceBudget, &plan);
@@ -200,18 +157,10 @@ class SampleGpuOp : public OpKernel {
     SoftmaxInputs in;
     SoftmaxParams<T> params;
     TreeView tree;
-    OP_REQUIRES_OK(ctx, ReadInferenceGpu(ctx, 5, &in, &params, &tree));
-    const Tensor& seed = ctx->input(3);
-    const Tensor& temperature = ctx->input(4);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(seed.shape()),
-                errors::InvalidArgument("seed must be a scalar, got shape ",
-                                        seed.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(temperature.shape()),
-                errors::InvalidArgument("temperature must be a scalar, got shape ",
-                                        temperature.shape().DebugString()));
-    const T temp = temperature.scalar<T>()();
-    OP_REQUIRES(ctx, temp > T(0) && !std::isinf(temp),
-                errors::InvalidArgument("temperature = ", temp, " must be positive and finite"));
+    OP_REQUIRES_OK(ctx, ReadInference(ctx, 5, true, &in, &params, &tree));
+    std::uint64_t seed;
+    T temp;
+    OP_REQUIRES_OK(ctx, ReadSampleArgs(ctx->input(3), ctx->input(4), &seed, &temp));
     GpuInferencePlan plan;
     std::string err = PrepareSampleGpu<T>(tree, in.num_tokens, in.dim, in.has_bias, &plan);
     OP_REQUIRES(ctx, err.empty(), errors::InvalidArgument(err));
@@ -220,7 +169,7 @@ class SampleGpuOp : public OpKernel {
     if (in.num_tokens == 0) return;
     Tensor workspace;
     OP_REQUIRES_OK(ctx, WorkspaceFor(ctx, plan, &workspace));
-    err = SampleGpu<T>(plan, params, static_cast<std::uint64_t>(seed.scalar<int64_t>()()), temp,
+    err = SampleGpu<T>(plan, params, seed, temp,
                        classes->flat<int64_t>().data(), workspace.flat<int8_t>().data(),
                        ctx->eigen_gpu_device().stream());
     OP_REQUIRES(ctx, err.empty(), errors::Internal("Hsm>Sample on GPU: ", err));
