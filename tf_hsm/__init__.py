@@ -1,7 +1,7 @@
 """tf_hsm: hierarchical softmax for TensorFlow over class trees of any shape."""
 
 from tf_hsm.tree import Tree
-from tf_hsm.ops import log_prob, sgd_step
+from tf_hsm.ops import log_prob, nll_loss, sgd_step
 from tf_hsm.inference import log_prob_all, log_prob_candidates, sample, top_k
 from tf_hsm.layers import HierarchicalSoftmax
 from tf_hsm import baselines, losses, optimizers
@@ -14,6 +14,7 @@ __all__ = [
     "log_prob_all",
     "log_prob_candidates",
     "losses",
+    "nll_loss",
     "optimizers",
     "sample",
     "sgd_step",

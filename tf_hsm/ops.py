@@ -110,6 +110,81 @@ def _log_prob_grad(op, upstream):
 tf.no_gradient("Hsm>LogProbGrad")
 
 
+def _token_weights(loss_scale, targets, dtype):
+  """loss_scale broadcast to targets' shape; by default 1 / number of tokens (the mean)."""
+  if loss_scale is None:
+    count = tf.cast(tf.size(targets), dtype)
+    return tf.fill(tf.shape(targets), 1.0 / tf.maximum(count, 1.0))
+  return tf.broadcast_to(tf.cast(loss_scale, dtype), tf.shape(targets))
+
+
+def nll_loss(hidden, weights, biases, tree, targets, loss_scale=None):
+  """The training loss -sum(loss_scale * log_prob), computed with its gradient in one pass.
+
+  The value equals `-tf.reduce_sum(loss_scale * log_prob(...))` up to rounding, and its
+  gradients (hidden, and `tf.IndexedSlices` for weights and biases) equal that
+  expression's bit for bit. On the CPU one op computes the log-probabilities from the
+  logsumexps the gradient needs anyway, so each touched weight row is read once per step
+  instead of once by the forward and again by the gradient; in a step that returns the
+  loss this saves the whole forward pass. The gradient is computed for the loss itself:
+  `tape.gradient(loss, ...)` uses it as is, and any other output gradient (the loss scaled
+  by another op, a second loss sharing the log-probabilities) is recomputed exactly.
+  Where a GPU is visible the loss is computed as the expression above (the GPU kernels).
+
+  Args:
+    hidden: [..., D] float32/float64 (float16/bfloat16 are computed in float32).
+    weights: [tree.num_slots, D] table.
+    biases: [tree.num_slots] or None.
+    tree: a `tf_hsm.Tree`.
+    targets: int32/int64 class ids with hidden's leading shape.
+    loss_scale: weight of each token's negative log-likelihood, broadcastable to targets'
+      shape; default 1 / number of tokens (the mean). Zero for padding tokens (whose
+      targets must still be valid class ids).
+
+  Returns:
+    The scalar loss, in the weights' dtype.
+
+  Raises:
+    as `log_prob`.
+  """
+  t = _tree_tensors(tree)
+  hidden, weights, biases, _ = _dense_inputs(hidden, weights, biases)
+  targets = _class_ids(targets, "targets")
+  scale = _token_weights(loss_scale, targets, weights.dtype)
+  if tf.config.list_logical_devices("GPU"):
+    log_probs = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, t["child_begin"],
+                                           t["path_begin"], t["path_nodes"], t["path_slots"])
+  else:
+    log_probs = _loader.ops().hsm_log_prob_and_grad(
+        hidden, weights, biases, targets, t["child_begin"], t["path_begin"], t["path_nodes"],
+        t["path_slots"], tf.negative(scale))[0]
+  # d loss / d log_probs = -scale exactly: the upstream the op was given.
+  return tf.negative(tf.reduce_sum(scale * log_probs))
+
+
+@tf.RegisterGradient("Hsm>LogProbAndGrad")
+def _log_prob_and_grad_grad(op, upstream, *unused_output_grads):
+  """The op's own gradient outputs when `upstream` is the gradient it was computed for,
+  otherwise Hsm>LogProbGrad of `upstream` (the gradient outputs are not differentiable)."""
+  hidden, weights, biases, targets = op.inputs[:4]
+  tree_inputs = op.inputs[4:8]
+  expected = op.inputs[8]
+  if upstream is None:
+    return [None] * 9
+
+  def recompute():
+    return list(_loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets,
+                                                *tree_inputs, upstream))
+
+  hidden_grad, weight_rows, bias_rows, row_ids = tf.cond(
+      tf.reduce_all(tf.equal(upstream, expected)), lambda: list(op.outputs[1:]), recompute)
+  dense_shape = tf.shape(weights, out_type=tf.int64)
+  weight_grad = tf.IndexedSlices(weight_rows, row_ids, dense_shape)
+  no_bias = biases.shape.rank == 1 and biases.shape[0] == 0
+  bias_grad = None if no_bias else tf.IndexedSlices(bias_rows, row_ids, dense_shape[:1])
+  return [hidden_grad, weight_grad, bias_grad, None, None, None, None, None, None]
+
+
 def _variable_handle(variable, name):
   """The resource handle of a tf.Variable or a Keras 3 variable."""
   for candidate in (variable, getattr(variable, "value", None)):
@@ -149,10 +224,7 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
   if hidden.dtype not in _FLOAT_TYPES:
     raise TypeError(f"hidden must be float32 or float64, got {hidden.dtype.name}")
   targets = _class_ids(targets, "targets")
-  if loss_scale is None:
-    count = tf.cast(tf.size(targets), hidden.dtype)
-    loss_scale = tf.fill(tf.shape(targets), 1.0 / tf.maximum(count, 1.0))
-  loss_scale = tf.cast(loss_scale, hidden.dtype)
+  loss_scale = _token_weights(loss_scale, targets, hidden.dtype)
   weights_handle = _variable_handle(weights, "weights")
   biases_handle = weights_handle if biases is None else _variable_handle(biases, "biases")
   return _loader.ops().hsm_sgd_step(

@@ -407,8 +407,12 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
   // The forward values, read before any in-place update; the walk below adds its part.
   const std::uint64_t call = ++call_counter;
   if (grads.log_prob != nullptr) GroupedForward(plan, tree, p, parallel_for, grads.log_prob, call);
+  T* const log_prob = grads.log_prob != nullptr ? grads.log_prob : grads.log_prob_from_backward;
   std::fill(grads.hidden, grads.hidden + plan.num_tokens * D, T(0));
   std::vector<T> entry_lse(plan.entry_token.size());
+  // With log_prob_from_backward: each grouped entry's z_taken - lse, summed per token below.
+  const bool entry_values = grads.log_prob_from_backward != nullptr;
+  std::vector<T> entry_value(entry_values ? plan.entry_token.size() : 0);
   std::vector<T> coef_store;
   std::vector<int64> coef_offset(plan.num_groups() + 1, 0);
 
@@ -515,6 +519,9 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           const T** rows = Grow(&s.rows, it.count);
           for (int64 r = 0; r < it.count; ++r) {
             entry_lse[e0 + r] = lse[r];
+            if (entry_values) {
+              entry_value[e0 + r] = z[r * blk.size + plan.entry_slot[e0 + r] - blk.first_slot] - lse[r];
+            }
             rows[r] = p.hidden + plan.entry_token[e0 + r] * D;
             Coefficients(z + r * blk.size, blk.size, lse[r], upstream[plan.entry_token[e0 + r]],
                          plan.entry_slot[e0 + r] - blk.first_slot);
@@ -527,8 +534,12 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           }
           continue;
         }
-        NodeLogSumExp(p, plan, e0, it.count, blk, kept, lse, static_cast<T*>(nullptr), call);
-        for (int64 r = 0; r < it.count; ++r) entry_lse[e0 + r] = lse[r];
+        T* taken = entry_values ? Grow(&s.taken_logit, it.count) : nullptr;
+        NodeLogSumExp(p, plan, e0, it.count, blk, kept, lse, taken, call);
+        for (int64 r = 0; r < it.count; ++r) {
+          entry_lse[e0 + r] = lse[r];
+          if (entry_values) entry_value[e0 + r] = taken[r] - lse[r];
+        }
         // NodeLogSumExp may have used s.rows; rebuild the row pointers it shares.
         const T** rows = Grow(&s.rows, it.count);
         T** out_rows = Grow(&s.out_rows, it.count);
@@ -604,6 +615,17 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     });
   }
 
+  if (entry_values) {
+    // Each token's grouped steps, root first (entries are stored level by level).
+    std::fill(log_prob, log_prob + plan.num_tokens, T(0));
+    for (int64 g = 0; g < plan.num_groups(); ++g) {
+      if (IsWalked(tree, plan.group_node[g])) continue;
+      for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
+        log_prob[plan.entry_token[e]] += entry_value[e];
+      }
+    }
+  }
+
   // Walked (small) nodes, after every grouped level so that each dh row sums its terms in
   // a fixed order: pass 1 walks every token's path (logits, lse, coefficients, dh); pass 2
   // gives each walked group its dW rows, summed over its tokens in token order.
@@ -621,9 +643,9 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
   std::vector<T> step_coef(keep ? plan.num_steps() * stride : 0);
   parallel_for(plan.num_tokens, 2 * WalkCostPerToken(plan, D), [&](int64 begin, int64 end) {
     for (int64 i = begin; i < end; ++i) {
-      const T value = WalkPath<T>(plan, tree, p, i, upstream[i], grads.log_prob != nullptr, true,
+      const T value = WalkPath<T>(plan, tree, p, i, upstream[i], log_prob != nullptr, true,
                                   grads.hidden + i * D, step_coef.data(), keep, stride);
-      if (grads.log_prob != nullptr) grads.log_prob[i] += value;
+      if (log_prob != nullptr) log_prob[i] += value;
     }
   });
 

@@ -1,4 +1,5 @@
-// OpKernels for Hsm>LogProb and Hsm>LogProbGrad: validate, allocate, call the core.
+// OpKernels for Hsm>LogProb, Hsm>LogProbGrad and Hsm>LogProbAndGrad: validate, allocate,
+// call the core.
 #include "cc/core/log_prob.h"
 #include "cc/core/visit_plan.h"
 #include "cc/kernels/hsm_inputs.h"
@@ -48,7 +49,9 @@ class LogProbOp : public OpKernel {
   }
 };
 
-template <typename T>
+// Hsm>LogProbGrad, or with kWithLogProb Hsm>LogProbAndGrad (log_prob first, from the
+// backward's own logsumexps, then the same gradient outputs).
+template <typename T, bool kWithLogProb>
 class LogProbGradOp : public OpKernel {
  public:
   explicit LogProbGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
@@ -64,13 +67,19 @@ class LogProbGradOp : public OpKernel {
                 errors::InvalidArgument("upstream gradient must have shape ",
                                         BatchShape(*in.hidden).DebugString(), ", got ",
                                         upstream.shape().DebugString()));
+    constexpr int first = kWithLogProb ? 1 : 0;  // index of hidden_grad
     const int64 rows = plan.num_rows();
-    Tensor *hidden_grad, *weight_rows, *bias_rows, *row_ids;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, in.hidden->shape(), &hidden_grad));
-    OP_REQUIRES_OK(ctx, weight_rows_.Allocate(ctx, 1, rows, in.dim, &weight_rows));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({in.has_bias ? rows : 0}), &bias_rows));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({rows}), &row_ids));
     LogProbGrads<T> grads;
+    if (kWithLogProb) {
+      Tensor* log_prob = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &log_prob));
+      grads.log_prob_from_backward = log_prob->flat<T>().data();
+    }
+    Tensor *hidden_grad, *weight_rows, *bias_rows, *row_ids;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(first, in.hidden->shape(), &hidden_grad));
+    OP_REQUIRES_OK(ctx, weight_rows_.Allocate(ctx, first + 1, rows, in.dim, &weight_rows));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(first + 2, TensorShape({in.has_bias ? rows : 0}), &bias_rows));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(first + 3, TensorShape({rows}), &row_ids));
     grads.hidden = hidden_grad->flat<T>().data();
     grads.weight_rows = weight_rows->flat<T>().data();
     grads.bias_rows = in.has_bias ? bias_rows->flat<T>().data() : nullptr;
@@ -85,8 +94,11 @@ class LogProbGradOp : public OpKernel {
 #define REGISTER_CPU(T)                                                                  \
   REGISTER_KERNEL_BUILDER(                                                               \
       Name("Hsm>LogProb").Device(DEVICE_CPU).TypeConstraint<T>("T"), LogProbOp<T>);      \
+  REGISTER_KERNEL_BUILDER(Name("Hsm>LogProbGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          (LogProbGradOp<T, false>));                                     \
   REGISTER_KERNEL_BUILDER(                                                               \
-      Name("Hsm>LogProbGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"), LogProbGradOp<T>);
+      Name("Hsm>LogProbAndGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"),              \
+      (LogProbGradOp<T, true>));
 REGISTER_CPU(float)
 REGISTER_CPU(double)
 #undef REGISTER_CPU

@@ -89,6 +89,48 @@ bias_grad_rows: [num_rows], or [0] without biases.
 row_ids: [num_rows] int64 weight-row ids.
 )doc");
 
+REGISTER_OP("Hsm>LogProbAndGrad")
+    .Input("hidden: T")
+    .Input("weights: T")
+    .Input("biases: T")
+    .Input("targets: Tidx")
+    .Input("child_begin: int64")
+    .Input("path_begin: int64")
+    .Input("path_nodes: int64")
+    .Input("path_slots: int64")
+    .Input("upstream: T")
+    .Output("log_prob: T")
+    .Output("hidden_grad: T")
+    .Output("weight_grad_rows: T")
+    .Output("bias_grad_rows: T")
+    .Output("row_ids: int64")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle batch, targets, unused;
+      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
+      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &targets));
+      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(8), &unused));
+      c->set_output(0, targets);
+      c->set_output(1, c->input(0));
+      DimensionHandle rows = c->UnknownDim();
+      c->set_output(2, c->Matrix(rows, c->Dim(c->input(1), 1)));
+      c->set_output(3, c->Vector(c->UnknownDim()));
+      c->set_output(4, c->Vector(rows));
+      return Status();
+    })
+    .Doc(R"doc(
+Hsm>LogProb and the gradient of sum(upstream * log_prob) in one pass (CPU): the values come
+from the logsumexps the gradient computes anyway, so the weight rows are read once rather
+than once more by a separate forward. log_prob equals Hsm>LogProb's up to rounding; the
+gradients are Hsm>LogProbGrad's, bit for bit. For a loss whose value and gradient are both
+wanted (the per-token upstream weights must be known before the backward pass).
+
+upstream: targets' shape.
+log_prob: targets' shape.
+hidden_grad, weight_grad_rows, bias_grad_rows, row_ids: as Hsm>LogProbGrad.
+)doc");
+
 REGISTER_OP("Hsm>SgdStep")
     .Input("hidden: T")
     .Input("weights: resource")

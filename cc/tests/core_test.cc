@@ -312,6 +312,64 @@ void TestInPlaceSgd() {
   }
 }
 
+// log_prob_from_backward: the loss value from the backward's own logsumexps. The gradients
+// are the plain backward's, bit for bit; the values match the forward's to rounding and the
+// definition's; and they do not depend on threads or the coefficient budget.
+template <typename T>
+void CheckLogProbFromBackward(std::mt19937_64& rng, const Layout& t, int64 N, int64 D, double tol,
+                              const char* what) {
+  const Inputs<T> in = RandomInputs<T>(rng, t, N, D);
+  const auto& [h, w, b, up, targets] = in;
+  const Reference ref = ReferenceOf<T>(t, h, w, &b, targets, up, D);
+  const Run<T> plain = RunCore<T>(t, h, w, &b, targets, up, D, SerialFor, kDefaultCoefBudget);
+  VisitPlan plan;
+  BuildVisitPlan(t.view(), targets.data(), N, &plan);
+  SoftmaxParams<T> p;
+  p.hidden = h.data();
+  p.weights = w.data();
+  p.biases = b.data();
+  p.dim = D;
+  std::vector<T> first;
+  for (int threads : {1, 3}) {
+    for (int64 budget : {kDefaultCoefBudget, int64{0}}) {
+      std::vector<T> lp(N, T(-7)), dh(N * D), rows(plan.num_rows() * D), bias_rows(plan.num_rows());
+      std::vector<int64> ids(plan.num_rows());
+      LogProbGrads<T> g;
+      g.hidden = dh.data();
+      g.weight_rows = rows.data();
+      g.bias_rows = bias_rows.data();
+      g.row_ids = ids.data();
+      g.log_prob_from_backward = lp.data();
+      LogProbBackward<T>(plan, t.view(), p, up.data(), threads == 1 ? SerialFor : ThreadedFor(threads), g, budget);
+      EXPECT(SameBits(dh, plain.d_hidden), "%s: d_hidden differs", what);
+      EXPECT(SameBits(rows, plain.d_rows), "%s: weight rows differ", what);
+      EXPECT(SameBits(bias_rows, plain.d_bias_rows), "%s: bias rows differ", what);
+      for (int64 i = 0; i < N; ++i) {
+        const double scale = 1 + std::fabs(static_cast<double>(ref.log_prob[i]));
+        EXPECT(std::fabs(lp[i] - plain.log_prob[i]) <= tol * scale, "%s: log_prob[%ld] %.9g vs forward %.9g",
+               what, (long)i, (double)lp[i], (double)plain.log_prob[i]);
+        EXPECT(std::fabs(lp[i] - static_cast<double>(ref.log_prob[i])) <= tol * scale,
+               "%s: log_prob[%ld] %.9g vs reference %.9g", what, (long)i, (double)lp[i], (double)ref.log_prob[i]);
+      }
+      if (first.empty()) first = lp;
+      EXPECT(SameBits(lp, first), "%s: log_prob depends on threads (%d) or budget (%ld)", what, threads, (long)budget);
+    }
+  }
+}
+
+void TestLogProbFromBackward() {
+  std::mt19937_64 rng(17);
+  for (int trial = 0; trial < 10; ++trial) {
+    // Small branchings give walked nodes, large ones grouped nodes with several token tiles.
+    const Layout t = RandomLayout(rng, 1 + trial * 37, 1 + trial % 6, 0.3, 2500);
+    const int64 N = 1 + rng() % 400, D = 1 + rng() % 40;
+    CheckLogProbFromBackward<double>(rng, t, N, D, 1e-11, "double");
+    CheckLogProbFromBackward<float>(rng, t, N, D, 1e-4, "float");
+  }
+  CheckLogProbFromBackward<float>(rng, Balanced(4000, 2), 300, 9, 1e-4, "binary float");
+  CheckLogProbFromBackward<float>(rng, Balanced(5000, 70), 700, 16, 1e-4, "2-level float");
+}
+
 void TestNanStaysInItsRow() {
   std::mt19937_64 rng(3);
   const Layout t = RandomLayout(rng, 10, 3, 0.3, 200);
@@ -435,6 +493,7 @@ int main() {
       {"weights_changed_between_calls", tf_hsm::TestWeightsChangedBetweenCalls},
       {"nan_stays_in_its_row", tf_hsm::TestNanStaysInItsRow},
       {"in_place_sgd", tf_hsm::TestInPlaceSgd},
+      {"log_prob_from_backward", tf_hsm::TestLogProbFromBackward},
       {"validation", tf_hsm::TestValidation},
   };
   return tf_hsm::testing::RunTests(tests);
