@@ -8,6 +8,15 @@ import numpy as np
 from tf_hsm.tree import Tree
 
 
+def random_inputs(rng, tree, batch_shape, dim, dtype, bias=True):
+  """hidden [*batch_shape, dim], weights [num_slots, dim], biases (or None), targets."""
+  hidden = rng.normal(size=batch_shape + (dim,)).astype(dtype)
+  weights = (0.5 * rng.normal(size=(tree.num_slots, dim))).astype(dtype)
+  biases = rng.normal(size=tree.num_slots).astype(dtype) if bias else None
+  targets = rng.integers(0, tree.num_classes, size=batch_shape)
+  return hidden, weights, biases, targets
+
+
 def random_mixed_tree(rng, max_depth=8, max_branching=50, p_internal=0.3, max_classes=400):
   """A random tree whose nodes mix classes and sub-nodes (single-child nodes included),
   given to Tree.from_parents with shuffled class and node indices."""

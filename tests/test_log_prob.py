@@ -5,15 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tf_hsm
-from oracle import chain_tree, log_prob_reference, random_mixed_tree, trees_of_every_kind
-
-
-def _inputs(rng, tree, batch_shape, dim, dtype, bias=True):
-  hidden = rng.normal(size=batch_shape + (dim,)).astype(dtype)
-  weights = (0.5 * rng.normal(size=(tree.num_slots, dim))).astype(dtype)
-  biases = rng.normal(size=tree.num_slots).astype(dtype) if bias else None
-  targets = rng.integers(0, tree.num_classes, size=batch_shape)
-  return hidden, weights, biases, targets
+from oracle import (chain_tree, log_prob_reference, random_inputs, random_mixed_tree,
+                    trees_of_every_kind)
 
 
 def _dense(grad, shape):
@@ -30,7 +23,7 @@ def _dense(grad, shape):
 def test_matches_reference_on_every_tree_kind(rng, dtype, tol, batch_shape, bias):
   for name, tree in trees_of_every_kind(rng):
     dim = int(rng.integers(1, 40))
-    hidden, weights, biases, targets = _inputs(rng, tree, batch_shape, dim, dtype, bias)
+    hidden, weights, biases, targets = random_inputs(rng, tree, batch_shape, dim, dtype, bias)
     w = tf.Variable(weights)
     b = tf.Variable(biases) if bias else None
     h = tf.constant(hidden)
@@ -54,7 +47,7 @@ def test_random_mixed_trees_many_seeds(rng):
   for _ in range(15):
     tree = random_mixed_tree(rng, max_depth=int(rng.integers(1, 9)),
                              max_branching=int(rng.integers(1, 51)))
-    hidden, weights, biases, targets = _inputs(rng, tree, (int(rng.integers(0, 40)),), 7,
+    hidden, weights, biases, targets = random_inputs(rng, tree, (int(rng.integers(0, 40)),), 7,
                                                np.float64)
     out = tf_hsm.log_prob(hidden, weights, biases, tree, targets)
     ref = log_prob_reference(hidden, weights, biases, tree, targets)[0]
@@ -63,7 +56,7 @@ def test_random_mixed_trees_many_seeds(rng):
 
 def test_gradient_is_sparse_over_touched_rows_only(rng):
   tree = tf_hsm.Tree.two_level(400)
-  hidden, weights, biases, _ = _inputs(rng, tree, (5,), 8, np.float32)
+  hidden, weights, biases, _ = random_inputs(rng, tree, (5,), 8, np.float32)
   targets = np.array([0, 1, 2, 1, 0])  # all in the first cluster
   w, b = tf.Variable(weights), tf.Variable(biases)
   with tf.GradientTape() as tape:
@@ -79,7 +72,7 @@ def test_gradient_is_sparse_over_touched_rows_only(rng):
 
 def test_one_level_tree_is_log_softmax(rng):
   tree = tf_hsm.Tree.from_nested(list(range(50)))
-  hidden, weights, biases, targets = _inputs(rng, tree, (9,), 6, np.float64)
+  hidden, weights, biases, targets = random_inputs(rng, tree, (9,), 6, np.float64)
   logits = hidden @ weights.T + biases
   expected = tf.nn.log_softmax(logits).numpy()[np.arange(9), targets]
   np.testing.assert_allclose(tf_hsm.log_prob(hidden, weights, biases, tree, targets), expected,
@@ -93,7 +86,7 @@ def test_one_level_tree_is_log_softmax(rng):
 ])
 def test_probabilities_over_all_classes_sum_to_one(rng, make_tree):
   tree = make_tree(rng)
-  hidden, weights, biases, _ = _inputs(rng, tree, (3,), 10, np.float64)
+  hidden, weights, biases, _ = random_inputs(rng, tree, (3,), 10, np.float64)
   classes = np.arange(tree.num_classes)
   for row in hidden:
     lp = tf_hsm.log_prob(np.repeat(row[None], tree.num_classes, 0), weights, biases, tree,
@@ -103,7 +96,7 @@ def test_probabilities_over_all_classes_sum_to_one(rng, make_tree):
 
 def test_numerical_gradients(rng):
   tree = random_mixed_tree(rng, max_depth=4, max_branching=5, p_internal=0.5, max_classes=30)
-  hidden, weights, biases, targets = _inputs(rng, tree, (4,), 3, np.float64)
+  hidden, weights, biases, targets = random_inputs(rng, tree, (4,), 3, np.float64)
   for argnum in range(3):
     def f(*args):
       full = [hidden, weights, biases]
@@ -115,7 +108,7 @@ def test_numerical_gradients(rng):
 
 def test_int32_targets_and_tf_function(rng):
   tree = tf_hsm.Tree.balanced(30, 4)
-  hidden, weights, biases, targets = _inputs(rng, tree, (6,), 5, np.float32)
+  hidden, weights, biases, targets = random_inputs(rng, tree, (6,), 5, np.float32)
   f = tf.function(lambda h, y: tf_hsm.log_prob(h, weights, biases, tree, y))
   out32 = f(tf.constant(hidden), tf.constant(targets, tf.int32))
   out64 = tf_hsm.log_prob(hidden, weights, biases, tree, targets.astype(np.int64))
@@ -124,7 +117,7 @@ def test_int32_targets_and_tf_function(rng):
 
 def test_low_precision_hidden_is_computed_in_float32(rng):
   tree = tf_hsm.Tree.balanced(40, 5)
-  hidden, weights, biases, targets = _inputs(rng, tree, (8,), 16, np.float32)
+  hidden, weights, biases, targets = random_inputs(rng, tree, (8,), 16, np.float32)
   for low in (tf.bfloat16, tf.float16):
     h = tf.cast(hidden, low)
     out = tf_hsm.log_prob(h, weights, biases, tree, targets)
@@ -147,7 +140,7 @@ def test_empty_batch(rng):
 
 def test_nan_in_one_row_stays_in_that_row(rng):
   tree = tf_hsm.Tree.huffman(rng.integers(1, 50, size=40))
-  hidden, weights, biases, targets = _inputs(rng, tree, (6,), 4, np.float32)
+  hidden, weights, biases, targets = random_inputs(rng, tree, (6,), 4, np.float32)
   hidden[2, 1] = np.nan
   out = tf_hsm.log_prob(hidden, weights, biases, tree, targets).numpy()
   assert np.isnan(out[2]) and np.all(np.isfinite(np.delete(out, 2)))
@@ -155,7 +148,7 @@ def test_nan_in_one_row_stays_in_that_row(rng):
 
 def test_deterministic_bits_across_runs_and_thread_counts(rng):
   tree = tf_hsm.Tree.two_level(3000)
-  hidden, weights, biases, targets = _inputs(rng, tree, (700,), 33, np.float32)
+  hidden, weights, biases, targets = random_inputs(rng, tree, (700,), 33, np.float32)
   w, b = tf.Variable(weights), tf.Variable(biases)
 
   def run():
