@@ -19,7 +19,10 @@ TREE_LABELS = {
     "freq_two_level": "freq-2-level",
 }
 
-TRAIN_METHODS = ("tf_hsm", "gather", "embedding_lookup", "map_fn", "dense_tree",
+# tf_hsm.nll_loss: the loss and its gradient from one op (a tf_hsm variant, compared with
+# tf_hsm's log_prob + tape).
+NLL_LOSS = "tf_hsm_nll_loss"
+TRAIN_METHODS = ("tf_hsm", NLL_LOSS, "gather", "embedding_lookup", "map_fn", "dense_tree",
                  "full_softmax", "sampled_softmax")
 # Inference methods of the topk scenario. tf_hsm_log_prob_all computes every class's
 # log-probability for each row (its roofline: one read of the whole table, one write of
