@@ -97,14 +97,20 @@ def log_prob(hidden, weights, biases, tree, targets):
 def _log_prob_grad(op, upstream):
   hidden, weights, biases, targets = op.inputs[:4]
   tree_inputs = op.inputs[4:8]
-  hidden_grad, weight_rows, bias_rows, row_ids = _loader.ops().hsm_log_prob_grad(
-      hidden, weights, biases, targets, *tree_inputs, upstream)
+  grads = _loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets, *tree_inputs,
+                                          upstream)
+  return _input_grads(weights, biases, *grads) + [None] * 5
+
+
+def _input_grads(weights, biases, hidden_grad, weight_rows, bias_rows, row_ids):
+  """[d hidden, d weights, d biases] from a gradient op's outputs: the table gradients as
+  `tf.IndexedSlices` over the touched rows; an empty biases input stands for "no bias" and
+  gets no gradient."""
   dense_shape = tf.shape(weights, out_type=tf.int64)
   weight_grad = tf.IndexedSlices(weight_rows, row_ids, dense_shape)
-  # An empty biases input stands for "no bias" and gets no gradient.
   no_bias = biases.shape.rank == 1 and biases.shape[0] == 0
   bias_grad = None if no_bias else tf.IndexedSlices(bias_rows, row_ids, dense_shape[:1])
-  return [hidden_grad, weight_grad, bias_grad, None, None, None, None, None]
+  return [hidden_grad, weight_grad, bias_grad]
 
 
 tf.no_gradient("Hsm>LogProbGrad")
@@ -176,13 +182,9 @@ def _log_prob_and_grad_grad(op, upstream, *unused_output_grads):
     return list(_loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets,
                                                 *tree_inputs, upstream))
 
-  hidden_grad, weight_rows, bias_rows, row_ids = tf.cond(
-      tf.reduce_all(tf.equal(upstream, expected)), lambda: list(op.outputs[1:]), recompute)
-  dense_shape = tf.shape(weights, out_type=tf.int64)
-  weight_grad = tf.IndexedSlices(weight_rows, row_ids, dense_shape)
-  no_bias = biases.shape.rank == 1 and biases.shape[0] == 0
-  bias_grad = None if no_bias else tf.IndexedSlices(bias_rows, row_ids, dense_shape[:1])
-  return [hidden_grad, weight_grad, bias_grad, None, None, None, None, None, None]
+  grads = tf.cond(tf.reduce_all(tf.equal(upstream, expected)), lambda: list(op.outputs[1:]),
+                  recompute)
+  return _input_grads(weights, biases, *grads) + [None] * 6
 
 
 def _variable_handle(variable, name):

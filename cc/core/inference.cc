@@ -993,14 +993,12 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
 
   // One node's children and the values that finish them: parent + (logit - lse).
   struct Node {
-    int64 position;
     const int64* codes;
     int64 run;
     V parent[kMaxGroups], lse[kMaxGroups];
   };
   auto start = [&](int64 q, Node* node) {
     const int64 n = plan.node[q];
-    node->position = q;
     node->codes = t.slot_child + t.child_begin[n];
     node->run = plan.run[q];
     for (int64 g = 0; g < groups; ++g) node->parent[g] = load_rows(values + plan.value_row[q] * stride + it.row, g);

@@ -349,6 +349,20 @@ std::vector<Item> TokenTiles(const VisitPlan& plan, const TreeView& tree, int64 
 
 namespace {
 
+// log_prob[i] = the sum of entry_value over token i's visits of grouped nodes, root first
+// (entries are stored level by level), so every caller sums in the same order.
+template <typename T>
+void SumGroupedEntries(const VisitPlan& plan, const TreeView& tree,
+                       const std::vector<T>& entry_value, T* log_prob) {
+  std::fill(log_prob, log_prob + plan.num_tokens, T(0));
+  for (int64 g = 0; g < plan.num_groups(); ++g) {
+    if (IsWalked(tree, plan.group_node[g])) continue;
+    for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
+      log_prob[plan.entry_token[e]] += entry_value[e];
+    }
+  }
+}
+
 // log_prob[i] = the sum of token i's steps through grouped nodes (zero if none).
 template <typename T>
 void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
@@ -374,14 +388,7 @@ void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
       for (int64 r = 0; r < it.count; ++r) entry_value[e0 + r] = taken[r] - lse[r];
     }
   });
-  // Sum each token's grouped steps root first (entries are stored level by level).
-  std::fill(log_prob, log_prob + plan.num_tokens, T(0));
-  for (int64 g = 0; g < plan.num_groups(); ++g) {
-    if (IsWalked(tree, plan.group_node[g])) continue;
-    for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
-      log_prob[plan.entry_token[e]] += entry_value[e];
-    }
-  }
+  SumGroupedEntries(plan, tree, entry_value, log_prob);
 }
 
 }  // namespace
@@ -615,16 +622,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     });
   }
 
-  if (entry_values) {
-    // Each token's grouped steps, root first (entries are stored level by level).
-    std::fill(log_prob, log_prob + plan.num_tokens, T(0));
-    for (int64 g = 0; g < plan.num_groups(); ++g) {
-      if (IsWalked(tree, plan.group_node[g])) continue;
-      for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
-        log_prob[plan.entry_token[e]] += entry_value[e];
-      }
-    }
-  }
+  if (entry_values) SumGroupedEntries(plan, tree, entry_value, log_prob);
 
   // Walked (small) nodes, after every grouped level so that each dh row sums its terms in
   // a fixed order: pass 1 walks every token's path (logits, lse, coefficients, dh); pass 2

@@ -27,7 +27,6 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   plan->group_row.push_back(0);
 
   // Validate targets and the paths they read; find each token's depth.
-  std::vector<int64> depth(num_tokens);
   int64 max_depth = 0;
   plan->token_path.resize(num_tokens);
   plan->token_step_begin.assign(num_tokens + 1, 0);
@@ -72,10 +71,9 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
                        " is outside the slots [", cb, ", ", ce, ") of node ", n);
       }
     }
-    depth[i] = e - b;
     plan->token_path[i] = b;
-    plan->token_step_begin[i + 1] = plan->token_step_begin[i] + depth[i];
-    max_depth = std::max(max_depth, depth[i]);
+    plan->token_step_begin[i + 1] = plan->token_step_begin[i] + (e - b);
+    max_depth = std::max(max_depth, e - b);
   }
 
   // Group level by level. Nodes are mapped to this level's groups through a small
@@ -91,7 +89,9 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
     const int64 first_group = plan->num_groups();
     level_tokens.clear();
     level_groups.clear();
-    active.erase(std::remove_if(active.begin(), active.end(), [&](int64 i) { return depth[i] <= level; }),
+    active.erase(std::remove_if(active.begin(), active.end(), [&](int64 i) {
+                   return plan->token_step_begin[i + 1] - plan->token_step_begin[i] <= level;
+                 }),
                  active.end());
     const int64 visits = static_cast<int64>(active.size());
     int64 capacity = 16;

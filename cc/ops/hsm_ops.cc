@@ -12,6 +12,27 @@ using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
 
+namespace {
+
+// Hsm>LogProbGrad's inputs (LogProb's plus upstream) and outputs from index `first` on:
+// hidden_grad, weight_grad_rows, bias_grad_rows, row_ids. With first = 1, output 0 is
+// log_prob (Hsm>LogProbAndGrad).
+Status GradShapes(InferenceContext* c, int first) {
+  ShapeHandle batch, targets, unused;
+  TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
+  TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &targets));
+  TF_RETURN_IF_ERROR(c->Merge(batch, c->input(8), &unused));
+  if (first == 1) c->set_output(0, targets);
+  c->set_output(first, c->input(0));
+  DimensionHandle rows = c->UnknownDim();
+  c->set_output(first + 1, c->Matrix(rows, c->Dim(c->input(1), 1)));
+  c->set_output(first + 2, c->Vector(c->UnknownDim()));
+  c->set_output(first + 3, c->Vector(rows));
+  return Status();
+}
+
+}  // namespace
+
 REGISTER_OP("Hsm>LogProb")
     .Input("hidden: T")
     .Input("weights: T")
@@ -65,18 +86,7 @@ REGISTER_OP("Hsm>LogProbGrad")
     .Output("row_ids: int64")
     .Attr("T: {float, double}")
     .Attr("Tidx: {int32, int64} = DT_INT64")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle batch, unused;
-      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
-      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &unused));
-      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(8), &unused));
-      c->set_output(0, c->input(0));
-      DimensionHandle rows = c->UnknownDim();
-      c->set_output(1, c->Matrix(rows, c->Dim(c->input(1), 1)));
-      c->set_output(2, c->Vector(c->UnknownDim()));
-      c->set_output(3, c->Vector(rows));
-      return Status();
-    })
+    .SetShapeFn([](InferenceContext* c) { return GradShapes(c, 0); })
     .Doc(R"doc(
 Gradient of sum(upstream * Hsm>LogProb(...)). The weight and bias gradients are sparse:
 row r of weight_grad_rows (and bias_grad_rows, empty when biases is empty) is the gradient
@@ -106,19 +116,7 @@ REGISTER_OP("Hsm>LogProbAndGrad")
     .Output("row_ids: int64")
     .Attr("T: {float, double}")
     .Attr("Tidx: {int32, int64} = DT_INT64")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle batch, targets, unused;
-      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
-      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &targets));
-      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(8), &unused));
-      c->set_output(0, targets);
-      c->set_output(1, c->input(0));
-      DimensionHandle rows = c->UnknownDim();
-      c->set_output(2, c->Matrix(rows, c->Dim(c->input(1), 1)));
-      c->set_output(3, c->Vector(c->UnknownDim()));
-      c->set_output(4, c->Vector(rows));
-      return Status();
-    })
+    .SetShapeFn([](InferenceContext* c) { return GradShapes(c, 1); })
     .Doc(R"doc(
 Hsm>LogProb and the gradient of sum(upstream * log_prob) in one pass (CPU): the values come
 from the logsumexps the gradient computes anyway, so the weight rows are read once rather
