@@ -1,9 +1,11 @@
-"""Float64 references written straight from the definition, and random trees of every kind.
+"""Float64 references written straight from the definition, random trees of every kind, and
+a small learnable problem for the training tests.
 
 Shared by the op tests and the baseline tests.
 """
 
 import numpy as np
+import tensorflow as tf
 
 from tf_hsm.tree import Tree
 
@@ -15,6 +17,19 @@ def random_inputs(rng, tree, batch_shape, dim, dtype, bias=True):
   biases = rng.normal(size=tree.num_slots).astype(dtype) if bias else None
   targets = rng.integers(0, tree.num_classes, size=batch_shape)
   return hidden, weights, biases, targets
+
+
+def learnable_problem(rng):
+  """A small problem a few optimizer steps visibly improve: a 2-level tree over 1,000
+  classes whose targets depend on the features, and fresh tf.Variable weights and biases.
+
+  Returns (tree, features [512, 16], targets [512], weights, biases)."""
+  tree = Tree.two_level(1000)
+  features = rng.normal(size=(512, 16)).astype(np.float32)
+  targets = (np.abs(features[:, 0]) * 300).astype(np.int64) % 1000
+  weights = tf.Variable(0.01 * rng.normal(size=(tree.num_slots, 16)).astype(np.float32))
+  biases = tf.Variable(np.zeros(tree.num_slots, np.float32))
+  return tree, features, targets, weights, biases
 
 
 def random_mixed_tree(rng, max_depth=8, max_branching=50, p_internal=0.3, max_classes=400):

@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tf_hsm
-from oracle import log_prob_reference, random_inputs, random_mixed_tree, trees_of_every_kind
+from oracle import (learnable_problem, log_prob_reference, random_inputs, random_mixed_tree,
+                    trees_of_every_kind)
 
 
 def _loss_and_grads(loss_fn, h, w, b, multiplier=1.0):
@@ -120,11 +121,7 @@ def test_low_precision_hidden(rng):
 
 
 def test_training_lowers_the_loss(rng):
-  tree = tf_hsm.Tree.two_level(1000)
-  features = rng.normal(size=(512, 16)).astype(np.float32)
-  targets = (np.abs(features[:, 0]) * 300).astype(np.int64) % 1000
-  w = tf.Variable(0.01 * rng.normal(size=(tree.num_slots, 16)).astype(np.float32))
-  b = tf.Variable(np.zeros(tree.num_slots, np.float32))
+  tree, features, targets, w, b = learnable_problem(rng)
   optimizer = tf.keras.optimizers.Adam(0.05)
 
   @tf.function

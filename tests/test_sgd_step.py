@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tf_hsm
-from oracle import random_mixed_tree
+from oracle import learnable_problem, random_mixed_tree
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -41,11 +41,7 @@ def test_matches_sgd_on_the_sparse_gradient(rng, bias, dtype, tol):
 
 
 def test_training_with_sgd_step_lowers_the_loss(rng):
-  tree = tf_hsm.Tree.two_level(1000)
-  features = rng.normal(size=(512, 16)).astype(np.float32)
-  targets = (np.abs(features[:, 0]) * 300).astype(np.int64) % 1000
-  w = tf.Variable(0.01 * rng.normal(size=(tree.num_slots, 16)).astype(np.float32))
-  b = tf.Variable(np.zeros(tree.num_slots, np.float32))
+  tree, features, targets, w, b = learnable_problem(rng)
   step = tf.function(lambda: tf_hsm.sgd_step(features, w, b, tree, targets, 1.0))
   losses = [-float(tf.reduce_mean(step()[0])) for _ in range(40)]
   assert all(b < a for a, b in zip(losses, losses[1:])), losses[::8]
