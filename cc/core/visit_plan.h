@@ -35,7 +35,8 @@ struct VisitPlan {
 
 // Builds the plan for targets[0..num_tokens). Checks every target and every tree offset the
 // batch reads, so that no later step can read out of bounds; returns a message naming the
-// problem, or "" on success. num_slots is the number of weight rows.
+// problem, or "" on success. num_slots is the number of weight rows. *plan is overwritten;
+// its vectors keep their storage, so a caller building many plans can reuse one.
 std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num_tokens,
                            VisitPlan* plan);
 

@@ -186,6 +186,24 @@ ParallelFor CpuParallelFor(OpKernelContext* ctx) {
   return Status();
 }
 
+PlanPool::Lease PlanPool::Acquire() {
+  std::unique_ptr<VisitPlan> plan;
+  {
+    ::tensorflow::mutex_lock lock(mu_);
+    if (!free_.empty()) {
+      plan = std::move(free_.back());
+      free_.pop_back();
+    }
+  }
+  if (plan == nullptr) plan = std::make_unique<VisitPlan>();
+  return Lease(plan.release(), Return{this});
+}
+
+void PlanPool::Release(VisitPlan* plan) {
+  ::tensorflow::mutex_lock lock(mu_);
+  free_.emplace_back(plan);
+}
+
 TensorShape BatchShape(const Tensor& hidden) {
   TensorShape batch = hidden.shape();
   batch.RemoveLastDims(1);

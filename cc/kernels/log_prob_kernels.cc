@@ -41,12 +41,16 @@ class LogProbOp : public OpKernel {
     SoftmaxInputs in;
     SoftmaxParams<T> params;
     TreeView tree;
-    VisitPlan plan;
-    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, &in, &params, &tree, &plan));
+    const PlanPool::Lease lease = plans_.Acquire();
+    const VisitPlan& plan = *lease;
+    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, &in, &params, &tree, lease.get()));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &out));
     LogProbForward<T>(plan, tree, params, CpuParallelFor(ctx), out->flat<T>().data());
   }
+
+ private:
+  PlanPool plans_;
 };
 
 // Hsm>LogProbGrad, or with kWithLogProb Hsm>LogProbAndGrad (log_prob first, from the
@@ -60,8 +64,9 @@ class LogProbGradOp : public OpKernel {
     SoftmaxInputs in;
     SoftmaxParams<T> params;
     TreeView tree;
-    VisitPlan plan;
-    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, &in, &params, &tree, &plan));
+    const PlanPool::Lease lease = plans_.Acquire();
+    const VisitPlan& plan = *lease;
+    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, &in, &params, &tree, lease.get()));
     const Tensor& upstream = ctx->input(8);
     OP_REQUIRES(ctx, upstream.shape() == BatchShape(*in.hidden),
                 errors::InvalidArgument("upstream gradient must have shape ",
@@ -88,6 +93,7 @@ class LogProbGradOp : public OpKernel {
   }
 
  private:
+  PlanPool plans_;
   ReusableOutput weight_rows_;
 };
 

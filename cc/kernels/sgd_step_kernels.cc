@@ -94,8 +94,9 @@ class SgdStepOp : public OpKernel {
     OP_REQUIRES(ctx, learning_rate.dims() == 0,
                 errors::InvalidArgument("learning_rate must be a scalar, got shape ",
                                         learning_rate.shape().DebugString()));
-    VisitPlan plan;
-    const std::string problem = BuildVisitPlan(tree, targets.data(), in.num_tokens, &plan);
+    const PlanPool::Lease lease = plans_.Acquire();
+    const VisitPlan& plan = *lease;
+    const std::string problem = BuildVisitPlan(tree, targets.data(), in.num_tokens, lease.get());
     OP_REQUIRES(ctx, problem.empty(), errors::InvalidArgument(problem));
 
     Tensor *log_prob, *hidden_grad;
@@ -121,6 +122,7 @@ class SgdStepOp : public OpKernel {
 
  private:
   bool use_bias_ = false;
+  PlanPool plans_;
 };
 
 #define REGISTER_CPU(T)                                                                   \
