@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cc/core/simd.h"
@@ -24,11 +25,26 @@ constexpr int64 kPackMinTokens = 16;  // fewer tokens use the unpacked dot-produ
 // Largest tokens x branching block whose logits the one-pass backward keeps per thread.
 constexpr int64 kOnePassMaxLogits = int64{1} << 20;
 
+// One step of a token's walk through a small node: its k <= kWalkMaxBranching weight rows
+// are rows [row0, row0 + k) of the walk's row list, b its biases (or null), taken the
+// child taken, coef where its coefficients go (or null).
+template <typename T>
+struct WalkStep {
+  int64 row0;
+  int64 k;
+  int64 taken;
+  const T* b;
+  T* coef;
+};
+
 // Per-thread scratch, grown on demand and reused, so no work item allocates per token.
 template <typename T>
 struct Scratch {
   std::vector<T> tile, exps, row_max, row_sum, taken_logit, lse, panels, sgd_rows, sgd_bias,
       dh_acc, logits, staged_rows;
+  std::vector<WalkStep<T>> walk_steps;
+  std::vector<T> walk_z, walk_coef;
+  std::vector<const T*> walk_rows;
   std::vector<const T*> rows;
   std::vector<T*> out_rows;
 };
@@ -63,73 +79,114 @@ bool IsWalked(const TreeView& tree, int64 node) {
   return tree.child_begin[node + 1] - tree.child_begin[node] <= kWalkMaxBranching;
 }
 
-// One step of a token's walk through a small node whose K rows start at w. Returns
-// z[taken] - logsumexp(z) when want_value (else 0: the log is skipped). With grad set, also
-// computes the coefficients upstream * (onehot(taken) - softmax(z)), stores them at coef
-// when that is set, and adds coef @ W to dh when that is set. Everything derives from z
-// alone, so a later call with the same inputs reproduces the coefficients bit for bit (the
-// dW pass relies on it). The K logits live in the lanes of one vector: no round trips
-// through memory between the dot products, the softmax and the dh update.
-template <typename T, int K>
-T SmallStep(const T* h, const T* w, const T* b, int64 D, int64 taken, T upstream,
-            bool want_value, bool grad, T* coef, T* dh) {
+// The softmax of steps steps[0..n) of one token, whose logits z[row] are computed: each
+// step has at most kSpan rows and more than kSpan / 2, and n <= kWidth / kSpan. Step j
+// sits in lanes [j * kSpan, j * kSpan + k_j) of one vector, so the max, the exp, the sum and
+// the log are paid once per vector rather than once per step.
+//
+// Each step adds z[taken] - logsumexp(z) to *total (in step order) when want_value. With
+// grad, it writes the coefficients upstream * (onehot(taken) - softmax(z)) to coef[row]
+// and, when set, to step.coef. Every lane goes through the same operations wherever it
+// sits (SpanMax / SpanSum sum within the span in a fixed tree), so a step gives the same
+// bits alone or in any batch: the dW pass may recompute one step's coefficients by itself.
+template <typename T, int kSpan>
+void WalkSoftmax(const WalkStep<T>* steps, int64 n, const T* z_rows, T upstream,
+                 bool want_value, bool grad, T* total, T* coef_rows) {
   using V = simd::VecT<T>;
-  constexpr int64 vw = simd::Vec<T>::kWidth;
-  V acc[K];
-  for (int k = 0; k < K; ++k) acc[k] = V{};
-  int64 d = 0;
-  for (; d + vw <= D; d += vw) {
-    const V hv = simd::Load(h + d);
-    for (int k = 0; k < K; ++k) acc[k] += hv * simd::Load(w + k * D + d);
+  using I = typename simd::Vec<T>::itype;
+  using Lane = std::remove_reference_t<decltype(I{}[0])>;
+  constexpr int kLanes = simd::Vec<T>::kWidth;
+  // Assembled with partial vector loads and stores and whole-span fills: written as loops
+  // over k, these copies of a few elements compile to library calls.
+  alignas(64) T lanes[kLanes] = {};
+  alignas(64) T bias[kLanes] = {};
+  alignas(64) Lane span_k[kLanes] = {}, span_taken[kLanes];
+  bool any_bias = false;
+  for (int64 j = 0; j < n; ++j) {
+    const WalkStep<T>& st = steps[j];
+    simd::StorePartial(lanes + j * kSpan, simd::LoadPartial(z_rows + st.row0, st.k), kSpan);
+    if (st.b != nullptr) {
+      simd::StorePartial(bias + j * kSpan, simd::LoadPartial(st.b, st.k), kSpan);
+      any_bias = true;
+    }
+    for (int q = 0; q < kSpan; ++q) {
+      span_k[j * kSpan + q] = static_cast<Lane>(st.k);
+      span_taken[j * kSpan + q] = static_cast<Lane>(st.taken);
+    }
   }
-  if (d < D) {
-    const V hv = simd::LoadPartial(h + d, D - d);
-    for (int k = 0; k < K; ++k) acc[k] += hv * simd::LoadPartial(w + k * D + d, D - d);
-  }
-  V z = simd::ReduceEach<T, K>(acc);
-  if (b != nullptr) z += simd::LoadPartial(b, K);
-  const auto lane = simd::Iota<T>();
-  const auto valid = lane < K;
-  const T m = simd::ReduceMax<T>(valid ? z : simd::Splat<T>(-std::numeric_limits<T>::infinity()));
+  for (int64 q = n * kSpan; q < kLanes; ++q) span_taken[q] = -1;
+  V z = simd::Load(lanes);
+  if (any_bias) z += simd::Load(bias);
+  I k_of_lane, taken_of_lane;
+  std::memcpy(&k_of_lane, span_k, sizeof(k_of_lane));
+  std::memcpy(&taken_of_lane, span_taken, sizeof(taken_of_lane));
+  const I in_span = simd::Iota<T>() & (kSpan - 1);
+  const I valid = in_span < k_of_lane;
+  const I taken = in_span == taken_of_lane;
+  const V m = simd::SpanMax<T, kSpan>(valid ? z : simd::Splat<T>(-std::numeric_limits<T>::infinity()));
   // A NaN logit never wins the max; it reaches e, hence the sum, and so the value and dh.
   V e = simd::ExpVec(z - m);
   e = valid ? e : V{};
-  const T sum = simd::ReduceSum<T>(e);
-  if (grad) {
-    V c = e * (-upstream / sum);
-    c += lane == static_cast<int>(taken) ? simd::Splat<T>(upstream) : V{};
-    if (coef != nullptr) simd::StorePartial(coef, c, K);
-    if (dh != nullptr) {
-      for (d = 0; d + vw <= D; d += vw) {
-        V out = simd::Load(dh + d);
-        for (int k = 0; k < K; ++k) out += c[k] * simd::Load(w + k * D + d);
-        simd::Store(dh + d, out);
-      }
-      if (d < D) {
-        V out = simd::LoadPartial(dh + d, D - d);
-        for (int k = 0; k < K; ++k) out += c[k] * simd::LoadPartial(w + k * D + d, D - d);
-        simd::StorePartial(dh + d, out, D - d);
-      }
-    }
+  const V sum = simd::SpanSum<T, kSpan>(e);
+  if (want_value) {
+    const V value = z - (m + simd::LogVec(sum));
+    for (int64 j = 0; j < n; ++j) *total += value[j * kSpan + steps[j].taken];
   }
-  return want_value ? z[taken] - (m + std::log(sum)) : T(0);
+  if (!grad) return;
+  V c = e * (simd::Splat<T>(-upstream) / sum);
+  c += taken ? simd::Splat<T>(upstream) : V{};
+  simd::Store(lanes, c);
+  for (int64 j = 0; j < n; ++j) {
+    const WalkStep<T>& st = steps[j];
+    const V cj = simd::LoadPartial(lanes + j * kSpan, st.k);
+    simd::StorePartial(coef_rows + st.row0, cj, st.k);
+    if (st.coef != nullptr) simd::StorePartial(st.coef, cj, st.k);
+  }
 }
 
-template <typename T>
-using SmallStepFn = T (*)(const T*, const T*, const T*, int64, int64, T, bool, bool, T*, T*);
+// The lanes a step of k rows takes in WalkSoftmax: k rounded up to a power of two.
+constexpr int64 WalkSpan(int64 k) { return k <= 1 ? 1 : k <= 2 ? 2 : k <= 4 ? 4 : 8; }
+static_assert(kWalkMaxBranching <= 8, "WalkSpan covers nodes of up to 8 children");
 
+// WalkSoftmax over steps[0..n), in batches of consecutive steps of one span.
 template <typename T>
-SmallStepFn<T> SmallStepFor(int64 k) {
-  static const SmallStepFn<T> table[kWalkMaxBranching + 1] = {
-      nullptr,          SmallStep<T, 1>, SmallStep<T, 2>, SmallStep<T, 3>, SmallStep<T, 4>,
-      SmallStep<T, 5>, SmallStep<T, 6>, SmallStep<T, 7>, SmallStep<T, 8>};
-  return table[k];
+void WalkSoftmaxAll(const WalkStep<T>* steps, int64 n, const T* z_rows, T upstream,
+                    bool want_value, bool grad, T* total, T* coef_rows) {
+  constexpr int64 kLanes = simd::Vec<T>::kWidth;
+  for (int64 s = 0; s < n;) {
+    const int64 span = WalkSpan(steps[s].k);
+    int64 count = 1;
+    while (s + count < n && (count + 1) * span <= kLanes && WalkSpan(steps[s + count].k) == span) ++count;
+    const WalkStep<T>* batch = steps + s;
+    switch (span) {
+      case 1: WalkSoftmax<T, 1>(batch, count, z_rows, upstream, want_value, grad, total, coef_rows); break;
+      case 2: WalkSoftmax<T, 2>(batch, count, z_rows, upstream, want_value, grad, total, coef_rows); break;
+      case 4: WalkSoftmax<T, 4>(batch, count, z_rows, upstream, want_value, grad, total, coef_rows); break;
+      default: WalkSoftmax<T, 8>(batch, count, z_rows, upstream, want_value, grad, total, coef_rows); break;
+    }
+    s += count;
+  }
+}
+
+// The coefficients of one walked step alone (the dW pass, when they were not kept): the
+// same bits as the walk gave them.
+template <typename T>
+void WalkStepCoefficients(const T* h, const T* w, const T* b, int64 k, int64 taken, int64 D,
+                          T upstream, T* coef) {
+  const T* rows[kWalkMaxBranching];
+  T z[kWalkMaxBranching], c[kWalkMaxBranching];
+  for (int64 j = 0; j < k; ++j) rows[j] = w + j * D;
+  simd::DotScattered<T>(h, rows, k, D, z);
+  const WalkStep<T> step = {0, k, taken, b, coef};
+  WalkSoftmaxAll<T>(&step, 1, z, upstream, false, true, nullptr, c);
 }
 
 // Token i's steps through small nodes, in path order: returns the sum of their
 // log-probability terms when want_value. With grad (backward), dh gets every step's
 // coef @ W, and when keep, step s = plan.token_step_begin[i] + l stores its coefficients at
 // coef[s * stride]. (dh may be null when D = 0: grad, not dh, says which pass this is.)
+// The steps are gathered first, their rows requested from memory all at once (they sit at
+// random places in the table); then all their logits, all the softmaxes, and dh.
 template <typename T>
 T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p, int64 i,
            T upstream, bool want_value, bool grad, T* dh, T* coef, bool keep, int64 stride) {
@@ -137,27 +194,31 @@ T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& 
   const int64 path = plan.token_path[i];
   const int64 depth = plan.token_step_begin[i + 1] - plan.token_step_begin[i];
   const int64 step0 = plan.token_step_begin[i];
-  const T* h = p.hidden + i * D;
-  T sum = 0;
+  const int64 row_bytes = D * static_cast<int64>(sizeof(T));
+  Scratch<T>& s = ThreadScratch<T>();
+  WalkStep<T>* steps = Grow(&s.walk_steps, depth);
+  const T** rows = Grow(&s.walk_rows, depth * kWalkMaxBranching);
+  int64 num_steps = 0, n = 0;
   for (int64 l = 0; l < depth; ++l) {
     const int64 node = tree.path_nodes[path + l];
     const int64 first = tree.child_begin[node], k = tree.child_begin[node + 1] - first;
     if (k > kWalkMaxBranching) continue;
-    if (l + 1 < depth) {
-      // The next node's rows sit at a random place in the table: start fetching them now.
-      const int64 next = tree.path_nodes[path + l + 1];
-      const int64 next_first = tree.child_begin[next];
-      const int64 next_k = std::min(tree.child_begin[next + 1] - next_first, kWalkMaxBranching);
-      const char* row = reinterpret_cast<const char*>(p.weights + next_first * D);
-      const int64 bytes = next_k * D * static_cast<int64>(sizeof(T));
-      for (int64 o = 0; o < bytes; o += 64) __builtin_prefetch(row + o);
-    }
-    const T* b = p.biases != nullptr ? p.biases + first : nullptr;
-    T* c = grad && keep ? coef + (step0 + l) * stride : nullptr;
-    sum += SmallStepFor<T>(k)(h, p.weights + first * D, b, D, tree.path_slots[path + l] - first,
-                              upstream, want_value, grad, c, dh);
+    const T* w = p.weights + first * D;
+    const char* bytes = reinterpret_cast<const char*>(w);
+    for (int64 o = 0; o < k * row_bytes; o += 64) __builtin_prefetch(bytes + o);
+    steps[num_steps++] = {n, k, tree.path_slots[path + l] - first,
+                          p.biases != nullptr ? p.biases + first : nullptr,
+                          grad && keep ? coef + (step0 + l) * stride : nullptr};
+    for (int64 j = 0; j < k; ++j) rows[n++] = w + j * D;
   }
-  return sum;
+  T* z = Grow(&s.walk_z, n);
+  T* c = grad ? Grow(&s.walk_coef, n) : nullptr;
+  const T* h = p.hidden + i * D;
+  simd::DotScattered<T>(h, rows, n, D, z);
+  T total = 0;
+  WalkSoftmaxAll<T>(steps, num_steps, z, upstream, want_value, grad, &total, c);
+  if (grad && dh != nullptr) simd::AccumulateScattered<T>(dh, rows, c, n, D);
+  return total;
 }
 
 // Each call of LogProbForward / LogProbBackward takes a new number, so that per-thread
@@ -676,26 +737,32 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         const NodeBlock<T> blk = BlockOf<T>(tree, node);
         const T* w = p.weights + blk.first_slot * D;
         const T* b = p.biases != nullptr ? p.biases + blk.first_slot : nullptr;
-        const RowBlock block = begin_rows(g, 0, blk.size, true);
+        // The first visit writes the rows (+0 + c h, the bits of adding to zeroed rows):
+        // most walked nodes get one visit, whose rows then need no zeroing and no reading.
+        const RowBlock block = begin_rows(g, 0, blk.size, false);
         for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
           const int64 i = plan.entry_token[e];
           const int64 step = plan.token_step_begin[i] + group_level[g];
           const T* h = p.hidden + i * D;
           const T* c = step_coef.data() + step * stride;
           if (!keep) {
-            SmallStepFor<T>(blk.size)(h, w, b, D, plan.entry_slot[e] - blk.first_slot, upstream[i],
-                                      false, true, recomputed, nullptr);
+            WalkStepCoefficients<T>(h, w, b, blk.size, plan.entry_slot[e] - blk.first_slot, D,
+                                    upstream[i], recomputed);
             c = recomputed;
           }
+          const bool first = e == plan.group_begin[g];
           // dW rows += c^T h, written out: simd::AccumulateTransposed computes the same but
           // its 4-row tiling made this pass ~25% slower for 2-row, one-token blocks.
           for (int64 k = 0; k < blk.size; ++k) {
             T* out = block.dw + k * D;
             const T ck = c[k];
             int64 d = 0;
-            for (; d + vw <= D; d += vw) simd::Store(out + d, simd::Load(out + d) + ck * simd::Load(h + d));
+            for (; d + vw <= D; d += vw) {
+              simd::Store(out + d, (first ? V{} : simd::Load(out + d)) + ck * simd::Load(h + d));
+            }
             if (d < D) {
-              simd::StorePartial(out + d, simd::LoadPartial(out + d, D - d) + ck * simd::LoadPartial(h + d, D - d), D - d);
+              const V old = first ? V{} : simd::LoadPartial(out + d, D - d);
+              simd::StorePartial(out + d, old + ck * simd::LoadPartial(h + d, D - d), D - d);
             }
             if (block.db != nullptr) block.db[k] += ck;
           }

@@ -131,24 +131,51 @@ inline VecT<T> Splat(T x) {
   return v + x;
 }
 
-// Sum of the lanes, always in the same order: lane i += lane i + half for half = w/2, ...,
-// 1, as lane shuffles and vector adds rather than a scalar loop through memory. The
-// shuffle patterns are literal constants: built at run time, they cost a trip through the
-// stack on every call.
-template <typename T>
-inline T ReduceSum(VecT<T> v) {
+// Lane i of the result is lane i ^ kStride of v (kStride a power of two below kWidth): the
+// partner exchange of a butterfly. The patterns are literal constants: built at run time,
+// they cost a trip through the stack on every call.
+template <typename T, int kStride>
+inline VecT<T> SwapLanes(VecT<T> v) {
+  static_assert(kStride >= 1 && kStride < Vec<T>::kWidth, "a stride within the vector");
   if constexpr (Vec<T>::kWidth == 16) {
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    if constexpr (kStride == 8) {
+      return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    } else if constexpr (kStride == 4) {
+      return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    } else if constexpr (kStride == 2) {
+      return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    } else {
+      return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    }
   } else {
     static_assert(Vec<T>::kWidth == 8, "vectors of 8 or 16 lanes");
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    if constexpr (kStride == 4) {
+      return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    } else if constexpr (kStride == 2) {
+      return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    } else {
+      return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    }
   }
-  return v[0];
+}
+
+// Within every aligned span of kSpan lanes, each lane becomes the sum of the span's lanes:
+// lane i += lane i ^ half for half = kSpan / 2, ..., 1. Every lane of a span gets the same
+// bits (addition commutes), and the order is ReduceSum's restricted to the span, so a span
+// whose other lanes are +0 sums to exactly what ReduceSum gives for the whole vector.
+template <typename T, int kSpan>
+inline VecT<T> SpanSum(VecT<T> v) {
+  if constexpr (kSpan > 1) {
+    v = SpanSum<T, kSpan / 2>(v + SwapLanes<T, kSpan / 2>(v));
+  }
+  return v;
+}
+
+// Sum of the lanes, always in the same order: lane i += lane i ^ half for half = w/2, ...,
+// 1, as lane shuffles and vector adds rather than a scalar loop through memory.
+template <typename T>
+inline T ReduceSum(VecT<T> v) {
+  return SpanSum<T, Vec<T>::kWidth>(v)[0];
 }
 
 // Sums each of kWidth vectors: lane k of the result is the sum of the lanes of v[k].
@@ -274,27 +301,22 @@ inline void Transpose(VecT<T>* v) {
   internal::TransposeStage<T, 1>(v);
 }
 
+// Within every aligned span of kSpan lanes, the largest lane, by SpanSum's tree with
+// v = s > v ? s : v in place of the add: a NaN partner never wins, so the span's first lane
+// is its largest non-NaN lane unless that lane itself is NaN.
+template <typename T, int kSpan>
+inline VecT<T> SpanMax(VecT<T> v) {
+  if constexpr (kSpan > 1) {
+    const VecT<T> s = SwapLanes<T, kSpan / 2>(v);
+    v = SpanMax<T, kSpan / 2>(s > v ? s : v);
+  }
+  return v;
+}
+
 // Largest lane, by the same tree as ReduceSum. A NaN lane loses every comparison.
 template <typename T>
 inline T ReduceMax(VecT<T> v) {
-  if constexpr (Vec<T>::kWidth == 16) {
-    VecT<T> s = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v = s > v ? s : v;
-    s = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = s > v ? s : v;
-    s = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v = s > v ? s : v;
-    s = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    v = s > v ? s : v;
-  } else {
-    VecT<T> s = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-    v = s > v ? s : v;
-    s = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-    v = s > v ? s : v;
-    s = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
-    v = s > v ? s : v;
-  }
-  return v[0];
+  return SpanMax<T, Vec<T>::kWidth>(v)[0];
 }
 
 // The lane indices 0, 1, ..., kWidth - 1.
@@ -306,6 +328,88 @@ inline typename Vec<T>::itype Iota() {
     return v;
   }();
   return iota;
+}
+
+// out[r] = dot(h[0:d], rows[r][0:d]) for r < kRows: kRows independent accumulator chains
+// over d sharing each load of h, then one ReduceEach, so every sum is ReduceSum's tree
+// whatever kRows is.
+template <typename T, int kRows>
+inline void DotGroup(const T* h, const T* const* rows, int64 d, T* out) {
+  constexpr int64 w = Vec<T>::kWidth;
+  const T* r[kRows];
+  VecT<T> acc[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    r[i] = rows[i];
+    acc[i] = VecT<T>{};
+  }
+  int64 k = 0;
+  for (; k + w <= d; k += w) {
+    const VecT<T> hv = Load(h + k);
+    for (int i = 0; i < kRows; ++i) acc[i] += hv * Load(r[i] + k);
+  }
+  if (k < d) {
+    const VecT<T> hv = LoadPartial(h + k, d - k);
+    for (int i = 0; i < kRows; ++i) acc[i] += hv * LoadPartial(r[i] + k, d - k);
+  }
+  const VecT<T> sums = ReduceEach<T, kRows>(acc);
+  for (int i = 0; i < kRows; ++i) out[i] = sums[i];
+}
+
+// out[r] = dot(h[0:d], rows[r][0:d]) for r < n, for rows scattered through memory (the
+// nodes on one token's path): in groups of 8, 4, 2 and 1 rows.
+template <typename T>
+void DotScattered(const T* h, const T* const* rows, int64 n, int64 d, T* out) {
+  int64 r = 0;
+  for (; r + 8 <= n; r += 8) DotGroup<T, 8>(h, rows + r, d, out + r);
+  if (r + 4 <= n) {
+    DotGroup<T, 4>(h, rows + r, d, out + r);
+    r += 4;
+  }
+  if (r + 2 <= n) {
+    DotGroup<T, 2>(h, rows + r, d, out + r);
+    r += 2;
+  }
+  if (r < n) DotGroup<T, 1>(h, rows + r, d, out + r);
+}
+
+// dh[0:d] += sum_r coef[r] * rows[r][0:d] for r < kRows, added in increasing r.
+template <typename T, int kRows>
+inline void AccumulateGroup(T* dh, const T* const* rows, const T* coef, int64 d) {
+  constexpr int64 w = Vec<T>::kWidth;
+  const T* r[kRows];
+  T c[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    r[i] = rows[i];
+    c[i] = coef[i];
+  }
+  int64 k = 0;
+  for (; k + w <= d; k += w) {
+    VecT<T> out = Load(dh + k);
+    for (int i = 0; i < kRows; ++i) out += c[i] * Load(r[i] + k);
+    Store(dh + k, out);
+  }
+  if (k < d) {
+    VecT<T> out = LoadPartial(dh + k, d - k);
+    for (int i = 0; i < kRows; ++i) out += c[i] * LoadPartial(r[i] + k, d - k);
+    StorePartial(dh + k, out, d - k);
+  }
+}
+
+// dh[0:d] += sum_r coef[r] * rows[r][0:d] for r < n, added in increasing r: dh once per
+// group of 8, 4, 2 or 1 rows instead of once per row.
+template <typename T>
+void AccumulateScattered(T* dh, const T* const* rows, const T* coef, int64 n, int64 d) {
+  int64 r = 0;
+  for (; r + 8 <= n; r += 8) AccumulateGroup<T, 8>(dh, rows + r, coef + r, d);
+  if (r + 4 <= n) {
+    AccumulateGroup<T, 4>(dh, rows + r, coef + r, d);
+    r += 4;
+  }
+  if (r + 2 <= n) {
+    AccumulateGroup<T, 2>(dh, rows + r, coef + r, d);
+    r += 2;
+  }
+  if (r < n) AccumulateGroup<T, 1>(dh, rows + r, coef + r, d);
 }
 
 // out[i * ldo + j] = dot(a[i][0:d], b[j * ldb + 0:d]) for i < na, j < nb.
