@@ -101,14 +101,10 @@ void WalkSoftmax(const WalkStep<T>* steps, int64 n, const T* z_rows, T upstream,
   alignas(64) T lanes[kLanes] = {};
   alignas(64) T bias[kLanes] = {};
   alignas(64) Lane span_k[kLanes] = {}, span_taken[kLanes];
-  bool any_bias = false;
   for (int64 j = 0; j < n; ++j) {
     const WalkStep<T>& st = steps[j];
     simd::StorePartial(lanes + j * kSpan, simd::LoadPartial(z_rows + st.row0, st.k), kSpan);
-    if (st.b != nullptr) {
-      simd::StorePartial(bias + j * kSpan, simd::LoadPartial(st.b, st.k), kSpan);
-      any_bias = true;
-    }
+    if (st.b != nullptr) simd::StorePartial(bias + j * kSpan, simd::LoadPartial(st.b, st.k), kSpan);
     for (int q = 0; q < kSpan; ++q) {
       span_k[j * kSpan + q] = static_cast<Lane>(st.k);
       span_taken[j * kSpan + q] = static_cast<Lane>(st.taken);
@@ -116,7 +112,7 @@ void WalkSoftmax(const WalkStep<T>* steps, int64 n, const T* z_rows, T upstream,
   }
   for (int64 q = n * kSpan; q < kLanes; ++q) span_taken[q] = -1;
   V z = simd::Load(lanes);
-  if (any_bias) z += simd::Load(bias);
+  if (steps[0].b != nullptr) z += simd::Load(bias);  // biases are all or none
   I k_of_lane, taken_of_lane;
   std::memcpy(&k_of_lane, span_k, sizeof(k_of_lane));
   std::memcpy(&taken_of_lane, span_taken, sizeof(taken_of_lane));

@@ -355,21 +355,31 @@ inline void DotGroup(const T* h, const T* const* rows, int64 d, T* out) {
   for (int i = 0; i < kRows; ++i) out[i] = sums[i];
 }
 
-// out[r] = dot(h[0:d], rows[r][0:d]) for r < n, for rows scattered through memory (the
-// nodes on one token's path): in groups of 8, 4, 2 and 1 rows.
-template <typename T>
-void DotScattered(const T* h, const T* const* rows, int64 n, int64 d, T* out) {
+// Calls group(std::integral_constant<int, kRows>{}, r) over rows [0, n) in consecutive
+// groups of 8, then at most one each of 4, 2 and 1 rows: the row-group kernels below take
+// their group size as a template argument, so each size is its own unrolled kernel.
+template <typename F>
+inline void InRowGroups(int64 n, F&& group) {
   int64 r = 0;
-  for (; r + 8 <= n; r += 8) DotGroup<T, 8>(h, rows + r, d, out + r);
+  for (; r + 8 <= n; r += 8) group(std::integral_constant<int, 8>{}, r);
   if (r + 4 <= n) {
-    DotGroup<T, 4>(h, rows + r, d, out + r);
+    group(std::integral_constant<int, 4>{}, r);
     r += 4;
   }
   if (r + 2 <= n) {
-    DotGroup<T, 2>(h, rows + r, d, out + r);
+    group(std::integral_constant<int, 2>{}, r);
     r += 2;
   }
-  if (r < n) DotGroup<T, 1>(h, rows + r, d, out + r);
+  if (r < n) group(std::integral_constant<int, 1>{}, r);
+}
+
+// out[r] = dot(h[0:d], rows[r][0:d]) for r < n, for rows scattered through memory (the
+// nodes on one token's path).
+template <typename T>
+void DotScattered(const T* h, const T* const* rows, int64 n, int64 d, T* out) {
+  InRowGroups(n, [&](auto rows_in_group, int64 r) {
+    DotGroup<T, decltype(rows_in_group)::value>(h, rows + r, d, out + r);
+  });
 }
 
 // dh[0:d] += sum_r coef[r] * rows[r][0:d] for r < kRows, added in increasing r.
@@ -399,17 +409,9 @@ inline void AccumulateGroup(T* dh, const T* const* rows, const T* coef, int64 d)
 // group of 8, 4, 2 or 1 rows instead of once per row.
 template <typename T>
 void AccumulateScattered(T* dh, const T* const* rows, const T* coef, int64 n, int64 d) {
-  int64 r = 0;
-  for (; r + 8 <= n; r += 8) AccumulateGroup<T, 8>(dh, rows + r, coef + r, d);
-  if (r + 4 <= n) {
-    AccumulateGroup<T, 4>(dh, rows + r, coef + r, d);
-    r += 4;
-  }
-  if (r + 2 <= n) {
-    AccumulateGroup<T, 2>(dh, rows + r, coef + r, d);
-    r += 2;
-  }
-  if (r < n) AccumulateGroup<T, 1>(dh, rows + r, coef + r, d);
+  InRowGroups(n, [&](auto rows_in_group, int64 r) {
+    AccumulateGroup<T, decltype(rows_in_group)::value>(dh, rows + r, coef + r, d);
+  });
 }
 
 // out[i * ldo + j] = dot(a[i][0:d], b[j * ldb + 0:d]) for i < na, j < nb.

@@ -20,12 +20,7 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   const int64 C = tree.num_classes, M = tree.num_nodes, S = tree.num_slots;
   if (C < 1) return "the tree has no classes (path_begin needs at least 2 entries)";
   if (M < 1) return "the tree has no nodes (child_begin needs at least 2 entries)";
-  // Cleared rather than replaced: a plan kept across calls keeps its storage.
-  for (std::vector<int64>* v : {&plan->level_begin, &plan->group_node, &plan->group_begin,
-                                &plan->group_row, &plan->entry_token, &plan->entry_slot,
-                                &plan->token_path, &plan->token_step_begin}) {
-    v->clear();
-  }
+  plan->Clear();
   plan->num_tokens = num_tokens;
   plan->level_begin.push_back(0);
   plan->group_begin.push_back(0);

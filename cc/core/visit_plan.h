@@ -27,6 +27,16 @@ struct VisitPlan {
   std::vector<int64> token_path;        // [tokens], index of its first step in path_nodes
   std::vector<int64> token_step_begin;  // [tokens + 1], prefix sums of the path lengths
 
+  // Empties every vector, keeping its storage (BuildVisitPlan starts with this, so a plan
+  // reused across calls allocates nothing once it has grown).
+  void Clear() {
+    num_tokens = 0;
+    for (std::vector<int64>* v : {&level_begin, &group_node, &group_begin, &group_row,
+                                  &entry_token, &entry_slot, &token_path, &token_step_begin}) {
+      v->clear();
+    }
+  }
+
   int64 num_levels() const { return static_cast<int64>(level_begin.size()) - 1; }
   int64 num_groups() const { return static_cast<int64>(group_node.size()); }
   int64 num_rows() const { return group_row.empty() ? 0 : group_row.back(); }
