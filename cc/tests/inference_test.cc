@@ -283,6 +283,10 @@ void TestLogProbAll() {
   CheckLogProbAll<float>(rng, Balanced(1000, 2), 17, 4, true, 2e-4, "binary float, 17 rows");
   CheckLogProbAll<float>(rng, Balanced(9000, 9000), 40, 5, true, 2e-4, "flat float");
   CheckLogProbAll<double>(rng, Balanced(9000, 9000), 20, 5, true, 1e-10, "flat double");
+  // Outputs of 32 MB or more are written past the caches, staged 64 classes at a time; an
+  // odd number of classes starts the output rows at every alignment.
+  CheckLogProbAll<float>(rng, Balanced((int64{1} << 19) + 9, 725), 16, 3, true, 2e-4,
+                         "streamed float");
   // A root as wide, whose children are a node and classes in descending order (no run).
   const int64 wide_c = 9000;
   std::vector<int64> wide_slots = {wide_c + 1};
