@@ -1014,8 +1014,9 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       simd::Store(parent_row + g * w, node->parent[g]);
     }
   };
-  // Children [j, j + cols) of row group g, from their logits zt[(j' - j0) * ld + r] (cols <=
-  // kWidth), transposed in registers: put(row, v) gets them as lanes [0, cols) of v.
+  // Children j, ..., j + cols - 1 (cols <= kWidth) of the node for row group g, from their
+  // logits zt[j' * ld + row], transposed in registers: put(row, v) gets them as lanes
+  // [0, cols) of v.
   auto transposed = [&](const T* zt, int64 g, int64 j, int64 cols, auto&& put) {
     V block[w];
     for (int64 c = 0; c < w; ++c) block[c] = c < cols ? simd::Load(zt + (j + c) * ld + g * w) : V{};
@@ -1032,7 +1033,7 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
     T* stage = Grow(&s.stage, ld * kStageColumns);
     const int64 misaligned =
         static_cast<int64>(reinterpret_cast<std::uintptr_t>(out_rows + node.run + j0) % 64 / sizeof(T));
-    const int64 to_line = (w - misaligned % w) % w;
+    const int64 to_line = (w - misaligned) % w;
     for (int64 cb = 0, ce = to_line == 0 ? kStageColumns : to_line + kStageColumns - w; cb < kb;
          cb = ce, ce += kStageColumns) {
       const int64 n = std::min(ce, kb) - cb;

@@ -287,6 +287,8 @@ void TestLogProbAll() {
   // odd number of classes starts the output rows at every alignment.
   CheckLogProbAll<float>(rng, Balanced((int64{1} << 19) + 9, 725), 16, 3, true, 2e-4,
                          "streamed float");
+  CheckLogProbAll<double>(rng, Balanced((int64{1} << 18) + 9, 513), 16, 3, false, 1e-10,
+                          "streamed double");
   // A root as wide, whose children are a node and classes in descending order (no run).
   const int64 wide_c = 9000;
   std::vector<int64> wide_slots = {wide_c + 1};
