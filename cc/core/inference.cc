@@ -962,7 +962,8 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
 // The logsumexp is then a lane-wise fold over the children (vector exp and log, no
 // horizontal reductions), a child node's values are whole vectors of `values`, and a run
 // of consecutive classes is written to the output rows through kWidth x kWidth register
-// transposes. Nodes of at most a tile of children that are stored one after the other
+// transposes (staged and streamed past the caches when `stream`: see emit_streamed).
+// Nodes of at most a tile of children that are stored one after the other
 // (consecutive ids, as the small nodes of a level are) share one logits pass over their
 // rows; the logits kernel sums each output in one chain over k, so its bits do not depend
 // on that batching. A larger node is folded tile by tile (a tile's max, then the running
@@ -992,6 +993,7 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
   const T* hp = PackedRows(block_rows + it.row, nt, p.dim, true);
   T* lse = Grow(&s.lse, ld);          // per row, for the transposed run writes
   T* parent_row = Grow(&s.row_max, ld);
+  T* stage = stream ? Grow(&s.stage, ld * kStageColumns) : nullptr;  // row-major pieces
   T* out_rows = out + it.row * width;
   const int64 C = t.num_classes;
 
@@ -1030,7 +1032,6 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
   // more lines per row, 2.3x. Blocks after the first start where row 0's output starts a
   // cache line.
   auto emit_streamed = [&](const Node& node, const T* zt, int64 j0, int64 kb) {
-    T* stage = Grow(&s.stage, ld * kStageColumns);
     const int64 misaligned =
         static_cast<int64>(reinterpret_cast<std::uintptr_t>(out_rows + node.run + j0) % 64 / sizeof(T));
     const int64 to_line = (w - misaligned) % w;
