@@ -20,7 +20,7 @@ constexpr int64 kTokenTile = 64;   // tokens per work item
 // the large groups.
 constexpr int64 kForwardTokenTile = 256;
 constexpr int64 kSlotTile = 128;   // weight rows per logits tile (stays in L2 with D <= 1K)
-constexpr int64 kGradSlotTile = 16;  // weight rows per dW work item
+constexpr int64 kGradSlotTile = 64;  // weight rows per dW work item (each token tile read once per 64 rows)
 constexpr int64 kPackMinTokens = 16;  // fewer tokens use the unpacked dot-product kernel
 // Largest tokens x branching block whose logits the one-pass backward keeps per thread.
 constexpr int64 kOnePassMaxLogits = int64{1} << 20;

@@ -174,6 +174,8 @@ void TestAgainstReference() {
   const Layout wide = RandomLayout(rng, 700, 1, 0.0, 1000);
   CheckAgainstReference<double>(rng, wide, 150, 33, true, 1e-10, "wide double");
   CheckAgainstReference<float>(rng, wide, 150, 33, true, 2e-4, "wide float");
+  // Rows a power of two of bytes apart (1 KB): the gradient kernels' packed paths.
+  CheckAgainstReference<float>(rng, wide, 100, 256, true, 2e-4, "wide float D=256");
 }
 
 // Standard-normal hidden rows, weights, biases and upstream gradients, uniform targets.
@@ -479,6 +481,88 @@ void TestLogAndTranspose() {
   EXPECT(ok, "Transpose");
 }
 
+// The matrix kernels of the gradient, dh += coef @ W (AccumulateRows) and dW += coef^T @ H
+// (AccumulateTransposed), against a long-double reference over shapes with and without
+// column tails (D not a multiple of the vector blocks) and row tails. Rows a power of two
+// of bytes apart share L1 sets and are copied next to each other before use; the same
+// values laid out with a padded stride are not, and must give the same bits.
+template <typename T>
+void CheckAccumulateKernels(std::mt19937_64& rng, int64 na, int64 nb, int64 D, const char* what) {
+  std::normal_distribution<double> normal(0, 1);
+  const int64 pad = 16;  // floats: a stride of D + pad breaks the power-of-two spacing
+  std::vector<T> coef(na * nb), a_rows(na * D), b_rows(nb * D), a_pad(na * (D + pad)), b_pad(nb * (D + pad));
+  for (auto& v : coef) v = static_cast<T>(normal(rng));
+  for (int64 i = 0; i < na; ++i)
+    for (int64 k = 0; k < D; ++k) a_rows[i * D + k] = a_pad[i * (D + pad) + k] = static_cast<T>(normal(rng));
+  for (int64 j = 0; j < nb; ++j)
+    for (int64 k = 0; k < D; ++k) b_rows[j * D + k] = b_pad[j * (D + pad) + k] = static_cast<T>(normal(rng));
+  std::vector<const T*> a_ptr(na), a_pad_ptr(na);
+  for (int64 i = 0; i < na; ++i) {
+    a_ptr[i] = a_rows.data() + i * D;
+    a_pad_ptr[i] = a_pad.data() + i * (D + pad);
+  }
+  const T tol = sizeof(T) == 4 ? T(2e-5) : T(1e-12);
+  // dh: out[i] = start[i] + sum_j coef[i][j] b[j].
+  std::vector<T> start(na * D);
+  for (auto& v : start) v = static_cast<T>(normal(rng));
+  std::vector<T> dh = start, dh_pad = start;
+  std::vector<T*> dh_ptr(na), dh_pad_ptr(na);
+  for (int64 i = 0; i < na; ++i) {
+    dh_ptr[i] = dh.data() + i * D;
+    dh_pad_ptr[i] = dh_pad.data() + i * D;
+  }
+  simd::AccumulateRows<T>(dh_ptr.data(), na, coef.data(), nb, b_rows.data(), D, nb, D);
+  simd::AccumulateRows<T>(dh_pad_ptr.data(), na, coef.data(), nb, b_pad.data(), D + pad, nb, D);
+  bool same = true, close = true;
+  for (int64 i = 0; i < na; ++i) {
+    for (int64 k = 0; k < D; ++k) {
+      long double want = start[i * D + k], scale = std::fabs(want);
+      for (int64 j = 0; j < nb; ++j) {
+        want += (long double)coef[i * nb + j] * b_rows[j * D + k];
+        scale += std::fabs((long double)coef[i * nb + j] * b_rows[j * D + k]);
+      }
+      close = close && std::fabs(dh[i * D + k] - want) <= tol * (1 + scale);
+      same = same && dh[i * D + k] == dh_pad[i * D + k];
+    }
+  }
+  EXPECT(close, "%s: AccumulateRows na=%ld nb=%ld D=%ld off the reference", what, (long)na, (long)nb, (long)D);
+  EXPECT(same, "%s: AccumulateRows na=%ld nb=%ld D=%ld depends on the row stride", what, (long)na, (long)nb, (long)D);
+  // dW: out[j] = sum_i coef[i][j] a[i] (overwrite), then += the same again.
+  for (bool overwrite : {true, false}) {
+    std::vector<T> dw(nb * D, T(1)), dw_pad(nb * D, T(1));
+    simd::AccumulateTransposed<T>(dw.data(), D, nb, coef.data(), nb, a_ptr.data(), na, D, overwrite);
+    simd::AccumulateTransposed<T>(dw_pad.data(), D, nb, coef.data(), nb, a_pad_ptr.data(), na, D, overwrite);
+    same = close = true;
+    for (int64 j = 0; j < nb; ++j) {
+      for (int64 k = 0; k < D; ++k) {
+        long double want = overwrite ? 0 : 1, scale = 1;
+        for (int64 i = 0; i < na; ++i) {
+          want += (long double)coef[i * nb + j] * a_rows[i * D + k];
+          scale += std::fabs((long double)coef[i * nb + j] * a_rows[i * D + k]);
+        }
+        close = close && std::fabs(dw[j * D + k] - want) <= tol * scale;
+        same = same && dw[j * D + k] == dw_pad[j * D + k];
+      }
+    }
+    EXPECT(close, "%s: AccumulateTransposed na=%ld nb=%ld D=%ld overwrite=%d off the reference", what,
+           (long)na, (long)nb, (long)D, (int)overwrite);
+    EXPECT(same, "%s: AccumulateTransposed na=%ld nb=%ld D=%ld depends on the row stride", what,
+           (long)na, (long)nb, (long)D);
+  }
+}
+
+void TestAccumulateKernels() {
+  std::mt19937_64 rng(7);
+  for (int64 D : {1, 17, 64, 100, 256, 300, 512}) {
+    for (int64 na : {1, 2, 3, 5, 12, 16, 64}) {
+      for (int64 nb : {1, 3, 16, 61, 128}) {
+        CheckAccumulateKernels<float>(rng, na, nb, D, "float");
+        if (D % 3 == 1) CheckAccumulateKernels<double>(rng, na, nb, D, "double");
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tf_hsm
 
@@ -487,6 +571,7 @@ int main() {
   static const NamedTest tests[] = {
       {"exp", tf_hsm::TestExp},
       {"log_and_transpose", tf_hsm::TestLogAndTranspose},
+      {"accumulate_kernels", tf_hsm::TestAccumulateKernels},
       {"against_reference", tf_hsm::TestAgainstReference},
       {"determinism", tf_hsm::TestDeterminism},
       {"streamed_gradient_rows", tf_hsm::TestStreamedGradientRows},
