@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <sstream>
 #include <type_traits>
 #include <utility>
@@ -167,9 +168,11 @@ void RowPanelDots(const T* hp, int64 nr, const T* b, int64 ldb, int64 nb, int64 
       __builtin_prefetch(next + o, 0, 2);
     }
   };
-  // Weight rows per tile: 8, or fewer for the small nodes of binary trees.
+  // Weight rows per tile: 8, or 5 for four row groups (20 accumulators, and each weight
+  // element is loaded once for 64 float rows), or fewer for the small nodes of binary trees.
   auto columns = [&](auto group_tag, int64 g) {
     constexpr int64 G = decltype(group_tag)::value;
+    constexpr int64 kCols = G == 4 ? 5 : 8;
     const T* panel = hp + g * d * w;
     T* o = out + (kSlotMajor ? g * w : g * w * ld);
     simd::VecT<T>* gmax = group_max == nullptr ? nullptr : group_max + g;
@@ -184,14 +187,19 @@ void RowPanelDots(const T* hp, int64 nr, const T* b, int64 ldb, int64 nb, int64 
       if (g == 0) prefetch(0, 1);
       row_panel::Tile<T, G, 4, 2, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld, bias, gmax);
     } else {
-      const int64 tiles = (nb + 7) / 8;
-      for (int64 j0 = 0; j0 < nb; j0 += 8) {
-        if (g == 0) prefetch(j0 / 8, tiles);
-        row_panel::Tile<T, G, 8, 1, kSlotMajor>(panel, d, b, ldb, j0, nb, rows, o, ld, bias, gmax);
+      const int64 tiles = (nb + kCols - 1) / kCols;
+      for (int64 j0 = 0; j0 < nb; j0 += kCols) {
+        if (g == 0) prefetch(j0 / kCols, tiles);
+        row_panel::Tile<T, G, kCols, 1, kSlotMajor>(panel, d, b, ldb, j0, nb, rows, o, ld, bias, gmax);
       }
     }
   };
   int64 g = 0;
+  // Slot-major outputs sum in one chain whatever the tile, so the wider tile is free to
+  // take any four groups; the others keep the 8-column tile, whose split depends on nb.
+  if constexpr (kSlotMajor) {
+    for (; g + 4 <= groups; g += 4) columns(std::integral_constant<int64, 4>(), g);
+  }
   for (; g + 2 <= groups; g += 2) columns(std::integral_constant<int64, 2>(), g);  // two groups
   if (g < groups) columns(std::integral_constant<int64, 1>(), g);                  // share loads
 }
@@ -307,8 +315,16 @@ std::string NodeRange(const TreeView& t, int64 n, int64* begin, int64* end) {
   return "";
 }
 
+// True when child code `code` of node n is a class in [0, C) or C + m for a node
+// n < m < M: the fast test for the sweeps over every slot; CheckChild says what is wrong.
+inline bool ValidChild(const TreeView& t, int64 n, int64 code) {
+  const int64 m = code - t.num_classes;
+  return code >= 0 && (m < 0 || (m > n && m < t.num_nodes));
+}
+
 // Checks one child code of node n: a class in [0, C), or C + m for a node n < m < M.
 std::string CheckChild(const TreeView& t, int64 n, int64 slot, int64 code) {
+  if (ValidChild(t, n, code)) return "";
   const int64 C = t.num_classes, M = t.num_nodes;
   if (code < 0 || code >= C + M) {
     return Message("malformed tree: slot_child[", slot, "] = ", code,
@@ -323,8 +339,7 @@ std::string CheckChild(const TreeView& t, int64 n, int64 slot, int64 code) {
 
 std::string CheckChildren(const TreeView& t, int64 n, int64 begin, int64 end) {
   for (int64 s = begin; s < end; ++s) {
-    std::string err = CheckChild(t, n, s, t.slot_child[s]);
-    if (!err.empty()) return err;
+    if (!ValidChild(t, n, t.slot_child[s])) return CheckChild(t, n, s, t.slot_child[s]);
   }
   return "";
 }
@@ -799,8 +814,7 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     bool consecutive = true;
     for (int64 s = begin; s < end; ++s) {
       const int64 code = t.slot_child[s];
-      err = CheckChild(t, n, s, code);
-      if (!err.empty()) return err;
+      if (!ValidChild(t, n, code)) return CheckChild(t, n, s, code);
       if (code < C) {
         const bool in_range = code >= class_begin && code < class_end;
         consecutive = consecutive && in_range && code == t.slot_child[begin] + (s - begin);
@@ -1283,13 +1297,15 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   const bool packed = num_rows >= kPackMinRows;
   // A large output is not read back soon enough to stay in the caches.
   const bool stream = num_rows * width * static_cast<int64>(sizeof(T)) >= kStreamMinBytes;
-  std::vector<T> values(plan.value_rows * block);
+  // Left uninitialised (a binary tree's can take tens of MB): every value a level reads
+  // was written by the level above, and the root's row is set below.
+  std::unique_ptr<T[]> values(new T[plan.value_rows * block]);
   std::vector<const T*> rows(block);
   std::vector<SweepItem> items;
   for (int64 r0 = 0; r0 < num_rows; r0 += block) {
     const int64 nr = std::min(block, num_rows - r0);
     for (int64 i = 0; i < nr; ++i) rows[i] = p.hidden + (r0 + i) * p.dim;
-    std::fill(values.begin(), values.begin() + nr, T(0));  // the root
+    std::fill(values.get(), values.get() + nr, T(0));  // the root
     for (int64 l = 0; l < levels; ++l) {
       const int64 c0 = level_chunks[l], c1 = level_chunks[l + 1];
       // Few chunks: split the rows too, so that every thread has work.
@@ -1306,10 +1322,10 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
       parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
         for (int64 i = begin; i < end; ++i) {
           if (packed) {
-            SweepItemRowsInLanes(tree, p, plan, items[i], rows.data(), block, values.data(),
+            SweepItemRowsInLanes(tree, p, plan, items[i], rows.data(), block, values.get(),
                                  out + r0 * width, width, stream);
           } else {
-            SweepItemRun(tree, p, plan, items[i], rows.data(), block, values.data(),
+            SweepItemRun(tree, p, plan, items[i], rows.data(), block, values.get(),
                          out + r0 * width, width);
           }
         }
