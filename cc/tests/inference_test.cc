@@ -226,7 +226,7 @@ void TestTopKPrunes() {
 
 template <typename T>
 void CheckLogProbAll(std::mt19937_64& rng, const Layout& t, int64 N, int64 D, bool bias,
-                     double tol, const char* what) {
+                     double tol, const char* what, bool with_top_k = true) {
   const Problem<T> pr = RandomProblem<T>(rng, t, N, D, bias, 0.5);
   const std::vector<long double> ref = Reference(t, pr);
   const int64 C = t.num_classes;
@@ -246,9 +246,20 @@ void CheckLogProbAll(std::mt19937_64& rng, const Layout& t, int64 N, int64 D, bo
         same = same && std::memcmp(&part[i * (e - b) + c - b], &all[i * C + c], sizeof(T)) == 0;
     EXPECT(same, "%s chunk [%ld, %ld) differs from the full result", what, (long)b, (long)e);
   }
+  // From 16 rows on (the packed kernel) a row's values do not depend on the rows batched
+  // with it: its first 16 rows alone give the same bits as within all N (tiles of one,
+  // two and four row groups).
+  if (N > 16) {
+    Problem<T> head = pr;
+    head.N = 16;
+    head.h.resize(16 * D);
+    const std::vector<T> alone = RunAll(t, head, 0, C, ThreadedFor(2));
+    EXPECT(std::memcmp(alone.data(), all.data(), alone.size() * sizeof(T)) == 0,
+           "%s: the first 16 rows alone differ from the same rows among %ld", what, (long)N);
+  }
   // TopK with k = C sees the same values; bit for bit when fewer than 16 rows share a
   // node (neither uses the packed kernel then, and the dot-product kernels agree).
-  if (N > 0) {
+  if (N > 0 && with_top_k) {
     const TopKResult<T> r = RunTopK(t, pr, C, ThreadedFor(2));
     bool same = true, close = true;
     for (int64 i = 0; i < N; ++i) {
@@ -289,6 +300,12 @@ void TestLogProbAll() {
                          "streamed float");
   CheckLogProbAll<double>(rng, Balanced((int64{1} << 18) + 9, 513), 16, 3, false, 1e-10,
                           "streamed double");
+  // Levels of many chunks keep whole row blocks together: tiles of four row groups (with
+  // a partial last group for double), streamed too.
+  CheckLogProbAll<float>(rng, Balanced(3000, 60), 70, 60, true, 2e-4, "many chunks float");
+  CheckLogProbAll<double>(rng, Balanced(3000, 60), 61, 60, false, 1e-10, "many chunks double");
+  CheckLogProbAll<float>(rng, Balanced((int64{1} << 17) + 9, 362), 64, 3, true, 2e-4,
+                         "streamed float, 64 rows", /*with_top_k=*/false);
   // A root as wide, whose children are a node and classes in descending order (no run).
   const int64 wide_c = 9000;
   std::vector<int64> wide_slots = {wide_c + 1};
