@@ -93,18 +93,27 @@ namespace row_panel {
 // goes to out[row * ld + column], or with kSlotMajor to out[column * ld + row] as whole
 // vectors (lanes past `rows` then hold the zero padding's logits); slot-major outputs can
 // also get bias[column] added and be folded into group_max[q], the lane-wise running max
-// of row group q (a NaN never wins it), while they are still in registers.
+// of row group q (a NaN never wins it), while they are still in registers. The cache
+// lines [ahead, ahead_end) are requested into L2, one per step over k (the rest at the
+// end): spread among the multiply-adds, they leave the fill buffers to the tile's own
+// loads, which a burst of requests at the start of the tile held up.
 template <typename T, int64 kGroups, int64 kCols, int64 kSplit, bool kSlotMajor>
 inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64 nb,
                  int64 rows, T* out, int64 ld, const T* bias = nullptr,
-                 simd::VecT<T>* group_max = nullptr) {
+                 simd::VecT<T>* group_max = nullptr, const char* ahead = nullptr,
+                 const char* ahead_end = nullptr) {
   typedef simd::VecT<T> V;
   constexpr int64 w = simd::Vec<T>::kWidth;
+  constexpr int64 kLine = 64;
   const T* bc[kCols];
   for (int64 c = 0; c < kCols; ++c) bc[c] = b + std::min(j0 + c, nb - 1) * ldb;
   V acc[kSplit][kGroups][kCols] = {};
   int64 k = 0;
   for (; k + kSplit <= d; k += kSplit) {
+    if (ahead < ahead_end) {
+      __builtin_prefetch(ahead, 0, 2);
+      ahead += kLine;
+    }
     for (int64 u = 0; u < kSplit; ++u) {
       V hv[kGroups];
       for (int64 q = 0; q < kGroups; ++q) hv[q] = simd::Load(panel + (q * d + k + u) * w);
@@ -120,6 +129,7 @@ inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64
       for (int64 q = 0; q < kGroups; ++q) acc[u][q][c] += s * simd::Load(panel + (q * d + k) * w);
     }
   }
+  for (; ahead < ahead_end; ahead += kLine) __builtin_prefetch(ahead, 0, 2);
   for (int64 half = kSplit / 2; half > 0; half /= 2)
     for (int64 u = 0; u < half; ++u)
       for (int64 q = 0; q < kGroups; ++q)
@@ -163,10 +173,11 @@ void RowPanelDots(const T* hp, int64 nr, const T* b, int64 ldb, int64 nb, int64 
   constexpr int64 kLine = 64;
   const int64 groups = (nr + w - 1) / w;
   const char* next = static_cast<const char*>(ahead);
-  auto prefetch = [&](int64 part, int64 parts) {
-    for (int64 o = ahead_bytes * part / parts / kLine * kLine; o < ahead_bytes * (part + 1) / parts; o += kLine) {
-      __builtin_prefetch(next + o, 0, 2);
-    }
+  // The lines of part `part` of `parts` of [ahead, ahead + ahead_bytes), for the first row
+  // groups' tiles to request (nothing for the other groups: g > 0).
+  auto part = [&](int64 g, int64 i, int64 parts) -> std::pair<const char*, const char*> {
+    if (g > 0 || next == nullptr) return {nullptr, nullptr};
+    return {next + ahead_bytes * i / parts / kLine * kLine, next + ahead_bytes * (i + 1) / parts};
   };
   // Weight rows per tile: 8, or 5 for four row groups (20 accumulators, and each weight
   // element is loaded once for 64 float rows), or fewer for the small nodes of binary trees.
@@ -181,16 +192,16 @@ void RowPanelDots(const T* hp, int64 nr, const T* b, int64 ldb, int64 nb, int64 
     // Slot-major outputs always use one chain (kSplit 1), so their bits do not depend on
     // nb either (LogProbAll batches small nodes).
     if (!kSlotMajor && nb <= 2) {
-      if (g == 0) prefetch(0, 1);
-      row_panel::Tile<T, G, 2, 4, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld, bias, gmax);
+      const auto [pf, pf_end] = part(g, 0, 1);
+      row_panel::Tile<T, G, 2, 4, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld, bias, gmax, pf, pf_end);
     } else if (!kSlotMajor && nb <= 4) {
-      if (g == 0) prefetch(0, 1);
-      row_panel::Tile<T, G, 4, 2, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld, bias, gmax);
+      const auto [pf, pf_end] = part(g, 0, 1);
+      row_panel::Tile<T, G, 4, 2, kSlotMajor>(panel, d, b, ldb, 0, nb, rows, o, ld, bias, gmax, pf, pf_end);
     } else {
       const int64 tiles = (nb + kCols - 1) / kCols;
       for (int64 j0 = 0; j0 < nb; j0 += kCols) {
-        if (g == 0) prefetch(j0 / kCols, tiles);
-        row_panel::Tile<T, G, kCols, 1, kSlotMajor>(panel, d, b, ldb, j0, nb, rows, o, ld, bias, gmax);
+        const auto [pf, pf_end] = part(g, j0 / kCols, tiles);
+        row_panel::Tile<T, G, kCols, 1, kSlotMajor>(panel, d, b, ldb, j0, nb, rows, o, ld, bias, gmax, pf, pf_end);
       }
     }
   };
