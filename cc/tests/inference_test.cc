@@ -536,6 +536,16 @@ void TestValidation() {
   bad.slot_child[class_slots[1]] = bad.slot_child[class_slots[0]];
   EXPECT(has(all_err(bad, 0, C), "class"), "duplicate class");
   EXPECT(!topk_err(bad, C).empty(), "duplicate class top_k");
+  // Leaf nodes whose children are runs of consecutive classes (checked as blocks): a run
+  // repeated by another node, and one overlapping another's.
+  for (const int64 shift : {0, 2}) {
+    // The root over three runs, 0-3, 4-7, 8-11; the second becomes 0-3 or 2-5.
+    std::vector<int64> codes = {13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+    for (int64 j = 0; j < 4; ++j) codes[7 + j] = j + shift;
+    const Layout runs = MakeLayout(12, {0, 3, 7, 11, 15}, codes);
+    const std::string e = all_err(runs, 0, 12);
+    EXPECT(has(e, "more than one slot"), "repeated run (shift %ld): %s", (long)shift, e.c_str());
+  }
   // A node listed twice: some other node becomes unreachable.
   bad = t;
   std::vector<int64> node_slots;
