@@ -27,10 +27,12 @@ constexpr int64 kPackMinRows = 16;      // rows from which the row-panel kernel 
 constexpr int64 kLogitBudget = int64{1} << 20;      // logits kept per expansion batch
 constexpr int64 kKeepLogits = int64{1} << 17;       // LogProbAll: logits kept per node
 constexpr int64 kNodeValueBudget = int64{1} << 24;  // LogProbAll node values per block
-// LogProbAll: outputs of at least this many bytes are written past the caches, in runs of
-// kStageColumns consecutive classes per row (staged in L1 first).
+// LogProbAll: outputs of at least this many bytes are written past the caches, for runs of
+// at least kStreamMinColumns classes, kStageColumns consecutive classes per row at a time
+// (staged in L1 first).
 constexpr int64 kStreamMinBytes = int64{32} << 20;
-constexpr int64 kStageColumns = 64;
+constexpr int64 kStreamMinColumns = 64;
+constexpr int64 kStageColumns = 256;
 constexpr int64 kChunkWork = int64{1} << 15;        // LogProbAll: slots x (D + 4) per item
 
 template <typename... Args>
@@ -1031,7 +1033,7 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
   const T* hp = PackedRows(block_rows + it.row, nt, p.dim, true);
   T* lse = Grow(&s.lse, ld);          // per row, for the transposed run writes
   T* parent_row = Grow(&s.row_max, ld);
-  T* stage = stream ? Grow(&s.stage, ld * kStageColumns) : nullptr;  // row-major pieces
+  T* stage = stream ? Grow(&s.stage, w * kStageColumns) : nullptr;  // row-major pieces
   T* out_rows = out + it.row * width;
   const int64 C = t.num_classes;
 
@@ -1063,28 +1065,29 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
     simd::Transpose<T>(block);
     for (int64 r = 0; r < group_rows(g); ++r) put(g * w + r, block[r]);
   };
-  // The finished values of children [j0, j0 + kb) of a run node, kStageColumns columns at
-  // a time: transposed into a row-major stage, then each row's piece streamed out.
-  // Streamed stores that hop to another output row after every line measured only 1.15x
-  // faster than ordinary ones (whose lines are first read for ownership); runs of 4 or
-  // more lines per row, 2.3x. Blocks after the first start where row 0's output starts a
-  // cache line.
+  // The finished values of children [j0, j0 + kb) of a run node, a row group and
+  // kStageColumns columns at a time: transposed into a row-major stage, then each row's
+  // piece streamed out. Streamed stores that hop to another output row after every line
+  // measured only 1.15x faster than ordinary ones (whose lines are first read for
+  // ownership); runs of 4 or more lines per row, 2.3x, and the longer the runs the less
+  // the stores wait. Blocks after the first start where row 0's output starts a line.
   auto emit_streamed = [&](const Node& node, const T* zt, int64 j0, int64 kb) {
     const int64 misaligned =
         static_cast<int64>(reinterpret_cast<std::uintptr_t>(out_rows + node.run + j0) % 64 / sizeof(T));
     const int64 to_line = (w - misaligned) % w;
-    for (int64 cb = 0, ce = to_line == 0 ? kStageColumns : to_line + kStageColumns - w; cb < kb;
-         cb = ce, ce += kStageColumns) {
-      const int64 n = std::min(ce, kb) - cb;
-      for (int64 g = 0; g < groups; ++g) {
+    for (int64 g = 0; g < groups; ++g) {
+      for (int64 cb = 0, ce = to_line == 0 ? kStageColumns : to_line + kStageColumns - w; cb < kb;
+           cb = ce, ce += kStageColumns) {
+        const int64 n = std::min(ce, kb) - cb;
         for (int64 jb = 0; jb < n; jb += w) {
           transposed(zt, g, cb + jb, std::min(w, n - jb), [&](int64 row, V v) {
-            simd::Store(stage + row * kStageColumns + jb, parent_row[row] + (v - lse[row]));
+            simd::Store(stage + (row - g * w) * kStageColumns + jb, parent_row[row] + (v - lse[row]));
           });
         }
-      }
-      for (int64 row = 0; row < nt; ++row) {
-        simd::CopyStreaming(out_rows + row * width + node.run + j0 + cb, stage + row * kStageColumns, n);
+        for (int64 r = 0; r < group_rows(g); ++r) {
+          simd::CopyStreaming(out_rows + (g * w + r) * width + node.run + j0 + cb,
+                              stage + r * kStageColumns, n);
+        }
       }
     }
   };
@@ -1092,7 +1095,7 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
   // zt[(j - j0) * ld + r]: finished or, when !finish, the raw logits.
   auto emit = [&](const Node& node, const T* zt, int64 j0, int64 kb, bool finish) {
     auto value = [&](V z, int64 g) { return finish ? node.parent[g] + (z - node.lse[g]) : z; };
-    if (node.run >= 0 && finish && stream && kb >= kStageColumns) {
+    if (node.run >= 0 && finish && stream && kb >= kStreamMinColumns) {
       emit_streamed(node, zt, j0, kb);
       return;
     }
