@@ -306,6 +306,8 @@ void TestLogProbAll() {
   CheckLogProbAll<double>(rng, Balanced(3000, 60), 61, 60, false, 1e-10, "many chunks double");
   CheckLogProbAll<float>(rng, Balanced((int64{1} << 17) + 9, 362), 64, 3, true, 2e-4,
                          "streamed float, 64 rows", /*with_top_k=*/false);
+  CheckLogProbAll<float>(rng, Balanced((int64{1} << 18) + 9, 513), 40, 3, false, 2e-4,
+                         "streamed float, 40 rows (a partial group)", /*with_top_k=*/false);
   // A root as wide, whose children are a node and classes in descending order (no run).
   const int64 wide_c = 9000;
   std::vector<int64> wide_slots = {wide_c + 1};
