@@ -838,19 +838,17 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
         continue;
       }
     }
-    bool consecutive = true;
+    // Not a run: either its children are not consecutive classes of the range, or one of
+    // them was seen before, which the loop reports.
     for (int64 s = begin; s < end; ++s) {
       const int64 code = t.slot_child[s];
       if (!ValidChild(t, n, code)) return CheckChild(t, n, s, code);
       if (code < C) {
-        const bool in_range = code >= class_begin && code < class_end;
-        consecutive = consecutive && in_range && code == t.slot_child[begin] + (s - begin);
-        if (in_range && seen[code - class_begin]++) {
+        if (code >= class_begin && code < class_end && seen[code - class_begin]++) {
           return Message("malformed tree: class ", code, " is the child of more than one slot");
         }
         continue;
       }
-      consecutive = false;
       const int64 m = code - C;
       if (!needed[m]) continue;
       if (depth[m] >= 0) {
@@ -859,7 +857,7 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
       depth[m] = depth[n] + 1;
       max_depth = std::max(max_depth, depth[m]);
     }
-    run_in_id_order.push_back(consecutive ? t.slot_child[begin] - class_begin : -1);
+    run_in_id_order.push_back(-1);
   }
   if (const void* gap = std::memchr(seen.data(), 0, width)) {
     const int64 c = static_cast<const unsigned char*>(gap) - seen.data();

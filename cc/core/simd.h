@@ -635,12 +635,10 @@ void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* 
                     RowsShareL1Sets(nb, b_row);
   for (int64 k = 0; k < full_k; k += kSlice) {
     if (pack) PackSlices<T, 4>(nb, b_row, k, packed);
+    const T* bk = pack ? packed : b + k;
+    const int64 ldk = pack ? kSlice : ldb;
     for (int64 i0 = 0; i0 < full_rows; i0 += 4) {
-      if (pack) {
-        internal::AccumulateRowsBlock<T, 4, 4>(out, i0, coef, ldc, packed, kSlice, nb, k);
-      } else {
-        internal::AccumulateRowsBlock<T, 4, 4>(out, i0, coef, ldc, b + k, ldb, nb, k);
-      }
+      internal::AccumulateRowsBlock<T, 4, 4>(out, i0, coef, ldc, bk, ldk, nb, k);
     }
   }
   for (int64 i0 = 0; i0 < na; i0 += 4) {
