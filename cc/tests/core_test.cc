@@ -551,6 +551,59 @@ void CheckAccumulateKernels(std::mt19937_64& rng, int64 na, int64 nb, int64 D, c
   }
 }
 
+// The logits kernel of large groups, out[i][j] = a[i] . b[j] from packed panels, against a
+// long-double reference over row counts around its 6- and 4-row tiles, slot counts around
+// its 4-panel tiles and D around its 64-wide blocks of k (D = 0: every output 0). Each
+// output must not depend on where its row falls among the tiles: the bits of every row
+// computed alone, and of the rows written with a wider output stride, must be the same.
+template <typename T>
+void CheckDotRowsPacked(std::mt19937_64& rng, int64 na, int64 nb, int64 D, const char* what) {
+  constexpr int64 w = simd::Vec<T>::kWidth;
+  std::normal_distribution<double> normal(0, 1);
+  std::vector<T> a_rows(na * D), b_rows(nb * D), panels((nb + w - 1) / w * w * std::max<int64>(D, 1));
+  for (auto& v : a_rows) v = static_cast<T>(normal(rng));
+  for (auto& v : b_rows) v = static_cast<T>(normal(rng));
+  std::vector<const T*> a_ptr(na);
+  for (int64 i = 0; i < na; ++i) a_ptr[i] = a_rows.data() + i * D;
+  simd::PackPanels<T>(b_rows.data(), D, nb, D, panels.data());
+  const int64 wide = nb + 5;
+  std::vector<T> out(na * nb, T(7)), out_wide(na * wide, T(7)), alone(nb, T(7));
+  simd::DotRowsPacked<T>(a_ptr.data(), na, panels.data(), nb, D, out.data(), nb);
+  simd::DotRowsPacked<T>(a_ptr.data(), na, panels.data(), nb, D, out_wide.data(), wide);
+  const T tol = sizeof(T) == 4 ? T(2e-5) : T(1e-12);
+  bool close = true, same = true, untouched = true;
+  for (int64 i = 0; i < na; ++i) {
+    simd::DotRowsPacked<T>(a_ptr.data() + i, 1, panels.data(), nb, D, alone.data(), nb);
+    for (int64 j = 0; j < nb; ++j) {
+      long double want = 0, scale = 0;
+      for (int64 k = 0; k < D; ++k) {
+        want += (long double)a_rows[i * D + k] * b_rows[j * D + k];
+        scale += std::fabs((long double)a_rows[i * D + k] * b_rows[j * D + k]);
+      }
+      close = close && std::fabs(out[i * nb + j] - want) <= tol * (1 + scale);
+      same = same && out[i * nb + j] == alone[j] && out[i * nb + j] == out_wide[i * wide + j];
+    }
+    for (int64 j = nb; j < wide; ++j) untouched = untouched && out_wide[i * wide + j] == T(7);
+  }
+  EXPECT(close, "%s: DotRowsPacked na=%ld nb=%ld D=%ld off the reference", what, (long)na, (long)nb, (long)D);
+  EXPECT(same, "%s: DotRowsPacked na=%ld nb=%ld D=%ld: a row's bits depend on its tile or stride", what,
+         (long)na, (long)nb, (long)D);
+  EXPECT(untouched, "%s: DotRowsPacked na=%ld nb=%ld D=%ld wrote past column nb", what, (long)na, (long)nb,
+         (long)D);
+}
+
+void TestDotRowsPacked() {
+  std::mt19937_64 rng(11);
+  for (int64 D : {0, 1, 63, 64, 65, 129, 300, 512}) {
+    for (int64 na : {1, 4, 5, 6, 7, 10, 16, 23, 64}) {
+      for (int64 nb : {1, 15, 16, 17, 64, 65, 128}) {
+        CheckDotRowsPacked<float>(rng, na, nb, D, "float");
+        if (D % 2 == 1) CheckDotRowsPacked<double>(rng, na, nb, D, "double");
+      }
+    }
+  }
+}
+
 void TestAccumulateKernels() {
   std::mt19937_64 rng(7);
   for (int64 D : {1, 17, 64, 100, 256, 300, 512}) {
@@ -572,6 +625,7 @@ int main() {
       {"exp", tf_hsm::TestExp},
       {"log_and_transpose", tf_hsm::TestLogAndTranspose},
       {"accumulate_kernels", tf_hsm::TestAccumulateKernels},
+      {"dot_rows_packed", tf_hsm::TestDotRowsPacked},
       {"against_reference", tf_hsm::TestAgainstReference},
       {"determinism", tf_hsm::TestDeterminism},
       {"streamed_gradient_rows", tf_hsm::TestStreamedGradientRows},
