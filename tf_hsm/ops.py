@@ -219,7 +219,10 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
   Returns:
     (log_prob, hidden_grad): log-probabilities before the update (targets' shape) and
     dloss/dhidden (hidden's shape), to continue backpropagation into the model below, e.g.
-    `tape.gradient(hidden, model_vars, output_gradients=hidden_grad)`.
+    `tape.gradient(hidden, model_vars, output_gradients=hidden_grad)`. As in `nll_loss`,
+    log_prob comes from the logsumexps the update computes anyway, with no separate
+    forward pass: it equals `log_prob(...)` up to rounding, and hidden_grad equals the
+    gradient of `log_prob` bit for bit.
   """
   t = _tree_tensors(tree)
   hidden = tf.convert_to_tensor(hidden)

@@ -116,7 +116,9 @@ class SgdStepOp : public OpKernel {
     grads.sgd_weights = w;
     grads.sgd_biases = b;
     grads.sgd_learning_rate = learning_rate.scalar<T>()();
-    grads.log_prob = log_prob->flat<T>().data();
+    // The log-probabilities from the logsumexps the update needs anyway (no forward pass
+    // over the grouped nodes, as in nll_loss); the rows are read before they are updated.
+    grads.log_prob_from_backward = log_prob->flat<T>().data();
     LogProbBackward<T>(plan, tree, params, upstream.data(), parallel_for, grads);
   }
 
