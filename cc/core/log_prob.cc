@@ -253,20 +253,21 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
             const NodeBlock<T>& blk, int64 k0, int64 kb, T* tile, int64 ld, std::uint64_t call) {
   const int64 first_slot = blk.first_slot + k0;
   const T* w = p.weights + first_slot * p.dim;
+  const T* biases = p.biases == nullptr ? nullptr : p.biases + first_slot;
   if (nt < 4 || blk.size < 4) {
     // Deep nodes of binary trees: a 4 x 4 register tile would be mostly padding.
     simd::DotEach<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
   } else if (nt >= kPackMinTokens) {
     constexpr int64 lanes = simd::Vec<T>::kWidth;
     const T* panels = BlockPanels(p, blk, call) + k0 / lanes * lanes * p.dim;
-    simd::DotRowsPacked<T>(rows, nt, panels, kb, p.dim, tile, ld);
+    simd::DotRowsPacked<T>(rows, nt, panels, kb, p.dim, tile, ld, biases);  // adds them
+    return;
   } else {
     simd::DotRows<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
   }
-  if (p.biases != nullptr) {
-    const T* b = p.biases + first_slot;
+  if (biases != nullptr) {
     for (int64 r = 0; r < nt; ++r)
-      for (int64 j = 0; j < kb; ++j) tile[r * ld + j] += b[j];
+      for (int64 j = 0; j < kb; ++j) tile[r * ld + j] += biases[j];
   }
 }
 

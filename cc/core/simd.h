@@ -507,10 +507,10 @@ void PackPanels(const T* b, int64 ldb, int64 nb, int64 d, T* panels) {
 namespace internal {
 
 // kRows token rows x kPanels panels of the product over k in [k0, k1), in order, added to
-// what out holds (the sums of the k before k0) unless k0 is 0.
+// what out holds (the sums of the k before k0) unless k0 is 0; then bias[j], if given.
 template <typename T, int64 kRows, int64 kPanels>
 inline void OuterTile(const T* const* ar, const T* panels, int64 d, int64 p0, int64 nb,
-                      int64 rows, int64 k0, int64 k1, T* out, int64 ldo) {
+                      int64 rows, int64 k0, int64 k1, T* out, int64 ldo, const T* bias) {
   constexpr int64 w = Vec<T>::kWidth;
   auto columns = [&](int64 q) {
     const int64 j = (p0 + q) * w;
@@ -534,6 +534,13 @@ inline void OuterTile(const T* const* ar, const T* panels, int64 d, int64 p0, in
       for (int64 q = 0; q < kPanels; ++q) acc[r][q] += s * bv[q];
     }
   }
+  if (bias != nullptr) {
+    for (int64 q = 0; q < kPanels; ++q) {
+      const T* bq = bias + (p0 + q) * w;
+      const VecT<T> bv = columns(q) == w ? Load(bq) : LoadPartial(bq, columns(q));
+      for (int64 r = 0; r < rows; ++r) acc[r][q] += bv;
+    }
+  }
   for (int64 r = 0; r < rows; ++r) {
     for (int64 q = 0; q < kPanels; ++q) {
       T* o = out + r * ldo + (p0 + q) * w;
@@ -548,7 +555,8 @@ inline void OuterTile(const T* const* ar, const T* panels, int64 d, int64 p0, in
 
 }  // namespace internal
 
-// Same result as DotRows (out[i * ldo + j] = dot(a[i], b_j)) from packed panels, as an
+// Same result as DotRows (out[i * ldo + j] = dot(a[i], b_j), plus bias[j] when bias is
+// given, added to the finished sum as a separate pass would) from packed panels, as an
 // outer product: no horizontal reductions, tiles of 6 rows x 4 panels (24 accumulators;
 // 4 rows for a last group of at most 4). Each output is summed over k in increasing order
 // wherever it sits in the tile. The sum runs kKBlock values of k at a time, the partial
@@ -558,7 +566,7 @@ inline void OuterTile(const T* const* ar, const T* panels, int64 d, int64 p0, in
 // 512 and 128 slots.
 template <typename T>
 void DotRowsPacked(const T* const* a, int64 na, const T* panels, int64 nb, int64 d, T* out,
-                   int64 ldo) {
+                   int64 ldo, const T* bias = nullptr) {
   constexpr int64 w = Vec<T>::kWidth;
   constexpr int64 kPanels = 4, kKBlock = 64;
   const int64 num_panels = (nb + w - 1) / w;
@@ -569,7 +577,8 @@ void DotRowsPacked(const T* const* a, int64 na, const T* panels, int64 nb, int64
       const T* ar[R];
       for (int64 r = 0; r < R; ++r) ar[r] = a[i0 + r < na ? i0 + r : na - 1];
       const int64 rows = na - i0 < R ? na - i0 : R;
-      internal::OuterTile<T, R, P>(ar, panels, d, p0, nb, rows, k0, k1, out + i0 * ldo, ldo);
+      internal::OuterTile<T, R, P>(ar, panels, d, p0, nb, rows, k0, k1, out + i0 * ldo, ldo,
+                                   k1 == d ? bias : nullptr);
     };
     int64 i0 = 0;
     for (; na - i0 > 4; i0 += 6) group(std::integral_constant<int64, 6>(), i0);

@@ -564,8 +564,9 @@ void CheckAccumulateKernels(std::mt19937_64& rng, int64 na, int64 nb, int64 D, c
 // The logits kernel of large groups, out[i][j] = a[i] . b[j] from packed panels, against a
 // long-double reference over row counts around its 6- and 4-row tiles, slot counts around
 // its 4-panel tiles and D around its 64-wide blocks of k (D = 0: every output 0). Each
-// output must not depend on where its row falls among the tiles: the bits of every row
-// computed alone, and of the rows written with a wider output stride, must be the same.
+// output must not depend on where its row falls among the tiles: every row computed alone
+// must give the same bits, and with biases (and a wider output stride) the bits of adding
+// them to the finished sums.
 template <typename T>
 void CheckDotRowsPacked(std::mt19937_64& rng, int64 na, int64 nb, int64 D, const char* what) {
   constexpr int64 w = simd::Vec<T>::kWidth;
@@ -577,9 +578,10 @@ void CheckDotRowsPacked(std::mt19937_64& rng, int64 na, int64 nb, int64 D, const
   for (int64 i = 0; i < na; ++i) a_ptr[i] = a_rows.data() + i * D;
   simd::PackPanels<T>(b_rows.data(), D, nb, D, panels.data());
   const int64 wide = nb + 5;
-  std::vector<T> out(na * nb, T(7)), out_wide(na * wide, T(7)), alone(nb, T(7));
+  std::vector<T> out(na * nb, T(7)), out_wide(na * wide, T(7)), alone(nb, T(7)), bias(nb);
+  for (auto& v : bias) v = static_cast<T>(normal(rng));
   simd::DotRowsPacked<T>(a_ptr.data(), na, panels.data(), nb, D, out.data(), nb);
-  simd::DotRowsPacked<T>(a_ptr.data(), na, panels.data(), nb, D, out_wide.data(), wide);
+  simd::DotRowsPacked<T>(a_ptr.data(), na, panels.data(), nb, D, out_wide.data(), wide, bias.data());
   const T tol = sizeof(T) == 4 ? T(2e-5) : T(1e-12);
   bool close = true, same = true, untouched = true;
   for (int64 i = 0; i < na; ++i) {
@@ -591,7 +593,8 @@ void CheckDotRowsPacked(std::mt19937_64& rng, int64 na, int64 nb, int64 D, const
         scale += std::fabs((long double)a_rows[i * D + k] * b_rows[j * D + k]);
       }
       close = close && std::fabs(out[i * nb + j] - want) <= tol * (1 + scale);
-      same = same && out[i * nb + j] == alone[j] && out[i * nb + j] == out_wide[i * wide + j];
+      // With the biases: the bits of adding them to the finished sums.
+      same = same && out[i * nb + j] == alone[j] && out[i * nb + j] + bias[j] == out_wide[i * wide + j];
     }
     for (int64 j = nb; j < wide; ++j) untouched = untouched && out_wide[i * wide + j] == T(7);
   }
