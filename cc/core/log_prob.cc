@@ -469,10 +469,8 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
                      const T* upstream, const ParallelFor& parallel_for,
                      const LogProbGrads<T>& grads, int64 coef_budget) {
   const int64 D = p.dim;
-  // The forward values, read before any in-place update; the walk below adds its part.
   const std::uint64_t call = ++call_counter;
-  if (grads.log_prob != nullptr) GroupedForward(plan, tree, p, parallel_for, grads.log_prob, call);
-  T* const log_prob = grads.log_prob != nullptr ? grads.log_prob : grads.log_prob_from_backward;
+  T* const log_prob = grads.log_prob_from_backward;
   std::fill(grads.hidden, grads.hidden + plan.num_tokens * D, T(0));
   std::vector<T> entry_lse(plan.entry_token.size());
   // With log_prob_from_backward: each grouped entry's z_taken - lse, summed per token below.

@@ -49,14 +49,11 @@ struct LogProbGrads {
   T* sgd_biases = nullptr;
   T sgd_learning_rate = 0;
 
-  // When set, also receives log_prob[num_tokens], bit-identical to LogProbForward's, read
-  // before any in-place update: a fused step then walks small nodes once, not twice.
-  T* log_prob = nullptr;
-
   // When set, receives log_prob[num_tokens] from the logsumexps the backward computes
   // anyway, with no forward pass over the grouped nodes: equal to LogProbForward's up to
   // rounding (the backward sums its exponentials in other tiles). For a loss whose value
-  // and gradient are wanted together. Not with log_prob.
+  // and gradient are wanted together, and for the fused SGD step (each value is taken
+  // before the rows it reads are updated).
   T* log_prob_from_backward = nullptr;
 };
 
