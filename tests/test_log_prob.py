@@ -215,3 +215,39 @@ def test_reused_gradient_buffer_never_overwrites_a_held_gradient(rng):
   step = tf.function(lambda: weight_grad(1).values)
   for _ in range(3):
     np.testing.assert_array_equal(step().numpy(), kept)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gradient_from_the_forward_logits_is_the_recomputed_one(rng, dtype):
+  """On the CPU log_prob keeps the grouped nodes' logits for its gradient: the gradient is
+  Hsm>LogProbGrad's (which computes them again) bit for bit; over the size limit the
+  forward keeps none and the gradient op recomputes them; a wrong-sized input is refused."""
+  from tf_hsm import _loader
+  from tf_hsm.ops import _tree_tensors
+  ops = _loader.ops()
+  for tree in [random_mixed_tree(rng), tf_hsm.Tree.two_level(3000), tf_hsm.Tree.balanced(500, 30)]:
+    t = _tree_tensors(tree)
+    tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
+    hidden, weights, biases, targets = random_inputs(rng, tree, (7, 40), 19, dtype, True)
+    h, w, b, y = (tf.constant(v) for v in (hidden, weights, biases, targets))
+    upstream = tf.constant(rng.normal(size=(7, 40)).astype(dtype))
+    with tf.GradientTape() as tape:
+      tape.watch([h, w, b])
+      lp = tf_hsm.log_prob(h, w, b, tree, y)
+    grads = tape.gradient(lp, [h, w, b], output_gradients=upstream)
+    ref = ops.hsm_log_prob_grad(h, w, b, y, *tree_inputs, upstream)
+    np.testing.assert_array_equal(grads[0].numpy(), ref[0].numpy())
+    np.testing.assert_array_equal(grads[1].values.numpy(), ref[1].numpy())
+    np.testing.assert_array_equal(grads[2].values.numpy(), ref[2].numpy())
+    np.testing.assert_array_equal(grads[1].indices.numpy(), ref[3].numpy())
+    lp_saving, saved = ops.hsm_log_prob_saving_logits(h, w, b, y, *tree_inputs)
+    assert saved.shape[0] > 0
+    np.testing.assert_allclose(lp_saving.numpy(), lp.numpy(), rtol=0, atol=0)
+    _, none_kept = ops.hsm_log_prob_saving_logits(h, w, b, y, *tree_inputs, max_saved_logits=0)
+    assert none_kept.shape == (0,)
+    for kept in (saved, none_kept):
+      again = ops.hsm_log_prob_grad_from_logits(h, w, b, y, *tree_inputs, upstream, kept)
+      for a, r in zip(again, ref):
+        np.testing.assert_array_equal(a.numpy(), r.numpy())
+    with pytest.raises(tf.errors.InvalidArgumentError, match="saved_logits must be"):
+      ops.hsm_log_prob_grad_from_logits(h, w, b, y, *tree_inputs, upstream, saved[1:])

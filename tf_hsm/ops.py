@@ -8,6 +8,9 @@ from tf_hsm.tree import Tree
 
 _FLOAT_TYPES = (tf.float32, tf.float64)
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
+# Nodes with at most this many children are walked token by token, never grouped, and
+# have no logits for log_prob to keep (kWalkMaxBranching in cc/core/log_prob.cc).
+_WALK_MAX_BRANCHING = 8
 
 
 def _tree_tensors(tree):
@@ -79,6 +82,9 @@ def log_prob(hidden, weights, biases, tree, targets):
   Returns:
     log-probabilities with the shape of `targets` and the dtype of `hidden`.
     The gradient for weights and biases is a `tf.IndexedSlices` over the touched rows.
+    On the CPU, for trees with nodes of more than 8 children, the op keeps those nodes'
+    logits along the batch's paths (up to 2**25 of them, one per visit and child) for the
+    gradient, which then does not compute them again.
 
   Raises:
     TypeError: wrong dtypes.
@@ -88,9 +94,23 @@ def log_prob(hidden, weights, biases, tree, targets):
   t = _tree_tensors(tree)
   hidden, weights, biases, out_dtype = _dense_inputs(hidden, weights, biases)
   targets = _class_ids(targets, "targets")
-  result = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, t["child_begin"],
-                                      t["path_begin"], t["path_nodes"], t["path_slots"])
+  tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
+  if tf.config.list_logical_devices("GPU") or not _has_grouped_nodes(tree):
+    # Nothing to keep without grouped nodes; then the gradient op also does not wait for
+    # the forward's (empty) output and can run beside it when its upstream allows.
+    result = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
+  else:
+    result = _loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
+                                                      *tree_inputs)[0]
   return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
+
+
+def _has_grouped_nodes(tree):
+  cached = tree.__dict__.get("_has_grouped_nodes")
+  if cached is None:
+    cached = bool(np.any(np.diff(tree.child_begin) > _WALK_MAX_BRANCHING))
+    tree.__dict__["_has_grouped_nodes"] = cached
+  return cached
 
 
 @tf.RegisterGradient("Hsm>LogProb")
@@ -99,6 +119,18 @@ def _log_prob_grad(op, upstream):
   tree_inputs = op.inputs[4:8]
   grads = _loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets, *tree_inputs,
                                           upstream)
+  return _input_grads(weights, biases, *grads) + [None] * 5
+
+
+@tf.RegisterGradient("Hsm>LogProbSavingLogits")
+def _log_prob_saving_logits_grad(op, upstream, unused_saved_grad):
+  """Hsm>LogProbGrad's outputs, bit for bit, from the logits the forward kept."""
+  hidden, weights, biases, targets = op.inputs[:4]
+  tree_inputs = op.inputs[4:8]
+  if upstream is None:
+    return [None] * 8
+  grads = _loader.ops().hsm_log_prob_grad_from_logits(hidden, weights, biases, targets,
+                                                      *tree_inputs, upstream, op.outputs[1])
   return _input_grads(weights, biases, *grads) + [None] * 5
 
 
@@ -114,6 +146,7 @@ def _input_grads(weights, biases, hidden_grad, weight_rows, bias_rows, row_ids):
 
 
 tf.no_gradient("Hsm>LogProbGrad")
+tf.no_gradient("Hsm>LogProbGradFromLogits")
 
 
 def _token_weights(loss_scale, targets, dtype):

@@ -248,9 +248,17 @@ const T* BlockPanels(const SoftmaxParams<T>& p, const NodeBlock<T>& blk, std::ui
 // the choice depends only on nt, which the plan fixes, so results never depend on threads.
 // k0 is a multiple of kWidth whenever nt >= kPackMinTokens (tiles of kSlotTile or
 // kGradSlotTile slots), so a tile's panels are a slice of the block's.
+// With `saved` (the first entry's logits as LogProbForward saved them, saved[r * size + j]
+// for slot j of the block) they are copied instead: the forward computed them with the
+// same token tiles, hence the same kernels and bits.
 template <typename T>
 void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
-            const NodeBlock<T>& blk, int64 k0, int64 kb, T* tile, int64 ld, std::uint64_t call) {
+            const NodeBlock<T>& blk, int64 k0, int64 kb, T* tile, int64 ld, std::uint64_t call,
+            const T* saved = nullptr) {
+  if (saved != nullptr) {
+    for (int64 r = 0; r < nt; ++r) std::memcpy(tile + r * ld, saved + r * blk.size + k0, kb * sizeof(T));
+    return;
+  }
   const int64 first_slot = blk.first_slot + k0;
   const T* w = p.weights + first_slot * p.dim;
   const T* biases = p.biases == nullptr ? nullptr : p.biases + first_slot;
@@ -285,7 +293,7 @@ void Coefficients(T* z, int64 n, T lse, T upstream, int64 taken) {
 template <typename T>
 void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, int64 nt,
                    const NodeBlock<T>& blk, T* keep, T* lse, T* taken_logit,
-                   std::uint64_t call) {
+                   std::uint64_t call, const T* saved = nullptr) {
   Scratch<T>& s = ThreadScratch<T>();
   const T** rows = Grow(&s.rows, nt);
   for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e0 + r] * p.dim;
@@ -301,7 +309,7 @@ void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
     const int64 kb = std::min(kSlotTile, blk.size - k0);
     T* z = keep != nullptr ? keep + k0 : tile;
     const int64 ld = keep != nullptr ? blk.size : kSlotTile;
-    Logits(p, rows, nt, blk, k0, kb, z, ld, call);
+    Logits(p, rows, nt, blk, k0, kb, z, ld, call, saved);
     for (int64 r = 0; r < nt; ++r) {
       const T* zr = z + r * ld;
       const int64 taken = plan.entry_slot[e0 + r] - blk.first_slot - k0;
@@ -319,7 +327,7 @@ void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
 template <typename T>
 void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, int64 nt,
                          const NodeBlock<T>& blk, const T* upstream, T* z, T* lse,
-                         T* hidden_grad, std::uint64_t call) {
+                         T* hidden_grad, std::uint64_t call, const T* saved) {
   const int64 D = p.dim;
   Scratch<T>& s = ThreadScratch<T>();
   const T** rows = Grow(&s.rows, nt);
@@ -339,7 +347,7 @@ void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64
   }
   for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
     const int64 kb = std::min(kSlotTile, blk.size - k0);
-    Logits(p, rows, nt, blk, k0, kb, z + k0, blk.size, call);
+    Logits(p, rows, nt, blk, k0, kb, z + k0, blk.size, call, saved);
     for (int64 r = 0; r < nt; ++r) {
       const T* zr = z + r * blk.size + k0;
       T chunk_max = -std::numeric_limits<T>::infinity();
@@ -421,14 +429,18 @@ void SumGroupedEntries(const VisitPlan& plan, const TreeView& tree,
   }
 }
 
-// log_prob[i] = the sum of token i's steps through grouped nodes (zero if none).
+// log_prob[i] = the sum of token i's steps through grouped nodes (zero if none). With
+// `saved`, their logits are also kept for the backward (SavedLogitOffsets), computed in
+// the backward's token tiles so that each is the backward's own to the bit.
 template <typename T>
 void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
-                    const ParallelFor& parallel_for, T* log_prob, std::uint64_t call) {
+                    const ParallelFor& parallel_for, T* log_prob, std::uint64_t call, T* saved) {
   const int64 num_entries = static_cast<int64>(plan.entry_token.size());
   std::vector<T> entry_value(num_entries);
+  const std::vector<int64> offsets = saved != nullptr ? SavedLogitOffsets(plan, tree) : std::vector<int64>();
   // Grouped nodes. No level ordering is needed: every entry writes only its own value.
-  const std::vector<Item> items = TokenTiles(plan, tree, 0, plan.num_groups(), kForwardTokenTile);
+  const std::vector<Item> items =
+      TokenTiles(plan, tree, 0, plan.num_groups(), saved != nullptr ? kTokenTile : kForwardTokenTile);
   int64 total_cost = 0;
   for (const Item& it : items) {
     total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * p.dim;
@@ -441,8 +453,9 @@ void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
       Scratch<T>& s = ThreadScratch<T>();
       T* lse = Grow(&s.lse, it.count);
       T* taken = Grow(&s.taken_logit, it.count);
-      NodeLogSumExp(p, plan, e0, it.count, BlockOf<T>(tree, plan.group_node[it.group]),
-                    static_cast<T*>(nullptr), lse, taken, call);
+      const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[it.group]);
+      T* keep = saved != nullptr ? saved + offsets[it.group] + it.offset * blk.size : nullptr;
+      NodeLogSumExp(p, plan, e0, it.count, blk, keep, lse, taken, call);
       for (int64 r = 0; r < it.count; ++r) entry_value[e0 + r] = taken[r] - lse[r];
     }
   });
@@ -451,10 +464,20 @@ void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
 
 }  // namespace
 
+std::vector<int64> SavedLogitOffsets(const VisitPlan& plan, const TreeView& tree) {
+  std::vector<int64> offsets(plan.num_groups() + 1, 0);
+  for (int64 g = 0; g < plan.num_groups(); ++g) {
+    const int64 node = plan.group_node[g];
+    const int64 n = IsWalked(tree, node) ? 0 : plan.group_begin[g + 1] - plan.group_begin[g];
+    offsets[g + 1] = offsets[g] + n * (tree.child_begin[node + 1] - tree.child_begin[node]);
+  }
+  return offsets;
+}
+
 template <typename T>
 void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
-                    const ParallelFor& parallel_for, T* log_prob) {
-  GroupedForward(plan, tree, p, parallel_for, log_prob, ++call_counter);
+                    const ParallelFor& parallel_for, T* log_prob, T* saved_logits) {
+  GroupedForward(plan, tree, p, parallel_for, log_prob, ++call_counter, saved_logits);
   if (!HasWalkedGroups(plan, tree)) return;
   // Then each token's walked steps, in path order.
   parallel_for(plan.num_tokens, WalkCostPerToken(plan, p.dim), [&](int64 begin, int64 end) {
@@ -471,6 +494,13 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
   const int64 D = p.dim;
   const std::uint64_t call = ++call_counter;
   T* const log_prob = grads.log_prob_from_backward;
+  // The forward's logits of entries [offset, ...) of group g, when it saved them.
+  const std::vector<int64> saved_offsets =
+      grads.saved_logits != nullptr ? SavedLogitOffsets(plan, tree) : std::vector<int64>();
+  auto saved_at = [&](int64 g, int64 offset) -> const T* {
+    if (grads.saved_logits == nullptr) return nullptr;
+    return grads.saved_logits + saved_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
+  };
   std::fill(grads.hidden, grads.hidden + plan.num_tokens * D, T(0));
   std::vector<T> entry_lse(plan.entry_token.size());
   // With log_prob_from_backward: each grouped entry's z_taken - lse, summed per token below.
@@ -578,7 +608,8 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         if (owns_rows && it.count * blk.size <= kOnePassMaxLogits) {
           // The choice depends on the plan only, never on the budget or the threads.
           T* z = kept != nullptr ? kept : Grow(&s.logits, it.count * blk.size);
-          NodeBackwardOnePass(p, plan, e0, it.count, blk, upstream, z, lse, grads.hidden, call);
+          NodeBackwardOnePass(p, plan, e0, it.count, blk, upstream, z, lse, grads.hidden, call,
+                              saved_at(it.group, it.offset));
           const T** rows = Grow(&s.rows, it.count);
           for (int64 r = 0; r < it.count; ++r) {
             entry_lse[e0 + r] = lse[r];
@@ -598,7 +629,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           continue;
         }
         T* taken = entry_values ? Grow(&s.taken_logit, it.count) : nullptr;
-        NodeLogSumExp(p, plan, e0, it.count, blk, kept, lse, taken, call);
+        NodeLogSumExp(p, plan, e0, it.count, blk, kept, lse, taken, call, saved_at(it.group, it.offset));
         for (int64 r = 0; r < it.count; ++r) {
           entry_lse[e0 + r] = lse[r];
           if (entry_values) entry_value[e0 + r] = taken[r] - lse[r];
@@ -615,7 +646,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           const int64 kb = std::min(kSlotTile, blk.size - k0);
           T* z = keep ? kept + k0 : tile;
           const int64 ld = keep ? blk.size : kSlotTile;
-          if (!keep) Logits(p, rows, it.count, blk, k0, kb, z, ld, call);
+          if (!keep) Logits(p, rows, it.count, blk, k0, kb, z, ld, call, saved_at(it.group, it.offset));
           for (int64 r = 0; r < it.count; ++r) {
             Coefficients(z + r * ld, kb, lse[r], upstream[plan.entry_token[e0 + r]],
                          plan.entry_slot[e0 + r] - blk.first_slot - k0);
@@ -664,7 +695,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
             accumulate_rows(block, kb, coef_store.data() + coef_offset[g] + t0 * blk.size + k0,
                             blk.size, rows, nt, t0 == 0, false);
           } else {
-            Logits(p, rows, nt, blk, k0, kb, tile, kGradSlotTile, call);
+            Logits(p, rows, nt, blk, k0, kb, tile, kGradSlotTile, call, saved_at(g, t0));
             for (int64 r = 0; r < nt; ++r) {
               const int64 e = e_begin + t0 + r;
               Coefficients(tile + r * kGradSlotTile, kb, entry_lse[e], upstream[plan.entry_token[e]],
@@ -770,7 +801,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
 
 #define TF_HSM_INSTANTIATE(T)                                                             \
   template void LogProbForward<T>(const VisitPlan&, const TreeView&, const SoftmaxParams<T>&, \
-                                  const ParallelFor&, T*);                                  \
+                                  const ParallelFor&, T*, T*);                              \
   template void LogProbBackward<T>(const VisitPlan&, const TreeView&,                       \
                                    const SoftmaxParams<T>&, const T*, const ParallelFor&,    \
                                    const LogProbGrads<T>&, int64);

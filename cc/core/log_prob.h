@@ -24,10 +24,18 @@ struct SoftmaxParams {
   int64 dim = 0;
 };
 
-// log_prob[i] for every token of the plan.
+// Where LogProbForward saves the logits of the grouped (non-walked) nodes' visits for
+// LogProbBackward: group g's entry e (in plan order) and slot j of its node at
+// offsets[g] + (e - plan.group_begin[g]) * K + j, K the node's number of children;
+// offsets[num_groups] is the total.
+std::vector<int64> SavedLogitOffsets(const VisitPlan& plan, const TreeView& tree);
+
+// log_prob[i] for every token of the plan. With saved_logits (SavedLogitOffsets().back()
+// values), also the grouped nodes' logits, which a backward pass given them then copies
+// instead of computing them again, getting the same bits.
 template <typename T>
 void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
-                    const ParallelFor& parallel_for, T* log_prob);
+                    const ParallelFor& parallel_for, T* log_prob, T* saved_logits = nullptr);
 
 // Outputs of the backward pass. The weight and bias gradients are sparse: row r of
 // weight_rows / bias_rows is the gradient of weight row row_ids[r]; there are
@@ -55,6 +63,10 @@ struct LogProbGrads {
   // and gradient are wanted together, and for the fused SGD step (each value is taken
   // before the rows it reads are updated).
   T* log_prob_from_backward = nullptr;
+
+  // Input, optional: the logits LogProbForward saved for the same plan and inputs (the
+  // weights unchanged since); the backward then computes no logits of grouped nodes.
+  const T* saved_logits = nullptr;
 };
 
 // Upper bound (in elements) on the softmax coefficients kept between the dh and dW phases

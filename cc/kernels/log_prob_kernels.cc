@@ -1,5 +1,5 @@
-// OpKernels for Hsm>LogProb, Hsm>LogProbGrad and Hsm>LogProbAndGrad: validate, allocate,
-// call the core.
+// OpKernels for Hsm>LogProb, Hsm>LogProbSavingLogits, Hsm>LogProbGrad,
+// Hsm>LogProbGradFromLogits and Hsm>LogProbAndGrad: validate, allocate, call the core.
 #include "cc/core/log_prob.h"
 #include "cc/core/visit_plan.h"
 #include "cc/kernels/hsm_inputs.h"
@@ -32,10 +32,14 @@ template <typename T>
   return ::tensorflow::Status();
 }
 
-template <typename T>
+// Hsm>LogProb, or with kSaving Hsm>LogProbSavingLogits (the grouped nodes' logits as a
+// second output, for the gradient op to copy).
+template <typename T, bool kSaving>
 class LogProbOp : public OpKernel {
  public:
-  explicit LogProbOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit LogProbOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    if (kSaving) OP_REQUIRES_OK(ctx, ctx->GetAttr("max_saved_logits", &max_saved_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     SoftmaxInputs in;
@@ -46,16 +50,25 @@ class LogProbOp : public OpKernel {
     OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, &in, &params, &tree, lease.get()));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &out));
-    LogProbForward<T>(plan, tree, params, CpuParallelFor(ctx), out->flat<T>().data());
+    T* saved = nullptr;
+    if (kSaving) {
+      const int64 total = SavedLogitOffsets(plan, tree).back();
+      Tensor* saved_out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({total <= max_saved_ ? total : 0}), &saved_out));
+      if (total <= max_saved_) saved = saved_out->flat<T>().data();
+    }
+    LogProbForward<T>(plan, tree, params, CpuParallelFor(ctx), out->flat<T>().data(), saved);
   }
 
  private:
   PlanPool plans_;
+  int64_t max_saved_ = 0;
 };
 
-// Hsm>LogProbGrad, or with kWithLogProb Hsm>LogProbAndGrad (log_prob first, from the
-// backward's own logsumexps, then the same gradient outputs).
-template <typename T, bool kWithLogProb>
+// Hsm>LogProbGrad; with kWithLogProb Hsm>LogProbAndGrad (log_prob first, from the
+// backward's own logsumexps, then the same gradient outputs); with kFromSaved
+// Hsm>LogProbGradFromLogits (input 9: the forward's saved logits, or none).
+template <typename T, bool kWithLogProb, bool kFromSaved = false>
 class LogProbGradOp : public OpKernel {
  public:
   explicit LogProbGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
@@ -75,6 +88,15 @@ class LogProbGradOp : public OpKernel {
     constexpr int first = kWithLogProb ? 1 : 0;  // index of hidden_grad
     const int64 rows = plan.num_rows();
     LogProbGrads<T> grads;
+    if (kFromSaved) {
+      const Tensor& saved = ctx->input(9);
+      const int64 expected = SavedLogitOffsets(plan, tree).back();
+      OP_REQUIRES(ctx, saved.dims() == 1 && (saved.NumElements() == 0 || saved.NumElements() == expected),
+                  errors::InvalidArgument("saved_logits must be the forward's ", expected,
+                                          " logits of these inputs (or empty), got shape ",
+                                          saved.shape().DebugString()));
+      if (saved.NumElements() > 0) grads.saved_logits = saved.flat<T>().data();
+    }
     if (kWithLogProb) {
       Tensor* log_prob = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &log_prob));
@@ -99,9 +121,15 @@ class LogProbGradOp : public OpKernel {
 
 #define REGISTER_CPU(T)                                                                  \
   REGISTER_KERNEL_BUILDER(                                                               \
-      Name("Hsm>LogProb").Device(DEVICE_CPU).TypeConstraint<T>("T"), LogProbOp<T>);      \
+      Name("Hsm>LogProb").Device(DEVICE_CPU).TypeConstraint<T>("T"), (LogProbOp<T, false>)); \
+  REGISTER_KERNEL_BUILDER(                                                               \
+      Name("Hsm>LogProbSavingLogits").Device(DEVICE_CPU).TypeConstraint<T>("T"),         \
+      (LogProbOp<T, true>));                                                             \
   REGISTER_KERNEL_BUILDER(Name("Hsm>LogProbGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
                           (LogProbGradOp<T, false>));                                     \
+  REGISTER_KERNEL_BUILDER(                                                               \
+      Name("Hsm>LogProbGradFromLogits").Device(DEVICE_CPU).TypeConstraint<T>("T"),       \
+      (LogProbGradOp<T, false, true>));                                                  \
   REGISTER_KERNEL_BUILDER(                                                               \
       Name("Hsm>LogProbAndGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"),              \
       (LogProbGradOp<T, true>));

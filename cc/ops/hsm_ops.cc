@@ -70,6 +70,71 @@ path_slots: [path_length]; the slot taken at each path step.
 log_prob: targets' shape.
 )doc");
 
+REGISTER_OP("Hsm>LogProbSavingLogits")
+    .Input("hidden: T")
+    .Input("weights: T")
+    .Input("biases: T")
+    .Input("targets: Tidx")
+    .Input("child_begin: int64")
+    .Input("path_begin: int64")
+    .Input("path_nodes: int64")
+    .Input("path_slots: int64")
+    .Output("log_prob: T")
+    .Output("saved_logits: T")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .Attr("max_saved_logits: int >= 0 = 33554432")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle batch, targets;
+      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
+      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &targets));
+      c->set_output(0, targets);
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return Status();
+    })
+    .Doc(R"doc(
+Hsm>LogProb (CPU) that also returns the logits of the nodes with more than 8 children
+along the batch's paths (one per visit and child: the sum of their branching over the
+visits), for Hsm>LogProbGradFromLogits, which then computes none of them again. Empty
+when there are more than max_saved_logits of them (the gradient recomputes them).
+log_prob equals Hsm>LogProb's up to rounding.
+
+log_prob: targets' shape.
+saved_logits: [n], n the number of logits kept, or 0.
+)doc");
+
+REGISTER_OP("Hsm>LogProbGradFromLogits")
+    .Input("hidden: T")
+    .Input("weights: T")
+    .Input("biases: T")
+    .Input("targets: Tidx")
+    .Input("child_begin: int64")
+    .Input("path_begin: int64")
+    .Input("path_nodes: int64")
+    .Input("path_slots: int64")
+    .Input("upstream: T")
+    .Input("saved_logits: T")
+    .Output("hidden_grad: T")
+    .Output("weight_grad_rows: T")
+    .Output("bias_grad_rows: T")
+    .Output("row_ids: int64")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(9), 1, &unused));
+      return GradShapes(c, 0);
+    })
+    .Doc(R"doc(
+Hsm>LogProbGrad given the saved_logits of Hsm>LogProbSavingLogits on the same inputs: the
+same outputs, bit for bit, without computing those logits again (all of them when
+saved_logits is empty).
+
+upstream: targets' shape.
+saved_logits: Hsm>LogProbSavingLogits' second output for these inputs.
+hidden_grad, weight_grad_rows, bias_grad_rows, row_ids: as Hsm>LogProbGrad.
+)doc");
+
 REGISTER_OP("Hsm>LogProbGrad")
     .Input("hidden: T")
     .Input("weights: T")

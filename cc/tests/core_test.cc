@@ -77,7 +77,7 @@ template <typename T>
 Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w,
                const std::vector<T>* b, const std::vector<int64>& targets,
                const std::vector<T>& upstream, int64 D, const ParallelFor& pf, int64 budget,
-               int64 rows_offset = 0) {
+               int64 rows_offset = 0, bool save_logits = false) {
   VisitPlan plan;
   const std::string err = BuildVisitPlan(t.view(), targets.data(), targets.size(), &plan);
   EXPECT(err.empty(), "%s", err.c_str());
@@ -88,7 +88,9 @@ Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w
   p.dim = D;
   Run<T> run;
   run.log_prob.resize(targets.size());
-  LogProbForward<T>(plan, t.view(), p, pf, run.log_prob.data());
+  // save_logits: the backward copies the forward's logits of grouped nodes.
+  std::vector<T> saved(save_logits ? SavedLogitOffsets(plan, t.view()).back() : 0);
+  LogProbForward<T>(plan, t.view(), p, pf, run.log_prob.data(), save_logits ? saved.data() : nullptr);
   run.d_hidden.resize(h.size());
   // The weight-gradient rows start rows_offset elements past a 64-byte boundary (aligned
   // rows are written with streaming stores).
@@ -102,6 +104,7 @@ Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w
   g.weight_rows = rows;
   g.bias_rows = b ? run.d_bias_rows.data() : nullptr;
   g.row_ids = run.row_ids.data();
+  g.saved_logits = save_logits ? saved.data() : nullptr;
   LogProbBackward<T>(plan, t.view(), p, upstream.data(), pf, g, budget);
   run.d_rows.assign(rows, rows + plan.num_rows() * D);
   return run;
@@ -214,6 +217,19 @@ void TestDeterminism() {
         EXPECT(SameBits(a.d_rows, c.d_rows), "d_rows differ (threads %d budget %ld)", threads, (long)budget);
         EXPECT(SameBits(a.d_bias_rows, c.d_bias_rows), "d_bias differs (threads %d budget %ld)", threads, (long)budget);
         EXPECT(a.row_ids == c.row_ids, "row ids differ");
+        // The backward given the forward's saved logits: the same gradients to the bit; the
+        // forward's values (computed in the backward's token tiles) equal to rounding and
+        // the same whatever the threads.
+        const Run<float> s = RunCore<float>(t, h, w, &b, targets, up, D, ThreadedFor(threads), budget, 0, true);
+        const Run<float> s1 = RunCore<float>(t, h, w, &b, targets, up, D, SerialFor, budget, 0, true);
+        EXPECT(SameBits(a.d_hidden, s.d_hidden), "d_hidden differs with saved logits (threads %d budget %ld)", threads, (long)budget);
+        EXPECT(SameBits(a.d_rows, s.d_rows), "d_rows differ with saved logits (threads %d budget %ld)", threads, (long)budget);
+        EXPECT(SameBits(a.d_bias_rows, s.d_bias_rows), "d_bias differs with saved logits (threads %d budget %ld)", threads, (long)budget);
+        EXPECT(SameBits(s1.log_prob, s.log_prob), "saving forward's log_prob depends on threads (%d)", threads);
+        for (int64 i = 0; i < N; ++i) {
+          EXPECT(std::fabs(s.log_prob[i] - a.log_prob[i]) <= 1e-5f * (1 + std::fabs(a.log_prob[i])),
+                 "saving forward's log_prob[%ld] %.9g vs %.9g", (long)i, s.log_prob[i], a.log_prob[i]);
+        }
       }
     }
   }
