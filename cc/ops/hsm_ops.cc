@@ -14,14 +14,43 @@ using ::tensorflow::shape_inference::ShapeHandle;
 
 namespace {
 
+// The inputs, and the type attributes they use, of the ops over a batch, the table and the
+// tree: Hsm>LogProb, Hsm>LogProbSavingLogits, Hsm>LogProbGrad, Hsm>LogProbGradFromLogits
+// and Hsm>LogProbAndGrad (a macro: REGISTER_OP's chained builder takes no helper call).
+#define TF_HSM_LOG_PROB_INPUTS              \
+  .Input("hidden: T")                        \
+      .Input("weights: T")                   \
+      .Input("biases: T")                    \
+      .Input("targets: Tidx")                \
+      .Input("child_begin: int64")           \
+      .Input("path_begin: int64")            \
+      .Input("path_nodes: int64")            \
+      .Input("path_slots: int64")            \
+      .Attr("T: {float, double}")            \
+      .Attr("Tidx: {int32, int64} = DT_INT64")
+
+// Those inputs checked; *targets = the batch shape (hidden's leading dimensions).
+Status TargetShape(InferenceContext* c, ShapeHandle* targets) {
+  ShapeHandle batch;
+  TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
+  return c->Merge(batch, c->input(3), targets);
+}
+
+// Hsm>LogProb: log_prob with targets' shape (and Hsm>LogProbSavingLogits' first output).
+Status LogProbShape(InferenceContext* c) {
+  ShapeHandle targets;
+  TF_RETURN_IF_ERROR(TargetShape(c, &targets));
+  c->set_output(0, targets);
+  return Status();
+}
+
 // Hsm>LogProbGrad's inputs (LogProb's plus upstream) and outputs from index `first` on:
 // hidden_grad, weight_grad_rows, bias_grad_rows, row_ids. With first = 1, output 0 is
 // log_prob (Hsm>LogProbAndGrad).
 Status GradShapes(InferenceContext* c, int first) {
-  ShapeHandle batch, targets, unused;
-  TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
-  TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &targets));
-  TF_RETURN_IF_ERROR(c->Merge(batch, c->input(8), &unused));
+  ShapeHandle targets, unused;
+  TF_RETURN_IF_ERROR(TargetShape(c, &targets));
+  TF_RETURN_IF_ERROR(c->Merge(targets, c->input(8), &unused));
   if (first == 1) c->set_output(0, targets);
   c->set_output(first, c->input(0));
   DimensionHandle rows = c->UnknownDim();
@@ -34,24 +63,9 @@ Status GradShapes(InferenceContext* c, int first) {
 }  // namespace
 
 REGISTER_OP("Hsm>LogProb")
-    .Input("hidden: T")
-    .Input("weights: T")
-    .Input("biases: T")
-    .Input("targets: Tidx")
-    .Input("child_begin: int64")
-    .Input("path_begin: int64")
-    .Input("path_nodes: int64")
-    .Input("path_slots: int64")
+    TF_HSM_LOG_PROB_INPUTS
     .Output("log_prob: T")
-    .Attr("T: {float, double}")
-    .Attr("Tidx: {int32, int64} = DT_INT64")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle batch, targets;
-      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
-      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &targets));
-      c->set_output(0, targets);
-      return Status();
-    })
+    .SetShapeFn(LogProbShape)
     .Doc(R"doc(
 Hierarchical-softmax log-probability of each target class.
 
@@ -71,24 +85,12 @@ log_prob: targets' shape.
 )doc");
 
 REGISTER_OP("Hsm>LogProbSavingLogits")
-    .Input("hidden: T")
-    .Input("weights: T")
-    .Input("biases: T")
-    .Input("targets: Tidx")
-    .Input("child_begin: int64")
-    .Input("path_begin: int64")
-    .Input("path_nodes: int64")
-    .Input("path_slots: int64")
+    TF_HSM_LOG_PROB_INPUTS
     .Output("log_prob: T")
     .Output("saved_logits: T")
-    .Attr("T: {float, double}")
-    .Attr("Tidx: {int32, int64} = DT_INT64")
     .Attr("max_saved_logits: int >= 0 = 33554432")
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle batch, targets;
-      TF_RETURN_IF_ERROR(SoftmaxInputShapes(c, 4, 4, &batch));
-      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &targets));
-      c->set_output(0, targets);
+      TF_RETURN_IF_ERROR(LogProbShape(c));
       c->set_output(1, c->Vector(c->UnknownDim()));
       return Status();
     })
@@ -104,22 +106,13 @@ saved_logits: [n], n the number of logits kept, or 0.
 )doc");
 
 REGISTER_OP("Hsm>LogProbGradFromLogits")
-    .Input("hidden: T")
-    .Input("weights: T")
-    .Input("biases: T")
-    .Input("targets: Tidx")
-    .Input("child_begin: int64")
-    .Input("path_begin: int64")
-    .Input("path_nodes: int64")
-    .Input("path_slots: int64")
+    TF_HSM_LOG_PROB_INPUTS
     .Input("upstream: T")
     .Input("saved_logits: T")
     .Output("hidden_grad: T")
     .Output("weight_grad_rows: T")
     .Output("bias_grad_rows: T")
     .Output("row_ids: int64")
-    .Attr("T: {float, double}")
-    .Attr("Tidx: {int32, int64} = DT_INT64")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(9), 1, &unused));
@@ -136,21 +129,12 @@ hidden_grad, weight_grad_rows, bias_grad_rows, row_ids: as Hsm>LogProbGrad.
 )doc");
 
 REGISTER_OP("Hsm>LogProbGrad")
-    .Input("hidden: T")
-    .Input("weights: T")
-    .Input("biases: T")
-    .Input("targets: Tidx")
-    .Input("child_begin: int64")
-    .Input("path_begin: int64")
-    .Input("path_nodes: int64")
-    .Input("path_slots: int64")
+    TF_HSM_LOG_PROB_INPUTS
     .Input("upstream: T")
     .Output("hidden_grad: T")
     .Output("weight_grad_rows: T")
     .Output("bias_grad_rows: T")
     .Output("row_ids: int64")
-    .Attr("T: {float, double}")
-    .Attr("Tidx: {int32, int64} = DT_INT64")
     .SetShapeFn([](InferenceContext* c) { return GradShapes(c, 0); })
     .Doc(R"doc(
 Gradient of sum(upstream * Hsm>LogProb(...)). The weight and bias gradients are sparse:
@@ -165,22 +149,13 @@ row_ids: [num_rows] int64 weight-row ids.
 )doc");
 
 REGISTER_OP("Hsm>LogProbAndGrad")
-    .Input("hidden: T")
-    .Input("weights: T")
-    .Input("biases: T")
-    .Input("targets: Tidx")
-    .Input("child_begin: int64")
-    .Input("path_begin: int64")
-    .Input("path_nodes: int64")
-    .Input("path_slots: int64")
+    TF_HSM_LOG_PROB_INPUTS
     .Input("upstream: T")
     .Output("log_prob: T")
     .Output("hidden_grad: T")
     .Output("weight_grad_rows: T")
     .Output("bias_grad_rows: T")
     .Output("row_ids: int64")
-    .Attr("T: {float, double}")
-    .Attr("Tidx: {int32, int64} = DT_INT64")
     .SetShapeFn([](InferenceContext* c) { return GradShapes(c, 1); })
     .Doc(R"doc(
 Hsm>LogProb and the gradient of sum(upstream * log_prob) in one pass (CPU): the values come
@@ -193,6 +168,8 @@ upstream: targets' shape.
 log_prob: targets' shape.
 hidden_grad, weight_grad_rows, bias_grad_rows, row_ids: as Hsm>LogProbGrad.
 )doc");
+
+#undef TF_HSM_LOG_PROB_INPUTS
 
 REGISTER_OP("Hsm>SgdStep")
     .Input("hidden: T")
