@@ -54,7 +54,8 @@ inline std::uint64_t Mix64(std::uint64_t z) {
 // Per-thread scratch, grown on demand and reused across calls.
 template <typename T>
 struct Scratch {
-  std::vector<T> z, lse, exps, row_max, row_sum, panels, stage;
+  std::vector<T> z, lse, exps, row_max, row_sum, panels, stage, pair_rows, pair_biases;
+  std::vector<T> node_values;  // LogProbAll's, kept by the calling thread for its next call
   std::vector<const T*> rows;
   std::vector<std::pair<int64, int64>> taken;
 };
@@ -1089,6 +1090,17 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       }
     }
   };
+  // Writes value v of child `code` for row group g: to the child node's row of `values`,
+  // or to the class's output column (when the child is on a path to the class range).
+  auto put_child = [&](int64 code, int64 g, V v) {
+    if (code >= C) {
+      const int64 position = plan.position[code - C];
+      if (position >= 0) store_rows(values + plan.value_row[position] * stride + it.row, g, v);
+    } else if (code >= plan.class_begin && code < plan.class_end) {
+      T* o = out_rows + (code - plan.class_begin);
+      for (int64 r = 0; r < group_rows(g); ++r) o[(g * w + r) * width] = v[r];
+    }
+  };
   // Writes the values of children [j0, j0 + kb) of the node from their logits
   // zt[(j - j0) * ld + r]: finished or, when !finish, the raw logits.
   auto emit = [&](const Node& node, const T* zt, int64 j0, int64 kb, bool finish) {
@@ -1116,34 +1128,27 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       return;
     }
     for (int64 j = 0; j < kb; ++j) {
-      const int64 code = node.codes[j0 + j];
       const T* zj = zt + j * ld;
-      if (code >= C) {
-        const int64 position = plan.position[code - C];
-        if (position < 0) continue;  // off every path to the class range
-        for (int64 g = 0; g < groups; ++g) {
-          store_rows(values + plan.value_row[position] * stride + it.row, g, value(simd::Load(zj + g * w), g));
-        }
-      } else if (code >= plan.class_begin && code < plan.class_end) {
-        T* o = out_rows + (code - plan.class_begin);
-        for (int64 g = 0; g < groups; ++g) {
-          const V v = value(simd::Load(zj + g * w), g);
-          for (int64 r = 0; r < group_rows(g); ++r) o[(g * w + r) * width] = v[r];
-        }
-      }
+      for (int64 g = 0; g < groups; ++g) put_child(node.codes[j0 + j], g, value(simd::Load(zj + g * w), g));
     }
   };
   // The logits of weight rows [first, first + count) with their biases, into zt, asking
   // along the way for the rows up to a tile past them (the next nodes of a level are
   // stored next), each row once; and each row group's max when group_max is given.
   int64 prefetched = 0;
-  auto logits = [&](int64 first, int64 count, T* zt, V* group_max) {
-    const int64 ahead_begin = std::max(first + count, prefetched);
-    prefetched = std::max(prefetched, std::min(first + count + kSlotTile, t.num_slots));
-    RowPanelDots<T, true>(hp, nt, p.weights + first * p.dim, p.dim, count, p.dim, zt, ld,
-                          p.weights + ahead_begin * p.dim,
+  // The products of the rows with `count` weight-like rows b (ldb = dim) plus `bias`, into
+  // zt, asking for the weight rows [end, end + ahead) along the way (each row once).
+  auto dots = [&](const T* b, int64 count, const T* bias, int64 end, int64 ahead, T* zt,
+                  V* group_max) {
+    const int64 ahead_begin = std::max(end, prefetched);
+    prefetched = std::max(prefetched, std::min(end + ahead, t.num_slots));
+    RowPanelDots<T, true>(hp, nt, b, p.dim, count, p.dim, zt, ld, p.weights + ahead_begin * p.dim,
                           std::max<int64>(0, prefetched - ahead_begin) * p.dim * static_cast<int64>(sizeof(T)),
-                          p.biases == nullptr ? nullptr : p.biases + first, group_max);
+                          bias, group_max);
+  };
+  auto logits = [&](int64 first, int64 count, T* zt, V* group_max) {
+    dots(p.weights + first * p.dim, count, p.biases == nullptr ? nullptr : p.biases + first,
+         first + count, kSlotTile, zt, group_max);
   };
 
   for (int64 q = it.first; q < it.last;) {
@@ -1151,13 +1156,53 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
     const int64 first = t.child_begin[n], K = t.child_begin[n + 1] - first;
     Node node;
     V m[kMaxGroups], sum[kMaxGroups];
+    if (K == 2) {
+      // A run of two-child nodes stored one after the other (a binary tree's levels). Their
+      // softmax depends only on d = z1 - z0: log p0 = -softplus(d), log p1 = -softplus(-d),
+      // with softplus(x) = max(x, 0) + log(1 + exp(-|x|)). So one dot product per node, with
+      // the difference of its two weight rows, replaces two, and one exp and one log
+      // replace two exps, a log and a max. d = +-inf gives the masked child -inf and the
+      // other 0; a NaN d (both logits -inf, or a NaN) gives NaN to both, as the general
+      // path does.
+      int64 last = q + 1;
+      while (last < it.last && last - q < kSlotTile && plan.node[last] == plan.node[last - 1] + 1 &&
+             t.child_begin[plan.node[last] + 1] - t.child_begin[plan.node[last]] == 2) {
+        ++last;
+      }
+      const int64 pairs = last - q, dim = p.dim;
+      const T* wp = p.weights + first * dim;  // the run's 2 * pairs slots are consecutive
+      T* diff = Grow(&s.pair_rows, pairs * dim);
+      for (int64 i = 0; i < pairs; ++i) {
+        for (int64 k = 0; k < dim; ++k) diff[i * dim + k] = wp[(2 * i + 1) * dim + k] - wp[2 * i * dim + k];
+      }
+      T* bias_diff = nullptr;
+      if (p.biases != nullptr) {
+        bias_diff = Grow(&s.pair_biases, pairs);
+        for (int64 i = 0; i < pairs; ++i) bias_diff[i] = p.biases[first + 2 * i + 1] - p.biases[first + 2 * i];
+      }
+      T* zd = Grow(&s.z, pairs * ld);
+      dots(diff, pairs, bias_diff, first + 2 * pairs, 2 * kSlotTile, zd, nullptr);
+      const V zero = {}, one = simd::Splat<T>(1);
+      for (int64 i = 0; q < last; ++q, ++i) {
+        start(q, &node);
+        for (int64 g = 0; g < groups; ++g) {
+          const V d = simd::Load(zd + i * ld + g * w);
+          const V l = simd::LogVec(one + simd::ExpVec(d < zero ? d : -d));
+          put_child(node.codes[0], g, node.parent[g] - ((d > zero ? d : zero) + l));
+          put_child(node.codes[1], g, node.parent[g] - ((d < zero ? -d : zero) + l));
+        }
+      }
+      continue;
+    }
     if (K <= kSlotTile) {
       // A batch of small nodes stored one after the other: one logits pass, then each
       // node's max, sum and values (a NaN logit loses the max; the sum carries it).
       int64 last = q + 1, slots = K;
       for (; last < it.last && plan.node[last] == plan.node[last - 1] + 1; ++last) {
         const int64 k = t.child_begin[plan.node[last] + 1] - t.child_begin[plan.node[last]];
-        if (slots + k > kSlotTile) break;
+        // Two-child nodes always take the path above, so that a node's values do not
+        // depend on the nodes batched with it (a class range's plan has fewer).
+        if (k == 2 || slots + k > kSlotTile) break;
         slots += k;
       }
       T* zs = Grow(&s.z, slots * ld);
@@ -1322,15 +1367,17 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   const bool packed = num_rows >= kPackMinRows;
   // A large output is not read back soon enough to stay in the caches.
   const bool stream = num_rows * width * static_cast<int64>(sizeof(T)) >= kStreamMinBytes;
-  // Left uninitialised (a binary tree's can take tens of MB): every value a level reads
-  // was written by the level above, and the root's row is set below.
-  std::unique_ptr<T[]> values(new T[plan.value_rows * block]);
+  // Per-thread scratch kept for the next call: a binary tree's takes up to kNodeValueBudget
+  // values (64 MB in float), whose fresh pages cost more to map than the sweep spends on
+  // them. Every value a level reads was written by the level above; the root's row is set
+  // below.
+  T* values = Grow(&ThreadScratch<T>().node_values, plan.value_rows * block);
   std::vector<const T*> rows(block);
   std::vector<SweepItem> items;
   for (int64 r0 = 0; r0 < num_rows; r0 += block) {
     const int64 nr = std::min(block, num_rows - r0);
     for (int64 i = 0; i < nr; ++i) rows[i] = p.hidden + (r0 + i) * p.dim;
-    std::fill(values.get(), values.get() + nr, T(0));  // the root
+    std::fill(values, values + nr, T(0));  // the root
     for (int64 l = 0; l < levels; ++l) {
       const int64 c0 = level_chunks[l], c1 = level_chunks[l + 1];
       // Few chunks: split the rows too, so that every thread has work.
@@ -1347,10 +1394,10 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
       parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
         for (int64 i = begin; i < end; ++i) {
           if (packed) {
-            SweepItemRowsInLanes(tree, p, plan, items[i], rows.data(), block, values.get(),
+            SweepItemRowsInLanes(tree, p, plan, items[i], rows.data(), block, values,
                                  out + r0 * width, width, stream);
           } else {
-            SweepItemRun(tree, p, plan, items[i], rows.data(), block, values.get(),
+            SweepItemRun(tree, p, plan, items[i], rows.data(), block, values,
                          out + r0 * width, width);
           }
         }

@@ -470,6 +470,32 @@ void TestNonFinite() {
   std::vector<int64> sm(masked.N);
   Sample<float>(t.view(), masked.params(), masked.N, 3, 1.0f, SerialFor, sm.data());
   for (int64 c : sm) EXPECT(c != 0 && c >= 0, "masked class sampled: %ld", (long)c);
+  // log_prob_all with 16 or more rows (the packed sweep), on a binary tree (the two-child
+  // nodes' path, where d = z1 - z0 is +-inf) and a mixed one: a NaN row is NaN throughout
+  // and only there; a -inf bias gives its class -inf and its siblings all of the mass.
+  for (const Layout& l : {Balanced(64, 2), t}) {
+    const int64 C = l.num_classes;
+    Problem<float> big = RandomProblem<float>(rng, l, 20, 5, true, 0.5);
+    big.h[2 * big.D + 1] = NAN;
+    big.b[l.path_slots[l.path_begin[1] - 1]] = -INFINITY;  // class 0's last slot
+    const std::vector<float> a = RunAll(l, big, 0, C, ThreadedFor(2));
+    for (int64 i = 0; i < big.N; ++i) {
+      double mass = 0;
+      bool nan = true, any_nan = false;
+      for (int64 c = 0; c < C; ++c) {
+        nan = nan && std::isnan(a[i * C + c]);
+        any_nan = any_nan || std::isnan(a[i * C + c]);
+        mass += std::exp(static_cast<double>(a[i * C + c]));
+      }
+      if (i == 2) {
+        EXPECT(nan, "log_prob_all packed: row 2 (NaN input) not NaN throughout");
+        continue;
+      }
+      EXPECT(!any_nan && a[i * C] == -INFINITY && std::fabs(mass - 1) < 1e-4,
+             "log_prob_all packed, row %ld: class 0 %g, total probability %g", (long)i,
+             (double)a[i * C], mass);
+    }
+  }
 }
 
 void TestValidation() {
