@@ -27,12 +27,17 @@ constexpr int64 kPackMinRows = 16;      // rows from which the row-panel kernel 
 constexpr int64 kLogitBudget = int64{1} << 20;      // logits kept per expansion batch
 constexpr int64 kKeepLogits = int64{1} << 17;       // LogProbAll: logits kept per node
 constexpr int64 kNodeValueBudget = int64{1} << 24;  // LogProbAll node values per block
+constexpr int64 kGroupValueBudget = int64{1} << 18;  // per subtree group: 1 MB in float
 // LogProbAll: outputs of at least this many bytes are written past the caches, for runs of
 // at least kStreamMinColumns classes, kStageColumns consecutive classes per row at a time
 // (staged in L1 first).
 constexpr int64 kStreamMinBytes = int64{32} << 20;
 constexpr int64 kStreamMinColumns = 64;
 constexpr int64 kStageColumns = 256;
+// LogProbAll: an item whose class children are scattered (not runs of consecutive classes
+// within one node) but together cover a range of at least this many consecutive classes
+// gathers their values first and writes the range as a run (see SweepItemRowsInLanes).
+constexpr int64 kGatherMinClasses = 64;
 constexpr int64 kChunkWork = int64{1} << 15;        // LogProbAll: slots x (D + 4) per item
 
 template <typename... Args>
@@ -55,7 +60,9 @@ inline std::uint64_t Mix64(std::uint64_t z) {
 template <typename T>
 struct Scratch {
   std::vector<T> z, lse, exps, row_max, row_sum, panels, stage, pair_rows, pair_biases;
-  std::vector<T> node_values;  // LogProbAll's, kept by the calling thread for its next call
+  std::vector<T> class_values;  // LogProbAll: an item's class values, slot-major
+  std::vector<T> node_values;   // LogProbAll's, kept by the calling thread for its next call
+  std::vector<T> group_values;  // LogProbAll's subtree groups' (SubtreeGroups)
   std::vector<const T*> rows;
   std::vector<std::pair<int64, int64>> taken;
 };
@@ -774,11 +781,27 @@ struct SweepPlan {
   // [P] c >= 0 when every child of the node is a class of the range, in consecutive
   // columns c, c + 1, ... (a cluster of consecutive classes); else -1.
   std::vector<int64> run;
-  // [P] the row of `values` that holds each needed node's log-probabilities: two levels'
-  // worth of rows, alternating by depth, since a level's values are read by that level
-  // and written by the one above it (a binary tree's values would otherwise take P rows).
+  std::vector<int64> parent;  // [P] the position of each needed node's parent (root: -1)
+  // [P] the row of the node values that holds each needed node's log-probabilities: two
+  // levels' worth of rows, alternating by depth, since a level's values are read by that
+  // level and written by the one above it (a binary tree's values would otherwise take P
+  // rows). Below a split level (see SubtreeGroups), rows within the node's group.
   std::vector<int64> value_row;
-  int64 value_rows = 0;
+  int64 value_rows = 0;  // of the rows shared by all (above the split level, if any)
+};
+
+// Deep trees with wide levels (a binary tree over 1M classes has 250K nodes on one level)
+// would need tens of MB of node values per row block, visited once per level from DRAM.
+// Below a split level L, the subtrees of L's nodes are independent: each group of them is
+// swept to the bottom by one thread, level by level, with its values in a small per-thread
+// buffer, cache-resident. Needs the nodes of a group to be consecutive positions on every
+// level (true of breadth-first numbered trees, as every builder makes); else none.
+struct SubtreeGroups {
+  int64 level = -1;  // L; -1: no groups, every level is swept across the whole tree
+  int64 span = 0;    // levels L, L + 1, ..., L + span - 1
+  int64 cap = 0;     // the most nodes of one group on one level
+  std::vector<int64> begin, end;  // [G * span] positions of group g on level L + i
+  int64 count() const { return span == 0 ? 0 : static_cast<int64>(begin.size()) / span; }
 };
 
 // Finds the nodes needed for classes [class_begin, class_end) and checks every offset the
@@ -811,7 +834,7 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     }
   }
   // Walk the needed nodes in id order (parents first), giving each child its depth.
-  std::vector<int64> depth(M, -1), run_in_id_order;
+  std::vector<int64> depth(M, -1), run_in_id_order, parent_node(M, -1);
   std::vector<unsigned char> seen(width, 0);
   depth[0] = 0;
   int64 max_depth = 0, count = 0;
@@ -856,6 +879,7 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
         return Message("malformed tree: node ", m, " is the child of more than one slot");
       }
       depth[m] = depth[n] + 1;
+      parent_node[m] = n;
       max_depth = std::max(max_depth, depth[m]);
     }
     run_in_id_order.push_back(-1);
@@ -873,6 +897,7 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
   std::vector<int64> cursor(plan->level_begin.begin(), plan->level_begin.end() - 1);
   plan->node.assign(count, 0);
   plan->run.assign(count, -1);
+  plan->parent.assign(count, -1);
   // position[n] takes over depth's storage: depth[n] is read just before it is replaced.
   plan->position.swap(depth);
   std::vector<int64>& position = plan->position;
@@ -885,20 +910,87 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     plan->node[q] = n;
     plan->run[q] = run_in_id_order[i++];
     position[n] = q;
+    if (parent_node[n] >= 0) plan->parent[q] = position[parent_node[n]];  // set: ids ascend
   }
+  return "";
+}
+
+// Groups of the plan below level L, each of L's nodes a group, when the groups' values fit
+// kGroupValueBudget for row blocks of `block` rows and every group's nodes are consecutive
+// on every level; false otherwise.
+bool GroupBelow(const SweepPlan& plan, int64 L, int64 block, SubtreeGroups* groups) {
+  const int64 levels = static_cast<int64>(plan.level_begin.size()) - 1;
+  const auto& lb = plan.level_begin;
+  const int64 G = lb[L + 1] - lb[L], span = levels - L;
+  std::vector<int64> begin(G * span, 0), end(G * span, 0), group(lb[levels] - lb[L]);
+  int64 cap = 1;
+  for (int64 q = lb[L]; q < lb[L + 1]; ++q) {
+    group[q - lb[L]] = q - lb[L];
+    begin[(q - lb[L]) * span] = q;
+    end[(q - lb[L]) * span] = q + 1;
+  }
+  for (int64 i = 1; i < span; ++i) {
+    for (int64 q = lb[L + i], last = -1; q < lb[L + i + 1]; ++q) {
+      const int64 g = group[plan.parent[q] - lb[L]];
+      group[q - lb[L]] = g;
+      if (g < last) return false;  // not consecutive
+      if (g != last) begin[g * span + i] = q;
+      end[g * span + i] = q + 1;
+      cap = std::max(cap, q + 1 - begin[g * span + i]);
+      last = g;
+    }
+  }
+  if (2 * cap * block > kGroupValueBudget) return false;
+  groups->level = L;
+  groups->span = span;
+  groups->cap = cap;
+  groups->begin.swap(begin);
+  groups->end.swap(end);
+  return true;
+}
+
+// Finds the subtree groups for row blocks of `block` rows, if any: L is the first level
+// with two levels below it and at least kMinGroups nodes, and enough that groups of equal
+// width would take a quarter of the budget on the widest level below; subtrees are not
+// equal, so up to two levels further down are tried too.
+void FindSubtreeGroups(const SweepPlan& plan, int64 block, SubtreeGroups* groups) {
+  constexpr int64 kMinGroups = 64;
+  const int64 levels = static_cast<int64>(plan.level_begin.size()) - 1;
+  const auto& lb = plan.level_begin;
   int64 widest = 0;
-  for (int64 d = 0; d <= max_depth; ++d) {
-    widest = std::max(widest, plan->level_begin[d + 1] - plan->level_begin[d]);
+  for (int64 d = 0; d < levels; ++d) widest = std::max(widest, lb[d + 1] - lb[d]);
+  const int64 cap_goal = std::max<int64>(1, kGroupValueBudget / (8 * block));
+  int64 L = 1;
+  while (L + 2 < levels && lb[L + 1] - lb[L] < std::max(kMinGroups, widest / cap_goal)) ++L;
+  for (int64 tries = 0; tries < 3 && L + 2 < levels; ++tries, ++L) {
+    if (GroupBelow(plan, L, block, groups)) return;
   }
-  plan->value_row.resize(count);
+}
+
+// The plan's value rows: levels above the split level (all levels without groups) share
+// rows across the tree, those below it rows within their group (2 * cap of them).
+void AssignValueRows(const SubtreeGroups& groups, SweepPlan* plan) {
+  const int64 levels = static_cast<int64>(plan->level_begin.size()) - 1;
+  const int64 shared = groups.level < 0 ? levels : groups.level + 1;
+  const auto& lb = plan->level_begin;
+  int64 widest = 0;
+  for (int64 d = 0; d < shared; ++d) widest = std::max(widest, lb[d + 1] - lb[d]);
+  plan->value_row.resize(lb[levels]);
   plan->value_rows = 0;
-  for (int64 d = 0; d <= max_depth; ++d) {
-    for (int64 q = plan->level_begin[d]; q < plan->level_begin[d + 1]; ++q) {
-      plan->value_row[q] = q - plan->level_begin[d] + (d % 2) * widest;
+  for (int64 d = 0; d < shared; ++d) {
+    for (int64 q = lb[d]; q < lb[d + 1]; ++q) {
+      plan->value_row[q] = q - lb[d] + (d % 2) * widest;
       plan->value_rows = std::max(plan->value_rows, plan->value_row[q] + 1);
     }
   }
-  return "";
+  for (int64 g = 0; g < groups.count(); ++g) {
+    for (int64 i = 1; i < groups.span; ++i) {
+      const int64 d = groups.level + i, b = groups.begin[g * groups.span + i];
+      for (int64 q = b; q < groups.end[g * groups.span + i]; ++q) {
+        plan->value_row[q] = q - b + (d % 2) * groups.cap;
+      }
+    }
+  }
 }
 
 struct SweepItem {
@@ -999,7 +1091,8 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
 // each node's logits are kept slot-major, zt[j * ld + r] with the item's rows padded to
 // whole vectors (ld of them), so one vector holds one child's logits for kWidth rows.
 // The logsumexp is then a lane-wise fold over the children (vector exp and log, no
-// horizontal reductions), a child node's values are whole vectors of `values`, and a run
+// horizontal reductions), a node's values are whole vectors of `values` (its children's go
+// to `child_values`: the same buffer, or a group's, see SubtreeGroups), and a run
 // of consecutive classes is written to the output rows through kWidth x kWidth register
 // transposes (staged and streamed past the caches when `stream`: see emit_streamed).
 // Nodes of at most a tile of children that are stored one after the other
@@ -1010,7 +1103,7 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
 template <typename T>
 void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan& plan,
                           const SweepItem& it, const T* const* block_rows, int64 stride,
-                          T* values, T* out, int64 width, bool stream) {
+                          const T* values, T* child_values, T* out, int64 width, bool stream) {
   typedef simd::VecT<T> V;
   constexpr int64 w = simd::Vec<T>::kWidth;
   constexpr int64 kMaxGroups = kBlockRows / w;
@@ -1035,6 +1128,43 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
   T* stage = stream ? Grow(&s.stage, w * kStageColumns) : nullptr;  // row-major pieces
   T* out_rows = out + it.row * width;
   const int64 C = t.num_classes;
+  // Class values go straight to their output columns, a scalar store per row, unless the
+  // item gathers them: when its class children are not all runs (a binary tree's nodes
+  // each hold one or two classes, often in decreasing order) yet together cover consecutive
+  // classes [gather_lo, gather_lo + gather_count) (as a frequency-ordered Huffman tree's
+  // do), their values are put slot-major into `gathered`, a vector per row group, and the
+  // range is written at the end like a run: transposed in registers and, for a large
+  // output, streamed. Items holding a node whose logits are not all kept park raw values
+  // in the output (see below), so they write directly.
+  bool gather = false;
+  int64 gather_lo = 0, gather_count = 0;
+  T* gathered = nullptr;
+  {
+    int64 lo = plan.class_end, hi = plan.class_begin - 1, count = 0;
+    bool scattered = false, kept_all = true;
+    for (int64 q = it.first; q < it.last; ++q) {
+      const int64 n = plan.node[q], b = t.child_begin[n], e = t.child_begin[n + 1];
+      kept_all = kept_all && (e - b) * ld <= kKeepLogits;
+      const int64 before = count;
+      for (int64 sl = b; sl < e; ++sl) {
+        const int64 code = t.slot_child[sl];
+        if (code >= plan.class_begin && code < plan.class_end) {
+          lo = std::min(lo, code);
+          hi = std::max(hi, code);
+          ++count;
+        }
+      }
+      scattered = scattered || (count > before && plan.run[q] < 0);
+    }
+    // The plan checked that each class of the range is reached once, so count classes
+    // spanning count columns are exactly the range.
+    if (kept_all && scattered && count >= kGatherMinClasses && hi - lo + 1 == count) {
+      gather = true;
+      gather_lo = lo;
+      gather_count = count;
+      gathered = Grow(&s.class_values, count * ld);
+    }
+  }
 
   // One node's children and the values that finish them: parent + (logit - lse).
   struct Node {
@@ -1070,7 +1200,7 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
   // measured only 1.15x faster than ordinary ones (whose lines are first read for
   // ownership); runs of 4 or more lines per row, 2.3x, and the longer the runs the less
   // the stores wait. Blocks after the first start where row 0's output starts a line.
-  auto emit_streamed = [&](const Node& node, const T* zt, int64 j0, int64 kb) {
+  auto emit_streamed = [&](const Node& node, const T* zt, int64 j0, int64 kb, bool finish) {
     const int64 misaligned =
         static_cast<int64>(reinterpret_cast<std::uintptr_t>(out_rows + node.run + j0) % 64 / sizeof(T));
     const int64 to_line = (w - misaligned) % w;
@@ -1080,7 +1210,7 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
         const int64 n = std::min(ce, kb) - cb;
         for (int64 jb = 0; jb < n; jb += w) {
           transposed(zt, g, cb + jb, std::min(w, n - jb), [&](int64 row, V v) {
-            simd::Store(stage + (row - g * w) * kStageColumns + jb, parent_row[row] + (v - lse[row]));
+            simd::Store(stage + (row - g * w) * kStageColumns + jb, finish ? parent_row[row] + (v - lse[row]) : v);
           });
         }
         for (int64 r = 0; r < group_rows(g); ++r) {
@@ -1095,8 +1225,12 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
   auto put_child = [&](int64 code, int64 g, V v) {
     if (code >= C) {
       const int64 position = plan.position[code - C];
-      if (position >= 0) store_rows(values + plan.value_row[position] * stride + it.row, g, v);
+      if (position >= 0) store_rows(child_values + plan.value_row[position] * stride + it.row, g, v);
     } else if (code >= plan.class_begin && code < plan.class_end) {
+      if (gather) {
+        simd::Store(gathered + (code - gather_lo) * ld + g * w, v);
+        return;
+      }
       T* o = out_rows + (code - plan.class_begin);
       for (int64 r = 0; r < group_rows(g); ++r) o[(g * w + r) * width] = v[r];
     }
@@ -1105,11 +1239,11 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
   // zt[(j - j0) * ld + r]: finished or, when !finish, the raw logits.
   auto emit = [&](const Node& node, const T* zt, int64 j0, int64 kb, bool finish) {
     auto value = [&](V z, int64 g) { return finish ? node.parent[g] + (z - node.lse[g]) : z; };
-    if (node.run >= 0 && finish && stream && kb >= kStreamMinColumns) {
-      emit_streamed(node, zt, j0, kb);
+    if (node.run >= 0 && !gather && finish && stream && kb >= kStreamMinColumns) {
+      emit_streamed(node, zt, j0, kb, true);
       return;
     }
-    if (node.run >= 0) {
+    if (node.run >= 0 && !gather) {
       // Blocks of kWidth children, transposed in registers into pieces of output rows.
       for (int64 g = 0; g < groups; ++g) {
         for (int64 jb = 0; jb < kb; jb += w) {
@@ -1272,12 +1406,23 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       if (code >= C) {
         const int64 position = plan.position[code - C];
         if (position < 0) continue;
-        T* dst = values + plan.value_row[position] * stride + it.row;
+        T* dst = child_values + plan.value_row[position] * stride + it.row;
         for (int64 g = 0; g < groups; ++g) store_rows(dst, g, node.parent[g] + (load_rows(dst, g) - node.lse[g]));
       } else if (code >= plan.class_begin && code < plan.class_end) {
         T* o = out_rows + (code - plan.class_begin);
         for (int64 r = 0; r < nt; ++r) o[r * width] = parent_row[r] + (o[r * width] - lse[r]);
       }
+    }
+  }
+  if (gather) {
+    // The gathered classes, final values, written as one run.
+    Node range;
+    range.run = gather_lo - plan.class_begin;
+    gather = false;
+    if (stream && gather_count >= kStreamMinColumns) {
+      emit_streamed(range, gathered, 0, gather_count, false);
+    } else {
+      emit(range, gathered, 0, gather_count, false);
     }
   }
   if (stream) simd::StreamFence();  // before another thread reads the output
@@ -1358,27 +1503,33 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
 
   // Rows per block: up to 64, fewer when the node values would take more than
   // kNodeValueBudget (every block reads the whole table).
-  int64 block = std::min(num_rows, kBlockRows);
-  if (block * plan.value_rows > kNodeValueBudget) {
-    block = std::max<int64>(std::min<int64>(block, 4), kNodeValueBudget / plan.value_rows);
-  }
   // The kernel is chosen by the batch size alone, so that a row's values do not depend
   // on the blocks and tiles around it (a chunk equals the slice of the full result).
   const bool packed = num_rows >= kPackMinRows;
+  int64 block = std::min(num_rows, kBlockRows);
+  SubtreeGroups groups;
+  if (packed) FindSubtreeGroups(plan, block, &groups);
+  AssignValueRows(groups, &plan);
+  if (block * plan.value_rows > kNodeValueBudget) {
+    block = std::max<int64>(std::min<int64>(block, 4), kNodeValueBudget / plan.value_rows);
+  }
   // A large output is not read back soon enough to stay in the caches.
   const bool stream = num_rows * width * static_cast<int64>(sizeof(T)) >= kStreamMinBytes;
   // Per-thread scratch kept for the next call: a binary tree's takes up to kNodeValueBudget
-  // values (64 MB in float), whose fresh pages cost more to map than the sweep spends on
-  // them. Every value a level reads was written by the level above; the root's row is set
-  // below.
+  // values (64 MB in float) without subtree groups, whose fresh pages cost more to map
+  // than the sweep spends on them. Every value a level reads was written by the level
+  // above; the root's row is set below.
   T* values = Grow(&ThreadScratch<T>().node_values, plan.value_rows * block);
+  const int64 swept_levels = groups.level < 0 ? levels : groups.level;
+  int64 group_work = 0;  // slot-dimensions below the split level
+  for (int64 c = level_chunks[swept_levels]; c < level_chunks[levels]; ++c) group_work += chunk_work[c];
   std::vector<const T*> rows(block);
   std::vector<SweepItem> items;
   for (int64 r0 = 0; r0 < num_rows; r0 += block) {
     const int64 nr = std::min(block, num_rows - r0);
     for (int64 i = 0; i < nr; ++i) rows[i] = p.hidden + (r0 + i) * p.dim;
     std::fill(values, values + nr, T(0));  // the root
-    for (int64 l = 0; l < levels; ++l) {
+    for (int64 l = 0; l < swept_levels; ++l) {
       const int64 c0 = level_chunks[l], c1 = level_chunks[l + 1];
       // Few chunks: split the rows too, so that every thread has work.
       const int64 tile = c1 - c0 < 4 && nr > kSplitRows ? kSplitRows : nr;
@@ -1394,7 +1545,7 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
       parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
         for (int64 i = begin; i < end; ++i) {
           if (packed) {
-            SweepItemRowsInLanes(tree, p, plan, items[i], rows.data(), block, values,
+            SweepItemRowsInLanes(tree, p, plan, items[i], rows.data(), block, values, values,
                                  out + r0 * width, width, stream);
           } else {
             SweepItemRun(tree, p, plan, items[i], rows.data(), block, values,
@@ -1403,6 +1554,21 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
         }
       });
     }
+    if (groups.level < 0) continue;
+    // Each group from the split level down, its values below that level in the thread's
+    // buffer (2 * cap rows of `block`).
+    const int64 G = groups.count(), span = groups.span;
+    parallel_for(G, 2 * group_work * nr / G, [&](int64 begin, int64 end) {
+      T* local = Grow(&ThreadScratch<T>().group_values, 2 * groups.cap * block);
+      for (int64 g = begin; g < end; ++g) {
+        for (int64 i = 0; i < span; ++i) {
+          const SweepItem item{groups.begin[g * span + i], groups.end[g * span + i], 0, nr};
+          if (item.first == item.last) break;  // the group has no nodes this deep
+          SweepItemRowsInLanes(tree, p, plan, item, rows.data(), block, i == 0 ? values : local,
+                               local, out + r0 * width, width, stream);
+        }
+      }
+    });
   }
   return "";
 }

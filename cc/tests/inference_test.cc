@@ -274,6 +274,41 @@ void CheckLogProbAll(std::mt19937_64& rng, const Layout& t, int64 N, int64 D, bo
   }
 }
 
+// The tree with class c renamed C - 1 - c: a binary tree's two-class nodes then hold their
+// classes in decreasing order (not runs), as a Huffman tree over classes ordered by
+// decreasing frequency does, while every subtree still covers consecutive classes.
+Layout ReversedClasses(const Layout& t) {
+  std::vector<int64> slots = t.slot_child;
+  for (int64& code : slots) code = code < t.num_classes ? t.num_classes - 1 - code : code;
+  return MakeLayout(t.num_classes, t.child_begin, slots);
+}
+
+// The tree with the nodes of each level renumbered in a random order (parents still
+// before children): a level's nodes are then not consecutive per subtree.
+Layout ShuffledLevels(std::mt19937_64& rng, const Layout& t) {
+  const int64 C = t.num_classes, M = t.num_nodes();
+  std::vector<int64> depth(M, 0), order;
+  for (int64 n = 0; n < M; ++n)
+    for (int64 s = t.child_begin[n]; s < t.child_begin[n + 1]; ++s)
+      if (t.slot_child[s] >= C) depth[t.slot_child[s] - C] = depth[n] + 1;
+  for (int64 d = 0, n = 0; n < M; ++d) {
+    const size_t first = order.size();
+    for (int64 m = 0; m < M; ++m)
+      if (depth[m] == d) order.push_back(m), ++n;
+    std::shuffle(order.begin() + first, order.end(), rng);
+  }
+  std::vector<int64> id(M), begin = {0}, slots;
+  for (int64 i = 0; i < M; ++i) id[order[i]] = i;
+  for (int64 n : order) {
+    for (int64 s = t.child_begin[n]; s < t.child_begin[n + 1]; ++s) {
+      const int64 code = t.slot_child[s];
+      slots.push_back(code < C ? code : C + id[code - C]);
+    }
+    begin.push_back(static_cast<int64>(slots.size()));
+  }
+  return MakeLayout(C, begin, slots);
+}
+
 void TestLogProbAll() {
   std::mt19937_64 rng(13);
   for (int trial = 0; trial < 20; ++trial) {
@@ -316,6 +351,33 @@ void TestLogProbAll() {
   wide_slots.push_back(1);
   const Layout scattered = MakeLayout(wide_c, {0, wide_c - 1, wide_c + 1}, wide_slots);
   CheckLogProbAll<float>(rng, scattered, 33, 4, true, 2e-4, "wide scattered float");
+  // Deep binary trees with 64 or more nodes on a level are swept subtree by subtree below
+  // it (per-thread node values); with classes in decreasing order, an item's classes are
+  // gathered and written as one range. Levels numbered out of subtree order have no
+  // such groups.
+  const Layout binary = Balanced(3000, 2), reversed = ReversedClasses(binary);
+  CheckLogProbAll<float>(rng, reversed, 40, 5, true, 2e-4, "reversed binary float");
+  CheckLogProbAll<double>(rng, reversed, 20, 5, false, 1e-10, "reversed binary double");
+  CheckLogProbAll<float>(rng, binary, 64, 5, true, 2e-4, "binary float, 64 rows");
+  CheckLogProbAll<float>(rng, ShuffledLevels(rng, reversed), 40, 5, true, 2e-4,
+                         "shuffled-levels reversed binary float");
+  // The same values, column for column, whichever way the classes are numbered; with
+  // 2^19 + 9 classes and 16 rows the output is streamed (gathered ranges and runs).
+  {
+    const Layout big = Balanced((int64{1} << 19) + 9, 2), big_reversed = ReversedClasses(big);
+    const int64 C = big.num_classes;
+    const Problem<float> pr = RandomProblem<float>(rng, big, 16, 3, true, 0.5);
+    const std::vector<float> a = RunAll(big, pr, 0, C, ThreadedFor(2));
+    const std::vector<float> b = RunAll(big_reversed, pr, 0, C, ThreadedFor(3));
+    bool same = true;
+    for (int64 i = 0; i < pr.N; ++i)
+      for (int64 c = 0; c < C; ++c)
+        same = same && std::memcmp(&a[i * C + c], &b[i * C + C - 1 - c], sizeof(float)) == 0;
+    EXPECT(same, "streamed binary: reversed class numbering changes the values");
+    double mass = 0;
+    for (int64 c = 0; c < C; ++c) mass += std::exp(static_cast<double>(a[c]));
+    EXPECT(std::fabs(mass - 1) < 1e-3, "streamed binary: row 0 sums to %g", mass);
+  }
 }
 
 // Upper quantile of chi-square with df degrees of freedom at z standard deviations
