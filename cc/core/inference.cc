@@ -1102,7 +1102,7 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
 // sum rescaled), the same whether or not its logits fit in scratch.
 template <typename T>
 void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan& plan,
-                          const SweepItem& it, const T* const* block_rows, int64 stride,
+                          const SweepItem& it, const T* block_panels, int64 stride,
                           const T* values, T* child_values, T* out, int64 width, bool stream) {
   typedef simd::VecT<T> V;
   constexpr int64 w = simd::Vec<T>::kWidth;
@@ -1122,7 +1122,9 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       simd::StorePartial(dst + g * w, v, tail);
     }
   };
-  const T* hp = PackedRows(block_rows + it.row, nt, p.dim, true);
+  // The item's rows start a row group (it.row is a multiple of kSplitRows), so they are
+  // the block's panels from that group on.
+  const T* hp = block_panels + it.row / w * p.dim * w;
   T* lse = Grow(&s.lse, ld);          // per row, for the transposed run writes
   T* parent_row = Grow(&s.row_max, ld);
   T* stage = stream ? Grow(&s.stage, w * kStageColumns) : nullptr;  // row-major pieces
@@ -1524,10 +1526,14 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   int64 group_work = 0;  // slot-dimensions below the split level
   for (int64 c = level_chunks[swept_levels]; c < level_chunks[levels]; ++c) group_work += chunk_work[c];
   std::vector<const T*> rows(block);
+  constexpr int64 w = simd::Vec<T>::kWidth;
+  static_assert(kSplitRows % w == 0, "row tiles must start row groups");
+  std::vector<T> panels(packed ? (block + w - 1) / w * w * p.dim : 0);
   std::vector<SweepItem> items;
   for (int64 r0 = 0; r0 < num_rows; r0 += block) {
     const int64 nr = std::min(block, num_rows - r0);
     for (int64 i = 0; i < nr; ++i) rows[i] = p.hidden + (r0 + i) * p.dim;
+    if (packed) PackRows(rows.data(), nr, p.dim, panels.data());  // once, for every item
     std::fill(values, values + nr, T(0));  // the root
     for (int64 l = 0; l < swept_levels; ++l) {
       const int64 c0 = level_chunks[l], c1 = level_chunks[l + 1];
@@ -1545,7 +1551,7 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
       parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
         for (int64 i = begin; i < end; ++i) {
           if (packed) {
-            SweepItemRowsInLanes(tree, p, plan, items[i], rows.data(), block, values, values,
+            SweepItemRowsInLanes(tree, p, plan, items[i], panels.data(), block, values, values,
                                  out + r0 * width, width, stream);
           } else {
             SweepItemRun(tree, p, plan, items[i], rows.data(), block, values,
@@ -1564,7 +1570,7 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
         for (int64 i = 0; i < span; ++i) {
           const SweepItem item{groups.begin[g * span + i], groups.end[g * span + i], 0, nr};
           if (item.first == item.last) break;  // the group has no nodes this deep
-          SweepItemRowsInLanes(tree, p, plan, item, rows.data(), block, i == 0 ? values : local,
+          SweepItemRowsInLanes(tree, p, plan, item, panels.data(), block, i == 0 ? values : local,
                                local, out + r0 * width, width, stream);
         }
       }
