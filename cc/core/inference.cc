@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <sstream>
 #include <type_traits>
 #include <utility>
@@ -835,19 +836,25 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
   }
   // Walk the needed nodes in id order (parents first), giving each child its depth.
   std::vector<int64> depth(M, -1), run_in_id_order, parent_node(M, -1);
+  std::vector<int64> level_size;  // needed nodes per depth
   std::vector<unsigned char> seen(width, 0);
+  run_in_id_order.reserve(full ? M : 0);
   depth[0] = 0;
-  int64 max_depth = 0, count = 0;
-  for (int64 n = 0; n < M; ++n) {
+  int64 count = 0;
+  bool by_depth = true;  // the needed nodes' depths never decrease with their ids
+  for (int64 n = 0, last_depth = 0; n < M; ++n) {
     if (!needed[n]) continue;
     if (depth[n] < 0) {
       return Message("malformed tree: node ", n,
                      " is not reached from the root through slot_child");
     }
-    int64 begin, end;
-    std::string err = NodeRange(t, n, &begin, &end);
-    if (!err.empty()) return err;
+    int64 begin = t.child_begin[n], end = t.child_begin[n + 1];
+    if (begin < 0 || end <= begin || end > t.num_slots) return NodeRange(t, n, &begin, &end);
     ++count;
+    by_depth = by_depth && depth[n] >= last_depth;
+    last_depth = depth[n];
+    if (depth[n] >= static_cast<int64>(level_size.size())) level_size.resize(depth[n] + 1, 0);
+    ++level_size[depth[n]];
     // The common leaf node, a run of consecutive classes of the range none of which was
     // seen before, is checked and marked as a block (branch-free compares, one memchr and
     // one memset); anything else, including a duplicate, takes the loop below.
@@ -880,7 +887,6 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
       }
       depth[m] = depth[n] + 1;
       parent_node[m] = n;
-      max_depth = std::max(max_depth, depth[m]);
     }
     run_in_id_order.push_back(-1);
   }
@@ -889,11 +895,20 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     return Message("malformed tree: class ", class_begin + c,
                    " is not reached from the root through slot_child");
   }
-  // Order by depth (a counting sort, ids increasing within a depth).
-  plan->level_begin.assign(max_depth + 2, 0);
-  for (int64 n = 0; n < M; ++n)
-    if (needed[n]) ++plan->level_begin[depth[n] + 1];
-  for (int64 d = 0; d <= max_depth; ++d) plan->level_begin[d + 1] += plan->level_begin[d];
+  // Order by depth, ids increasing within a depth: a counting sort, unless the ids are in
+  // that order already (breadth-first numbering, as every builder's), when a node's
+  // position is its rank among the needed nodes, and with every node needed its id.
+  const int64 levels = static_cast<int64>(level_size.size());
+  plan->level_begin.assign(levels + 1, 0);
+  for (int64 d = 0; d < levels; ++d) plan->level_begin[d + 1] = plan->level_begin[d] + level_size[d];
+  if (full && by_depth) {
+    plan->node.resize(M);
+    std::iota(plan->node.begin(), plan->node.end(), int64{0});
+    plan->position = plan->node;
+    plan->run.swap(run_in_id_order);
+    plan->parent.swap(parent_node);  // positions are ids
+    return "";
+  }
   std::vector<int64> cursor(plan->level_begin.begin(), plan->level_begin.end() - 1);
   plan->node.assign(count, 0);
   plan->run.assign(count, -1);
@@ -906,7 +921,7 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
       position[n] = -1;
       continue;
     }
-    const int64 q = cursor[position[n]]++;
+    const int64 q = by_depth ? i : cursor[position[n]]++;
     plan->node[q] = n;
     plan->run[q] = run_in_id_order[i++];
     position[n] = q;
@@ -922,22 +937,24 @@ bool GroupBelow(const SweepPlan& plan, int64 L, int64 block, SubtreeGroups* grou
   const int64 levels = static_cast<int64>(plan.level_begin.size()) - 1;
   const auto& lb = plan.level_begin;
   const int64 G = lb[L + 1] - lb[L], span = levels - L;
-  std::vector<int64> begin(G * span, 0), end(G * span, 0), group(lb[levels] - lb[L]);
+  std::vector<int64> begin(G * span, 0), end(G * span, 0);
   int64 cap = 1;
-  for (int64 q = lb[L]; q < lb[L + 1]; ++q) {
-    group[q - lb[L]] = q - lb[L];
-    begin[(q - lb[L]) * span] = q;
-    end[(q - lb[L]) * span] = q + 1;
+  for (int64 g = 0; g < G; ++g) {
+    begin[g * span] = lb[L] + g;
+    end[g * span] = lb[L] + g + 1;
   }
+  // Level by level, the parents of a level's nodes in position order must not go back:
+  // then each group's nodes follow its parents', and g, the group whose range on the
+  // level above holds the parent, only moves forward.
   for (int64 i = 1; i < span; ++i) {
-    for (int64 q = lb[L + i], last = -1; q < lb[L + i + 1]; ++q) {
-      const int64 g = group[plan.parent[q] - lb[L]];
-      group[q - lb[L]] = g;
-      if (g < last) return false;  // not consecutive
-      if (g != last) begin[g * span + i] = q;
+    for (int64 q = lb[L + i], g = 0, last_parent = -1; q < lb[L + i + 1]; ++q) {
+      const int64 parent = plan.parent[q];
+      if (parent < last_parent) return false;
+      last_parent = parent;
+      while (end[g * span + i - 1] <= parent) ++g;  // the parent is on level L + i - 1
+      if (begin[g * span + i] == end[g * span + i]) begin[g * span + i] = end[g * span + i] = q;
       end[g * span + i] = q + 1;
       cap = std::max(cap, q + 1 - begin[g * span + i]);
-      last = g;
     }
   }
   if (2 * cap * block > kGroupValueBudget) return false;

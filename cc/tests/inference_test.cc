@@ -309,6 +309,31 @@ Layout ShuffledLevels(std::mt19937_64& rng, const Layout& t) {
   return MakeLayout(C, begin, slots);
 }
 
+// The tree with its nodes numbered depth-first (preorder): a node's depth then does not
+// grow with its id.
+Layout DepthFirstNodes(const Layout& t) {
+  const int64 C = t.num_classes, M = t.num_nodes();
+  std::vector<int64> order, id(M), stack = {0};
+  while (!stack.empty()) {
+    const int64 n = stack.back();
+    stack.pop_back();
+    id[n] = static_cast<int64>(order.size());
+    order.push_back(n);
+    for (int64 s = t.child_begin[n + 1] - 1; s >= t.child_begin[n]; --s) {
+      if (t.slot_child[s] >= C) stack.push_back(t.slot_child[s] - C);
+    }
+  }
+  std::vector<int64> begin = {0}, slots;
+  for (int64 n : order) {
+    for (int64 s = t.child_begin[n]; s < t.child_begin[n + 1]; ++s) {
+      const int64 code = t.slot_child[s];
+      slots.push_back(code < C ? code : C + id[code - C]);
+    }
+    begin.push_back(static_cast<int64>(slots.size()));
+  }
+  return MakeLayout(C, begin, slots);
+}
+
 void TestLogProbAll() {
   std::mt19937_64 rng(13);
   for (int trial = 0; trial < 20; ++trial) {
@@ -361,6 +386,10 @@ void TestLogProbAll() {
   CheckLogProbAll<float>(rng, binary, 64, 5, true, 2e-4, "binary float, 64 rows");
   CheckLogProbAll<float>(rng, ShuffledLevels(rng, reversed), 40, 5, true, 2e-4,
                          "shuffled-levels reversed binary float");
+  CheckLogProbAll<float>(rng, DepthFirstNodes(reversed), 40, 5, true, 2e-4,
+                         "depth-first reversed binary float");
+  CheckLogProbAll<double>(rng, DepthFirstNodes(RandomLayout(rng, 4, 6, 0.5, 300)), 7, 3, true,
+                          1e-10, "depth-first random double");
   // The same values, column for column, whichever way the classes are numbered; with
   // 2^19 + 9 classes and 16 rows the output is streamed (gathered ranges and runs).
   {
