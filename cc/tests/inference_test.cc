@@ -283,6 +283,22 @@ Layout ReversedClasses(const Layout& t) {
   return MakeLayout(t.num_classes, t.child_begin, slots);
 }
 
+// The tree with node order[i] renumbered i (order[0] must be the root, parents before
+// children).
+Layout RenumberedNodes(const Layout& t, const std::vector<int64>& order) {
+  const int64 C = t.num_classes, M = t.num_nodes();
+  std::vector<int64> id(M), begin = {0}, slots;
+  for (int64 i = 0; i < M; ++i) id[order[i]] = i;
+  for (int64 n : order) {
+    for (int64 s = t.child_begin[n]; s < t.child_begin[n + 1]; ++s) {
+      const int64 code = t.slot_child[s];
+      slots.push_back(code < C ? code : C + id[code - C]);
+    }
+    begin.push_back(static_cast<int64>(slots.size()));
+  }
+  return MakeLayout(C, begin, slots);
+}
+
 // The tree with the nodes of each level renumbered in a random order (parents still
 // before children): a level's nodes are then not consecutive per subtree.
 Layout ShuffledLevels(std::mt19937_64& rng, const Layout& t) {
@@ -297,41 +313,23 @@ Layout ShuffledLevels(std::mt19937_64& rng, const Layout& t) {
       if (depth[m] == d) order.push_back(m), ++n;
     std::shuffle(order.begin() + first, order.end(), rng);
   }
-  std::vector<int64> id(M), begin = {0}, slots;
-  for (int64 i = 0; i < M; ++i) id[order[i]] = i;
-  for (int64 n : order) {
-    for (int64 s = t.child_begin[n]; s < t.child_begin[n + 1]; ++s) {
-      const int64 code = t.slot_child[s];
-      slots.push_back(code < C ? code : C + id[code - C]);
-    }
-    begin.push_back(static_cast<int64>(slots.size()));
-  }
-  return MakeLayout(C, begin, slots);
+  return RenumberedNodes(t, order);
 }
 
 // The tree with its nodes numbered depth-first (preorder): a node's depth then does not
 // grow with its id.
 Layout DepthFirstNodes(const Layout& t) {
-  const int64 C = t.num_classes, M = t.num_nodes();
-  std::vector<int64> order, id(M), stack = {0};
+  const int64 C = t.num_classes;
+  std::vector<int64> order, stack = {0};
   while (!stack.empty()) {
     const int64 n = stack.back();
     stack.pop_back();
-    id[n] = static_cast<int64>(order.size());
     order.push_back(n);
     for (int64 s = t.child_begin[n + 1] - 1; s >= t.child_begin[n]; --s) {
       if (t.slot_child[s] >= C) stack.push_back(t.slot_child[s] - C);
     }
   }
-  std::vector<int64> begin = {0}, slots;
-  for (int64 n : order) {
-    for (int64 s = t.child_begin[n]; s < t.child_begin[n + 1]; ++s) {
-      const int64 code = t.slot_child[s];
-      slots.push_back(code < C ? code : C + id[code - C]);
-    }
-    begin.push_back(static_cast<int64>(slots.size()));
-  }
-  return MakeLayout(C, begin, slots);
+  return RenumberedNodes(t, order);
 }
 
 void TestLogProbAll() {
