@@ -968,15 +968,16 @@ bool GroupBelow(const SweepPlan& plan, int64 L, int64 block, SubtreeGroups* grou
 
 // Finds the subtree groups for row blocks of `block` rows, if any: L is the first level
 // with two levels below it and at least kMinGroups nodes, and enough that groups of equal
-// width would take a quarter of the budget on the widest level below; subtrees are not
-// equal, so up to two levels further down are tried too.
+// width would take half the budget on the widest level below (larger groups read longer
+// runs of weight rows per level; 1/4 measured 8% slower on a 1M-class binary tree);
+// subtrees are not equal, so up to two levels further down are tried too.
 void FindSubtreeGroups(const SweepPlan& plan, int64 block, SubtreeGroups* groups) {
   constexpr int64 kMinGroups = 64;
   const int64 levels = static_cast<int64>(plan.level_begin.size()) - 1;
   const auto& lb = plan.level_begin;
   int64 widest = 0;
   for (int64 d = 0; d < levels; ++d) widest = std::max(widest, lb[d + 1] - lb[d]);
-  const int64 cap_goal = std::max<int64>(1, kGroupValueBudget / (8 * block));
+  const int64 cap_goal = std::max<int64>(1, kGroupValueBudget / (4 * block));
   int64 L = 1;
   while (L + 2 < levels && lb[L + 1] - lb[L] < std::max(kMinGroups, widest / cap_goal)) ++L;
   for (int64 tries = 0; tries < 3 && L + 2 < levels; ++tries, ++L) {
