@@ -1336,12 +1336,12 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       }
       T* zd = Grow(&s.z, pairs * ld);
       dots(diff, pairs, bias_diff, first + 2 * pairs, 2 * kSlotTile, zd, nullptr);
-      const V zero = {}, one = simd::Splat<T>(1);
+      const V zero = {};
       for (int64 i = 0; q < last; ++q, ++i) {
         start(q, &node);
         for (int64 g = 0; g < groups; ++g) {
           const V d = simd::Load(zd + i * ld + g * w);
-          const V l = simd::LogVec(one + simd::ExpVec(d < zero ? d : -d));
+          const V l = simd::LogOnePlusUnitVec(simd::ExpVec(d < zero ? d : -d));
           put_child(node.codes[0], g, node.parent[g] - ((d > zero ? d : zero) + l));
           put_child(node.codes[1], g, node.parent[g] - ((d < zero ? -d : zero) + l));
         }

@@ -891,6 +891,28 @@ inline Vec<double>::type LogVec(Vec<double>::type x) {
   return x;
 }
 
+// log(m) + e ln 2 for m in [sqrt(1/2), sqrt(2)] and a whole number e (as a float): the
+// polynomial of LogVec.
+inline Vec<float>::type LogReduced(Vec<float>::type m, Vec<float>::type ef) {
+  typedef Vec<float>::type V;
+  const V f = m - 1.0f;
+  const V f2 = f * f;
+  V poly = Splat<float>(7.0376836292e-2f);
+  poly = poly * f - 1.1514610310e-1f;
+  poly = poly * f + 1.1676998740e-1f;
+  poly = poly * f - 1.2420140846e-1f;
+  poly = poly * f + 1.4249322787e-1f;
+  poly = poly * f - 1.6668057665e-1f;
+  poly = poly * f + 2.0000714765e-1f;
+  poly = poly * f - 2.4999993993e-1f;
+  poly = poly * f + 3.3333331174e-1f;
+  V y = poly * f * f2;
+  y = y + ef * -2.12194440e-4f;
+  y = y - 0.5f * f2;
+  V r = f + y;
+  return r + ef * 0.693359375f;
+}
+
 inline Vec<float>::type LogVec(Vec<float>::type x) {
   typedef Vec<float>::type V;
   typedef Vec<float>::itype I;
@@ -906,29 +928,29 @@ inline Vec<float>::type LogVec(Vec<float>::type x) {
   const I above = m > 1.41421356237f;
   m = above ? m * 0.5f : m;
   e = above ? e + 1 : e;
-  const V f = m - 1.0f;
-  const V f2 = f * f;
-  V poly = Splat<float>(7.0376836292e-2f);
-  poly = poly * f - 1.1514610310e-1f;
-  poly = poly * f + 1.1676998740e-1f;
-  poly = poly * f - 1.2420140846e-1f;
-  poly = poly * f + 1.4249322787e-1f;
-  poly = poly * f - 1.6668057665e-1f;
-  poly = poly * f + 2.0000714765e-1f;
-  poly = poly * f - 2.4999993993e-1f;
-  poly = poly * f + 3.3333331174e-1f;
-  const V ef = __builtin_convertvector(e, V);
-  V y = poly * f * f2;
-  y = y + ef * -2.12194440e-4f;
-  y = y - 0.5f * f2;
-  V r = f + y;
-  r = r + ef * 0.693359375f;
+  V r = LogReduced(m, __builtin_convertvector(e, V));
   const V inf = Splat<float>(std::numeric_limits<float>::infinity());
   const V nan = Splat<float>(std::numeric_limits<float>::quiet_NaN());
   r = x == inf ? inf : r;
   r = x == 0.0f ? -inf : r;
   r = x < 0.0f || x != x ? nan : r;
   return r;
+}
+
+// log(1 + u) of every lane for u in [0, 1] (NaN stays NaN): 1 + u is in [1, 2], so the
+// reduction to [sqrt(1/2), sqrt(2)] is one halving, without LogVec's checks for zero,
+// subnormals, negatives and inf. The sum 1 + u rounds as LogVec's argument would. double
+// lanes go through std::log1p.
+inline Vec<double>::type LogOnePlusUnitVec(Vec<double>::type u) {
+  for (int i = 0; i < Vec<double>::kWidth; ++i) u[i] = std::log1p(u[i]);
+  return u;
+}
+
+inline Vec<float>::type LogOnePlusUnitVec(Vec<float>::type u) {
+  typedef Vec<float>::type V;
+  const V y = u + 1.0f;
+  const auto above = y > 1.41421356237f;
+  return LogReduced(above ? y * 0.5f : y, above ? Splat<float>(1.0f) : Splat<float>(0.0f));
 }
 
 inline void ExpInPlace(float* x, int64 n) {
