@@ -1165,6 +1165,12 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
     for (int64 q = it.first; q < it.last; ++q) {
       const int64 n = plan.node[q], b = t.child_begin[n], e = t.child_begin[n + 1];
       kept_all = kept_all && (e - b) * ld <= kKeepLogits;
+      if (plan.run[q] >= 0) {  // classes class_begin + run, ... (no need to read them)
+        lo = std::min(lo, plan.class_begin + plan.run[q]);
+        hi = std::max(hi, plan.class_begin + plan.run[q] + (e - b) - 1);
+        count += e - b;
+        continue;
+      }
       const int64 before = count;
       for (int64 sl = b; sl < e; ++sl) {
         const int64 code = t.slot_child[sl];
@@ -1174,7 +1180,7 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
           ++count;
         }
       }
-      scattered = scattered || (count > before && plan.run[q] < 0);
+      scattered = scattered || count > before;
     }
     // The plan checked that each class of the range is reached once, so count classes
     // spanning count columns are exactly the range.
