@@ -382,6 +382,8 @@ void TestLogProbAll() {
   CheckLogProbAll<float>(rng, reversed, 40, 5, true, 2e-4, "reversed binary float");
   CheckLogProbAll<double>(rng, reversed, 20, 5, false, 1e-10, "reversed binary double");
   CheckLogProbAll<float>(rng, binary, 64, 5, true, 2e-4, "binary float, 64 rows");
+  CheckLogProbAll<double>(rng, reversed, 70, 3, true, 1e-10,
+                          "reversed binary double, 70 rows (a second block of 6)");
   CheckLogProbAll<float>(rng, ShuffledLevels(rng, reversed), 40, 5, true, 2e-4,
                          "shuffled-levels reversed binary float");
   CheckLogProbAll<float>(rng, DepthFirstNodes(reversed), 40, 5, true, 2e-4,
