@@ -148,12 +148,16 @@ inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64
   const int64 cols = std::min(kCols, nb - j0);
   if constexpr (kSlotMajor) {
     for (int64 q = 0; q < kGroups; ++q) {
+      // The max is folded in a register: through group_max[q] (which may alias `out` as
+      // far as the compiler knows) each fold waited for the previous one's store.
+      V m = group_max != nullptr ? group_max[q] : V{};
       for (int64 c = 0; c < cols; ++c) {
         V z = acc[0][q][c];
         if (bias != nullptr) z += bias[j0 + c];
         simd::Store(out + (j0 + c) * ld + q * w, z);
-        if (group_max != nullptr) group_max[q] = z > group_max[q] ? z : group_max[q];
+        m = z > m ? z : m;
       }
+      if (group_max != nullptr) group_max[q] = m;
     }
     return;
   }
