@@ -1250,8 +1250,9 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       }
     }
   };
-  // Writes value v of child `code` for row group g: to the child node's row of `values`,
-  // or to the class's output column (when the child is on a path to the class range).
+  // Writes value v of child `code` for row group g: to the child node's row of
+  // `child_values` (when it is on a path to the class range), or for a class of the range
+  // to its gathered vectors or else its output column.
   auto put_child = [&](int64 code, int64 g, V v) {
     if (code >= C) {
       const int64 position = plan.position[code - C];
@@ -1265,8 +1266,9 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       for (int64 r = 0; r < group_rows(g); ++r) o[(g * w + r) * width] = v[r];
     }
   };
-  // Writes the values of children [j0, j0 + kb) of the node from their logits
-  // zt[(j - j0) * ld + r]: finished or, when !finish, the raw logits.
+  // Writes the values of children [j0, j0 + kb) of the node from zt[(j - j0) * ld + r]:
+  // with `finish`, the node's values from its logits; otherwise zt's values as they are
+  // (raw logits to be finished in place, or an item's gathered final values).
   auto emit = [&](const Node& node, const T* zt, int64 j0, int64 kb, bool finish) {
     auto value = [&](V z, int64 g) { return finish ? node.parent[g] + (z - node.lse[g]) : z; };
     if (node.run >= 0 && !gather && finish && stream && kb >= kStreamMinColumns) {
