@@ -1555,6 +1555,28 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   const int64 swept_levels = groups.level < 0 ? levels : groups.level;
   int64 group_work = 0;  // slot-dimensions below the split level
   for (int64 c = level_chunks[swept_levels]; c < level_chunks[levels]; ++c) group_work += chunk_work[c];
+  // Work items of the group sweep: groups [group_items[i], group_items[i + 1]), about
+  // kGroupItems of them, cut where the groups' weight rows (counted as the slots from a
+  // level's first node to its last; the nodes are consecutive) reach equal shares.
+  std::vector<int64> group_items = {0};
+  {
+    constexpr int64 kGroupItems = 64;
+    const int64 G = groups.count(), span = groups.span;
+    std::vector<int64> slots(G, 0);
+    int64 total = 0;
+    for (int64 g = 0; g < G; ++g) {
+      for (int64 i = 0; i < span && groups.begin[g * span + i] < groups.end[g * span + i]; ++i) {
+        slots[g] += tree.child_begin[plan.node[groups.end[g * span + i] - 1] + 1] -
+                    tree.child_begin[plan.node[groups.begin[g * span + i]]];
+      }
+      total += slots[g];
+    }
+    for (int64 g = 0, sum = 0; g < G; ++g) {
+      sum += slots[g];
+      const int64 share = static_cast<int64>(group_items.size());
+      if (sum * kGroupItems >= share * total || g + 1 == G) group_items.push_back(g + 1);
+    }
+  }
   std::vector<const T*> rows(block);
   constexpr int64 w = simd::Vec<T>::kWidth;
   static_assert(kSplitRows % w == 0, "row tiles must start row groups");
@@ -1592,11 +1614,13 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
     }
     if (groups.level < 0) continue;
     // Each group from the split level down, its values below that level in the thread's
-    // buffer (2 * cap rows of `block`).
-    const int64 G = groups.count(), span = groups.span;
-    parallel_for(G, 2 * group_work * nr / G, [&](int64 begin, int64 end) {
+    // buffer (2 * cap rows of `block`), in work items of consecutive groups and about equal
+    // work: subtrees differ in size many times over (a Huffman tree's frequent side is
+    // shallow), and items of equally many groups left a thread idle for 13% of the time.
+    const int64 items_count = static_cast<int64>(group_items.size()) - 1, span = groups.span;
+    parallel_for(items_count, 2 * group_work * nr / items_count, [&](int64 begin, int64 end) {
       T* local = Grow(&ThreadScratch<T>().group_values, 2 * groups.cap * block);
-      for (int64 g = begin; g < end; ++g) {
+      for (int64 g = group_items[begin]; g < group_items[end]; ++g) {
         for (int64 i = 0; i < span; ++i) {
           const SweepItem item{groups.begin[g * span + i], groups.end[g * span + i], 0, nr};
           if (item.first == item.last) break;  // the group has no nodes this deep
