@@ -1510,28 +1510,7 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   SweepPlan plan;
   err = BuildSweepPlan(tree, class_begin, class_end, &plan);
   if (!err.empty()) return err;
-  const int64 P = static_cast<int64>(plan.node.size());
   const int64 levels = static_cast<int64>(plan.level_begin.size()) - 1;
-
-  // Node chunks of each level, of about kChunkWork slot-dimensions each.
-  std::vector<int64> chunk_begin;      // position boundaries
-  std::vector<int64> level_chunks(levels + 1, 0);  // chunk ranges per level
-  std::vector<int64> chunk_work;
-  for (int64 l = 0; l < levels; ++l) {
-    level_chunks[l] = static_cast<int64>(chunk_work.size());
-    int64 work = 0;
-    for (int64 q = plan.level_begin[l]; q < plan.level_begin[l + 1]; ++q) {
-      if (work == 0) chunk_begin.push_back(q);
-      const int64 n = plan.node[q];
-      work += (tree.child_begin[n + 1] - tree.child_begin[n]) * (p.dim + 4);
-      if (work >= kChunkWork || q + 1 == plan.level_begin[l + 1]) {
-        chunk_work.push_back(work);
-        work = 0;
-      }
-    }
-  }
-  level_chunks[levels] = static_cast<int64>(chunk_work.size());
-  chunk_begin.push_back(P);
 
   // Rows per block: up to 64, fewer when the node values would take more than
   // kNodeValueBudget (every block reads the whole table).
@@ -1553,12 +1532,31 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   // above; the root's row is set below.
   T* values = Grow(&ThreadScratch<T>().node_values, plan.value_rows * block);
   const int64 swept_levels = groups.level < 0 ? levels : groups.level;
-  int64 group_work = 0;  // slot-dimensions below the split level
-  for (int64 c = level_chunks[swept_levels]; c < level_chunks[levels]; ++c) group_work += chunk_work[c];
+
+  // Node chunks of each level swept across the tree, of about kChunkWork slot-dimensions.
+  std::vector<int64> chunk_begin;      // position boundaries
+  std::vector<int64> level_chunks(swept_levels + 1, 0);  // chunk ranges per level
+  std::vector<int64> chunk_work;
+  for (int64 l = 0; l < swept_levels; ++l) {
+    level_chunks[l] = static_cast<int64>(chunk_work.size());
+    int64 work = 0;
+    for (int64 q = plan.level_begin[l]; q < plan.level_begin[l + 1]; ++q) {
+      if (work == 0) chunk_begin.push_back(q);
+      const int64 n = plan.node[q];
+      work += (tree.child_begin[n + 1] - tree.child_begin[n]) * (p.dim + 4);
+      if (work >= kChunkWork || q + 1 == plan.level_begin[l + 1]) {
+        chunk_work.push_back(work);
+        work = 0;
+      }
+    }
+  }
+  level_chunks[swept_levels] = static_cast<int64>(chunk_work.size());
+  chunk_begin.push_back(plan.level_begin[swept_levels]);
   // Work items of the group sweep: groups [group_items[i], group_items[i + 1]), about
   // kGroupItems of them, cut where the groups' weight rows (counted as the slots from a
   // level's first node to its last; the nodes are consecutive) reach equal shares.
   std::vector<int64> group_items = {0};
+  int64 group_work = 0;  // slot-dimensions below the split level
   {
     constexpr int64 kGroupItems = 64;
     const int64 G = groups.count(), span = groups.span;
@@ -1571,6 +1569,7 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
       }
       total += slots[g];
     }
+    group_work = total * (p.dim + 4);
     for (int64 g = 0, sum = 0; g < G; ++g) {
       sum += slots[g];
       const int64 share = static_cast<int64>(group_items.size());
