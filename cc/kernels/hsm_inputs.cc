@@ -1,7 +1,10 @@
 #include "cc/kernels/hsm_inputs.h"
 
+#include <atomic>
+
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/lib/core/errors.h"
+#include "tensorflow/core/platform/blocking_counter.h"
 
 namespace tf_hsm {
 
@@ -155,6 +158,39 @@ Status ReadCandidates(const Tensor& candidates, const TensorShape& batch, const 
     }
   }
   return Status();
+}
+
+ParallelFor CpuDynamicParallelFor(OpKernelContext* ctx) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [workers](int64 total, int64 cost, const std::function<void(int64, int64)>& work) {
+    if (total <= 0) return;
+    // Below this much work (in the cost's units, about cycles) the threads' start-up is
+    // not worth it; one call takes all.
+    constexpr int64 kMinParallelCost = int64{1} << 16;
+    const int64 threads = workers->NumThreads();
+    if (threads <= 1 || total == 1 || total * std::max<int64>(cost, 1) < kMinParallelCost) {
+      work(0, total);
+      return;
+    }
+    // About 8 takes per thread, so the last ones are short.
+    const int64 take = std::max<int64>(1, total / ((threads + 1) * 8));
+    std::atomic<int64> next{0};
+    auto run = [&]() {
+      for (int64 begin = next.fetch_add(take); begin < total; begin = next.fetch_add(take)) {
+        work(begin, std::min(total, begin + take));
+      }
+    };
+    const int64 helpers = std::min(threads, (total + take - 1) / take - 1);
+    ::tensorflow::BlockingCounter done(static_cast<int>(helpers));
+    for (int64 t = 0; t < helpers; ++t) {
+      workers->Schedule([&]() {
+        run();
+        done.DecrementCount();
+      });
+    }
+    run();
+    done.Wait();
+  };
 }
 
 ParallelFor CpuParallelFor(OpKernelContext* ctx) {

@@ -113,6 +113,12 @@ template <typename T>
 // The CPU device's thread pool as the core's ParallelFor.
 ParallelFor CpuParallelFor(::tensorflow::OpKernelContext* ctx);
 
+// The same contract, with the items handed out from a shared counter a few at a time to
+// the pool's threads and the calling thread alike, so a thread that gets fewer cycles
+// (the caller is one more thread than the pool's) takes fewer items instead of holding
+// up a whole block.
+ParallelFor CpuDynamicParallelFor(::tensorflow::OpKernelContext* ctx);
+
 // An op output [rows, cols] whose buffer is kept by the kernel and handed out again on the
 // next call when nobody else holds it any more. The sparse weight gradient is 80-800 MB per
 // step at large vocabularies; as a fresh allocation each step, glibc maps it from the OS
