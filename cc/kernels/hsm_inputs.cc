@@ -1,10 +1,10 @@
 #include "cc/kernels/hsm_inputs.h"
 
 #include <atomic>
+#include <memory>
 
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/lib/core/errors.h"
-#include "tensorflow/core/platform/blocking_counter.h"
 
 namespace tf_hsm {
 
@@ -160,7 +160,7 @@ Status ReadCandidates(const Tensor& candidates, const TensorShape& batch, const 
   return Status();
 }
 
-ParallelFor CpuDynamicParallelFor(OpKernelContext* ctx) {
+ParallelFor CpuParallelFor(OpKernelContext* ctx) {
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   return [workers](int64 total, int64 cost, const std::function<void(int64, int64)>& work) {
     if (total <= 0) return;
@@ -174,32 +174,35 @@ ParallelFor CpuDynamicParallelFor(OpKernelContext* ctx) {
     }
     // About 8 takes per thread, so the last ones are short.
     const int64 take = std::max<int64>(1, total / ((threads + 1) * 8));
-    std::atomic<int64> next{0};
-    auto run = [&]() {
-      for (int64 begin = next.fetch_add(take); begin < total; begin = next.fetch_add(take)) {
-        work(begin, std::min(total, begin + take));
+    // Helpers may start late, even after the caller has returned (the pool may be busy, or
+    // its threads may be callers themselves): one that finds no item left returns without
+    // touching `work`, so the caller waits only for helpers holding an item, never for one
+    // still queued.
+    struct Shared {
+      std::atomic<int64> next{0}, active{0};
+      ::tensorflow::mutex mu;
+      ::tensorflow::condition_variable idle;
+    };
+    auto shared = std::make_shared<Shared>();
+    const std::function<void(int64, int64)>* items = &work;
+    auto run = [shared, items, total, take]() {
+      shared->active.fetch_add(1);
+      for (int64 b = shared->next.fetch_add(take); b < total; b = shared->next.fetch_add(take)) {
+        (*items)(b, std::min(total, b + take));
+      }
+      if (shared->active.fetch_sub(1) == 1) {
+        ::tensorflow::mutex_lock lock(shared->mu);
+        shared->idle.notify_all();
       }
     };
     const int64 helpers = std::min(threads, (total + take - 1) / take - 1);
-    ::tensorflow::BlockingCounter done(static_cast<int>(helpers));
-    for (int64 t = 0; t < helpers; ++t) {
-      workers->Schedule([&]() {
-        run();
-        done.DecrementCount();
-      });
-    }
-    run();
-    done.Wait();
+    for (int64 t = 0; t < helpers; ++t) workers->Schedule(run);
+    run();  // returns once every item is taken
+    ::tensorflow::mutex_lock lock(shared->mu);
+    while (shared->active.load() != 0) shared->idle.wait(lock);
   };
 }
 
-ParallelFor CpuParallelFor(OpKernelContext* ctx) {
-  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [workers](int64 total, int64 cost, const std::function<void(int64, int64)>& work) {
-    if (total <= 0) return;
-    workers->ParallelFor(total, std::max<int64>(cost, 1), work);
-  };
-}
 
 ::tensorflow::Status ReusableOutput::Allocate(OpKernelContext* ctx, int index, int64 rows,
                                               int64 cols, Tensor** out) {

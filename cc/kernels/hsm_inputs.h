@@ -110,14 +110,12 @@ template <typename T>
                                     const TreeView& tree, std::vector<int64>* ids,
                                     int64* num_candidates);
 
-// The CPU device's thread pool as the core's ParallelFor.
+// The CPU device's thread pool as the core's ParallelFor: the items are handed out from a
+// shared counter a few at a time to the pool's threads and the calling thread alike, so a
+// thread that gets fewer cycles (the caller is one more thread than the pool has) takes
+// fewer items. Eigen's ParallelFor hands out fixed blocks; one held up by the caller left
+// a core idle (log_prob_all on a 2-level tree kept 1.82 of 2 cores busy, 1.93 this way).
 ParallelFor CpuParallelFor(::tensorflow::OpKernelContext* ctx);
-
-// The same contract, with the items handed out from a shared counter a few at a time to
-// the pool's threads and the calling thread alike, so a thread that gets fewer cycles
-// (the caller is one more thread than the pool's) takes fewer items instead of holding
-// up a whole block.
-ParallelFor CpuDynamicParallelFor(::tensorflow::OpKernelContext* ctx);
 
 // An op output [rows, cols] whose buffer is kept by the kernel and handed out again on the
 // next call when nobody else holds it any more. The sparse weight gradient is 80-800 MB per

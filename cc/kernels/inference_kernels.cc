@@ -73,8 +73,7 @@ class LogProbAllOp : public OpKernel {
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     OP_REQUIRES_OK(ctx, FromCore(LogProbAll<T>(tree, params, in.num_tokens, begin, end,
-                                               CpuDynamicParallelFor(ctx),
-                                               out->flat<T>().data())));
+                                               CpuParallelFor(ctx), out->flat<T>().data())));
   }
 };
 
