@@ -1266,13 +1266,16 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       for (int64 r = 0; r < group_rows(g); ++r) o[(g * w + r) * width] = v[r];
     }
   };
-  // Writes the values of children [j0, j0 + kb) of the node from zt[(j - j0) * ld + r]:
-  // with `finish`, the node's values from its logits; otherwise zt's values as they are
-  // (raw logits to be finished in place, or an item's gathered final values).
-  auto emit = [&](const Node& node, const T* zt, int64 j0, int64 kb, bool finish) {
+  // What zt holds for emit: the node's logits, to be finished into its values; raw logits
+  // parked at their destinations, finished in place later (so never streamed past the
+  // caches); or final values (an item's gathered classes).
+  enum Emitted { kLogits, kParked, kFinal };
+  // Writes the values of children [j0, j0 + kb) of the node from zt[(j - j0) * ld + r].
+  auto emit = [&](const Node& node, const T* zt, int64 j0, int64 kb, Emitted what) {
+    const bool finish = what == kLogits;
     auto value = [&](V z, int64 g) { return finish ? node.parent[g] + (z - node.lse[g]) : z; };
-    if (node.run >= 0 && !gather && finish && stream && kb >= kStreamMinColumns) {
-      emit_streamed(node, zt, j0, kb, true);
+    if (node.run >= 0 && !gather && what != kParked && stream && kb >= kStreamMinColumns) {
+      emit_streamed(node, zt, j0, kb, finish);
       return;
     }
     if (node.run >= 0 && !gather) {
@@ -1388,7 +1391,7 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
           sum[g] = sg;
         }
         set_lse(&node, m, sum);
-        emit(node, zn, 0, k, true);
+        emit(node, zn, 0, k, kLogits);
       }
       continue;
     }
@@ -1417,12 +1420,12 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
         sum[g] += exps;
         m[g] = new_max;
       }
-      if (!kept) emit(node, zt, k0, kb, false);
+      if (!kept) emit(node, zt, k0, kb, kParked);
     }
     set_lse(&node, m, sum);
     ++q;
     if (kept) {
-      emit(node, zs, 0, K, true);
+      emit(node, zs, 0, K, kLogits);
       continue;
     }
     // Finish the parked values in place.
@@ -1450,12 +1453,8 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
     // The gathered classes, final values, written as one run.
     Node range;
     range.run = gather_lo - plan.class_begin;
-    gather = false;
-    if (stream && gather_count >= kStreamMinColumns) {
-      emit_streamed(range, gathered, 0, gather_count, false);
-    } else {
-      emit(range, gathered, 0, gather_count, false);
-    }
+    gather = false;  // so that emit writes the range as a run
+    emit(range, gathered, 0, gather_count, kFinal);
   }
   if (stream) simd::StreamFence();  // before another thread reads the output
 }
