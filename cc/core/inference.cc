@@ -809,16 +809,149 @@ struct SubtreeGroups {
   int64 count() const { return span == 0 ? 0 : static_cast<int64>(begin.size()) / span; }
 };
 
+// The walk of BuildSweepPlan for the whole class range (every node needed), in parallel
+// chunks of nodes: checks each node's slot range and child codes, and gives each node
+// its run (or -1) and each child node its parent. A class or node reached twice leaves
+// another unreached, so counting the class and node children and checking that every
+// class and every node but the root was reached stands for the serial walk's
+// duplicate checks. False when any check fails: the serial walk then names the problem
+// (the first in id order), so messages do not depend on the threads.
+bool WalkWholeTree(const TreeView& t, const ParallelFor& parallel_for, std::vector<int64>* run,
+                   std::vector<int64>* parent) {
+  const int64 C = t.num_classes, M = t.num_nodes;
+  constexpr int64 kChunkNodes = int64{1} << 14;
+  const int64 chunks = (M + kChunkNodes - 1) / kChunkNodes;
+  std::vector<unsigned char> seen(C, 0), ok(chunks, 0);
+  std::vector<int64> class_children(chunks, 0), node_children(chunks, 0);
+  run->assign(M, -1);
+  parent->assign(M, -1);
+  int64* run_of = run->data();
+  int64* parent_of = parent->data();
+  // Chunks only store to seen[] and parent[] entries that no other chunk stores to in a
+  // well-formed tree; in a malformed one the stores may collide (relaxed atomics) and
+  // the counts below reject it.
+  parallel_for(chunks, kChunkNodes * 32, [&](int64 chunk_begin, int64 chunk_end) {
+    for (int64 c = chunk_begin; c < chunk_end; ++c) {
+      int64 classes = 0, nodes = 0;
+      for (int64 n = c * kChunkNodes, n_end = std::min(M, n + kChunkNodes); n < n_end; ++n) {
+        const int64 begin = t.child_begin[n], end = t.child_begin[n + 1];
+        if (begin < 0 || end <= begin || end > t.num_slots) return;
+        const int64 first = t.slot_child[begin], K = end - begin;
+        if (first >= 0 && first <= C - K) {
+          bool apart = false;
+          for (int64 s = begin; s < end; ++s) apart |= t.slot_child[s] != first + (s - begin);
+          if (!apart) {
+            for (int64 i = 0; i < K; ++i) __atomic_store_n(&seen[first + i], 1, __ATOMIC_RELAXED);
+            run_of[n] = first;
+            classes += K;
+            continue;
+          }
+        }
+        for (int64 s = begin; s < end; ++s) {
+          const int64 code = t.slot_child[s];
+          if (!ValidChild(t, n, code)) return;
+          if (code < C) {
+            __atomic_store_n(&seen[code], 1, __ATOMIC_RELAXED);
+            ++classes;
+          } else {
+            __atomic_store_n(&parent_of[code - C], n, __ATOMIC_RELAXED);
+            ++nodes;
+          }
+        }
+      }
+      class_children[c] = classes;
+      node_children[c] = nodes;
+      ok[c] = 1;
+    }
+  });
+  if (std::memchr(ok.data(), 0, chunks) != nullptr || std::memchr(seen.data(), 0, C) != nullptr) {
+    return false;
+  }
+  const int64 classes = std::accumulate(class_children.begin(), class_children.end(), int64{0});
+  const int64 nodes = std::accumulate(node_children.begin(), node_children.end(), int64{0});
+  return classes == C && nodes == M - 1;  // with every node reached (checked by the caller)
+}
+
+// Puts the needed nodes in sweep order (by depth, ids increasing within a depth) from the
+// walk's results in id order: depth and parent per node id (M of them), a run per needed
+// node, `needed` per node id (nullptr: all). Takes over the walk's vectors.
+void OrderSweepPlan(int64 M, bool full, bool by_depth, const std::vector<int64>& level_size,
+                    std::vector<int64>* depth, std::vector<int64>* run_in_id_order,
+                    std::vector<int64>* parent_node, const unsigned char* needed,
+                    SweepPlan* plan) {
+  // A counting sort, unless the ids are in that order already (breadth-first numbering, as
+  // every builder's), when a node's position is its rank among the needed nodes, and with
+  // every node needed its id.
+  const int64 levels = static_cast<int64>(level_size.size());
+  plan->level_begin.assign(levels + 1, 0);
+  for (int64 d = 0; d < levels; ++d) plan->level_begin[d + 1] = plan->level_begin[d] + level_size[d];
+  if (full && by_depth) {
+    plan->node.resize(M);
+    std::iota(plan->node.begin(), plan->node.end(), int64{0});
+    plan->position = plan->node;
+    plan->run.swap(*run_in_id_order);
+    plan->parent.swap(*parent_node);  // positions are ids
+    return;
+  }
+  const int64 count = plan->level_begin[levels];
+  std::vector<int64> cursor(plan->level_begin.begin(), plan->level_begin.end() - 1);
+  plan->node.assign(count, 0);
+  plan->run.assign(count, -1);
+  plan->parent.assign(count, -1);
+  // position[n] takes over depth's storage: depth[n] is read just before it is replaced.
+  plan->position.swap(*depth);
+  std::vector<int64>& position = plan->position;
+  for (int64 n = 0, i = 0; n < M; ++n) {
+    if (needed != nullptr && !needed[n]) {
+      position[n] = -1;
+      continue;
+    }
+    const int64 q = by_depth ? i : cursor[position[n]]++;
+    plan->node[q] = n;
+    plan->run[q] = (*run_in_id_order)[i++];
+    position[n] = q;
+    if ((*parent_node)[n] >= 0) plan->parent[q] = position[(*parent_node)[n]];  // set: ids ascend
+  }
+}
+
 // Finds the nodes needed for classes [class_begin, class_end) and checks every offset the
 // sweep will read: each needed node's slot range and child codes, each child node numbered
 // after its parent and reached once, each class of the range reached exactly once.
 std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end,
-                           SweepPlan* plan) {
+                           const ParallelFor& parallel_for, SweepPlan* plan) {
   const int64 C = t.num_classes, M = t.num_nodes;
   const int64 width = class_end - class_begin;
   const bool full = class_begin == 0 && class_end == C;
   plan->class_begin = class_begin;
   plan->class_end = class_end;
+  std::vector<int64> depth, run_in_id_order, parent_node;
+  std::vector<int64> level_size;  // needed nodes per depth
+  bool by_depth = true;  // the needed nodes' depths never decrease with their ids
+  if (full && WalkWholeTree(t, parallel_for, &run_in_id_order, &parent_node)) {
+    // Parents come first in id order, so one pass gives the depths; a node without a
+    // parent (besides the root) means another was reached twice.
+    depth.resize(M);
+    depth[0] = 0;
+    level_size.push_back(1);
+    bool reached = true;
+    for (int64 n = 1, last_depth = 0; n < M; ++n) {
+      const int64 pn = parent_node[n];
+      reached = reached && pn >= 0;
+      const int64 d = depth[pn < 0 ? 0 : pn] + 1;
+      depth[n] = d;
+      by_depth = by_depth && d >= last_depth;
+      last_depth = d;
+      if (d >= static_cast<int64>(level_size.size())) level_size.resize(d + 1, 0);
+      ++level_size[d];
+    }
+    if (reached) {
+      OrderSweepPlan(M, true, by_depth, level_size, &depth, &run_in_id_order, &parent_node,
+                     nullptr, plan);
+      return "";
+    }
+    level_size.clear();
+    by_depth = true;
+  }
   std::vector<unsigned char> needed(M, full ? 1 : 0);
   needed[0] = 1;
   if (!full) {
@@ -839,13 +972,12 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     }
   }
   // Walk the needed nodes in id order (parents first), giving each child its depth.
-  std::vector<int64> depth(M, -1), run_in_id_order, parent_node(M, -1);
-  std::vector<int64> level_size;  // needed nodes per depth
+  depth.assign(M, -1);
+  parent_node.assign(M, -1);
+  run_in_id_order.clear();
   std::vector<unsigned char> seen(width, 0);
   run_in_id_order.reserve(full ? M : 0);
   depth[0] = 0;
-  int64 count = 0;
-  bool by_depth = true;  // the needed nodes' depths never decrease with their ids
   for (int64 n = 0, last_depth = 0; n < M; ++n) {
     if (!needed[n]) continue;
     if (depth[n] < 0) {
@@ -854,7 +986,6 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     }
     int64 begin = t.child_begin[n], end = t.child_begin[n + 1];
     if (begin < 0 || end <= begin || end > t.num_slots) return NodeRange(t, n, &begin, &end);
-    ++count;
     by_depth = by_depth && depth[n] >= last_depth;
     last_depth = depth[n];
     if (depth[n] >= static_cast<int64>(level_size.size())) level_size.resize(depth[n] + 1, 0);
@@ -899,38 +1030,8 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     return Message("malformed tree: class ", class_begin + c,
                    " is not reached from the root through slot_child");
   }
-  // Order by depth, ids increasing within a depth: a counting sort, unless the ids are in
-  // that order already (breadth-first numbering, as every builder's), when a node's
-  // position is its rank among the needed nodes, and with every node needed its id.
-  const int64 levels = static_cast<int64>(level_size.size());
-  plan->level_begin.assign(levels + 1, 0);
-  for (int64 d = 0; d < levels; ++d) plan->level_begin[d + 1] = plan->level_begin[d] + level_size[d];
-  if (full && by_depth) {
-    plan->node.resize(M);
-    std::iota(plan->node.begin(), plan->node.end(), int64{0});
-    plan->position = plan->node;
-    plan->run.swap(run_in_id_order);
-    plan->parent.swap(parent_node);  // positions are ids
-    return "";
-  }
-  std::vector<int64> cursor(plan->level_begin.begin(), plan->level_begin.end() - 1);
-  plan->node.assign(count, 0);
-  plan->run.assign(count, -1);
-  plan->parent.assign(count, -1);
-  // position[n] takes over depth's storage: depth[n] is read just before it is replaced.
-  plan->position.swap(depth);
-  std::vector<int64>& position = plan->position;
-  for (int64 n = 0, i = 0; n < M; ++n) {
-    if (!needed[n]) {
-      position[n] = -1;
-      continue;
-    }
-    const int64 q = by_depth ? i : cursor[position[n]]++;
-    plan->node[q] = n;
-    plan->run[q] = run_in_id_order[i++];
-    position[n] = q;
-    if (parent_node[n] >= 0) plan->parent[q] = position[parent_node[n]];  // set: ids ascend
-  }
+  OrderSweepPlan(M, full, by_depth, level_size, &depth, &run_in_id_order, &parent_node,
+                 needed.data(), plan);
   return "";
 }
 
@@ -1507,7 +1608,7 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   const int64 width = class_end - class_begin;
   if (width == 0 || num_rows == 0) return "";
   SweepPlan plan;
-  err = BuildSweepPlan(tree, class_begin, class_end, &plan);
+  err = BuildSweepPlan(tree, class_begin, class_end, parallel_for, &plan);
   if (!err.empty()) return err;
   const int64 levels = static_cast<int64>(plan.level_begin.size()) - 1;
 
