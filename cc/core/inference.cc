@@ -811,11 +811,12 @@ struct SubtreeGroups {
 
 // The walk of BuildSweepPlan for the whole class range (every node needed), in parallel
 // chunks of nodes: checks each node's slot range and child codes, and gives each node
-// its run (or -1) and each child node its parent. A class or node reached twice leaves
-// another unreached, so counting the class and node children and checking that every
-// class and every node but the root was reached stands for the serial walk's
-// duplicate checks. False when any check fails: the serial walk then names the problem
-// (the first in id order), so messages do not depend on the threads.
+// its run (or -1) and each child node its parent. Once every class and every node but the
+// root is known to be reached, a child reached twice means more class children than
+// classes, or more node children than nodes less the root: counting them stands for the
+// serial walk's duplicate checks (the caller checks the nodes' parents). False when any
+// check fails: the serial walk then names the problem (the first in id order), so
+// messages do not depend on the threads.
 bool WalkWholeTree(const TreeView& t, const ParallelFor& parallel_for, std::vector<int64>* run,
                    std::vector<int64>* parent) {
   const int64 C = t.num_classes, M = t.num_nodes;
@@ -869,7 +870,7 @@ bool WalkWholeTree(const TreeView& t, const ParallelFor& parallel_for, std::vect
   }
   const int64 classes = std::accumulate(class_children.begin(), class_children.end(), int64{0});
   const int64 nodes = std::accumulate(node_children.begin(), node_children.end(), int64{0});
-  return classes == C && nodes == M - 1;  // with every node reached (checked by the caller)
+  return classes == C && nodes == M - 1;
 }
 
 // Puts the needed nodes in sweep order (by depth, ids increasing within a depth) from the
