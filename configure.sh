@@ -64,11 +64,7 @@ if ! cmp -s requirements.txt "$stamp" 2>/dev/null; then
     return 1
   }
   retry "$python" -m pip install -q --upgrade pip
-  resume=()  # pip 25.1 and later; a mirror may hold an older one
-  case "$("$python" -m pip install --help 2>/dev/null || true)" in
-    *--resume-retries*) resume=(--resume-retries 20) ;;
-  esac
-  retry "$python" -m pip install -q ${resume[@]+"${resume[@]}"} -r requirements.txt
+  retry "$python" -m pip install -q --resume-retries 20 -r requirements.txt
   cp requirements.txt "$stamp"
 else
   say "requirements already installed"
