@@ -51,20 +51,8 @@ fi
 stamp="$("$python" -c 'import sys; print(sys.prefix)')/.tf_hsm_requirements"
 if ! cmp -s requirements.txt "$stamp" 2>/dev/null; then
   say "installing requirements.txt"
-  # The connection to the package registry sometimes drops in the middle of a large wheel
-  # (TensorFlow's is ~570 MB): pip resumes a download a few times, and the install is
-  # retried as a whole before giving up.
-  retry() {
-    local attempt
-    for attempt in 1 2 3; do
-      "$@" && return 0
-      say "'$*' failed (attempt $attempt of 3)"
-      sleep 5
-    done
-    return 1
-  }
-  retry "$python" -m pip install -q --upgrade pip
-  retry "$python" -m pip install -q --resume-retries 20 -r requirements.txt
+  "$python" -m pip install -q --upgrade pip
+  "$python" -m pip install -q -r requirements.txt
   cp requirements.txt "$stamp"
 else
   say "requirements already installed"
