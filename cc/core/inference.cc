@@ -928,22 +928,26 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
   std::vector<int64> depth, run_in_id_order, parent_node;
   std::vector<int64> level_size;  // needed nodes per depth
   bool by_depth = true;  // the needed nodes' depths never decrease with their ids
+  int64 last_depth = 0;
+  // Counts a needed node of depth d, the needed nodes taken in id order.
+  auto count_depth = [&](int64 d) {
+    by_depth = by_depth && d >= last_depth;
+    last_depth = d;
+    if (d >= static_cast<int64>(level_size.size())) level_size.resize(d + 1, 0);
+    ++level_size[d];
+  };
   if (full && WalkWholeTree(t, parallel_for, &run_in_id_order, &parent_node)) {
     // Parents come first in id order, so one pass gives the depths; a node without a
     // parent (besides the root) means another was reached twice.
     depth.resize(M);
     depth[0] = 0;
-    level_size.push_back(1);
+    count_depth(0);
     bool reached = true;
-    for (int64 n = 1, last_depth = 0; n < M; ++n) {
+    for (int64 n = 1; n < M; ++n) {
       const int64 pn = parent_node[n];
       reached = reached && pn >= 0;
-      const int64 d = depth[pn < 0 ? 0 : pn] + 1;
-      depth[n] = d;
-      by_depth = by_depth && d >= last_depth;
-      last_depth = d;
-      if (d >= static_cast<int64>(level_size.size())) level_size.resize(d + 1, 0);
-      ++level_size[d];
+      depth[n] = depth[pn < 0 ? 0 : pn] + 1;
+      count_depth(depth[n]);
     }
     if (reached) {
       OrderSweepPlan(M, true, by_depth, level_size, &depth, &run_in_id_order, &parent_node,
@@ -952,6 +956,7 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     }
     level_size.clear();
     by_depth = true;
+    last_depth = 0;
   }
   std::vector<unsigned char> needed(M, full ? 1 : 0);
   needed[0] = 1;
@@ -979,7 +984,7 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
   std::vector<unsigned char> seen(width, 0);
   run_in_id_order.reserve(full ? M : 0);
   depth[0] = 0;
-  for (int64 n = 0, last_depth = 0; n < M; ++n) {
+  for (int64 n = 0; n < M; ++n) {
     if (!needed[n]) continue;
     if (depth[n] < 0) {
       return Message("malformed tree: node ", n,
@@ -987,10 +992,7 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
     }
     int64 begin = t.child_begin[n], end = t.child_begin[n + 1];
     if (begin < 0 || end <= begin || end > t.num_slots) return NodeRange(t, n, &begin, &end);
-    by_depth = by_depth && depth[n] >= last_depth;
-    last_depth = depth[n];
-    if (depth[n] >= static_cast<int64>(level_size.size())) level_size.resize(depth[n] + 1, 0);
-    ++level_size[depth[n]];
+    count_depth(depth[n]);
     // The common leaf node, a run of consecutive classes of the range none of which was
     // seen before, is checked and marked as a block (branch-free compares, one memchr and
     // one memset); anything else, including a duplicate, takes the loop below.

@@ -203,7 +203,6 @@ ParallelFor CpuParallelFor(OpKernelContext* ctx) {
   };
 }
 
-
 ::tensorflow::Status ReusableOutput::Allocate(OpKernelContext* ctx, int index, int64 rows,
                                               int64 cols, Tensor** out) {
   constexpr int64 kMinReuseBytes = int64{4} << 20;
