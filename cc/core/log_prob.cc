@@ -44,7 +44,7 @@ struct Scratch {
       dh_acc, logits, staged_rows;
   std::vector<WalkStep<T>> walk_steps;
   std::vector<T> walk_z, walk_coef;
-  std::vector<const T*> walk_rows;
+  std::vector<const T*> walk_rows, visit_coefs;
   std::vector<const T*> rows;
   std::vector<T*> out_rows;
 };
@@ -755,45 +755,69 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
   parallel_for(static_cast<int64>(runs.size()), run_cost, [&](int64 begin, int64 end) {
     using V = simd::VecT<T>;
     constexpr int64 vw = simd::Vec<T>::kWidth;
-    T recomputed[kWalkMaxBranching];
+    // A row's sum is kept in registers, kChunk vectors at a time, over all of the group's
+    // visits, and stored once: a node near the root gets hundreds of visits, and adding
+    // each into the row in memory chained every visit on the previous one's stores.
+    constexpr int64 kChunk = 8;
+    Scratch<T>& s = ThreadScratch<T>();
     for (int64 r = begin; r < end; ++r) {
       for (int64 g = runs[r].begin; g < runs[r].end; ++g) {
         const int64 node = plan.group_node[g];
         if (!IsWalked(tree, node)) continue;
         const NodeBlock<T> blk = BlockOf<T>(tree, node);
+        const int64 K = blk.size, e0 = plan.group_begin[g], ne = plan.group_begin[g + 1] - e0;
         const T* w = p.weights + blk.first_slot * D;
         const T* b = p.biases != nullptr ? p.biases + blk.first_slot : nullptr;
-        // The first visit writes the rows (+0 + c h, the bits of adding to zeroed rows):
-        // most walked nodes get one visit, whose rows then need no zeroing and no reading.
-        const RowBlock block = begin_rows(g, 0, blk.size, false);
-        for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
-          const int64 i = plan.entry_token[e];
-          const int64 step = plan.token_step_begin[i] + group_level[g];
-          const T* h = p.hidden + i * D;
-          const T* c = step_coef.data() + step * stride;
-          if (!keep) {
-            WalkStepCoefficients<T>(h, w, b, blk.size, plan.entry_slot[e] - blk.first_slot, D,
-                                    upstream[i], recomputed);
-            c = recomputed;
-          }
-          const bool first = e == plan.group_begin[g];
-          // dW rows += c^T h, written out: simd::AccumulateTransposed computes the same but
-          // its 4-row tiling made this pass ~25% slower for 2-row, one-token blocks.
-          for (int64 k = 0; k < blk.size; ++k) {
-            T* out = block.dw + k * D;
-            const T ck = c[k];
-            int64 d = 0;
-            for (; d + vw <= D; d += vw) {
-              simd::Store(out + d, (first ? V{} : simd::Load(out + d)) + ck * simd::Load(h + d));
-            }
-            if (d < D) {
-              const V old = first ? V{} : simd::LoadPartial(out + d, D - d);
-              simd::StorePartial(out + d, old + ck * simd::LoadPartial(h + d, D - d), D - d);
-            }
-            if (block.db != nullptr) block.db[k] += ck;
+        // Each visit's hidden row and coefficients (recomputed when not kept).
+        const T** h = Grow(&s.rows, ne);
+        const T** c = Grow(&s.visit_coefs, ne);
+        T* recomputed = keep ? nullptr : Grow(&s.walk_coef, ne * K);
+        for (int64 v = 0; v < ne; ++v) {
+          const int64 i = plan.entry_token[e0 + v];
+          h[v] = p.hidden + i * D;
+          if (keep) {
+            c[v] = step_coef.data() + (plan.token_step_begin[i] + group_level[g]) * stride;
+          } else {
+            WalkStepCoefficients<T>(h[v], w, b, K, plan.entry_slot[e0 + v] - blk.first_slot, D,
+                                    upstream[i], recomputed + v * K);
+            c[v] = recomputed + v * K;
           }
         }
-        end_rows(g, 0, blk.size, block);
+        // The rows need no zeroing: each is written once, 0 + c_1 h_1 + c_2 h_2 + ... in
+        // visit order (the bits of adding into zeroed rows).
+        const RowBlock block = begin_rows(g, 0, K, false);
+        for (int64 k = 0; k < K; ++k) {
+          T* out = block.dw + k * D;
+          for (int64 d0 = 0; d0 < D; d0 += kChunk * vw) {
+            const int64 n = std::min(kChunk * vw, D - d0);  // elements of this chunk
+            V acc[kChunk];
+            for (int64 j = 0; j < kChunk; ++j) acc[j] = V{};
+            for (int64 v = 0; v < ne; ++v) {
+              const T ck = c[v][k];
+              const T* hv = h[v] + d0;
+              for (int64 j = 0; j < kChunk; ++j) {
+                if (j * vw + vw <= n) {
+                  acc[j] = acc[j] + ck * simd::Load(hv + j * vw);
+                } else if (j * vw < n) {
+                  acc[j] = acc[j] + ck * simd::LoadPartial(hv + j * vw, n - j * vw);
+                }
+              }
+            }
+            for (int64 j = 0; j < kChunk; ++j) {
+              if (j * vw + vw <= n) {
+                simd::Store(out + d0 + j * vw, acc[j]);
+              } else if (j * vw < n) {
+                simd::StorePartial(out + d0 + j * vw, acc[j], n - j * vw);
+              }
+            }
+          }
+          if (block.db != nullptr) {
+            T sum = block.db[k];
+            for (int64 v = 0; v < ne; ++v) sum += c[v][k];
+            block.db[k] = sum;
+          }
+        }
+        end_rows(g, 0, K, block);
       }
     }
   });
