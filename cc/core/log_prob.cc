@@ -20,7 +20,13 @@ constexpr int64 kTokenTile = 64;   // tokens per work item
 // the large groups.
 constexpr int64 kForwardTokenTile = 256;
 constexpr int64 kSlotTile = 128;   // weight rows per logits tile (stays in L2 with D <= 1K)
-constexpr int64 kGradSlotTile = 64;  // weight rows per dW work item (each token tile read once per 64 rows)
+// Weight rows per dW work item of a large group: its slots are split into an even number
+// of near-equal chunks of at most about this many rows, a multiple of the vector width
+// (so a chunk's panels are a slice of the block's). Each chunk reads every token row of
+// the group once, so longer chunks read them less often; an even count keeps two threads
+// equally busy on a level holding one large node (the root): 64-row chunks left one thread
+// three of the root's five chunks at B, and read the 5 MB of hidden rows five times.
+constexpr int64 kGradSlotTile = 160;
 constexpr int64 kPackMinTokens = 16;  // fewer tokens use the unpacked dot-product kernel
 // Largest tokens x branching block whose logits the one-pass backward keeps per thread.
 constexpr int64 kOnePassMaxLogits = int64{1} << 20;
@@ -247,7 +253,7 @@ const T* BlockPanels(const SoftmaxParams<T>& p, const NodeBlock<T>& blk, std::ui
 // amortise it, the weight rows are first packed into panels for the outer-product kernel;
 // the choice depends only on nt, which the plan fixes, so results never depend on threads.
 // k0 is a multiple of kWidth whenever nt >= kPackMinTokens (tiles of kSlotTile or
-// kGradSlotTile slots), so a tile's panels are a slice of the block's.
+// dW chunks of a multiple of 16 slots), so a tile's panels are a slice of the block's.
 // With `saved` (the first entry's logits as LogProbForward saved them, saved[r * size + j]
 // for slot j of the block) they are copied instead: the forward computed them with the
 // same token tiles, hence the same kernels and bits.
@@ -262,8 +268,19 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
   const int64 first_slot = blk.first_slot + k0;
   const T* w = p.weights + first_slot * p.dim;
   const T* biases = p.biases == nullptr ? nullptr : p.biases + first_slot;
-  if (nt < 4 || blk.size < 4) {
-    // Deep nodes of binary trees: a 4 x 4 register tile would be mostly padding.
+  if (nt < 4 && kb >= 16) {
+    // Clusters that got one to three tokens stream their rows from memory: one pass over
+    // them for all the tokens, 16 products at a time (DotEach's bits, which read the rows
+    // once per token and ran one multiply-add chain at a time).
+    if (nt == 1) {
+      simd::DotRows<T, 1, 16>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
+    } else if (nt == 2) {
+      simd::DotRows<T, 2, 8>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
+    } else {
+      simd::DotRows<T, 4, 4>(rows, nt, w, p.dim, kb, p.dim, tile, ld);  // a padding row
+    }
+  } else if (nt < 4 || blk.size < 4) {
+    // A 4 x 4 register tile would be mostly padding.
     simd::DotEach<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
   } else if (nt >= kPackMinTokens) {
     constexpr int64 lanes = simd::Vec<T>::kWidth;
@@ -671,8 +688,12 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
       if (whole_group(g) || IsWalked(tree, plan.group_node[g])) continue;
       const int64 k = BlockOf<T>(tree, plan.group_node[g]).size;
       const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
-      for (int64 k0 = 0; k0 < k; k0 += kGradSlotTile) {
-        const int64 kb = std::min(kGradSlotTile, k - k0);
+      constexpr int64 lanes = simd::Vec<T>::kWidth;
+      const int64 pieces = 2 * ((k + 2 * kGradSlotTile - 1) / (2 * kGradSlotTile));
+      const int64 rows = ((k + pieces - 1) / pieces + 15) / 16 * 16;
+      static_assert(16 % lanes == 0, "chunks start at whole panels");
+      for (int64 k0 = 0; k0 < k; k0 += rows) {
+        const int64 kb = std::min(rows, k - k0);
         chunks.push_back({g, k0, kb});
         chunk_cost += kb * n * D * (keep ? 2 : 4);
       }
@@ -686,7 +707,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         const RowBlock block = begin_rows(g, k0, kb, false);
         const int64 e_begin = plan.group_begin[g], n = plan.group_begin[g + 1] - e_begin;
         Scratch<T>& s = ThreadScratch<T>();
-        T* tile = Grow(&s.tile, kTokenTile * kSlotTile);
+        T* tile = keep ? nullptr : Grow(&s.tile, kTokenTile * kb);
         for (int64 t0 = 0; t0 < n; t0 += kTokenTile) {
           const int64 nt = std::min(kTokenTile, n - t0);
           const T** rows = Grow(&s.rows, nt);
@@ -695,13 +716,13 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
             accumulate_rows(block, kb, coef_store.data() + coef_offset[g] + t0 * blk.size + k0,
                             blk.size, rows, nt, t0 == 0, false);
           } else {
-            Logits(p, rows, nt, blk, k0, kb, tile, kGradSlotTile, call, saved_at(g, t0));
+            Logits(p, rows, nt, blk, k0, kb, tile, kb, call, saved_at(g, t0));
             for (int64 r = 0; r < nt; ++r) {
               const int64 e = e_begin + t0 + r;
-              Coefficients(tile + r * kGradSlotTile, kb, entry_lse[e], upstream[plan.entry_token[e]],
+              Coefficients(tile + r * kb, kb, entry_lse[e], upstream[plan.entry_token[e]],
                            plan.entry_slot[e] - blk.first_slot - k0);
             }
-            accumulate_rows(block, kb, tile, kGradSlotTile, rows, nt, t0 == 0, false);
+            accumulate_rows(block, kb, tile, kb, rows, nt, t0 == 0, false);
           }
         }
         end_rows(g, k0, kb, block);
