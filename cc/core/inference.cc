@@ -300,7 +300,6 @@ void NodeLogits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64
     if (lse != nullptr) SmallNodeLogSumExp(z, nr, K, K, Grow(&s.exps, nr * K), lse);
     return;
   }
-  T* exps = Grow(&s.exps, kSlotTile);
   T* row_max = Grow(&s.row_max, nr);
   T* row_sum = Grow(&s.row_sum, nr);
   for (int64 r = 0; r < nr; ++r) {
@@ -311,7 +310,7 @@ void NodeLogits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64
     const int64 kb = std::min(kSlotTile, K - k0);
     Logits(p, rows, nr, first + k0, kb, hp, z + k0, K);
     if (lse == nullptr) continue;
-    for (int64 r = 0; r < nr; ++r) FoldLogSumExp(z + r * K + k0, kb, exps, &row_max[r], &row_sum[r]);
+    for (int64 r = 0; r < nr; ++r) FoldLogSumExp(z + r * K + k0, kb, &row_max[r], &row_sum[r]);
   }
   if (lse == nullptr) return;
   for (int64 r = 0; r < nr; ++r) lse[r] = row_max[r] + std::log(row_sum[r]);
@@ -1178,7 +1177,7 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
       T* tile = kept ? zs + k0 : zs;
       const int64 ld = kept ? K : kb;
       Logits(p, rows, nt, first + k0, kb, hp, tile, ld);
-      for (int64 i = 0; i < nt; ++i) FoldLogSumExp(tile + i * ld, kb, exps, &row_max[i], &row_sum[i]);
+      for (int64 i = 0; i < nt; ++i) FoldLogSumExp(tile + i * ld, kb, &row_max[i], &row_sum[i]);
       if (kept) continue;
       for (int64 i = 0; i < nt; ++i) {
         const T* zi = tile + i * kb;
@@ -1816,7 +1815,6 @@ std::string LogProbCandidates(const TreeView& tree, const SoftmaxParams<T>& p,
       const T** rows = Grow(&s.rows, it.count);
       for (int64 r = 0; r < it.count; ++r) rows[r] = p.hidden + urow[u0 + r] * p.dim;
       T* tile = Grow(&s.z, it.count * kSlotTile);
-      T* exps = Grow(&s.exps, kSlotTile);
       T* row_max = Grow(&s.row_max, it.count);
       T* row_sum = Grow(&s.row_sum, it.count);
       for (int64 r = 0; r < it.count; ++r) {
@@ -1841,7 +1839,7 @@ std::string LogProbCandidates(const TreeView& tree, const SoftmaxParams<T>& p,
                           (urow_entry.begin() + u0) - 1;
           entry_value[e] = tile[r * kb + taken[next].first - first - k0];
         }
-        for (int64 r = 0; r < it.count; ++r) FoldLogSumExp(tile + r * kb, kb, exps, &row_max[r], &row_sum[r]);
+        for (int64 r = 0; r < it.count; ++r) FoldLogSumExp(tile + r * kb, kb, &row_max[r], &row_sum[r]);
       }
       for (int64 r = 0; r < it.count; ++r) {
         const T lse = row_max[r] + std::log(row_sum[r]);

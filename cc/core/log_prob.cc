@@ -46,7 +46,7 @@ struct WalkStep {
 // Per-thread scratch, grown on demand and reused, so no work item allocates per token.
 template <typename T>
 struct Scratch {
-  std::vector<T> tile, exps, row_max, row_sum, taken_logit, lse, panels, sgd_rows, sgd_bias,
+  std::vector<T> tile, row_max, row_sum, taken_logit, lse, panels, sgd_rows, sgd_bias,
       dh_acc, logits, staged_rows;
   std::vector<WalkStep<T>> walk_steps;
   std::vector<T> walk_z, walk_coef;
@@ -297,11 +297,15 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
 }
 
 // Turns logits into coefficients of dz: upstream * (onehot(taken) - softmax).
+// One pass over z (each element: z - lse, exp, times -upstream).
 template <typename T>
 void Coefficients(T* z, int64 n, T lse, T upstream, int64 taken) {
-  for (int64 j = 0; j < n; ++j) z[j] -= lse;
-  simd::ExpInPlace(z, n);
-  for (int64 j = 0; j < n; ++j) z[j] *= -upstream;
+  typedef simd::VecT<T> V;
+  constexpr int64 w = simd::Vec<T>::kWidth;
+  const V l = simd::Splat<T>(lse), scale = simd::Splat<T>(-upstream);
+  int64 j = 0;
+  for (; j + w <= n; j += w) simd::Store(z + j, simd::ExpVec(simd::Load(z + j) - l) * scale);
+  if (j < n) simd::StorePartial(z + j, simd::ExpVec(simd::LoadPartial(z + j, n - j) - l) * scale, n - j);
   if (taken >= 0 && taken < n) z[taken] += upstream;
 }
 
@@ -315,7 +319,6 @@ void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
   const T** rows = Grow(&s.rows, nt);
   for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e0 + r] * p.dim;
   T* tile = Grow(&s.tile, nt * kSlotTile);
-  T* exps = Grow(&s.exps, kSlotTile);
   T* row_max = Grow(&s.row_max, nt);
   T* row_sum = Grow(&s.row_sum, nt);
   for (int64 r = 0; r < nt; ++r) {
@@ -331,7 +334,7 @@ void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
       const T* zr = z + r * ld;
       const int64 taken = plan.entry_slot[e0 + r] - blk.first_slot - k0;
       if (taken >= 0 && taken < kb && taken_logit != nullptr) taken_logit[r] = zr[taken];
-      FoldLogSumExp(zr, kb, exps, &row_max[r], &row_sum[r]);
+      FoldLogSumExp(zr, kb, &row_max[r], &row_sum[r]);
     }
   }
   for (int64 r = 0; r < nt; ++r) lse[r] = row_max[r] + std::log(row_sum[r]);

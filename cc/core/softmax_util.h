@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cc/core/simd.h"
@@ -21,9 +22,10 @@ T* Grow(std::vector<T>* v, int64 n) {
 
 // Folds n more logits into a running (max, sum of exp(z - max)), vectorized: the lane
 // sums are combined in a fixed order. A NaN logit makes the sum NaN (the max ignores it),
-// so NaN reaches exactly the rows it came from.
+// so NaN reaches exactly the rows it came from. One pass for the sum: each vector's
+// exponentials are added as they are computed (the lanes past n add +0).
 template <typename T>
-void FoldLogSumExp(const T* z, int64 n, T* exps, T* row_max, T* row_sum) {
+void FoldLogSumExp(const T* z, int64 n, T* row_max, T* row_sum) {
   typedef simd::VecT<T> V;
   constexpr int64 w = simd::Vec<T>::kWidth;
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -47,11 +49,16 @@ void FoldLogSumExp(const T* z, int64 n, T* exps, T* row_max, T* row_sum) {
     *row_sum *= std::exp(m - chunk_max);
     m = chunk_max;
   }
-  for (j = 0; j < n; ++j) exps[j] = z[j] - m;
-  simd::ExpInPlace(exps, n);
+  const V mv = simd::Splat<T>(m);
   V acc = {};
-  for (j = 0; j + w <= n; j += w) acc += simd::Load(exps + j);
-  if (j < n) acc += simd::LoadPartial(exps + j, n - j);
+  for (j = 0; j + w <= n; j += w) acc += simd::ExpVec(simd::Load(z + j) - mv);
+  if (j < n) {
+    const V e = simd::ExpVec(simd::LoadPartial(z + j, n - j) - mv);
+    using I = typename simd::Vec<T>::itype;
+    using Lane = std::remove_reference_t<decltype(I{}[0])>;
+    const I valid = simd::Iota<T>() < static_cast<Lane>(n - j);
+    acc += valid ? e : V{};
+  }
   *row_sum += simd::ReduceSum<T>(acc);
   *row_max = m;
 }
