@@ -423,16 +423,29 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
              int64 ldo) {
   static_assert(kRows * kCols % Vec<T>::kWidth == 0, "the tile must fill whole reductions");
   constexpr int64 w = Vec<T>::kWidth;
+  constexpr int64 kLine = 64 / sizeof(T);  // elements per cache line
   const int64 full = d - d % w;
   const int64 rest = d - full;
-  for (int64 i0 = 0; i0 < na; i0 += kRows) {
-    const T* ar[kRows];
-    for (int64 r = 0; r < kRows; ++r) ar[r] = a[i0 + r < na ? i0 + r : na - 1];
-    for (int64 j0 = 0; j0 < nb; j0 += kCols) {
-      const T* br[kCols];
-      for (int64 c = 0; c < kCols; ++c) br[c] = b + (j0 + c < nb ? j0 + c : nb - 1) * ldb;
+  // Columns outer: each tile of kCols weight rows is read from memory once and then serves
+  // every group of rows from L1. While the first row group runs, the next tile's weight
+  // rows are requested, a line of each per step over k (the rows stream from memory, and
+  // the hardware prefetchers stop at every 4 KB page).
+  for (int64 j0 = 0; j0 < nb; j0 += kCols) {
+    const T* br[kCols];
+    const char* next[kCols];
+    for (int64 c = 0; c < kCols; ++c) {
+      br[c] = b + (j0 + c < nb ? j0 + c : nb - 1) * ldb;
+      next[c] = reinterpret_cast<const char*>(b + (j0 + kCols + c < nb ? j0 + kCols + c : nb - 1) * ldb);
+    }
+    for (int64 i0 = 0; i0 < na; i0 += kRows) {
+      const T* ar[kRows];
+      for (int64 r = 0; r < kRows; ++r) ar[r] = a[i0 + r < na ? i0 + r : na - 1];
+      const bool ask = kCols <= 8 && i0 == 0 && j0 + kCols < nb;
       VecT<T> acc[kRows * kCols] = {};
       for (int64 k = 0; k < full; k += w) {
+        if (ask && k % kLine == 0) {
+          for (int64 c = 0; c < kCols; ++c) __builtin_prefetch(next[c] + k * sizeof(T), 0, 3);
+        }
         VecT<T> av[kRows], bv[kCols];
         for (int64 r = 0; r < kRows; ++r) av[r] = Load(ar[r] + k);
         for (int64 c = 0; c < kCols; ++c) bv[c] = Load(br[c] + k);
@@ -440,6 +453,9 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
           for (int64 c = 0; c < kCols; ++c) acc[r * kCols + c] += av[r] * bv[c];
       }
       if (rest) {
+        if (ask) {
+          for (int64 c = 0; c < kCols; ++c) __builtin_prefetch(next[c] + full * sizeof(T), 0, 3);
+        }
         VecT<T> av[kRows], bv[kCols];
         for (int64 r = 0; r < kRows; ++r) av[r] = LoadPartial(ar[r] + full, rest);
         for (int64 c = 0; c < kCols; ++c) bv[c] = LoadPartial(br[c] + full, rest);
