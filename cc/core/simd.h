@@ -679,7 +679,7 @@ void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* 
   // Groups of four rows, column blocks outer: every row group reads the block's slice of
   // b from L1, unless the rows of b share L1 sets (RowsShareL1Sets): the slices are then
   // first copied next to each other (1.45x faster for 128 rows of 2 KB and 64 rows).
-  constexpr int64 kSlice = 4 * w, kMaxPacked = 128;
+  constexpr int64 kSlice = 4 * w, kMaxPacked = 128, kLine = 64 / sizeof(T);
   alignas(64) T packed[kMaxPacked * kSlice];
   auto b_row = [&](int64 j) { return b + j * ldb; };
   const bool pack = nb <= kMaxPacked && full_rows >= 12 &&  // fewer groups: the copy does not pay
@@ -689,6 +689,15 @@ void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* 
     const T* bk = pack ? packed : b + k;
     const int64 ldk = pack ? kSlice : ldb;
     for (int64 i0 = 0; i0 < full_rows; i0 += 4) {
+      // Request the next block's slices of its four output rows (rows of scattered tokens,
+      // often not in L2): each block starts by loading them, which the out-of-order window
+      // cannot reach from the block before. At B's root, dh 1.08x the speed.
+      const bool last = i0 + 4 >= full_rows;
+      const int64 ni = last ? 0 : i0 + 4, nk = last ? k + kSlice : k;
+      if (nk < full_k) {
+        for (int64 r = 0; r < 4; ++r)
+          for (int64 l = 0; l < kSlice; l += kLine) __builtin_prefetch(out[ni + r] + nk + l, 1, 3);
+      }
       internal::AccumulateRowsBlock<T, 4, 4>(out, i0, coef, ldc, bk, ldk, nb, k);
     }
   }
