@@ -27,6 +27,8 @@ constexpr int64 kSlotTile = 128;   // weight rows per logits tile (stays in L2 w
 // equally busy on a level holding one large node (the root): 64-row chunks left one thread
 // three of the root's five chunks at B, and read the 5 MB of hidden rows five times.
 constexpr int64 kGradSlotTile = 160;
+static_assert(16 % simd::Vec<float>::kWidth == 0 && 16 % simd::Vec<double>::kWidth == 0,
+              "dW chunks of a multiple of 16 rows start at whole panels");
 constexpr int64 kPackMinTokens = 16;  // fewer tokens use the unpacked dot-product kernel
 // Largest tokens x branching block whose logits the one-pass backward keeps per thread.
 constexpr int64 kOnePassMaxLogits = int64{1} << 20;
@@ -691,12 +693,10 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
       if (whole_group(g) || IsWalked(tree, plan.group_node[g])) continue;
       const int64 k = BlockOf<T>(tree, plan.group_node[g]).size;
       const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
-      constexpr int64 lanes = simd::Vec<T>::kWidth;
       const int64 pieces = 2 * ((k + 2 * kGradSlotTile - 1) / (2 * kGradSlotTile));
-      const int64 rows = ((k + pieces - 1) / pieces + 15) / 16 * 16;
-      static_assert(16 % lanes == 0, "chunks start at whole panels");
-      for (int64 k0 = 0; k0 < k; k0 += rows) {
-        const int64 kb = std::min(rows, k - k0);
+      const int64 chunk_rows = ((k + pieces - 1) / pieces + 15) / 16 * 16;
+      for (int64 k0 = 0; k0 < k; k0 += chunk_rows) {
+        const int64 kb = std::min(chunk_rows, k - k0);
         chunks.push_back({g, k0, kb});
         chunk_cost += kb * n * D * (keep ? 2 : 4);
       }
