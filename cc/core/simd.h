@@ -423,13 +423,13 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
              int64 ldo) {
   static_assert(kRows * kCols % Vec<T>::kWidth == 0, "the tile must fill whole reductions");
   constexpr int64 w = Vec<T>::kWidth;
-  constexpr int64 kLine = 64 / sizeof(T);  // elements per cache line
+  static_assert(sizeof(VecT<T>) == 64, "a vector is one cache line");
   const int64 full = d - d % w;
   const int64 rest = d - full;
   // Columns outer: each tile of kCols weight rows is read from memory once and then serves
   // every group of rows from L1. While the first row group runs, the next tile's weight
-  // rows are requested, a line of each per step over k (the rows stream from memory, and
-  // the hardware prefetchers stop at every 4 KB page).
+  // rows are requested, a line (vector) of each per step over k (the rows stream from
+  // memory, and the hardware prefetchers stop at every 4 KB page).
   for (int64 j0 = 0; j0 < nb; j0 += kCols) {
     const T* br[kCols];
     const char* next[kCols];
@@ -443,7 +443,7 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
       const bool ask = kCols <= 8 && i0 == 0 && j0 + kCols < nb;
       VecT<T> acc[kRows * kCols] = {};
       for (int64 k = 0; k < full; k += w) {
-        if (ask && k % kLine == 0) {
+        if (ask) {
           for (int64 c = 0; c < kCols; ++c) __builtin_prefetch(next[c] + k * sizeof(T), 0, 3);
         }
         VecT<T> av[kRows], bv[kCols];
