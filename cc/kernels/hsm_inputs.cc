@@ -195,7 +195,10 @@ ParallelFor CpuParallelFor(OpKernelContext* ctx) {
         shared->idle.notify_all();
       }
     };
-    const int64 helpers = std::min(threads, (total + take - 1) / take - 1);
+    // The caller takes items too, so it replaces one of the pool's threads: with every
+    // pool thread as a helper besides, an op called from outside the pool (TF's inter-op
+    // threads) ran one thread more than there are cores.
+    const int64 helpers = std::min(threads - 1, (total + take - 1) / take - 1);
     for (int64 t = 0; t < helpers; ++t) workers->Schedule(run);
     run();  // returns once every item is taken
     ::tensorflow::mutex_lock lock(shared->mu);
