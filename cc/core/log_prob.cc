@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -525,12 +526,19 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     if (grads.saved_logits == nullptr) return nullptr;
     return grads.saved_logits + saved_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
   };
-  std::fill(grads.hidden, grads.hidden + plan.num_tokens * D, T(0));
+  // dh starts at zero (megabytes at large batches: filled by all threads; the cost is
+  // about a cycle per 4 elements written).
+  parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
+    std::fill(grads.hidden + begin * D, grads.hidden + end * D, T(0));
+  });
   std::vector<T> entry_lse(plan.entry_token.size());
   // With log_prob_from_backward: each grouped entry's z_taken - lse, summed per token below.
   const bool entry_values = grads.log_prob_from_backward != nullptr;
   std::vector<T> entry_value(entry_values ? plan.entry_token.size() : 0);
-  std::vector<T> coef_store;
+  // Phase A writes every kept coefficient before phase B reads it, so the store is not
+  // zeroed (it is megabytes per level, zeroed on one thread).
+  std::unique_ptr<T[]> coef_store;
+  int64 coef_capacity = 0;
   std::vector<int64> coef_offset(plan.num_groups() + 1, 0);
 
   // A group handled by a single token tile gets its dW rows in phase A, straight from
@@ -612,7 +620,10 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     }
     if (need == 0) continue;
     const bool keep = need <= coef_budget;
-    if (keep && static_cast<int64>(coef_store.size()) < need) coef_store.resize(need);
+    if (keep && coef_capacity < need) {
+      coef_store.reset(new T[need]);
+      coef_capacity = need;
+    }
 
     // Phase A: per token tile, logsumexp, coefficients, and dh += coef @ W_node. Within a
     // level each token is in one tile only, so the dh rows are written without races.
@@ -627,7 +638,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[it.group]);
         const bool owns_rows = whole_group(it.group);
         Scratch<T>& s = ThreadScratch<T>();
-        T* kept = keep ? coef_store.data() + coef_offset[it.group] + it.offset * blk.size : nullptr;
+        T* kept = keep ? coef_store.get() + coef_offset[it.group] + it.offset * blk.size : nullptr;
         T* lse = Grow(&s.lse, it.count);
         if (owns_rows && it.count * blk.size <= kOnePassMaxLogits) {
           // The choice depends on the plan only, never on the budget or the threads.
@@ -718,7 +729,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           const T** rows = Grow(&s.rows, nt);
           for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e_begin + t0 + r] * D;
           if (keep) {
-            accumulate_rows(block, kb, coef_store.data() + coef_offset[g] + t0 * blk.size + k0,
+            accumulate_rows(block, kb, coef_store.get() + coef_offset[g] + t0 * blk.size + k0,
                             blk.size, rows, nt, t0 == 0, false);
           } else {
             Logits(p, rows, nt, blk, k0, kb, tile, kb, call, saved_at(g, t0));
