@@ -819,8 +819,12 @@ struct SubtreeGroups {
 bool WalkWholeTree(const TreeView& t, const ParallelFor& parallel_for, std::vector<int64>* run,
                    std::vector<int64>* parent) {
   const int64 C = t.num_classes, M = t.num_nodes;
-  constexpr int64 kChunkNodes = int64{1} << 14;
-  const int64 chunks = (M + kChunkNodes - 1) / kChunkNodes;
+  // Chunks of about kChunkNodes nodes, or fewer where the nodes are wide: a 2-level tree
+  // of 1M classes has 1,001 nodes but 1M slots to check, which one chunk left to one thread.
+  constexpr int64 kChunkNodes = int64{1} << 14, kChunkSlots = int64{1} << 15;
+  const int64 chunks = std::min(M, std::max((M + kChunkNodes - 1) / kChunkNodes,
+                                            (t.num_slots + kChunkSlots - 1) / kChunkSlots));
+  auto chunk_first = [&](int64 c) { return c * M / chunks; };
   std::vector<unsigned char> seen(C, 0), ok(chunks, 0);
   std::vector<int64> class_children(chunks, 0), node_children(chunks, 0);
   run->assign(M, -1);
@@ -830,10 +834,10 @@ bool WalkWholeTree(const TreeView& t, const ParallelFor& parallel_for, std::vect
   // Chunks only store to seen[] and parent[] entries that no other chunk stores to in a
   // well-formed tree; in a malformed one the stores may collide (relaxed atomics) and
   // the counts below reject it.
-  parallel_for(chunks, kChunkNodes * 32, [&](int64 chunk_begin, int64 chunk_end) {
+  parallel_for(chunks, kChunkSlots * 4, [&](int64 chunk_begin, int64 chunk_end) {
     for (int64 c = chunk_begin; c < chunk_end; ++c) {
       int64 classes = 0, nodes = 0;
-      for (int64 n = c * kChunkNodes, n_end = std::min(M, n + kChunkNodes); n < n_end; ++n) {
+      for (int64 n = chunk_first(c), n_end = chunk_first(c + 1); n < n_end; ++n) {
         const int64 begin = t.child_begin[n], end = t.child_begin[n + 1];
         if (begin < 0 || end <= begin || end > t.num_slots) return;
         const int64 first = t.slot_child[begin], K = end - begin;
