@@ -83,6 +83,29 @@ def test_log_prob_all_chunks_equal_slices(rng, rows):
     np.testing.assert_array_equal(np.concatenate(chunks, axis=-1), full, err_msg=name)
 
 
+def test_log_prob_all_keeps_a_plan_per_tree_not_per_shape(rng):
+  # Huffman trees over the same number of classes have the same tensor sizes; eager calls
+  # share one kernel, which keeps the last whole tree's plan. Alternating trees (and batch
+  # sizes) must never reuse a plan made for another tree.
+  # (Equal counts give a balanced tree, Zipf counts a deep one.)
+  c = 300
+  trees = [tf_hsm.Tree.huffman(np.ones(c)),
+           tf_hsm.Tree.huffman(rng.zipf(1.5, size=c).astype(np.float64))]
+  assert trees[0].num_slots == trees[1].num_slots
+  assert trees[0].max_depth < trees[1].max_depth
+  hidden, weights, biases = _inputs(rng, trees[0], (40,), 6, np.float32)
+  first = None
+  for i, rows in enumerate([40, 40, 40, 7, 40]):
+    tree = trees[i % 2]
+    out = log_prob_all(hidden[:rows], weights, biases, tree).numpy()
+    ref = all_log_probs(hidden[:rows], weights, biases, tree)
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4, err_msg=f"call {i}")
+    if i == 0:
+      first = out
+    elif i == 4:
+      np.testing.assert_array_equal(out, first)  # the first tree again: the same bits
+
+
 def test_log_prob_all_tensor_range_and_graph_shapes(rng):
   tree = tf_hsm.Tree.two_level(300)
   hidden, weights, biases = _inputs(rng, tree, (6,), 8, np.float32)

@@ -1,6 +1,7 @@
 #include "cc/core/inference.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -808,6 +809,65 @@ struct SubtreeGroups {
   int64 count() const { return span == 0 ? 0 : static_cast<int64>(begin.size()) / span; }
 };
 
+}  // namespace
+
+// A plan of a whole tree with the tree arrays it was made from, for row blocks of `block`
+// rows with the packed kernel or not (the subtree groups depend on both).
+struct SweepPlanCache::Entry {
+  int64 num_classes = 0, num_nodes = 0, num_slots = 0;
+  bool packed = false;
+  int64 block = 0;
+  std::vector<int64> child_begin, slot_child;
+  SweepPlan plan;
+  SubtreeGroups groups;
+};
+
+SweepPlanCache::SweepPlanCache() = default;
+SweepPlanCache::~SweepPlanCache() = default;
+
+std::shared_ptr<const SweepPlanCache::Entry> SweepPlanCache::Get() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return entry_;
+}
+
+void SweepPlanCache::Put(std::shared_ptr<const Entry> entry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  entry_ = std::move(entry);
+}
+
+namespace {
+
+// Whether n values at a equal those at b, compared in parallel chunks.
+bool SameValues(const int64* a, const int64* b, int64 n, const ParallelFor& parallel_for) {
+  constexpr int64 kChunk = int64{1} << 16;
+  const int64 chunks = (n + kChunk - 1) / kChunk;
+  std::atomic<bool> differ{false};
+  parallel_for(chunks, kChunk, [&](int64 begin, int64 end) {
+    for (int64 c = begin; c < end && !differ.load(std::memory_order_relaxed); ++c) {
+      const int64 first = c * kChunk, count = std::min(kChunk, n - first);
+      if (std::memcmp(a + first, b + first, count * sizeof(int64)) != 0) {
+        differ.store(true, std::memory_order_relaxed);
+      }
+    }
+  });
+  return !differ.load();
+}
+
+// Whether the cached plan was made from this tree, for these row blocks.
+bool PlanFits(const SweepPlanCache::Entry& e, const TreeView& t, bool packed, int64 block,
+              const ParallelFor& parallel_for) {
+  return e.num_classes == t.num_classes && e.num_nodes == t.num_nodes &&
+         e.num_slots == t.num_slots && e.packed == packed && e.block == block &&
+         SameValues(e.child_begin.data(), t.child_begin, t.num_nodes + 1, parallel_for) &&
+         SameValues(e.slot_child.data(), t.slot_child, t.num_slots, parallel_for);
+}
+
+int64 PlanBytes(const TreeView& t, const SweepPlan& plan) {
+  const int64 values = (t.num_nodes + 1) + t.num_slots + plan.node.size() + plan.position.size() +
+                       plan.run.size() + plan.parent.size() + plan.value_row.size();
+  return values * static_cast<int64>(sizeof(int64));
+}
+
 // The walk of BuildSweepPlan for the whole class range (every node needed), in parallel
 // chunks of nodes: checks each node's slot range and child codes, and gives each node
 // its run (or -1) and each child node its parent. Once every class and every node but the
@@ -1604,7 +1664,7 @@ std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows
 template <typename T>
 std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows,
                        int64 class_begin, int64 class_end, const ParallelFor& parallel_for,
-                       T* out) {
+                       T* out, SweepPlanCache* cache) {
   std::string err = CheckSizes(tree, num_rows, p.dim, true);
   if (!err.empty()) return err;
   if (class_begin < 0 || class_end < class_begin || class_end > tree.num_classes) {
@@ -1613,20 +1673,42 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   }
   const int64 width = class_end - class_begin;
   if (width == 0 || num_rows == 0) return "";
-  SweepPlan plan;
-  err = BuildSweepPlan(tree, class_begin, class_end, parallel_for, &plan);
-  if (!err.empty()) return err;
-  const int64 levels = static_cast<int64>(plan.level_begin.size()) - 1;
-
   // Rows per block: up to 64, fewer when the node values would take more than
   // kNodeValueBudget (every block reads the whole table).
   // The kernel is chosen by the batch size alone, so that a row's values do not depend
   // on the blocks and tiles around it (a chunk equals the slice of the full result).
   const bool packed = num_rows >= kPackMinRows;
   int64 block = std::min(num_rows, kBlockRows);
-  SubtreeGroups groups;
-  if (packed) FindSubtreeGroups(plan, block, &groups);
-  AssignValueRows(groups, &plan);
+  const bool whole_tree = class_begin == 0 && class_end == tree.num_classes;
+  std::shared_ptr<const SweepPlanCache::Entry> planned;
+  if (cache != nullptr && whole_tree) {
+    planned = cache->Get();
+    if (planned != nullptr && !PlanFits(*planned, tree, packed, block, parallel_for)) {
+      planned = nullptr;
+    }
+  }
+  if (planned == nullptr) {
+    auto fresh = std::make_shared<SweepPlanCache::Entry>();
+    err = BuildSweepPlan(tree, class_begin, class_end, parallel_for, &fresh->plan);
+    if (!err.empty()) return err;
+    if (packed) FindSubtreeGroups(fresh->plan, block, &fresh->groups);
+    AssignValueRows(fresh->groups, &fresh->plan);
+    if (cache != nullptr && whole_tree &&
+        PlanBytes(tree, fresh->plan) <= SweepPlanCache::kMaxCachedPlanBytes) {
+      fresh->num_classes = tree.num_classes;
+      fresh->num_nodes = tree.num_nodes;
+      fresh->num_slots = tree.num_slots;
+      fresh->packed = packed;
+      fresh->block = block;
+      fresh->child_begin.assign(tree.child_begin, tree.child_begin + tree.num_nodes + 1);
+      fresh->slot_child.assign(tree.slot_child, tree.slot_child + tree.num_slots);
+      cache->Put(fresh);
+    }
+    planned = std::move(fresh);
+  }
+  const SweepPlan& plan = planned->plan;
+  const SubtreeGroups& groups = planned->groups;
+  const int64 levels = static_cast<int64>(plan.level_begin.size()) - 1;
   if (block * plan.value_rows > kNodeValueBudget) {
     block = std::max<int64>(std::min<int64>(block, 4), kNodeValueBudget / plan.value_rows);
   }
@@ -1861,7 +1943,7 @@ std::string LogProbCandidates(const TreeView& tree, const SoftmaxParams<T>& p,
   template std::string TopK<T>(const TreeView&, const SoftmaxParams<T>&, int64, int64,       \
                                const ParallelFor&, T*, int64*, int64*);                      \
   template std::string LogProbAll<T>(const TreeView&, const SoftmaxParams<T>&, int64, int64, \
-                                     int64, const ParallelFor&, T*);                         \
+                                     int64, const ParallelFor&, T*, SweepPlanCache*);        \
   template std::string Sample<T>(const TreeView&, const SoftmaxParams<T>&, int64,           \
                                  std::uint64_t, T, const ParallelFor&, int64*);              \
   template std::string LogProbCandidates<T>(const TreeView&, const SoftmaxParams<T>&, int64, \

@@ -73,8 +73,13 @@ class LogProbAllOp : public OpKernel {
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     OP_REQUIRES_OK(ctx, FromCore(LogProbAll<T>(tree, params, in.num_tokens, begin, end,
-                                               CpuParallelFor(ctx), out->flat<T>().data())));
+                                               CpuParallelFor(ctx), out->flat<T>().data(),
+                                               &plan_cache_)));
   }
+
+ private:
+  // The plan of the last whole tree, reused while the tree's values stay the same.
+  SweepPlanCache plan_cache_;
 };
 
 template <typename T>

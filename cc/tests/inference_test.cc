@@ -112,9 +112,11 @@ TopKResult<T> RunTopK(const Layout& t, const Problem<T>& pr, int64 k, const Para
 
 template <typename T>
 std::vector<T> RunAll(const Layout& t, const Problem<T>& pr, int64 begin, int64 end,
-                      const ParallelFor& pf, std::string* err = nullptr) {
+                      const ParallelFor& pf, std::string* err = nullptr,
+                      SweepPlanCache* cache = nullptr) {
   std::vector<T> out(pr.N * std::max<int64>(end - begin, 0));
-  const std::string e = LogProbAll<T>(t.view(), pr.params(), pr.N, begin, end, pf, out.data());
+  const std::string e =
+      LogProbAll<T>(t.view(), pr.params(), pr.N, begin, end, pf, out.data(), cache);
   if (err != nullptr) *err = e;
   EXPECT(err != nullptr || e.empty(), "LogProbAll: %s", e.c_str());
   return out;
@@ -407,6 +409,56 @@ void TestLogProbAll() {
     for (int64 c = 0; c < C; ++c) mass += std::exp(static_cast<double>(a[c]));
     EXPECT(std::fabs(mass - 1) < 1e-3, "streamed binary: row 0 sums to %g", mass);
   }
+}
+
+// A kept plan serves only the tree it was made from. Every call below gives the bits of
+// planning afresh: the same tree again, other trees of the same sizes written over it in
+// place (the same addresses), other batch sizes; a malformed tree written in place is
+// still rejected.
+void CheckPlanCacheSequence(std::mt19937_64& rng, const std::vector<Layout>& trees,
+                            const char* what) {
+  Layout t = trees[0];  // the cache sees t's buffers throughout
+  const int64* const begin_at = t.child_begin.data();
+  const int64* const slots_at = t.slot_child.data();
+  SweepPlanCache cache;
+  for (size_t i = 0; i < trees.size(); ++i) {
+    const Layout& next = trees[i];
+    EXPECT(next.child_begin.size() == t.child_begin.size() &&
+               next.slot_child.size() == t.slot_child.size(),
+           "%s: tree %zu has other sizes", what, i);
+    std::copy(next.child_begin.begin(), next.child_begin.end(), t.child_begin.begin());
+    std::copy(next.slot_child.begin(), next.slot_child.end(), t.slot_child.begin());
+    // The first call meets the plan kept for the tree before (same rows per block); then
+    // a kept plan is reused, replaced for another block size, and made again.
+    for (int64 rows : {40, 40, 7, 40}) {
+      const Problem<float> pr = RandomProblem<float>(rng, t, rows, 5, true, 0.5);
+      const std::vector<float> fresh = RunAll(t, pr, 0, t.num_classes, ThreadedFor(2));
+      const std::vector<float> kept =
+          RunAll(t, pr, 0, t.num_classes, ThreadedFor(3), nullptr, &cache);
+      EXPECT(std::memcmp(fresh.data(), kept.data(), fresh.size() * sizeof(float)) == 0,
+             "%s: tree %zu, %ld rows: the cached plan changes the values", what, i, (long)rows);
+    }
+  }
+  EXPECT(t.child_begin.data() == begin_at && t.slot_child.data() == slots_at,
+         "%s: the trees were not written in place", what);
+  t.slot_child[t.num_slots() / 2] = t.num_classes + t.num_nodes();  // no such node
+  const Problem<float> pr = RandomProblem<float>(rng, t, 40, 5, true, 0.5);
+  std::string err;
+  RunAll(t, pr, 0, t.num_classes, ThreadedFor(2), &err, &cache);
+  EXPECT(err.find("malformed tree") != std::string::npos,
+         "%s: a malformed tree written over a kept plan's: %s", what, err.c_str());
+}
+
+void TestLogProbAllPlanCache() {
+  std::mt19937_64 rng(29);
+  // Binary trees of one size differ in slot_child only; these 2-level trees (clusters of
+  // 3 and 5 classes, then 5 and 3) in child_begin as well.
+  const Layout binary = Balanced(3000, 2);
+  CheckPlanCacheSequence(rng, {binary, ReversedClasses(binary), ShuffledLevels(rng, binary),
+                               binary}, "binary");
+  const Layout three_five = MakeLayout(8, {0, 2, 5, 10}, {9, 10, 0, 1, 2, 3, 4, 5, 6, 7});
+  const Layout five_three = MakeLayout(8, {0, 2, 7, 10}, {9, 10, 0, 1, 2, 3, 4, 5, 6, 7});
+  CheckPlanCacheSequence(rng, {three_five, five_three, three_five}, "2-level");
 }
 
 // Upper quantile of chi-square with df degrees of freedom at z standard deviations
@@ -751,6 +803,7 @@ int main() {
       {"top_k_ties", tf_hsm::TestTopKTies},
       {"top_k_prunes", tf_hsm::TestTopKPrunes},
       {"log_prob_all", tf_hsm::TestLogProbAll},
+      {"log_prob_all_plan_cache", tf_hsm::TestLogProbAllPlanCache},
       {"sample", tf_hsm::TestSample},
       {"candidates", tf_hsm::TestCandidates},
       {"determinism", tf_hsm::TestDeterminism},
