@@ -111,10 +111,11 @@ template <typename T>
                                     int64* num_candidates);
 
 // The CPU device's thread pool as the core's ParallelFor: the items are handed out from a
-// shared counter a few at a time to the pool's threads and the calling thread alike, so a
-// thread that gets fewer cycles (the caller is one more thread than the pool has) takes
-// fewer items. Eigen's ParallelFor hands out fixed blocks; one held up by the caller left
-// a core idle (log_prob_all on a 2-level tree kept 1.82 of 2 cores busy, 1.93 this way).
+// shared counter, a few at a time (one at a time when each is costly), to the calling
+// thread and all but one of the pool's threads, so that as many threads work as the pool
+// has; a thread that gets fewer cycles takes fewer items. Eigen's ParallelFor hands out
+// fixed blocks; one held up by the caller left a core idle (log_prob_all on a 2-level tree
+// kept 1.82 of 2 cores busy, 1.93 this way).
 ParallelFor CpuParallelFor(::tensorflow::OpKernelContext* ctx);
 
 // An op output [rows, cols] whose buffer is kept by the kernel and handed out again on the
