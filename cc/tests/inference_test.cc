@@ -459,6 +459,31 @@ void TestLogProbAllPlanCache() {
   const Layout three_five = MakeLayout(8, {0, 2, 5, 10}, {9, 10, 0, 1, 2, 3, 4, 5, 6, 7});
   const Layout five_three = MakeLayout(8, {0, 2, 7, 10}, {9, 10, 0, 1, 2, 3, 4, 5, 6, 7});
   CheckPlanCacheSequence(rng, {three_five, five_three, three_five}, "2-level");
+
+  // One cache shared by two threads (a TF kernel may run on several at once), each with
+  // its own tree of the same sizes: they keep replacing each other's plan.
+  const Layout trees[2] = {binary, ShuffledLevels(rng, binary)};
+  const Problem<float> pr = RandomProblem<float>(rng, binary, 40, 5, true, 0.5);
+  std::vector<float> fresh[2];
+  for (int i = 0; i < 2; ++i) fresh[i] = RunAll(trees[i], pr, 0, binary.num_classes, SerialFor);
+  SweepPlanCache shared;
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      for (int rep = 0; rep < 20; ++rep) {
+        std::string err;
+        const std::vector<float> out =
+            RunAll(trees[i], pr, 0, binary.num_classes, SerialFor, &err, &shared);
+        if (!err.empty() ||
+            std::memcmp(out.data(), fresh[i].data(), out.size() * sizeof(float)) != 0) {
+          wrong.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT(wrong.load() == 0, "a shared cache gave %d wrong results of 40", wrong.load());
 }
 
 // Upper quantile of chi-square with df degrees of freedom at z standard deviations
