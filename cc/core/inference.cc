@@ -814,10 +814,10 @@ struct SubtreeGroups {
 // A plan of a whole tree with the tree arrays it was made from, for row blocks of `block`
 // rows with the packed kernel or not (the subtree groups depend on both).
 struct SweepPlanCache::Entry {
-  int64 num_classes = 0, num_nodes = 0, num_slots = 0;
+  int64 num_classes = 0;
   bool packed = false;
   int64 block = 0;
-  std::vector<int64> child_begin, slot_child;
+  std::vector<int64> child_begin, slot_child;  // [num_nodes + 1], [num_slots]
   SweepPlan plan;
   SubtreeGroups groups;
 };
@@ -856,8 +856,10 @@ bool SameValues(const int64* a, const int64* b, int64 n, const ParallelFor& para
 // Whether the cached plan was made from this tree, for these row blocks.
 bool PlanFits(const SweepPlanCache::Entry& e, const TreeView& t, bool packed, int64 block,
               const ParallelFor& parallel_for) {
-  return e.num_classes == t.num_classes && e.num_nodes == t.num_nodes &&
-         e.num_slots == t.num_slots && e.packed == packed && e.block == block &&
+  return e.num_classes == t.num_classes &&
+         static_cast<int64>(e.child_begin.size()) == t.num_nodes + 1 &&
+         static_cast<int64>(e.slot_child.size()) == t.num_slots && e.packed == packed &&
+         e.block == block &&
          SameValues(e.child_begin.data(), t.child_begin, t.num_nodes + 1, parallel_for) &&
          SameValues(e.slot_child.data(), t.slot_child, t.num_slots, parallel_for);
 }
@@ -1696,8 +1698,6 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
     if (cache != nullptr && whole_tree &&
         PlanBytes(tree, fresh->plan) <= SweepPlanCache::kMaxCachedPlanBytes) {
       fresh->num_classes = tree.num_classes;
-      fresh->num_nodes = tree.num_nodes;
-      fresh->num_slots = tree.num_slots;
       fresh->packed = packed;
       fresh->block = block;
       fresh->child_begin.assign(tree.child_begin, tree.child_begin + tree.num_nodes + 1);

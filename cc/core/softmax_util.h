@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "cc/core/simd.h"
@@ -23,7 +22,8 @@ T* Grow(std::vector<T>* v, int64 n) {
 // Folds n more logits into a running (max, sum of exp(z - max)), vectorized: the lane
 // sums are combined in a fixed order. A NaN logit makes the sum NaN (the max ignores it),
 // so NaN reaches exactly the rows it came from. One pass for the sum: each vector's
-// exponentials are added as they are computed (the lanes past n add +0).
+// exponentials are added as they are computed. The lanes past n hold -inf, so they add
+// exp(-inf) = +0 (NaN only when the max is -inf, where every logit's term is NaN too).
 template <typename T>
 void FoldLogSumExp(const T* z, int64 n, T* row_max, T* row_sum) {
   typedef simd::VecT<T> V;
@@ -35,10 +35,10 @@ void FoldLogSumExp(const T* z, int64 n, T* row_max, T* row_sum) {
     const V v = simd::Load(z + j);
     vmax = v > vmax ? v : vmax;
   }
+  V tail = simd::Splat<T>(ninf);
   if (j < n) {
-    V v = simd::Splat<T>(ninf);
-    std::memcpy(&v, z + j, (n - j) * sizeof(T));
-    vmax = v > vmax ? v : vmax;
+    std::memcpy(&tail, z + j, (n - j) * sizeof(T));
+    vmax = tail > vmax ? tail : vmax;
   }
   T lanes[w];
   std::memcpy(lanes, &vmax, sizeof(vmax));
@@ -52,13 +52,7 @@ void FoldLogSumExp(const T* z, int64 n, T* row_max, T* row_sum) {
   const V mv = simd::Splat<T>(m);
   V acc = {};
   for (j = 0; j + w <= n; j += w) acc += simd::ExpVec(simd::Load(z + j) - mv);
-  if (j < n) {
-    const V e = simd::ExpVec(simd::LoadPartial(z + j, n - j) - mv);
-    using I = typename simd::Vec<T>::itype;
-    using Lane = std::remove_reference_t<decltype(I{}[0])>;
-    const I valid = simd::Iota<T>() < static_cast<Lane>(n - j);
-    acc += valid ? e : V{};
-  }
+  if (j < n) acc += simd::ExpVec(tail - mv);
   *row_sum += simd::ReduceSum<T>(acc);
   *row_max = m;
 }
