@@ -74,11 +74,9 @@ struct NodeBlock {
   int64 size;
 };
 
-// Group g's node's block, from the plan (which the passes read in order) rather than the
-// tree (whose child_begin entries of a large tree's nodes are a cache miss each).
 template <typename T>
-NodeBlock<T> BlockOf(const VisitPlan& plan, int64 g) {
-  return {plan.group_slot[g], plan.group_width(g)};
+NodeBlock<T> BlockOf(const TreeView& tree, int64 node) {
+  return {tree.child_begin[node], tree.child_begin[node + 1] - tree.child_begin[node]};
 }
 
 // Nodes with at most this many children are not grouped: each token walks its own path
@@ -88,7 +86,9 @@ NodeBlock<T> BlockOf(const VisitPlan& plan, int64 g) {
 constexpr int64 kWalkMaxBranching = 8;
 constexpr int64 kWalkItemEntries = 64;  // visits per dW work item of walked nodes
 
-bool IsWalked(const VisitPlan& plan, int64 g) { return plan.group_width(g) <= kWalkMaxBranching; }
+bool IsWalked(const TreeView& tree, int64 node) {
+  return tree.child_begin[node + 1] - tree.child_begin[node] <= kWalkMaxBranching;
+}
 
 // The softmax of steps steps[0..n) of one token, whose logits z[row] are computed: each
 // step has at most kSpan rows and more than kSpan / 2, and n <= kWidth / kSpan. Step j
@@ -190,31 +190,32 @@ void WalkStepCoefficients(const T* h, const T* w, const T* b, int64 k, int64 tak
 
 // Token i's steps through small nodes, in path order: returns the sum of their
 // log-probability terms when want_value. With grad (backward), dh gets every step's
-// coef @ W, and when keep, the step of entry e stores its coefficients at coef[e * stride]
-// (so the dW pass reads each group's in order). (dh may be null when D = 0: grad, not dh,
-// says which pass this is.) The steps are gathered first, their rows requested from
-// memory all at once (they sit at random places in the table); then all their logits,
-// all the softmaxes, and dh.
+// coef @ W, and when keep, step s = plan.token_step_begin[i] + l stores its coefficients at
+// coef[s * stride]. (dh may be null when D = 0: grad, not dh, says which pass this is.)
+// The steps are gathered first, their rows requested from memory all at once (they sit at
+// random places in the table); then all their logits, all the softmaxes, and dh.
 template <typename T>
-T WalkPath(const VisitPlan& plan, const SoftmaxParams<T>& p, int64 i, T upstream,
-           bool want_value, bool grad, T* dh, T* coef, bool keep, int64 stride) {
+T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p, int64 i,
+           T upstream, bool want_value, bool grad, T* dh, T* coef, bool keep, int64 stride) {
   const int64 D = p.dim;
-  const int64 step0 = plan.token_step_begin[i], depth = plan.token_step_begin[i + 1] - step0;
+  const int64 path = plan.token_path[i];
+  const int64 depth = plan.token_step_begin[i + 1] - plan.token_step_begin[i];
+  const int64 step0 = plan.token_step_begin[i];
   const int64 row_bytes = D * static_cast<int64>(sizeof(T));
   Scratch<T>& s = ThreadScratch<T>();
   WalkStep<T>* steps = Grow(&s.walk_steps, depth);
   const T** rows = Grow(&s.walk_rows, depth * kWalkMaxBranching);
   int64 num_steps = 0, n = 0;
   for (int64 l = 0; l < depth; ++l) {
-    const int64 g = plan.step_group[step0 + l], e = plan.step_entry[step0 + l];
-    if (!IsWalked(plan, g)) continue;
-    const int64 first = plan.group_slot[g], k = plan.group_width(g);
+    const int64 node = tree.path_nodes[path + l];
+    const int64 first = tree.child_begin[node], k = tree.child_begin[node + 1] - first;
+    if (k > kWalkMaxBranching) continue;
     const T* w = p.weights + first * D;
     const char* bytes = reinterpret_cast<const char*>(w);
     for (int64 o = 0; o < k * row_bytes; o += 64) __builtin_prefetch(bytes + o);
-    steps[num_steps++] = {n, k, plan.entry_slot[e] - first,
+    steps[num_steps++] = {n, k, tree.path_slots[path + l] - first,
                           p.biases != nullptr ? p.biases + first : nullptr,
-                          grad && keep ? coef + e * stride : nullptr};
+                          grad && keep ? coef + (step0 + l) * stride : nullptr};
     for (int64 j = 0; j < k; ++j) rows[n++] = w + j * D;
   }
   T* z = Grow(&s.walk_z, n);
@@ -410,9 +411,9 @@ struct Item {
   int64 count;
 };
 
-bool HasWalkedGroups(const VisitPlan& plan) {
+bool HasWalkedGroups(const VisitPlan& plan, const TreeView& tree) {
   for (int64 g = 0; g < plan.num_groups(); ++g) {
-    if (IsWalked(plan, g)) return true;
+    if (IsWalked(tree, plan.group_node[g])) return true;
   }
   return false;
 }
@@ -424,11 +425,11 @@ int64 WalkCostPerToken(const VisitPlan& plan, int64 dim) {
 }
 
 // Walked groups (small nodes) are left out.
-std::vector<Item> TokenTiles(const VisitPlan& plan, int64 g_begin,
+std::vector<Item> TokenTiles(const VisitPlan& plan, const TreeView& tree, int64 g_begin,
                              int64 g_end, int64 tile) {
   std::vector<Item> items;
   for (int64 g = g_begin; g < g_end; ++g) {
-    if (IsWalked(plan, g)) continue;
+    if (IsWalked(tree, plan.group_node[g])) continue;
     const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
     for (int64 o = 0; o < n; o += tile) items.push_back({g, o, std::min(tile, n - o)});
   }
@@ -442,11 +443,11 @@ namespace {
 // log_prob[i] = the sum of entry_value over token i's visits of grouped nodes, root first
 // (entries are stored level by level), so every caller sums in the same order.
 template <typename T>
-void SumGroupedEntries(const VisitPlan& plan,
+void SumGroupedEntries(const VisitPlan& plan, const TreeView& tree,
                        const std::vector<T>& entry_value, T* log_prob) {
   std::fill(log_prob, log_prob + plan.num_tokens, T(0));
   for (int64 g = 0; g < plan.num_groups(); ++g) {
-    if (IsWalked(plan, g)) continue;
+    if (IsWalked(tree, plan.group_node[g])) continue;
     for (int64 e = plan.group_begin[g]; e < plan.group_begin[g + 1]; ++e) {
       log_prob[plan.entry_token[e]] += entry_value[e];
     }
@@ -457,17 +458,17 @@ void SumGroupedEntries(const VisitPlan& plan,
 // `saved`, their logits are also kept for the backward (SavedLogitOffsets), computed in
 // the backward's token tiles so that each is the backward's own to the bit.
 template <typename T>
-void GroupedForward(const VisitPlan& plan, const SoftmaxParams<T>& p,
+void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
                     const ParallelFor& parallel_for, T* log_prob, std::uint64_t call, T* saved) {
   const int64 num_entries = static_cast<int64>(plan.entry_token.size());
   std::vector<T> entry_value(num_entries);
-  const std::vector<int64> offsets = saved != nullptr ? SavedLogitOffsets(plan) : std::vector<int64>();
+  const std::vector<int64> offsets = saved != nullptr ? SavedLogitOffsets(plan, tree) : std::vector<int64>();
   // Grouped nodes. No level ordering is needed: every entry writes only its own value.
   const std::vector<Item> items =
-      TokenTiles(plan, 0, plan.num_groups(), saved != nullptr ? kTokenTile : kForwardTokenTile);
+      TokenTiles(plan, tree, 0, plan.num_groups(), saved != nullptr ? kTokenTile : kForwardTokenTile);
   int64 total_cost = 0;
   for (const Item& it : items) {
-    total_cost += it.count * BlockOf<T>(plan, it.group).size * p.dim;
+    total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * p.dim;
   }
   const int64 cost = items.empty() ? 0 : 2 * total_cost / static_cast<int64>(items.size());
   parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
@@ -477,41 +478,42 @@ void GroupedForward(const VisitPlan& plan, const SoftmaxParams<T>& p,
       Scratch<T>& s = ThreadScratch<T>();
       T* lse = Grow(&s.lse, it.count);
       T* taken = Grow(&s.taken_logit, it.count);
-      const NodeBlock<T> blk = BlockOf<T>(plan, it.group);
+      const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[it.group]);
       T* keep = saved != nullptr ? saved + offsets[it.group] + it.offset * blk.size : nullptr;
       NodeLogSumExp(p, plan, e0, it.count, blk, keep, lse, taken, call);
       for (int64 r = 0; r < it.count; ++r) entry_value[e0 + r] = taken[r] - lse[r];
     }
   });
-  SumGroupedEntries(plan, entry_value, log_prob);
+  SumGroupedEntries(plan, tree, entry_value, log_prob);
 }
 
 }  // namespace
 
-std::vector<int64> SavedLogitOffsets(const VisitPlan& plan) {
+std::vector<int64> SavedLogitOffsets(const VisitPlan& plan, const TreeView& tree) {
   std::vector<int64> offsets(plan.num_groups() + 1, 0);
   for (int64 g = 0; g < plan.num_groups(); ++g) {
-    const int64 n = IsWalked(plan, g) ? 0 : plan.group_begin[g + 1] - plan.group_begin[g];
-    offsets[g + 1] = offsets[g] + n * plan.group_width(g);
+    const int64 node = plan.group_node[g];
+    const int64 n = IsWalked(tree, node) ? 0 : plan.group_begin[g + 1] - plan.group_begin[g];
+    offsets[g + 1] = offsets[g] + n * (tree.child_begin[node + 1] - tree.child_begin[node]);
   }
   return offsets;
 }
 
 template <typename T>
-void LogProbForward(const VisitPlan& plan, const SoftmaxParams<T>& p,
+void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
                     const ParallelFor& parallel_for, T* log_prob, T* saved_logits) {
-  GroupedForward(plan, p, parallel_for, log_prob, ++call_counter, saved_logits);
-  if (!HasWalkedGroups(plan)) return;
+  GroupedForward(plan, tree, p, parallel_for, log_prob, ++call_counter, saved_logits);
+  if (!HasWalkedGroups(plan, tree)) return;
   // Then each token's walked steps, in path order.
   parallel_for(plan.num_tokens, WalkCostPerToken(plan, p.dim), [&](int64 begin, int64 end) {
     for (int64 i = begin; i < end; ++i) {
-      log_prob[i] += WalkPath<T>(plan, p, i, T(0), true, false, nullptr, nullptr, false, 0);
+      log_prob[i] += WalkPath<T>(plan, tree, p, i, T(0), true, false, nullptr, nullptr, false, 0);
     }
   });
 }
 
 template <typename T>
-void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
+void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
                      const T* upstream, const ParallelFor& parallel_for,
                      const LogProbGrads<T>& grads, int64 coef_budget) {
   const int64 D = p.dim;
@@ -519,10 +521,10 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
   T* const log_prob = grads.log_prob_from_backward;
   // The forward's logits of entries [offset, ...) of group g, when it saved them.
   const std::vector<int64> saved_offsets =
-      grads.saved_logits != nullptr ? SavedLogitOffsets(plan) : std::vector<int64>();
+      grads.saved_logits != nullptr ? SavedLogitOffsets(plan, tree) : std::vector<int64>();
   auto saved_at = [&](int64 g, int64 offset) -> const T* {
     if (grads.saved_logits == nullptr) return nullptr;
-    return grads.saved_logits + saved_offsets[g] + offset * BlockOf<T>(plan, g).size;
+    return grads.saved_logits + saved_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
   };
   // dh starts at zero (megabytes at large batches: filled by all threads; the cost is
   // about a cycle per 4 elements written).
@@ -565,7 +567,7 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
     } else {
       out.dw = grads.weight_rows + row0 * D;
       out.db = with_bias ? grads.bias_rows + row0 : nullptr;
-      const int64 first = plan.group_slot[g] + k0;
+      const int64 first = tree.child_begin[plan.group_node[g]] + k0;
       for (int64 j = 0; j < kb; ++j) grads.row_ids[row0 + j] = first + j;
     }
     if (zero_fill) std::fill(out.dw, out.dw + kb * D, T(0));
@@ -597,7 +599,7 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
   };
   auto end_rows = [&](int64 g, int64 k0, int64 kb, const RowBlock& block) {
     if (!sgd) return;
-    const int64 first = plan.group_slot[g] + k0;
+    const int64 first = tree.child_begin[plan.group_node[g]] + k0;
     const T lr = grads.sgd_learning_rate;
     T* w = grads.sgd_weights + first * D;
     for (int64 i = 0; i < kb * D; ++i) w[i] -= lr * block.dw[i];
@@ -613,8 +615,8 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
     int64 need = 0;
     for (int64 g = g_begin; g < g_end; ++g) {
       coef_offset[g] = need;
-      if (IsWalked(plan, g)) continue;
-      need += (plan.group_begin[g + 1] - plan.group_begin[g]) * BlockOf<T>(plan, g).size;
+      if (IsWalked(tree, plan.group_node[g])) continue;
+      need += (plan.group_begin[g + 1] - plan.group_begin[g]) * BlockOf<T>(tree, plan.group_node[g]).size;
     }
     if (need == 0) continue;
     const bool keep = need <= coef_budget;
@@ -625,15 +627,15 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
 
     // Phase A: per token tile, logsumexp, coefficients, and dh += coef @ W_node. Within a
     // level each token is in one tile only, so the dh rows are written without races.
-    const std::vector<Item> items = TokenTiles(plan, g_begin, g_end, kTokenTile);
+    const std::vector<Item> items = TokenTiles(plan, tree, g_begin, g_end, kTokenTile);
     int64 total_cost = 0;
-    for (const Item& it : items) total_cost += it.count * BlockOf<T>(plan, it.group).size * D;
+    for (const Item& it : items) total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * D;
     const int64 cost = items.empty() ? 0 : 4 * total_cost / static_cast<int64>(items.size());
     parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
       for (int64 i = begin; i < end; ++i) {
         const Item& it = items[i];
         const int64 e0 = plan.group_begin[it.group] + it.offset;
-        const NodeBlock<T> blk = BlockOf<T>(plan, it.group);
+        const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[it.group]);
         const bool owns_rows = whole_group(it.group);
         Scratch<T>& s = ThreadScratch<T>();
         T* kept = keep ? coef_store.get() + coef_offset[it.group] + it.offset * blk.size : nullptr;
@@ -701,8 +703,8 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
     std::vector<Item> chunks;
     int64 chunk_cost = 0;
     for (int64 g = g_begin; g < g_end; ++g) {
-      if (whole_group(g) || IsWalked(plan, g)) continue;
-      const int64 k = BlockOf<T>(plan, g).size;
+      if (whole_group(g) || IsWalked(tree, plan.group_node[g])) continue;
+      const int64 k = BlockOf<T>(tree, plan.group_node[g]).size;
       const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
       const int64 pieces = std::max<int64>(4, 2 * ((k + 2 * kGradSlotTile - 1) / (2 * kGradSlotTile)));
       const int64 chunk_rows = ((k + pieces - 1) / pieces + 15) / 16 * 16;
@@ -717,7 +719,7 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
       for (int64 c = begin; c < end; ++c) {
         const Item& ch = chunks[c];
         const int64 g = ch.group, k0 = ch.offset, kb = ch.count;
-        const NodeBlock<T> blk = BlockOf<T>(plan, g);
+        const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[g]);
         const RowBlock block = begin_rows(g, k0, kb, false);
         const int64 e_begin = plan.group_begin[g], n = plan.group_begin[g + 1] - e_begin;
         Scratch<T>& s = ThreadScratch<T>();
@@ -744,24 +746,27 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
     });
   }
 
-  if (entry_values) SumGroupedEntries(plan, entry_value, log_prob);
+  if (entry_values) SumGroupedEntries(plan, tree, entry_value, log_prob);
 
   // Walked (small) nodes, after every grouped level so that each dh row sums its terms in
   // a fixed order: pass 1 walks every token's path (logits, lse, coefficients, dh); pass 2
   // gives each walked group its dW rows, summed over its tokens in token order.
-  if (!HasWalkedGroups(plan)) return;
+  if (!HasWalkedGroups(plan, tree)) return;
+  std::vector<int64> group_level(plan.num_groups());
   int64 stride = 0;
-  for (int64 g = 0; g < plan.num_groups(); ++g) {
-    if (IsWalked(plan, g)) stride = std::max(stride, plan.group_width(g));
+  for (int64 level = 0; level < plan.num_levels(); ++level) {
+    for (int64 g = plan.level_begin[level]; g < plan.level_begin[level + 1]; ++g) {
+      group_level[g] = level;
+      const int64 k = BlockOf<T>(tree, plan.group_node[g]).size;
+      if (k <= kWalkMaxBranching) stride = std::max(stride, k);
+    }
   }
-  // The walk's coefficients, by entry (a group's visits are consecutive entries).
-  const int64 num_entries = static_cast<int64>(plan.entry_token.size());
-  const bool keep = num_entries * stride <= coef_budget;
-  std::vector<T> entry_coef(keep ? num_entries * stride : 0);
+  const bool keep = plan.num_steps() * stride <= coef_budget;
+  std::vector<T> step_coef(keep ? plan.num_steps() * stride : 0);
   parallel_for(plan.num_tokens, 2 * WalkCostPerToken(plan, D), [&](int64 begin, int64 end) {
     for (int64 i = begin; i < end; ++i) {
-      const T value = WalkPath<T>(plan, p, i, upstream[i], log_prob != nullptr, true,
-                                  grads.hidden + i * D, entry_coef.data(), keep, stride);
+      const T value = WalkPath<T>(plan, tree, p, i, upstream[i], log_prob != nullptr, true,
+                                  grads.hidden + i * D, step_coef.data(), keep, stride);
       if (log_prob != nullptr) log_prob[i] += value;
     }
   });
@@ -773,7 +778,7 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
   std::vector<GroupRun> runs;
   int64 run_begin = -1, run_entries = 0;
   for (int64 g = 0; g < plan.num_groups(); ++g) {
-    if (!IsWalked(plan, g)) continue;
+    if (!IsWalked(tree, plan.group_node[g])) continue;
     if (run_begin < 0) run_begin = g;
     run_entries += plan.group_begin[g + 1] - plan.group_begin[g];
     if (run_entries >= kWalkItemEntries) {
@@ -797,8 +802,9 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
     Scratch<T>& s = ThreadScratch<T>();
     for (int64 r = begin; r < end; ++r) {
       for (int64 g = runs[r].begin; g < runs[r].end; ++g) {
-        if (!IsWalked(plan, g)) continue;
-        const NodeBlock<T> blk = BlockOf<T>(plan, g);
+        const int64 node = plan.group_node[g];
+        if (!IsWalked(tree, node)) continue;
+        const NodeBlock<T> blk = BlockOf<T>(tree, node);
         const int64 K = blk.size, e0 = plan.group_begin[g], ne = plan.group_begin[g + 1] - e0;
         const T* w = p.weights + blk.first_slot * D;
         const T* b = p.biases != nullptr ? p.biases + blk.first_slot : nullptr;
@@ -810,7 +816,7 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
           const int64 i = plan.entry_token[e0 + v];
           h[v] = p.hidden + i * D;
           if (keep) {
-            c[v] = entry_coef.data() + (e0 + v) * stride;
+            c[v] = step_coef.data() + (plan.token_step_begin[i] + group_level[g]) * stride;
           } else {
             WalkStepCoefficients<T>(h[v], w, b, K, plan.entry_slot[e0 + v] - blk.first_slot, D,
                                     upstream[i], recomputed + v * K);
@@ -858,10 +864,11 @@ void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
 }
 
 #define TF_HSM_INSTANTIATE(T)                                                             \
-  template void LogProbForward<T>(const VisitPlan&, const SoftmaxParams<T>&,               \
+  template void LogProbForward<T>(const VisitPlan&, const TreeView&, const SoftmaxParams<T>&, \
                                   const ParallelFor&, T*, T*);                              \
-  template void LogProbBackward<T>(const VisitPlan&, const SoftmaxParams<T>&, const T*,     \
-                                   const ParallelFor&, const LogProbGrads<T>&, int64);
+  template void LogProbBackward<T>(const VisitPlan&, const TreeView&,                       \
+                                   const SoftmaxParams<T>&, const T*, const ParallelFor&,    \
+                                   const LogProbGrads<T>&, int64);
 TF_HSM_INSTANTIATE(float)
 TF_HSM_INSTANTIATE(double)
 #undef TF_HSM_INSTANTIATE

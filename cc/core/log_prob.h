@@ -28,13 +28,13 @@ struct SoftmaxParams {
 // LogProbBackward: group g's entry e (in plan order) and slot j of its node at
 // offsets[g] + (e - plan.group_begin[g]) * K + j, K the node's number of children;
 // offsets[num_groups] is the total.
-std::vector<int64> SavedLogitOffsets(const VisitPlan& plan);
+std::vector<int64> SavedLogitOffsets(const VisitPlan& plan, const TreeView& tree);
 
 // log_prob[i] for every token of the plan. With saved_logits (SavedLogitOffsets().back()
 // values), also the grouped nodes' logits, which a backward pass given them then copies
 // instead of computing them again, getting the same bits.
 template <typename T>
-void LogProbForward(const VisitPlan& plan, const SoftmaxParams<T>& p,
+void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
                     const ParallelFor& parallel_for, T* log_prob, T* saved_logits = nullptr);
 
 // Outputs of the backward pass. The weight and bias gradients are sparse: row r of
@@ -75,7 +75,7 @@ constexpr int64 kDefaultCoefBudget = int64{1} << 25;
 
 // Gradients of sum_i upstream[i] * log_prob[i].
 template <typename T>
-void LogProbBackward(const VisitPlan& plan, const SoftmaxParams<T>& p,
+void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
                      const T* upstream, const ParallelFor& parallel_for,
                      const LogProbGrads<T>& grads, int64 coef_budget = kDefaultCoefBudget);
 

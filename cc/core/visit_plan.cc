@@ -26,10 +26,7 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   plan->group_begin.push_back(0);
   plan->group_row.push_back(0);
 
-  // Validate targets and the paths they read; find each token's depth. Each step is
-  // copied as it is checked, its node into step_group and its slot into step_entry, where
-  // they stay until the grouping of its level (which reads them level by level: from the
-  // tree each read would be a cache line of its own) puts its group and entry there.
+  // Validate targets and the paths they read; find each token's depth.
   int64 max_depth = 0;
   plan->token_path.resize(num_tokens);
   plan->token_step_begin.assign(num_tokens + 1, 0);
@@ -73,8 +70,6 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
         return Message("malformed tree: path_slots[", p, "] = ", s,
                        " is outside the slots [", cb, ", ", ce, ") of node ", n);
       }
-      plan->step_group.push_back(n);
-      plan->step_entry.push_back(s);
     }
     plan->token_path[i] = b;
     plan->token_step_begin[i + 1] = plan->token_step_begin[i] + (e - b);
@@ -108,7 +103,7 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
     const uint64_t mask = static_cast<uint64_t>(capacity) - 1;
     used.clear();
     for (const int64 i : active) {
-      const int64 n = plan->step_group[plan->token_step_begin[i] + level];  // the node
+      const int64 n = tree.path_nodes[plan->token_path[i] + level];
       uint64_t h = (static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull) >> 20 & mask;
       while (table_node[h] != -1 && table_node[h] != n) h = (h + 1) & mask;
       if (table_node[h] == -1) {
@@ -133,20 +128,16 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
       offset += counts[g];
       plan->group_begin.push_back(offset);
       const int64 n = plan->group_node[g];
-      plan->group_slot.push_back(tree.child_begin[n]);
       plan->group_row.push_back(plan->group_row.back() + tree.child_begin[n + 1] -
                                 tree.child_begin[n]);
     }
     plan->entry_token.resize(offset);
     plan->entry_slot.resize(offset);
     for (size_t v = 0; v < level_tokens.size(); ++v) {
-      const int64 i = level_tokens[v], g = level_groups[v];
-      const int64 e = cursor[g - first_group]++;
+      const int64 i = level_tokens[v];
+      const int64 e = cursor[level_groups[v] - first_group]++;
       plan->entry_token[e] = i;
-      const int64 step = plan->token_step_begin[i] + level;
-      plan->entry_slot[e] = plan->step_entry[step];  // the slot
-      plan->step_group[step] = g;
-      plan->step_entry[step] = e;
+      plan->entry_slot[e] = tree.path_slots[plan->token_path[i] + level];
     }
     plan->level_begin.push_back(plan->num_groups());
   }

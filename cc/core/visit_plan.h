@@ -21,25 +21,18 @@ struct VisitPlan {
   std::vector<int64> group_node;   // [groups]
   std::vector<int64> group_begin;  // [groups + 1], ranges of entries
   std::vector<int64> group_row;    // [groups + 1], prefix sums of the nodes' branching
-  std::vector<int64> group_slot;   // [groups], the first weight row of the group's node
   std::vector<int64> entry_token;  // [entries]
   std::vector<int64> entry_slot;   // [entries], the slot taken at this visit
   // Per token, for kernels that walk a token's path instead of visiting groups:
   std::vector<int64> token_path;        // [tokens], index of its first step in path_nodes
   std::vector<int64> token_step_begin;  // [tokens + 1], prefix sums of the path lengths
-  // Per step of those paths (step token_step_begin[i] + l is token i's l-th), its group and
-  // entry: a walk then reads the plan in order instead of the tree at random (the nodes
-  // of a large tree are megabytes apart).
-  std::vector<int64> step_group;  // [steps]
-  std::vector<int64> step_entry;  // [steps]
 
   // Empties every vector, keeping its storage (BuildVisitPlan starts with this, so a plan
   // reused across calls allocates nothing once it has grown).
   void Clear() {
     num_tokens = 0;
     for (std::vector<int64>* v : {&level_begin, &group_node, &group_begin, &group_row,
-                                  &group_slot, &entry_token, &entry_slot, &token_path,
-                                  &token_step_begin, &step_group, &step_entry}) {
+                                  &entry_token, &entry_slot, &token_path, &token_step_begin}) {
       v->clear();
     }
   }
@@ -47,8 +40,6 @@ struct VisitPlan {
   int64 num_levels() const { return static_cast<int64>(level_begin.size()) - 1; }
   int64 num_groups() const { return static_cast<int64>(group_node.size()); }
   int64 num_rows() const { return group_row.empty() ? 0 : group_row.back(); }
-  // The number of children of group g's node.
-  int64 group_width(int64 g) const { return group_row[g + 1] - group_row[g]; }
   int64 num_steps() const { return token_step_begin.empty() ? 0 : token_step_begin.back(); }
 };
 

@@ -52,12 +52,12 @@ class LogProbOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &out));
     T* saved = nullptr;
     if (kSaving) {
-      const int64 total = SavedLogitOffsets(plan).back();
+      const int64 total = SavedLogitOffsets(plan, tree).back();
       Tensor* saved_out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({total <= max_saved_ ? total : 0}), &saved_out));
       if (total <= max_saved_) saved = saved_out->flat<T>().data();
     }
-    LogProbForward<T>(plan, params, CpuParallelFor(ctx), out->flat<T>().data(), saved);
+    LogProbForward<T>(plan, tree, params, CpuParallelFor(ctx), out->flat<T>().data(), saved);
   }
 
  private:
@@ -90,7 +90,7 @@ class LogProbGradOp : public OpKernel {
     LogProbGrads<T> grads;
     if (kFromSaved) {
       const Tensor& saved = ctx->input(9);
-      const int64 expected = SavedLogitOffsets(plan).back();
+      const int64 expected = SavedLogitOffsets(plan, tree).back();
       OP_REQUIRES(ctx, saved.dims() == 1 && (saved.NumElements() == 0 || saved.NumElements() == expected),
                   errors::InvalidArgument("saved_logits must be the forward's ", expected,
                                           " logits of these inputs (or empty), got shape ",
@@ -111,7 +111,7 @@ class LogProbGradOp : public OpKernel {
     grads.weight_rows = weight_rows->flat<T>().data();
     grads.bias_rows = in.has_bias ? bias_rows->flat<T>().data() : nullptr;
     grads.row_ids = row_ids->flat<int64_t>().data();
-    LogProbBackward<T>(plan, params, upstream.flat<T>().data(), CpuParallelFor(ctx), grads);
+    LogProbBackward<T>(plan, tree, params, upstream.flat<T>().data(), CpuParallelFor(ctx), grads);
   }
 
  private:

@@ -119,7 +119,7 @@ class SgdStepOp : public OpKernel {
     // The log-probabilities from the logsumexps the update needs anyway (no forward pass
     // over the grouped nodes, as in nll_loss); the rows are read before they are updated.
     grads.log_prob_from_backward = log_prob->flat<T>().data();
-    LogProbBackward<T>(plan, params, upstream.data(), parallel_for, grads);
+    LogProbBackward<T>(plan, tree, params, upstream.data(), parallel_for, grads);
   }
 
  private:

@@ -89,8 +89,8 @@ Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w
   Run<T> run;
   run.log_prob.resize(targets.size());
   // save_logits: the backward copies the forward's logits of grouped nodes.
-  std::vector<T> saved(save_logits ? SavedLogitOffsets(plan).back() : 0);
-  LogProbForward<T>(plan, p, pf, run.log_prob.data(), save_logits ? saved.data() : nullptr);
+  std::vector<T> saved(save_logits ? SavedLogitOffsets(plan, t.view()).back() : 0);
+  LogProbForward<T>(plan, t.view(), p, pf, run.log_prob.data(), save_logits ? saved.data() : nullptr);
   run.d_hidden.resize(h.size());
   // The weight-gradient rows start rows_offset elements past a 64-byte boundary (aligned
   // rows are written with streaming stores).
@@ -105,7 +105,7 @@ Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w
   g.bias_rows = b ? run.d_bias_rows.data() : nullptr;
   g.row_ids = run.row_ids.data();
   g.saved_logits = save_logits ? saved.data() : nullptr;
-  LogProbBackward<T>(plan, p, upstream.data(), pf, g, budget);
+  LogProbBackward<T>(plan, t.view(), p, upstream.data(), pf, g, budget);
   run.d_rows.assign(rows, rows + plan.num_rows() * D);
   return run;
 }
@@ -329,7 +329,7 @@ void TestInPlaceSgd() {
       g.sgd_weights = w_sgd.data();
       g.sgd_biases = b_sgd.data();
       g.sgd_learning_rate = lr;
-      LogProbBackward<double>(plan, p, up.data(), ThreadedFor(3), g, budget);
+      LogProbBackward<double>(plan, t.view(), p, up.data(), ThreadedFor(3), g, budget);
       for (size_t i = 0; i < w.size(); ++i) {
         EXPECT(std::fabs(w_sgd[i] - w_ref[i]) <= 1e-12 * (1 + std::fabs(w_ref[i])),
                "w[%zu] %.17g vs %.17g", i, w_sgd[i], w_ref[i]);
@@ -374,7 +374,7 @@ void CheckLogProbFromBackward(std::mt19937_64& rng, const Layout& t, int64 N, in
       g.bias_rows = bias_rows.data();
       g.row_ids = ids.data();
       g.log_prob_from_backward = lp.data();
-      LogProbBackward<T>(plan, p, up.data(), threads == 1 ? SerialFor : ThreadedFor(threads), g, budget);
+      LogProbBackward<T>(plan, t.view(), p, up.data(), threads == 1 ? SerialFor : ThreadedFor(threads), g, budget);
       EXPECT(SameBits(dh, plain.d_hidden), "%s: d_hidden differs", what);
       EXPECT(SameBits(rows, plain.d_rows), "%s: weight rows differ", what);
       EXPECT(SameBits(bias_rows, plain.d_bias_rows), "%s: bias rows differ", what);

@@ -463,7 +463,7 @@ Result<T> RunCpu(const Case& c, const VisitPlan& plan, const Data<T>& d) {
   Result<T> r;
   const ParallelFor pf = ThreadPoolFor();
   r.log_prob.resize(c.tokens);
-  LogProbForward<T>(plan, p, pf, r.log_prob.data());
+  LogProbForward<T>(plan, c.tree.view(), p, pf, r.log_prob.data());
   r.d_hidden.resize(c.tokens * c.dim);
   r.d_rows.resize(plan.num_rows() * c.dim);
   r.d_bias.resize(c.bias ? plan.num_rows() : 0);
@@ -473,7 +473,7 @@ Result<T> RunCpu(const Case& c, const VisitPlan& plan, const Data<T>& d) {
   g.weight_rows = r.d_rows.data();
   g.bias_rows = c.bias ? r.d_bias.data() : nullptr;
   g.row_ids = r.row_ids.data();
-  LogProbBackward<T>(plan, p, d.upstream.data(), pf, g);
+  LogProbBackward<T>(plan, c.tree.view(), p, d.upstream.data(), pf, g);
   return r;
 }
 
