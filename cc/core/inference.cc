@@ -20,7 +20,8 @@ namespace tf_hsm {
 namespace {
 
 constexpr int64 kSlotTile = 128;        // weight rows per logits tile (as in log_prob.cc)
-constexpr int64 kSearchRows = 16;       // rows one TopK work item searches together
+constexpr int64 kMinSearchRows = 16;    // rows one TopK work item searches together:
+constexpr int64 kMaxSearchRows = 64;    //   see SearchRowsPerItem
 constexpr int64 kSampleRows = 64;       // rows one Sample work item walks together
 constexpr int64 kBlockRows = 64;        // LogProbAll rows that share every weight block
 constexpr int64 kSplitRows = 16;        // LogProbAll row tile when a level has few nodes
@@ -243,12 +244,13 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64 fir
   const T* w = p.weights + first * p.dim;
   if (packed != nullptr) {
     RowPanelDots(packed, nr, w, p.dim, kb, p.dim, z, ld);
-  } else if (kb < 8) {
-    simd::DotEach<T>(rows, nr, w, p.dim, kb, p.dim, z, ld);
-  } else if (nr < 4) {
-    for (int64 r = 0; r < nr; ++r) {
-      simd::DotRows<T, 1, 16>(rows + r, 1, w, p.dim, kb, p.dim, z + r * ld, ld);
-    }
+  } else if (kb < 8 || nr < 4) {
+    // A 4 x 4 register tile would be mostly padding. Streaming the block once for all the
+    // rows, one dot product at a time, beat the wider tiles tried (1 x 16, 2 x 8): at small
+    // d their reductions cost as much as the products, and their strided loads stream
+    // slower than consecutive rows (D = 64, 1000 rows from memory, 1 or 2 rows: 12 and
+    // 17 us against 31 and 34 us).
+    simd::DotColumns<T>(rows, nr, w, p.dim, kb, p.dim, z, ld);
   } else {
     simd::DotRows<T>(rows, nr, w, p.dim, kb, p.dim, z, ld);
   }
@@ -364,6 +366,16 @@ std::string CheckChild(const TreeView& t, int64 n, int64 slot, int64 code) {
 }
 
 std::string CheckChildren(const TreeView& t, int64 n, int64 begin, int64 end) {
+  // ValidChild without branches, so that the sweep vectorizes; the slot at fault is only
+  // looked for once one is known to be there.
+  const std::uint64_t C = t.num_classes, after = n + 1 + t.num_classes,
+                      later_nodes = t.num_nodes - n - 1;
+  bool valid = true;
+  for (int64 s = begin; s < end; ++s) {
+    const std::uint64_t code = static_cast<std::uint64_t>(t.slot_child[s]);
+    valid &= (code < C) | (code - after < later_nodes);
+  }
+  if (valid) return "";
   for (int64 s = begin; s < end; ++s) {
     if (!ValidChild(t, n, t.slot_child[s])) return CheckChild(t, n, s, t.slot_child[s]);
   }
@@ -521,7 +533,19 @@ void PushChildren(SearchScratch<T>* ss, int64 r, T parent, const T* z, T lse,
   // the rest (NaN included) go through the exact test.
   bool full = static_cast<int64>(rs->best.size()) == k;
   T bound = full ? rs->best.front().value : -std::numeric_limits<T>::infinity();
+  constexpr int64 kBlock = simd::Vec<T>::kWidth;
   for (int64 j = 0; j < K; ++j) {
+    if (full && j % kBlock == 0) {
+      // Whole blocks of children below the bound are skipped by one vector test (the
+      // bound only rises, so a block below it now stays below it).
+      const int64 stop = std::min(K, j + kBlock);
+      bool any = false;
+      for (int64 i = j; i < stop; ++i) any |= !(parent + (z[i] - lse) < bound);
+      if (!any) {
+        j = stop - 1;
+        continue;
+      }
+    }
     Entry<T> e{parent + (z[j] - lse), codes[j], -1};
     if (e.value < bound) continue;
     if (full && CannotReach(e, rs->best.front(), C)) continue;
@@ -1638,6 +1662,22 @@ struct CandidateItem {
   int64 count;
 };
 
+// Rows per TopK work item. The rows of an item share each node's pass over its weights, so
+// where those passes stream from memory, larger items read less of the table (64 rows,
+// 2-level tree over 1M classes, D = 64: 2,032 node passes in 16-row items, 1,516 in
+// 32-row items, 974 in one item), but an item is one thread's work: half the rows, within
+// [kMinSearchRows, kMaxSearchRows], keeps two items from 32 rows on. Small nodes gain
+// little from the sharing (a binary tree's are two rows) and searches of more rows expand
+// more of them, so trees whose nodes average under kShareBytes of weights keep the
+// smallest items. Neither depends on threads, nor then does num_expanded.
+constexpr int64 kShareBytes = int64{1} << 15;
+
+int64 SearchRowsPerItem(const TreeView& t, int64 dim, int64 elem_bytes, int64 num_rows) {
+  const int64 mean_node_bytes = t.num_slots / std::max<int64>(1, t.num_nodes) * dim * elem_bytes;
+  if (mean_node_bytes < kShareBytes) return kMinSearchRows;
+  return std::min(kMaxSearchRows, std::max(kMinSearchRows, (num_rows + 1) / 2));
+}
+
 }  // namespace
 
 template <typename T>
@@ -1649,14 +1689,15 @@ std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows
   if (k < 1 || k > tree.num_classes) {
     return Message("k = ", k, " must be in [1, num_classes] = [1, ", tree.num_classes, "]");
   }
-  const int64 items = (num_rows + kSearchRows - 1) / kSearchRows;
+  const int64 per_item = SearchRowsPerItem(tree, p.dim, sizeof(T), num_rows);
+  const int64 items = (num_rows + per_item - 1) / per_item;
   std::vector<std::string> errors(items);
   const int64 root_slots = std::max<int64>(1, std::min<int64>(tree.num_slots, 1 << 12));
-  const int64 cost = kSearchRows * (p.dim + 8) * root_slots * 4;
+  const int64 cost = per_item * (p.dim + 8) * root_slots * 4;
   parallel_for(items, cost, [&](int64 begin, int64 end) {
     for (int64 i = begin; i < end; ++i) {
-      const int64 row0 = i * kSearchRows;
-      errors[i] = SearchRows(tree, p, k, row0, std::min(kSearchRows, num_rows - row0),
+      const int64 row0 = i * per_item;
+      errors[i] = SearchRows(tree, p, k, row0, std::min(per_item, num_rows - row0),
                              log_probs, classes, num_expanded);
     }
   });

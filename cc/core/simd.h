@@ -502,6 +502,30 @@ void DotEach(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
   }
 }
 
+// DotEach's products and bits with the loops swapped: each weight row is loaded once
+// and dotted with every row of a, so a block streamed from memory is read once for a
+// handful of rows (DotEach reads it once per row; DotRows' 4 x 4 tile computes padding
+// and spends as long reducing as multiplying at small d).
+template <typename T>
+void DotColumns(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64 d,
+                T* out, int64 ldo) {
+  constexpr int64 w = Vec<T>::kWidth;
+  const int64 full = d - d % w;
+  for (int64 j = 0; j < nb; ++j) {
+    if (j + kPrefetchAhead < nb) {
+      const char* row = reinterpret_cast<const char*>(b + (j + kPrefetchAhead) * ldb);
+      for (int64 o = 0; o < d * static_cast<int64>(sizeof(T)); o += 64) __builtin_prefetch(row + o, 0, 2);
+    }
+    const T* bj = b + j * ldb;
+    for (int64 i = 0; i < na; ++i) {
+      VecT<T> acc = {};
+      for (int64 k = 0; k < full; k += w) acc += Load(a[i] + k) * Load(bj + k);
+      if (full < d) acc += LoadPartial(a[i] + full, d - full) * LoadPartial(bj + full, d - full);
+      out[i * ldo + j] = ReduceSum<T>(acc);
+    }
+  }
+}
+
 // Copies weight rows b[0..nb) x [0, d) into column panels of kWidth rows each, transposed:
 // panels[(p * d + k) * kWidth + c] = b[(p * kWidth + c) * ldb + k] (zero past nb). The
 // outer-product kernel below then streams one panel vector per k.

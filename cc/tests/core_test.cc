@@ -11,6 +11,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cc/core/log_prob.h"
@@ -598,6 +599,17 @@ void CheckAccumulateKernels(std::mt19937_64& rng, int64 na, int64 nb, int64 D, c
   }
 }
 
+// |got - a . b| within tol times (1 + sum_k |a_k b_k|), a . b summed in long double.
+template <typename T>
+bool DotCloseToReference(T got, const T* a, const T* b, int64 D, T tol) {
+  long double want = 0, scale = 0;
+  for (int64 k = 0; k < D; ++k) {
+    want += (long double)a[k] * b[k];
+    scale += std::fabs((long double)a[k] * b[k]);
+  }
+  return std::fabs(got - want) <= tol * (1 + scale);
+}
+
 // The logits kernel of large groups, out[i][j] = a[i] . b[j] from packed panels, against a
 // long-double reference over row counts around its 6- and 4-row tiles, slot counts around
 // its 4-panel tiles and D around its 64-wide blocks of k (D = 0: every output 0). Each
@@ -624,12 +636,7 @@ void CheckDotRowsPacked(std::mt19937_64& rng, int64 na, int64 nb, int64 D, const
   for (int64 i = 0; i < na; ++i) {
     simd::DotRowsPacked<T>(a_ptr.data() + i, 1, panels.data(), nb, D, alone.data(), nb);
     for (int64 j = 0; j < nb; ++j) {
-      long double want = 0, scale = 0;
-      for (int64 k = 0; k < D; ++k) {
-        want += (long double)a_rows[i * D + k] * b_rows[j * D + k];
-        scale += std::fabs((long double)a_rows[i * D + k] * b_rows[j * D + k]);
-      }
-      close = close && std::fabs(out[i * nb + j] - want) <= tol * (1 + scale);
+      close = close && DotCloseToReference(out[i * nb + j], &a_rows[i * D], &b_rows[j * D], D, tol);
       // With the biases: the bits of adding them to the finished sums.
       same = same && out[i * nb + j] == alone[j] && out[i * nb + j] + bias[j] == out_wide[i * wide + j];
     }
@@ -649,6 +656,56 @@ void TestDotRowsPacked() {
       for (int64 nb : {1, 15, 16, 17, 64, 65, 128}) {
         CheckDotRowsPacked<float>(rng, na, nb, D, "float");
         if (D % 2 == 1) CheckDotRowsPacked<double>(rng, na, nb, D, "double");
+      }
+    }
+  }
+}
+
+// The dot-product kernels (DotEach, DotColumns, DotRows with each register tile, and
+// DotGroup) against a long-double reference and against each other: callers switch
+// between them by tile shape and count on the same bits from all of them.
+template <typename T>
+void CheckDotKernelsAgree(std::mt19937_64& rng, int64 na, int64 nb, int64 D, const char* what) {
+  std::normal_distribution<double> normal(0, 1);
+  std::vector<T> a_rows(na * D), b_rows(nb * D);
+  for (auto& v : a_rows) v = static_cast<T>(normal(rng));
+  for (auto& v : b_rows) v = static_cast<T>(normal(rng));
+  std::vector<const T*> a_ptr(na), b_ptr(nb);
+  for (int64 i = 0; i < na; ++i) a_ptr[i] = a_rows.data() + i * D;
+  for (int64 j = 0; j < nb; ++j) b_ptr[j] = b_rows.data() + j * D;
+  std::vector<T> each(na * nb), columns(na * nb), r1x16(na * nb), r2x8(na * nb), r4x4(na * nb),
+      group(na * nb);
+  simd::DotEach<T>(a_ptr.data(), na, b_rows.data(), D, nb, D, each.data(), nb);
+  simd::DotColumns<T>(a_ptr.data(), na, b_rows.data(), D, nb, D, columns.data(), nb);
+  simd::DotRows<T, 1, 16>(a_ptr.data(), na, b_rows.data(), D, nb, D, r1x16.data(), nb);
+  simd::DotRows<T, 2, 8>(a_ptr.data(), na, b_rows.data(), D, nb, D, r2x8.data(), nb);
+  simd::DotRows<T, 4, 4>(a_ptr.data(), na, b_rows.data(), D, nb, D, r4x4.data(), nb);
+  for (int64 i = 0; i < na; ++i) simd::DotScattered<T>(a_ptr[i], b_ptr.data(), nb, D, group.data() + i * nb);
+  const T tol = sizeof(T) == 4 ? T(2e-5) : T(1e-12);
+  bool close = true;
+  for (int64 i = 0; i < na; ++i) {
+    for (int64 j = 0; j < nb; ++j) {
+      close = close && DotCloseToReference(each[i * nb + j], &a_rows[i * D], &b_rows[j * D], D, tol);
+    }
+  }
+  EXPECT(close, "%s: DotEach na=%ld nb=%ld D=%ld off the reference", what, (long)na, (long)nb, (long)D);
+  const std::pair<const char*, const std::vector<T>*> others[] = {
+      {"DotColumns", &columns}, {"DotRows 1x16", &r1x16}, {"DotRows 2x8", &r2x8},
+      {"DotRows 4x4", &r4x4}, {"DotScattered", &group}};
+  for (const auto& other : others) {
+    EXPECT(std::memcmp(each.data(), other.second->data(), each.size() * sizeof(T)) == 0,
+           "%s: %s na=%ld nb=%ld D=%ld does not give DotEach's bits", what, other.first, (long)na,
+           (long)nb, (long)D);
+  }
+}
+
+void TestDotKernelsAgree() {
+  std::mt19937_64 rng(13);
+  for (int64 D : {1, 15, 16, 17, 64, 100, 300}) {
+    for (int64 na : {1, 2, 3, 4, 5, 9}) {
+      for (int64 nb : {1, 7, 8, 16, 17, 130}) {
+        CheckDotKernelsAgree<float>(rng, na, nb, D, "float");
+        if (D % 2 == 1) CheckDotKernelsAgree<double>(rng, na, nb, D, "double");
       }
     }
   }
@@ -676,6 +733,7 @@ int main() {
       {"log_and_transpose", tf_hsm::TestLogAndTranspose},
       {"accumulate_kernels", tf_hsm::TestAccumulateKernels},
       {"dot_rows_packed", tf_hsm::TestDotRowsPacked},
+      {"dot_kernels_agree", tf_hsm::TestDotKernelsAgree},
       {"against_reference", tf_hsm::TestAgainstReference},
       {"determinism", tf_hsm::TestDeterminism},
       {"streamed_gradient_rows", tf_hsm::TestStreamedGradientRows},

@@ -172,6 +172,8 @@ void TestTopKAgainstReference() {
   const Layout wide = RandomLayout(rng, 600, 2, 0.01, 3000);  // nodes wider than a tile
   CheckTopK<double>(rng, wide, 20, 9, true, 1e-10, "wide double");
   CheckTopK<float>(rng, wide, 20, 9, true, 2e-4, "wide float");
+  // Nodes of ~38 KB of float weights: 70 rows search in two items of 35 that share passes.
+  CheckTopK<float>(rng, wide, 70, 16, true, 2e-4, "wide float, 35-row items");
 }
 
 void TestTopKTies() {
@@ -612,6 +614,16 @@ void TestDeterminism() {
            "top_k depends on threads (%d)", threads);
     EXPECT(SameBits(all_a, RunAll(t, pr, 0, t.num_classes, ThreadedFor(threads))),
            "log_prob_all depends on threads (%d)", threads);
+  }
+  // Wide nodes, where rows search in larger items (here 3 of 64 rows and one of 22).
+  const Layout wide = RandomLayout(rng, 600, 2, 0.01, 3000);
+  const Problem<float> pw = RandomProblem<float>(rng, wide, 214, 16, true, 0.5);
+  const TopKResult<float> wa = RunTopK(wide, pw, 9, SerialFor);
+  for (int threads : {2, 5}) {
+    const TopKResult<float> wb = RunTopK(wide, pw, 9, ThreadedFor(threads));
+    EXPECT(wa.err.empty() && SameBits(wa.log_probs, wb.log_probs) && wa.classes == wb.classes &&
+               wa.expanded == wb.expanded,
+           "top_k over wide nodes depends on threads (%d)", threads);
   }
 }
 
