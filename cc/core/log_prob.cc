@@ -275,15 +275,10 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
   const T* biases = p.biases == nullptr ? nullptr : p.biases + first_slot;
   if (nt < 4 && kb >= 16) {
     // Clusters that got one to three tokens stream their rows from memory: one pass over
-    // them for all the tokens, 16 products at a time (DotEach's bits, which read the rows
-    // once per token and ran one multiply-add chain at a time).
-    if (nt == 1) {
-      simd::DotRows<T, 1, 16>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
-    } else if (nt == 2) {
-      simd::DotRows<T, 2, 8>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
-    } else {
-      simd::DotRows<T, 4, 4>(rows, nt, w, p.dim, kb, p.dim, tile, ld);  // a padding row
-    }
+    // them for all the tokens (DotEach's bits; DotEach itself reads the rows once per
+    // token). On AMD EPYC, 1000 rows from memory, D = 300 and 512, one to three tokens:
+    // 61-140 us against 108-195 us for the 1 x 16, 2 x 8 and 4 x 4 register tiles.
+    simd::DotColumns<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
   } else if (nt < 4 || blk.size < 4) {
     // A 4 x 4 register tile would be mostly padding.
     simd::DotEach<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
