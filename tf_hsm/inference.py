@@ -47,7 +47,9 @@ def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
 
   Ties: classes with equal log-probabilities are ordered by increasing class id; NaN
   log-probabilities (from NaN inputs) come last. The result is deterministic and does
-  not depend on the number of threads.
+  not depend on the number of threads. Rows are searched in groups of up to 64 that
+  share each node's pass over its weights, so a row's number of expanded nodes, and the
+  last bits of its log-probabilities, can depend on the other rows of the batch.
 
   Args:
     hidden: [..., D] float32/float64 (float16/bfloat16 are computed in float32).
