@@ -244,7 +244,9 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64 fir
   const T* w = p.weights + first * p.dim;
   if (packed != nullptr) {
     RowPanelDots(packed, nr, w, p.dim, kb, p.dim, z, ld);
-  } else if (kb < 8 || nr < 4) {
+  } else if (kb < 8) {
+    simd::DotEach<T>(rows, nr, w, p.dim, kb, p.dim, z, ld);
+  } else if (nr < 4) {
     // A 4 x 4 register tile would be mostly padding. Streaming the block once for all the
     // rows, one dot product at a time, beat the wider tiles tried (1 x 16, 2 x 8): at small
     // d their reductions cost as much as the products, and their strided loads stream
@@ -345,9 +347,13 @@ std::string NodeRange(const TreeView& t, int64 n, int64* begin, int64* end) {
 
 // True when child code `code` of node n is a class in [0, C) or C + m for a node
 // n < m < M: the fast test for the sweeps over every slot; CheckChild says what is wrong.
+// Without branches (negative codes wrap to huge unsigned values), so that a sweep of it
+// vectorizes.
 inline bool ValidChild(const TreeView& t, int64 n, int64 code) {
-  const int64 m = code - t.num_classes;
-  return code >= 0 && (m < 0 || (m > n && m < t.num_nodes));
+  const std::uint64_t u = static_cast<std::uint64_t>(code);
+  const std::uint64_t later = static_cast<std::uint64_t>(t.num_classes + n + 1);
+  return (u < static_cast<std::uint64_t>(t.num_classes)) |
+         (u - later < static_cast<std::uint64_t>(t.num_nodes - n - 1));
 }
 
 // Checks one child code of node n: a class in [0, C), or C + m for a node n < m < M.
@@ -366,15 +372,9 @@ std::string CheckChild(const TreeView& t, int64 n, int64 slot, int64 code) {
 }
 
 std::string CheckChildren(const TreeView& t, int64 n, int64 begin, int64 end) {
-  // ValidChild without branches, so that the sweep vectorizes; the slot at fault is only
-  // looked for once one is known to be there.
-  const std::uint64_t C = t.num_classes, after = n + 1 + t.num_classes,
-                      later_nodes = t.num_nodes - n - 1;
+  // One vectorized sweep; the slot at fault is only looked for once one is known to be there.
   bool valid = true;
-  for (int64 s = begin; s < end; ++s) {
-    const std::uint64_t code = static_cast<std::uint64_t>(t.slot_child[s]);
-    valid &= (code < C) | (code - after < later_nodes);
-  }
+  for (int64 s = begin; s < end; ++s) valid &= ValidChild(t, n, t.slot_child[s]);
   if (valid) return "";
   for (int64 s = begin; s < end; ++s) {
     if (!ValidChild(t, n, t.slot_child[s])) return CheckChild(t, n, s, t.slot_child[s]);
