@@ -131,10 +131,12 @@ inline void StorePartial<double>(double* p, VecT<double> v, int64 n) {
 // multiply-adds instead of 4, and the loads rather than the multiply-adds set its speed.
 // On the AMD EPYC, one core, data in L2: the dW, dh and 4 x 4 logits tiles went from
 // 72-81, 76-78 and 38-44 to 96-106, 96-100 and 80-95 GFLOP/s (its multiply-add peak is
-// ~114). No effect on the arithmetic: the same operations in the same order.
+// ~114). No effect on the arithmetic: the same operations in the same order. Only where a
+// 64-byte vector is one register (AVX-512); elsewhere it spans several and this is a no-op.
 template <typename V>
 inline void KeepInRegister(V& v) {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(TF_HSM_MASKED_PARTIALS) && defined(__GNUC__)
+  static_assert(sizeof(V) == 64, "one AVX-512 register");
   __asm__("" : "+v"(v));
 #else
   (void)v;
