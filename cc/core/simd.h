@@ -125,7 +125,7 @@ inline void StorePartial<double>(double* p, VecT<double> v, int64 n) {
 }
 #endif
 
-// Keeps v in a register from here on. A vector loaded once and used by several
+// v, kept in a register from here on. A vector loaded once and used by several
 // multiply-adds is otherwise often reloaded by each of them (GCC folds the load into every
 // instruction as a memory operand): a 4 x 4 tile then issues 16 vector loads per 16
 // multiply-adds instead of 4, and the loads rather than the multiply-adds set its speed.
@@ -134,13 +134,12 @@ inline void StorePartial<double>(double* p, VecT<double> v, int64 n) {
 // ~114). No effect on the arithmetic: the same operations in the same order. Only where a
 // 64-byte vector is one register (AVX-512); elsewhere it spans several and this is a no-op.
 template <typename V>
-inline void KeepInRegister(V& v) {
+inline V InRegister(V v) {
 #if defined(TF_HSM_MASKED_PARTIALS) && defined(__GNUC__)
   static_assert(sizeof(V) == 64, "one AVX-512 register");
   __asm__("" : "+v"(v));
-#else
-  (void)v;
 #endif
+  return v;
 }
 
 template <typename T>
@@ -465,14 +464,8 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
           for (int64 c = 0; c < kCols; ++c) __builtin_prefetch(next[c] + k * sizeof(T), 0, 3);
         }
         VecT<T> av[kRows], bv[kCols];
-        for (int64 r = 0; r < kRows; ++r) {
-          av[r] = Load(ar[r] + k);
-          KeepInRegister(av[r]);
-        }
-        for (int64 c = 0; c < kCols; ++c) {
-          bv[c] = Load(br[c] + k);
-          KeepInRegister(bv[c]);
-        }
+        for (int64 r = 0; r < kRows; ++r) av[r] = InRegister(Load(ar[r] + k));
+        for (int64 c = 0; c < kCols; ++c) bv[c] = InRegister(Load(br[c] + k));
         for (int64 r = 0; r < kRows; ++r)
           for (int64 c = 0; c < kCols; ++c) acc[r * kCols + c] += av[r] * bv[c];
       }
@@ -700,8 +693,7 @@ inline void AccumulateRowsBlock(T* const* out, int64 i0, const T* coef, int64 ld
     T c[kRows];
     for (int64 r = 0; r < kRows; ++r) c[r] = coef[(i0 + r) * ldc + j];
     for (int64 v = 0; v < kVecs; ++v) {
-      VecT<T> bv = load(bj, v);
-      KeepInRegister(bv);
+      const VecT<T> bv = InRegister(load(bj, v));
       for (int64 r = 0; r < kRows; ++r) acc[r][v] += c[r] * bv;
     }
   }
@@ -822,10 +814,7 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
     for (int64 i = 0; i < na; ++i) {
       VecT<T> av[kVecs];
       const T* ai = src(i);
-      for (int64 v = 0; v < kVecs; ++v) {
-        av[v] = Load(ai + v * w);
-        KeepInRegister(av[v]);
-      }
+      for (int64 v = 0; v < kVecs; ++v) av[v] = InRegister(Load(ai + v * w));
       const T* ci = coef + i * ldc + j0;
       for (int64 c = 0; c < kCols; ++c)
         for (int64 v = 0; v < kVecs; ++v) acc[c][v] += ci[c] * av[v];
