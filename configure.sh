@@ -11,7 +11,8 @@
 # - Builds the op library and the C++ tests, and places the library in tf_hsm/.
 #
 # Environment: TF_HSM_MARCH (default "native") sets -march for the core's vectorised
-# kernels; TF_HSM_MARCH=x86-64-v2 (say) builds a library that runs on older CPUs.
+# kernels and the C++ tests of them (so the tests run the instruction set that ships);
+# TF_HSM_MARCH=x86-64-v2 (say) builds a library that runs on older CPUs.
 # Safe to run again: a second run only checks, and rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -71,7 +72,7 @@ march="${TF_HSM_MARCH:-native}"
 config=$(cat <<CONF
 # Written by ./configure.sh; do not edit.
 build --repo_env=TF_HSM_PYTHON=$python
-build --per_file_copt=cc/core/.*@-march=$march
+build --per_file_copt=cc/core/.*,cc/tests/.*@-march=$march
 CONF
 )
 if [ "$config" != "$(cat .tf_hsm.bazelrc 2>/dev/null)" ]; then

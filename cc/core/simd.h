@@ -17,8 +17,29 @@
 #define TF_HSM_MASKED_PARTIALS 1
 #endif
 
+// Everything here is compiled for the instruction set of the file that includes it, and
+// lives in an inline namespace named after that instruction set. Without it, a binary that
+// links files built with different -march flags (the core is built for the host, other
+// code need not be) would hold two builds of each template under one name; the linker
+// keeps one copy of each function the compiler did not inline, so one file's code would
+// silently run the other's, with the other's arithmetic (FMA or not).
+#if defined(__AVX512F__)
+#define TF_HSM_SIMD_ISA isa_avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TF_HSM_SIMD_ISA isa_avx2_fma
+#elif defined(__FMA__)
+#define TF_HSM_SIMD_ISA isa_fma
+#elif defined(__AVX2__)
+#define TF_HSM_SIMD_ISA isa_avx2
+#elif defined(__AVX__)
+#define TF_HSM_SIMD_ISA isa_avx
+#else
+#define TF_HSM_SIMD_ISA isa_baseline
+#endif
+
 namespace tf_hsm {
 namespace simd {
+inline namespace TF_HSM_SIMD_ISA {
 
 using int64 = std::int64_t;
 
@@ -492,29 +513,40 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
   }
 }
 
-// Same result layout as DotRows, one dot product at a time: for tiles with fewer than four
-// rows or columns, where DotRows' 4 x 4 register tile would mostly compute padding.
+// One d-long dot product: whole vectors, then the masked tail, then one reduction. DotEach
+// and DotColumns both produce every entry with it, so they give the same bits.
+template <typename T>
+inline T Dot(const T* a, const T* b, int64 d) {
+  constexpr int64 w = Vec<T>::kWidth;
+  const int64 full = d - d % w;
+  VecT<T> acc = {};
+  for (int64 k = 0; k < full; k += w) acc += Load(a + k) * Load(b + k);
+  if (full < d) acc += LoadPartial(a + full, d - full) * LoadPartial(b + full, d - full);
+  return ReduceSum<T>(acc);
+}
+
+// Asks for weight row j + kPrefetchAhead of b when it exists. A matrix-vector product
+// streaming rows from memory has too little arithmetic per row to hide the misses, and
+// the hardware prefetchers stop at every 4 KB page.
 constexpr int64 kPrefetchAhead = 8;  // weight rows
 
 template <typename T>
+inline void PrefetchRowAhead(const T* b, int64 ldb, int64 j, int64 nb, int64 d) {
+  if (j + kPrefetchAhead >= nb) return;
+  const char* row = reinterpret_cast<const char*>(b + (j + kPrefetchAhead) * ldb);
+  for (int64 o = 0; o < d * static_cast<int64>(sizeof(T)); o += 64) __builtin_prefetch(row + o, 0, 2);
+}
+
+// Same result layout as DotRows, one dot product at a time: for tiles with fewer than four
+// rows or columns, where DotRows' 4 x 4 register tile would mostly compute padding. The
+// first pass over b streams its rows from memory, so it prefetches them.
+template <typename T>
 void DotEach(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64 d, T* out,
              int64 ldo) {
-  constexpr int64 w = Vec<T>::kWidth;
-  const int64 full = d - d % w;
   for (int64 i = 0; i < na; ++i) {
     for (int64 j = 0; j < nb; ++j) {
-      if (i == 0 && j + kPrefetchAhead < nb) {
-        // The first pass streams the rows from memory: ask for them a few rows ahead (the
-        // hardware prefetchers stop at every 4 KB page, and a matrix-vector product has
-        // too little arithmetic per row to hide the misses).
-        const char* row = reinterpret_cast<const char*>(b + (j + kPrefetchAhead) * ldb);
-        for (int64 o = 0; o < d * static_cast<int64>(sizeof(T)); o += 64) __builtin_prefetch(row + o, 0, 2);
-      }
-      const T* bj = b + j * ldb;
-      VecT<T> acc = {};
-      for (int64 k = 0; k < full; k += w) acc += Load(a[i] + k) * Load(bj + k);
-      if (full < d) acc += LoadPartial(a[i] + full, d - full) * LoadPartial(bj + full, d - full);
-      out[i * ldo + j] = ReduceSum<T>(acc);
+      if (i == 0) PrefetchRowAhead(b, ldb, j, nb, d);
+      out[i * ldo + j] = Dot(a[i], b + j * ldb, d);
     }
   }
 }
@@ -526,20 +558,9 @@ void DotEach(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
 template <typename T>
 void DotColumns(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64 d,
                 T* out, int64 ldo) {
-  constexpr int64 w = Vec<T>::kWidth;
-  const int64 full = d - d % w;
   for (int64 j = 0; j < nb; ++j) {
-    if (j + kPrefetchAhead < nb) {
-      const char* row = reinterpret_cast<const char*>(b + (j + kPrefetchAhead) * ldb);
-      for (int64 o = 0; o < d * static_cast<int64>(sizeof(T)); o += 64) __builtin_prefetch(row + o, 0, 2);
-    }
-    const T* bj = b + j * ldb;
-    for (int64 i = 0; i < na; ++i) {
-      VecT<T> acc = {};
-      for (int64 k = 0; k < full; k += w) acc += Load(a[i] + k) * Load(bj + k);
-      if (full < d) acc += LoadPartial(a[i] + full, d - full) * LoadPartial(bj + full, d - full);
-      out[i * ldo + j] = ReduceSum<T>(acc);
-    }
+    PrefetchRowAhead(b, ldb, j, nb, d);
+    for (int64 i = 0; i < na; ++i) out[i * ldo + j] = Dot(a[i], b + j * ldb, d);
   }
 }
 
@@ -1005,7 +1026,8 @@ inline Vec<float>::type LogVec(Vec<float>::type x) {
 
 // log(1 + u) of every lane for u in [0, 1] (NaN stays NaN): 1 + u is in [1, 2], so the
 // reduction to [sqrt(1/2), sqrt(2)] is one halving, without LogVec's checks for zero,
-// subnormals, negatives and inf. The sum 1 + u rounds as LogVec's argument would. double
+// subnormals, negatives and inf. The sum 1 + u rounds as LogVec's argument would, so the
+// result is as close to the log of the rounded 1 + u (core_test checks 1 ulp). double
 // lanes go through std::log1p.
 inline Vec<double>::type LogOnePlusUnitVec(Vec<double>::type u) {
   for (int i = 0; i < Vec<double>::kWidth; ++i) u[i] = std::log1p(u[i]);
@@ -1026,6 +1048,7 @@ inline void ExpInPlace(float* x, int64 n) {
   if (i < n) StorePartial(x + i, ExpVec(LoadPartial(x + i, n - i)), n - i);
 }
 
+}  // namespace TF_HSM_SIMD_ISA
 }  // namespace simd
 }  // namespace tf_hsm
 

@@ -11,6 +11,8 @@
 #include "cc/core/tree_view.h"
 
 namespace tf_hsm {
+// Per instruction set, like simd.h (see there).
+inline namespace TF_HSM_SIMD_ISA {
 
 // Grows per-thread scratch on demand (never shrinks) and returns its data.
 template <typename T>
@@ -57,6 +59,7 @@ void FoldLogSumExp(const T* z, int64 n, T* row_max, T* row_sum) {
   *row_max = m;
 }
 
+}  // namespace TF_HSM_SIMD_ISA
 }  // namespace tf_hsm
 
 #endif  // TF_HSM_CC_CORE_SOFTMAX_UTIL_H_

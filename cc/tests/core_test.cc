@@ -498,19 +498,21 @@ void TestLogAndTranspose() {
   EXPECT(y[0] == -INFINITY && y[1] == -INFINITY, "log(0) = %g, log(-0) = %g", y[0], y[1]);
   EXPECT(std::isnan(y[2]) && std::isnan(y[4]) && std::isnan(y[5]), "log of a negative or NaN");
   EXPECT(y[3] == INFINITY && y[6] == 0.0f, "log(inf) = %g, log(1) = %g", y[3], y[6]);
-  // log(1 + u) for u in [0, 1] (softplus's log) gives LogVec(1 + u)'s bits, so it is as
-  // close to log of the rounded 1 + u; NaN stays NaN.
+  // log(1 + u) for u in [0, 1] (softplus's log): within 1 ulp of the log of the rounded
+  // 1 + u, as LogVec(1 + u) is. (Not its bits: where FMA is available the compiler may
+  // contract the shared polynomial differently in the two inlined contexts.)
   std::vector<float> u = {0.0f, 1e-30f, 1e-8f, 5.9e-8f, 6e-8f, 1.2e-7f, 0.41421354f, 0.41421357f,
                           0.4142136f, 1.0f};
   for (float v = 1e-7f; v < 1.0f; v += 3.7e-6f) u.push_back(v);
   while (u.size() % 16 != 0) u.push_back(0.5f);
-  bool same = true;
   for (size_t i = 0; i < u.size(); i += 16) {
     const V a = simd::LogOnePlusUnitVec(simd::Load(&u[i]));
-    const V b = simd::LogVec(simd::Load(&u[i]) + 1.0f);
-    for (int k = 0; k < 16; ++k) same = same && std::memcmp(&a[k], &b[k], sizeof(float)) == 0;
+    for (int k = 0; k < 16; ++k) {
+      const double want = std::log(static_cast<double>(u[i + k] + 1.0f));
+      const double ulp = std::fabs(std::nextafter(static_cast<float>(want), INFINITY) - static_cast<float>(want));
+      EXPECT(std::fabs(a[k] - want) <= ulp, "log(1 + %g) = %.9g want %.9g", u[i + k], a[k], want);
+    }
   }
-  EXPECT(same, "LogOnePlusUnitVec differs from LogVec(1 + u)");
   const V nan_in = {NAN, 0.25f};
   EXPECT(std::isnan(simd::LogOnePlusUnitVec(nan_in)[0]), "log(1 + NaN) is not NaN");
   V m[16];
