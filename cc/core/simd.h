@@ -584,27 +584,19 @@ void PackPanels(const T* b, int64 ldb, int64 nb, int64 d, T* panels) {
 
 namespace internal {
 
-// kRows token rows x kPanels panels of the product over k in [k0, k1), in order, added to
-// what out holds (the sums of the k before k0) unless k0 is 0; then bias[j], if given.
+// kRows token rows x kPanels panels of the product, summed over k in increasing order, then
+// bias[j] if given.
 template <typename T, int64 kRows, int64 kPanels>
 inline void OuterTile(const T* const* ar, const T* panels, int64 d, int64 p0, int64 nb,
-                      int64 rows, int64 k0, int64 k1, T* out, int64 ldo, const T* bias) {
+                      int64 rows, T* out, int64 ldo, const T* bias) {
   constexpr int64 w = Vec<T>::kWidth;
   auto columns = [&](int64 q) {
     const int64 j = (p0 + q) * w;
     return nb - j < w ? nb - j : w;
   };
   VecT<T> acc[kRows][kPanels] = {};
-  if (k0 > 0) {
-    for (int64 r = 0; r < rows; ++r) {
-      for (int64 q = 0; q < kPanels; ++q) {
-        const T* o = out + r * ldo + (p0 + q) * w;
-        acc[r][q] = columns(q) == w ? Load(o) : LoadPartial(o, columns(q));
-      }
-    }
-  }
   const T* pp = panels + p0 * d * w;
-  for (int64 k = k0; k < k1; ++k) {
+  for (int64 k = 0; k < d; ++k) {
     VecT<T> bv[kPanels];
     for (int64 q = 0; q < kPanels; ++q) bv[q] = Load(pp + (q * d + k) * w);
     for (int64 r = 0; r < kRows; ++r) {
@@ -637,39 +629,32 @@ inline void OuterTile(const T* const* ar, const T* panels, int64 d, int64 p0, in
 // given, added to the finished sum as a separate pass would) from packed panels, as an
 // outer product: no horizontal reductions, tiles of 6 rows x 4 panels (24 accumulators;
 // 4 rows for a last group of at most 4). Each output is summed over k in increasing order
-// wherever it sits in the tile. The sum runs kKBlock values of k at a time, the partial
-// sums parked in out in between, so that the slices of the four panels and of the rows
-// that every row group shares stay in L1 (a whole panel of D = 512 is 32 KB); parking a
-// value and reloading it changes no bits. Both: 1.2x the speed for 64 rows of D = 128 to
-// 512 and 128 slots.
+// wherever it sits in the tile, in registers over the whole of k. (Summing k in blocks of
+// 64 with the partial sums parked in out, so that the slices every row group shares stay
+// in L1, was 13-17% slower on the AMD EPYC: 64 rows x 128 slots at D = 128-512, the
+// panels in L2 and the rows scattered, 87-92 against 98-108 GFLOP/s on one core.)
 template <typename T>
 void DotRowsPacked(const T* const* a, int64 na, const T* panels, int64 nb, int64 d, T* out,
                    int64 ldo, const T* bias = nullptr) {
   constexpr int64 w = Vec<T>::kWidth;
-  constexpr int64 kPanels = 4, kKBlock = 64;
+  constexpr int64 kPanels = 4;
   const int64 num_panels = (nb + w - 1) / w;
-  auto tiles = [&](auto panels_tag, int64 p0, int64 k0, int64 k1) {
+  auto tiles = [&](auto panels_tag, int64 p0) {
     constexpr int64 P = decltype(panels_tag)::value;
     auto group = [&](auto rows_tag, int64 i0) {
       constexpr int64 R = decltype(rows_tag)::value;
       const T* ar[R];
       for (int64 r = 0; r < R; ++r) ar[r] = a[i0 + r < na ? i0 + r : na - 1];
       const int64 rows = na - i0 < R ? na - i0 : R;
-      internal::OuterTile<T, R, P>(ar, panels, d, p0, nb, rows, k0, k1, out + i0 * ldo, ldo,
-                                   k1 == d ? bias : nullptr);
+      internal::OuterTile<T, R, P>(ar, panels, d, p0, nb, rows, out + i0 * ldo, ldo, bias);
     };
     int64 i0 = 0;
     for (; na - i0 > 4; i0 += 6) group(std::integral_constant<int64, 6>(), i0);
     if (i0 < na) group(std::integral_constant<int64, 4>(), i0);
   };
-  int64 k0 = 0;
-  do {  // at least once: with d = 0 every output is 0
-    const int64 k1 = k0 + kKBlock < d ? k0 + kKBlock : d;
-    int64 p0 = 0;
-    for (; p0 + kPanels <= num_panels; p0 += kPanels) tiles(std::integral_constant<int64, kPanels>(), p0, k0, k1);
-    for (; p0 < num_panels; ++p0) tiles(std::integral_constant<int64, 1>(), p0, k0, k1);
-    k0 = k1;
-  } while (k0 < d);
+  int64 p0 = 0;
+  for (; p0 + kPanels <= num_panels; p0 += kPanels) tiles(std::integral_constant<int64, kPanels>(), p0);
+  for (; p0 < num_panels; ++p0) tiles(std::integral_constant<int64, 1>(), p0);
 }
 
 // Whether more than 8 of the n row addresses start in one of the 64 sets of a 64-byte-line
