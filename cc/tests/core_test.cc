@@ -614,7 +614,8 @@ bool DotCloseToReference(T got, const T* a, const T* b, int64 D, T tol) {
 
 // The logits kernel of large groups, out[i][j] = a[i] . b[j] from packed panels, against a
 // long-double reference over row counts around its 6- and 4-row tiles, slot counts around
-// its 4-panel tiles and D around its 64-wide blocks of k (D = 0: every output 0). Each
+// its 4-panel tiles and D around the vector width (D = 0: every output 0). The panels
+// must be the rows transposed to the element, zero past nb. Each
 // output must not depend on where its row falls among the tiles: every row computed alone
 // must give the same bits, and with biases (and a wider output stride) the bits of adding
 // them to the finished sums.
@@ -628,6 +629,14 @@ void CheckDotRowsPacked(std::mt19937_64& rng, int64 na, int64 nb, int64 D, const
   std::vector<const T*> a_ptr(na);
   for (int64 i = 0; i < na; ++i) a_ptr[i] = a_rows.data() + i * D;
   simd::PackPanels<T>(b_rows.data(), D, nb, D, panels.data());
+  bool packed = true;
+  for (int64 j = 0; j < (nb + w - 1) / w * w; ++j) {
+    for (int64 k = 0; k < D; ++k) {
+      const T want = j < nb ? b_rows[j * D + k] : T(0);
+      packed = packed && panels[((j / w) * D + k) * w + j % w] == want;
+    }
+  }
+  EXPECT(packed, "%s: PackPanels nb=%ld D=%ld: not the rows transposed", what, (long)nb, (long)D);
   const int64 wide = nb + 5;
   std::vector<T> out(na * nb, T(7)), out_wide(na * wide, T(7)), alone(nb, T(7)), bias(nb);
   for (auto& v : bias) v = static_cast<T>(normal(rng));
