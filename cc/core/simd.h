@@ -579,8 +579,12 @@ void PackPanels(const T* b, int64 ldb, int64 nb, int64 d, T* panels) {
       const int64 n = d - k < w ? d - k : w;
       VecT<T> v[w];
       for (int64 c = 0; c < w; ++c) {
+        if (c >= cols) {  // past the last row: zero (and no address past the block formed)
+          v[c] = VecT<T>{};
+          continue;
+        }
         const T* src = b + (j0 + c) * ldb + k;
-        v[c] = c >= cols ? VecT<T>{} : n == w ? Load(src) : LoadPartial(src, n);
+        v[c] = n == w ? Load(src) : LoadPartial(src, n);
       }
       Transpose<T>(v);
       for (int64 r = 0; r < n; ++r) Store(panel + (k + r) * w, v[r]);
