@@ -1021,8 +1021,8 @@ inline Vec<float>::type LogVec(Vec<float>::type x) {
 
 // log(1 + u) of every lane for u in [0, 1] (NaN stays NaN): 1 + u is in [1, 2], so the
 // reduction to [sqrt(1/2), sqrt(2)] is one halving, without LogVec's checks for zero,
-// subnormals, negatives and inf. The sum 1 + u rounds as LogVec's argument would, so the
-// result is as close to the log of the rounded 1 + u (core_test checks 1 ulp). double
+// subnormals, negatives and inf. The sum 1 + u rounds as LogVec's argument would, and the
+// result is within 1 ulp of the log of that rounded sum (core_test checks it). double
 // lanes go through std::log1p.
 inline Vec<double>::type LogOnePlusUnitVec(Vec<double>::type u) {
   for (int i = 0; i < Vec<double>::kWidth; ++i) u[i] = std::log1p(u[i]);

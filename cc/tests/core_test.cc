@@ -673,7 +673,7 @@ void TestDotRowsPacked() {
 }
 
 // The dot-product kernels (DotEach, DotColumns, DotRows with each register tile, and
-// DotGroup) against a long-double reference and against each other: callers switch
+// DotScattered's row groups) against a long-double reference and against each other: callers switch
 // between them by tile shape and count on the same bits from all of them.
 template <typename T>
 void CheckDotKernelsAgree(std::mt19937_64& rng, int64 na, int64 nb, int64 D, const char* what) {
