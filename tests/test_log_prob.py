@@ -219,9 +219,10 @@ def test_reused_gradient_buffer_never_overwrites_a_held_gradient(rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gradient_from_the_forward_logits_is_the_recomputed_one(rng, dtype):
-  """On the CPU log_prob keeps the grouped nodes' logits for its gradient: the gradient is
-  Hsm>LogProbGrad's (which computes them again) bit for bit; over the size limit the
-  forward keeps none and the gradient op recomputes them; a wrong-sized input is refused."""
+  """On the CPU log_prob keeps the grouped nodes' logits and the tokens' directions for its
+  gradient: the gradient is Hsm>LogProbGrad's (which computes them again) bit for bit;
+  over the size limit the forward keeps neither and the gradient op recomputes them;
+  wrong-sized inputs are refused."""
   from tf_hsm import _loader
   from tf_hsm.ops import _tree_tensors
   ops = _loader.ops()
@@ -240,14 +241,44 @@ def test_gradient_from_the_forward_logits_is_the_recomputed_one(rng, dtype):
     np.testing.assert_array_equal(grads[1].values.numpy(), ref[1].numpy())
     np.testing.assert_array_equal(grads[2].values.numpy(), ref[2].numpy())
     np.testing.assert_array_equal(grads[1].indices.numpy(), ref[3].numpy())
-    lp_saving, saved = ops.hsm_log_prob_saving_logits(h, w, b, y, *tree_inputs)
-    assert saved.shape[0] > 0
+    lp_saving, saved, directions = ops.hsm_log_prob_saving_logits(h, w, b, y, *tree_inputs)
+    assert saved.shape[0] > 0 and directions.shape == h.shape
     np.testing.assert_array_equal(lp_saving.numpy(), lp.numpy())
-    _, none_kept = ops.hsm_log_prob_saving_logits(h, w, b, y, *tree_inputs, max_saved_logits=0)
-    assert none_kept.shape == (0,)
-    for kept in (saved, none_kept):
-      again = ops.hsm_log_prob_grad_from_logits(h, w, b, y, *tree_inputs, upstream, kept)
+    _, none_kept, no_directions = ops.hsm_log_prob_saving_logits(h, w, b, y, *tree_inputs,
+                                                                 max_saved_logits=0)
+    assert none_kept.shape == (0,) and no_directions.shape == (0,)
+    for kept, dirs in ((saved, directions), (none_kept, no_directions)):
+      again = ops.hsm_log_prob_grad_from_logits(h, w, b, y, *tree_inputs, upstream, kept, dirs)
       for a, r in zip(again, ref):
         np.testing.assert_array_equal(a.numpy(), r.numpy())
     with pytest.raises(tf.errors.InvalidArgumentError, match="saved_logits must be"):
-      ops.hsm_log_prob_grad_from_logits(h, w, b, y, *tree_inputs, upstream, saved[1:])
+      ops.hsm_log_prob_grad_from_logits(h, w, b, y, *tree_inputs, upstream, saved[1:], directions)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="saved_directions must have"):
+      ops.hsm_log_prob_grad_from_logits(h, w, b, y, *tree_inputs, upstream, saved, directions[1:])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="saved_directions must have"):
+      ops.hsm_log_prob_grad_from_logits(h, w, b, y, *tree_inputs, upstream, none_kept, directions)
+
+
+def test_log_prob_keeps_nothing_without_a_recording_tape(rng):
+  """Without a recording tape log_prob runs the plain forward; a tf.function traced that
+  way and differentiated under a tape outside it gets the same gradient bits as log_prob
+  under a tape (which keeps logits and directions), and the same values to rounding."""
+  tree = tf_hsm.Tree.two_level(3000)
+  hidden, weights, biases, targets = random_inputs(rng, tree, (5, 30), 23, np.float32, True)
+  h, w, b, y = (tf.constant(v) for v in (hidden, weights, biases, targets))
+  upstream = tf.constant(rng.normal(size=(5, 30)).astype(np.float32))
+  traced = tf.function(lambda x: tf_hsm.log_prob(x, w, b, tree, y))
+  op_types = {op.type for op in traced.get_concrete_function(h).graph.get_operations()}
+  assert "Hsm>LogProb" in op_types and "Hsm>LogProbSavingLogits" not in op_types
+  with tf.GradientTape() as tape:
+    tape.watch([h, w])
+    plain = traced(h)
+  plain_grads = tape.gradient(plain, [h, w], output_gradients=upstream)
+  with tf.GradientTape() as tape:
+    tape.watch([h, w])
+    kept = tf_hsm.log_prob(h, w, b, tree, y)
+  kept_grads = tape.gradient(kept, [h, w], output_gradients=upstream)
+  np.testing.assert_allclose(plain.numpy(), kept.numpy(), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(plain_grads[0].numpy(), kept_grads[0].numpy())
+  np.testing.assert_array_equal(plain_grads[1].values.numpy(), kept_grads[1].values.numpy())
+  np.testing.assert_array_equal(plain_grads[1].indices.numpy(), kept_grads[1].indices.numpy())

@@ -82,9 +82,15 @@ def log_prob(hidden, weights, biases, tree, targets):
   Returns:
     log-probabilities with the shape of `targets` and the dtype of `hidden`.
     The gradient for weights and biases is a `tf.IndexedSlices` over the touched rows.
-    On the CPU, for trees with nodes of more than 8 children, the op keeps those nodes'
-    logits along the batch's paths (up to 2**25 of them, one per visit and child) for the
-    gradient, which then does not compute them again.
+    On the CPU, for trees with nodes of more than 8 children, when a `tf.GradientTape` is
+    recording where `log_prob` is called (eagerly, or traced inside the tape's block), the
+    op also keeps what the gradient needs of those nodes: their logits along the batch's
+    paths (up to 2**25 of them, one per visit and child) and each token's gradient with
+    respect to its hidden row short of the upstream factor. The gradient then reads no
+    weight row for the hidden gradient and computes no logit of those nodes again. Without
+    a recording tape the forward skips that work (about a third of its time); a gradient
+    taken anyway (a `tf.function` called under a tape outside it) recomputes it, with the
+    same bits.
 
   Raises:
     TypeError: wrong dtypes.
@@ -95,7 +101,8 @@ def log_prob(hidden, weights, biases, tree, targets):
   hidden, weights, biases, out_dtype = _dense_inputs(hidden, weights, biases)
   targets = _class_ids(targets, "targets")
   tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
-  if tf.config.list_logical_devices("GPU") or not _has_grouped_nodes(tree):
+  if (tf.config.list_logical_devices("GPU") or not _has_grouped_nodes(tree) or
+      not _gradient_may_follow()):
     # Nothing to keep without grouped nodes; then the gradient op also does not wait for
     # the forward's (empty) output and can run beside it when its upstream allows.
     result = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
@@ -103,6 +110,15 @@ def log_prob(hidden, weights, biases, tree, targets):
     result = _loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
                                                       *tree_inputs)[0]
   return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
+
+
+def _gradient_may_follow():
+  """Whether a gradient tape is recording here (always True if TensorFlow cannot say)."""
+  try:
+    from tensorflow.python.eager import record  # pylint: disable=import-outside-toplevel
+    return bool(record.could_possibly_record())
+  except (ImportError, AttributeError):
+    return True
 
 
 def _has_grouped_nodes(tree):
@@ -123,14 +139,16 @@ def _log_prob_grad(op, upstream):
 
 
 @tf.RegisterGradient("Hsm>LogProbSavingLogits")
-def _log_prob_saving_logits_grad(op, upstream, unused_saved_grad):
-  """Hsm>LogProbGrad's outputs, bit for bit, from the logits the forward kept."""
+def _log_prob_saving_logits_grad(op, upstream, unused_saved_grad, unused_directions_grad):
+  """Hsm>LogProbGrad's outputs, bit for bit, from the logits and directions the forward
+  kept."""
   hidden, weights, biases, targets = op.inputs[:4]
   tree_inputs = op.inputs[4:8]
   if upstream is None:
     return [None] * 8
   grads = _loader.ops().hsm_log_prob_grad_from_logits(hidden, weights, biases, targets,
-                                                      *tree_inputs, upstream, op.outputs[1])
+                                                      *tree_inputs, upstream, op.outputs[1],
+                                                      op.outputs[2])
   return _input_grads(weights, biases, *grads) + [None] * 5
 
 

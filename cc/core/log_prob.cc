@@ -296,17 +296,29 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
   }
 }
 
-// Turns logits into coefficients of dz: upstream * (onehot(taken) - softmax).
-// One pass over z (each element: z - lse, exp, times -upstream).
+// Turns logits into coefficients of dz: upstream * (onehot(taken) - softmax), one pass
+// over z. The taken entry is (1 - p) * upstream, so that the coefficients for an upstream
+// of 1 (what dh is summed with, scaled per token afterwards) times the upstream are these
+// to the bit: scaling a product only flips its sign or rounds it once.
 template <typename T>
 void Coefficients(T* z, int64 n, T lse, T upstream, int64 taken) {
   typedef simd::VecT<T> V;
   constexpr int64 w = simd::Vec<T>::kWidth;
   const V l = simd::Splat<T>(lse), scale = simd::Splat<T>(-upstream);
+  const bool has_taken = taken >= 0 && taken < n;
+  // The same exp as the vector pass (lane 0 of a splat), so p_taken is the softmax there.
+  const T p_taken = has_taken ? simd::ExpVec(simd::Splat<T>(z[taken]) - l)[0] : T(0);
   int64 j = 0;
   for (; j + w <= n; j += w) simd::Store(z + j, simd::ExpVec(simd::Load(z + j) - l) * scale);
   if (j < n) simd::StorePartial(z + j, simd::ExpVec(simd::LoadPartial(z + j, n - j) - l) * scale, n - j);
-  if (taken >= 0 && taken < n) z[taken] += upstream;
+  if (has_taken) z[taken] = (T(1) - p_taken) * upstream;
+}
+
+// z[j] *= upstream: unit coefficients (Coefficients with upstream 1) into the coefficients
+// of that upstream, the same bits as computing them directly.
+template <typename T>
+void ScaleCoefficients(T* z, int64 n, T upstream) {
+  for (int64 j = 0; j < n; ++j) z[j] *= upstream;
 }
 
 // For the tokens entries[0..nt) of a group: log-sum-exp over the node's slots and the
@@ -341,19 +353,22 @@ void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
 }
 
 // Backward of a group that fits one token tile, reading the node's weight rows once: the
-// logits (kept in z[r * K + j]), the logsumexp and dh are computed together by an online
-// softmax, whose running sum of exp(z - max) * W rows is rescaled whenever the max grows;
-// dh += g * (W[taken] - sum_s p_s W[s]). The caller then turns z into dW without touching W.
+// logits (kept in z[r * K + j]), the logsumexp and the token's direction are computed
+// together by an online softmax, whose running sum of exp(z - max) * W rows is rescaled
+// whenever the max grows; directions += W[taken] - sum_s p_s W[s], the gradient of the
+// log-probability with respect to h (the caller scales it by the upstream gradient). With
+// directions == nullptr only the logits and the logsumexps (the same bits). The caller
+// then turns z into dW without touching W.
 template <typename T>
 void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, int64 nt,
-                         const NodeBlock<T>& blk, const T* upstream, T* z, T* lse,
-                         T* hidden_grad, std::uint64_t call, const T* saved) {
+                         const NodeBlock<T>& blk, T* z, T* lse, T* directions,
+                         std::uint64_t call, const T* saved) {
   const int64 D = p.dim;
   Scratch<T>& s = ThreadScratch<T>();
   const T** rows = Grow(&s.rows, nt);
   T** acc_rows = Grow(&s.out_rows, nt);
-  T* acc = Grow(&s.dh_acc, nt * D);
-  std::fill(acc, acc + nt * D, T(0));
+  T* acc = directions != nullptr ? Grow(&s.dh_acc, nt * D) : nullptr;
+  if (acc != nullptr) std::fill(acc, acc + nt * D, T(0));
   for (int64 r = 0; r < nt; ++r) {
     rows[r] = p.hidden + plan.entry_token[e0 + r] * D;
     acc_rows[r] = acc + r * D;
@@ -375,7 +390,9 @@ void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64
       if (chunk_max > row_max[r]) {
         const T scale = std::exp(row_max[r] - chunk_max);
         row_sum[r] *= scale;
-        for (int64 d = 0; d < D; ++d) acc[r * D + d] *= scale;
+        if (acc != nullptr) {
+          for (int64 d = 0; d < D; ++d) acc[r * D + d] *= scale;
+        }
         row_max[r] = chunk_max;
       }
       T* er = e + r * kSlotTile;
@@ -385,17 +402,18 @@ void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64
       for (int64 j = 0; j < kb; ++j) sum += er[j];
       row_sum[r] = sum;
     }
-    simd::AccumulateRows<T>(acc_rows, nt, e, kSlotTile, p.weights + (blk.first_slot + k0) * D, D,
-                            kb, D);
+    if (acc != nullptr) {
+      simd::AccumulateRows<T>(acc_rows, nt, e, kSlotTile, p.weights + (blk.first_slot + k0) * D,
+                              D, kb, D);
+    }
   }
   for (int64 r = 0; r < nt; ++r) {
     lse[r] = row_max[r] + std::log(row_sum[r]);
-    const int64 token = plan.entry_token[e0 + r];
-    const T g = upstream[token];
+    if (acc == nullptr) continue;
     const T inv_sum = T(1) / row_sum[r];
     const T* taken = p.weights + plan.entry_slot[e0 + r] * D;
-    T* dh = hidden_grad + token * D;
-    for (int64 d = 0; d < D; ++d) dh[d] += g * (taken[d] - acc[r * D + d] * inv_sum);
+    T* dir = directions + plan.entry_token[e0 + r] * D;
+    for (int64 d = 0; d < D; ++d) dir[d] += taken[d] - acc[r * D + d] * inv_sum;
   }
 }
 
@@ -449,18 +467,14 @@ void SumGroupedEntries(const VisitPlan& plan, const TreeView& tree,
   }
 }
 
-// log_prob[i] = the sum of token i's steps through grouped nodes (zero if none). With
-// `saved`, their logits are also kept for the backward (SavedLogitOffsets), computed in
-// the backward's token tiles so that each is the backward's own to the bit.
+// log_prob[i] = the sum of token i's steps through grouped nodes (zero if none).
 template <typename T>
 void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
-                    const ParallelFor& parallel_for, T* log_prob, std::uint64_t call, T* saved) {
+                    const ParallelFor& parallel_for, T* log_prob, std::uint64_t call) {
   const int64 num_entries = static_cast<int64>(plan.entry_token.size());
   std::vector<T> entry_value(num_entries);
-  const std::vector<int64> offsets = saved != nullptr ? SavedLogitOffsets(plan, tree) : std::vector<int64>();
   // Grouped nodes. No level ordering is needed: every entry writes only its own value.
-  const std::vector<Item> items =
-      TokenTiles(plan, tree, 0, plan.num_groups(), saved != nullptr ? kTokenTile : kForwardTokenTile);
+  const std::vector<Item> items = TokenTiles(plan, tree, 0, plan.num_groups(), kForwardTokenTile);
   int64 total_cost = 0;
   for (const Item& it : items) {
     total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * p.dim;
@@ -474,8 +488,7 @@ void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
       T* lse = Grow(&s.lse, it.count);
       T* taken = Grow(&s.taken_logit, it.count);
       const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[it.group]);
-      T* keep = saved != nullptr ? saved + offsets[it.group] + it.offset * blk.size : nullptr;
-      NodeLogSumExp(p, plan, e0, it.count, blk, keep, lse, taken, call);
+      NodeLogSumExp(p, plan, e0, it.count, blk, static_cast<T*>(nullptr), lse, taken, call);
       for (int64 r = 0; r < it.count; ++r) entry_value[e0 + r] = taken[r] - lse[r];
     }
   });
@@ -494,26 +507,30 @@ std::vector<int64> SavedLogitOffsets(const VisitPlan& plan, const TreeView& tree
   return offsets;
 }
 
-template <typename T>
-void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
-                    const ParallelFor& parallel_for, T* log_prob, T* saved_logits) {
-  GroupedForward(plan, tree, p, parallel_for, log_prob, ++call_counter, saved_logits);
-  if (!HasWalkedGroups(plan, tree)) return;
-  // Then each token's walked steps, in path order.
-  parallel_for(plan.num_tokens, WalkCostPerToken(plan, p.dim), [&](int64 begin, int64 end) {
-    for (int64 i = begin; i < end; ++i) {
-      log_prob[i] += WalkPath<T>(plan, tree, p, i, T(0), true, false, nullptr, nullptr, false, 0);
-    }
-  });
-}
+namespace {
 
+// LogProbBackward, or with out_logits (the forward pass of a log_prob whose gradient comes
+// later) the part of it that needs no upstream gradient: the log-probabilities into
+// grads.log_prob_from_backward, the grouped nodes' logits into out_logits
+// (SavedLogitOffsets) and their directions into grads.hidden, with no weight gradient and
+// no walked nodes. The gradient given both then reads no weight row for dh, and every
+// output has the bits of the backward that computes them itself.
 template <typename T>
-void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
-                     const T* upstream, const ParallelFor& parallel_for,
-                     const LogProbGrads<T>& grads, int64 coef_budget) {
+void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
+              const T* upstream, const ParallelFor& parallel_for, const LogProbGrads<T>& grads,
+              int64 coef_budget, T* out_logits) {
   const int64 D = p.dim;
   const std::uint64_t call = ++call_counter;
   T* const log_prob = grads.log_prob_from_backward;
+  const bool directions_only = out_logits != nullptr;
+  // dh is upstream * (the sum of the directions over the grouped nodes), plus the walked
+  // nodes' terms; the directions are computed here unless the forward saved them.
+  const T* const saved_directions = grads.saved_logits != nullptr ? grads.saved_directions : nullptr;
+  const std::vector<int64> out_offsets =
+      directions_only ? SavedLogitOffsets(plan, tree) : std::vector<int64>();
+  auto out_at = [&](int64 g, int64 offset) -> T* {
+    return out_logits + out_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
+  };
   // The forward's logits of entries [offset, ...) of group g, when it saved them.
   const std::vector<int64> saved_offsets =
       grads.saved_logits != nullptr ? SavedLogitOffsets(plan, tree) : std::vector<int64>();
@@ -521,11 +538,13 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
     if (grads.saved_logits == nullptr) return nullptr;
     return grads.saved_logits + saved_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
   };
-  // dh starts at zero (megabytes at large batches: filled by all threads; the cost is
-  // about a cycle per 4 elements written).
-  parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
-    std::fill(grads.hidden + begin * D, grads.hidden + end * D, T(0));
-  });
+  // The directions start at zero (megabytes at large batches: filled by all threads; the
+  // cost is about a cycle per 4 elements written).
+  if (saved_directions == nullptr) {
+    parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
+      std::fill(grads.hidden + begin * D, grads.hidden + end * D, T(0));
+    });
+  }
   std::vector<T> entry_lse(plan.entry_token.size());
   // With log_prob_from_backward: each grouped entry's z_taken - lse, summed per token below.
   const bool entry_values = grads.log_prob_from_backward != nullptr;
@@ -614,14 +633,15 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
       need += (plan.group_begin[g + 1] - plan.group_begin[g]) * BlockOf<T>(tree, plan.group_node[g]).size;
     }
     if (need == 0) continue;
-    const bool keep = need <= coef_budget;
+    const bool keep = !directions_only && need <= coef_budget;
     if (keep && coef_capacity < need) {
       coef_store.reset(new T[need]);
       coef_capacity = need;
     }
 
-    // Phase A: per token tile, logsumexp, coefficients, and dh += coef @ W_node. Within a
-    // level each token is in one tile only, so the dh rows are written without races.
+    // Phase A: per token tile, logsumexp, coefficients, and directions += unit coef @
+    // W_node. Within a level each token is in one tile only, so the rows of the directions
+    // are written without races.
     const std::vector<Item> items = TokenTiles(plan, tree, g_begin, g_end, kTokenTile);
     int64 total_cost = 0;
     for (const Item& it : items) total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * D;
@@ -637,8 +657,10 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
         T* lse = Grow(&s.lse, it.count);
         if (owns_rows && it.count * blk.size <= kOnePassMaxLogits) {
           // The choice depends on the plan only, never on the budget or the threads.
-          T* z = kept != nullptr ? kept : Grow(&s.logits, it.count * blk.size);
-          NodeBackwardOnePass(p, plan, e0, it.count, blk, upstream, z, lse, grads.hidden, call,
+          T* z = directions_only ? out_at(it.group, it.offset)
+                 : kept != nullptr ? kept : Grow(&s.logits, it.count * blk.size);
+          NodeBackwardOnePass(p, plan, e0, it.count, blk, z, lse,
+                              saved_directions != nullptr ? nullptr : grads.hidden, call,
                               saved_at(it.group, it.offset));
           const T** rows = Grow(&s.rows, it.count);
           for (int64 r = 0; r < it.count; ++r) {
@@ -647,9 +669,11 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
               entry_value[e0 + r] = z[r * blk.size + plan.entry_slot[e0 + r] - blk.first_slot] - lse[r];
             }
             rows[r] = p.hidden + plan.entry_token[e0 + r] * D;
+            if (directions_only) continue;
             Coefficients(z + r * blk.size, blk.size, lse[r], upstream[plan.entry_token[e0 + r]],
                          plan.entry_slot[e0 + r] - blk.first_slot);
           }
+          if (directions_only) continue;
           for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
             const int64 kb = std::min(kSlotTile, blk.size - k0);
             const RowBlock block = begin_rows(it.group, k0, kb, false);
@@ -659,7 +683,9 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           continue;
         }
         T* taken = entry_values ? Grow(&s.taken_logit, it.count) : nullptr;
-        NodeLogSumExp(p, plan, e0, it.count, blk, kept, lse, taken, call, saved_at(it.group, it.offset));
+        T* const logits_out = directions_only ? out_at(it.group, it.offset) : kept;
+        NodeLogSumExp(p, plan, e0, it.count, blk, logits_out, lse, taken, call,
+                      saved_at(it.group, it.offset));
         for (int64 r = 0; r < it.count; ++r) {
           entry_lse[e0 + r] = lse[r];
           if (entry_values) entry_value[e0 + r] = taken[r] - lse[r];
@@ -676,12 +702,26 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
           const int64 kb = std::min(kSlotTile, blk.size - k0);
           T* z = keep ? kept + k0 : tile;
           const int64 ld = keep ? blk.size : kSlotTile;
-          if (!keep) Logits(p, rows, it.count, blk, k0, kb, z, ld, call, saved_at(it.group, it.offset));
-          for (int64 r = 0; r < it.count; ++r) {
-            Coefficients(z + r * ld, kb, lse[r], upstream[plan.entry_token[e0 + r]],
-                         plan.entry_slot[e0 + r] - blk.first_slot - k0);
+          if (!keep) {
+            Logits(p, rows, it.count, blk, k0, kb, z, ld, call,
+                   directions_only ? logits_out : saved_at(it.group, it.offset));
           }
-          simd::AccumulateRows<T>(out_rows, it.count, z, ld, p.weights + (blk.first_slot + k0) * D, D, kb, D);
+          if (saved_directions == nullptr) {
+            // Unit coefficients for the directions, then scaled for dW.
+            for (int64 r = 0; r < it.count; ++r) {
+              Coefficients(z + r * ld, kb, lse[r], T(1), plan.entry_slot[e0 + r] - blk.first_slot - k0);
+            }
+            simd::AccumulateRows<T>(out_rows, it.count, z, ld, p.weights + (blk.first_slot + k0) * D, D, kb, D);
+            if (directions_only) continue;
+            for (int64 r = 0; r < it.count; ++r) {
+              ScaleCoefficients(z + r * ld, kb, upstream[plan.entry_token[e0 + r]]);
+            }
+          } else {
+            for (int64 r = 0; r < it.count; ++r) {
+              Coefficients(z + r * ld, kb, lse[r], upstream[plan.entry_token[e0 + r]],
+                           plan.entry_slot[e0 + r] - blk.first_slot - k0);
+            }
+          }
           if (owns_rows) {
             const RowBlock block = begin_rows(it.group, k0, kb, false);
             accumulate_rows(block, kb, z, ld, rows, it.count, true, true);
@@ -691,6 +731,7 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
       }
       simd::StreamFence();  // the streamed gradient rows, before other threads read them
     });
+    if (directions_only) continue;
 
     // Phase B: for groups spanning several token tiles, per chunk of the node's slots,
     // dW rows = coef^T @ H over the node's tokens (in token order) and db rows = column
@@ -742,6 +783,15 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
   }
 
   if (entry_values) SumGroupedEntries(plan, tree, entry_value, log_prob);
+  if (directions_only) return;
+  // dh = upstream * directions, before the walked nodes add their terms.
+  const T* const directions = saved_directions != nullptr ? saved_directions : grads.hidden;
+  parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
+    for (int64 i = begin; i < end; ++i) {
+      const T g = upstream[i];
+      for (int64 d = 0; d < D; ++d) grads.hidden[i * D + d] = g * directions[i * D + d];
+    }
+  });
 
   // Walked (small) nodes, after every grouped level so that each dh row sums its terms in
   // a fixed order: pass 1 walks every token's path (logits, lse, coefficients, dh); pass 2
@@ -858,9 +908,40 @@ void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxP
   });
 }
 
+}  // namespace
+
+template <typename T>
+void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
+                     const T* upstream, const ParallelFor& parallel_for,
+                     const LogProbGrads<T>& grads, int64 coef_budget) {
+  Backward(plan, tree, p, upstream, parallel_for, grads, coef_budget, static_cast<T*>(nullptr));
+}
+
+template <typename T>
+void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
+                    const ParallelFor& parallel_for, T* log_prob, T* saved_logits,
+                    T* saved_directions) {
+  if (saved_logits != nullptr) {
+    // The grouped nodes as the backward computes them, up to the upstream gradient.
+    LogProbGrads<T> grads;
+    grads.hidden = saved_directions;
+    grads.log_prob_from_backward = log_prob;
+    Backward<T>(plan, tree, p, nullptr, parallel_for, grads, 0, saved_logits);
+  } else {
+    GroupedForward(plan, tree, p, parallel_for, log_prob, ++call_counter);
+  }
+  if (!HasWalkedGroups(plan, tree)) return;
+  // Then each token's walked steps, in path order.
+  parallel_for(plan.num_tokens, WalkCostPerToken(plan, p.dim), [&](int64 begin, int64 end) {
+    for (int64 i = begin; i < end; ++i) {
+      log_prob[i] += WalkPath<T>(plan, tree, p, i, T(0), true, false, nullptr, nullptr, false, 0);
+    }
+  });
+}
+
 #define TF_HSM_INSTANTIATE(T)                                                             \
   template void LogProbForward<T>(const VisitPlan&, const TreeView&, const SoftmaxParams<T>&, \
-                                  const ParallelFor&, T*, T*);                              \
+                                  const ParallelFor&, T*, T*, T*);                          \
   template void LogProbBackward<T>(const VisitPlan&, const TreeView&,                       \
                                    const SoftmaxParams<T>&, const T*, const ParallelFor&,    \
                                    const LogProbGrads<T>&, int64);

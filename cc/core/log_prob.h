@@ -31,11 +31,17 @@ struct SoftmaxParams {
 std::vector<int64> SavedLogitOffsets(const VisitPlan& plan, const TreeView& tree);
 
 // log_prob[i] for every token of the plan. With saved_logits (SavedLogitOffsets().back()
-// values), also the grouped nodes' logits, which a backward pass given them then copies
-// instead of computing them again, getting the same bits.
+// values) and saved_directions ([num_tokens, dim]), also what the backward pass needs of
+// the grouped nodes that does not depend on the upstream gradient: their logits, and each
+// token's direction, the gradient of its log-probability with respect to its hidden row
+// through the grouped nodes (sum over them of W[taken] - sum_s p_s W[s]). A backward pass
+// given both reads no weight row for dh and computes no logit of a grouped node, getting
+// the same bits as one that computes them. log_prob is then the backward's own
+// (LogProbGrads::log_prob_from_backward), equal to the plain forward's up to rounding.
 template <typename T>
 void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
-                    const ParallelFor& parallel_for, T* log_prob, T* saved_logits = nullptr);
+                    const ParallelFor& parallel_for, T* log_prob, T* saved_logits = nullptr,
+                    T* saved_directions = nullptr);
 
 // Outputs of the backward pass. The weight and bias gradients are sparse: row r of
 // weight_rows / bias_rows is the gradient of weight row row_ids[r]; there are
@@ -64,9 +70,11 @@ struct LogProbGrads {
   // before the rows it reads are updated).
   T* log_prob_from_backward = nullptr;
 
-  // Input, optional: the logits LogProbForward saved for the same plan and inputs (the
-  // weights unchanged since); the backward then computes no logits of grouped nodes.
+  // Inputs, optional: the logits and directions LogProbForward saved for the same plan and
+  // inputs (the weights unchanged since); the backward then computes no logits of grouped
+  // nodes and reads no weight row for dh. saved_directions is used only with saved_logits.
   const T* saved_logits = nullptr;
+  const T* saved_directions = nullptr;
 };
 
 // Upper bound (in elements) on the softmax coefficients kept between the dh and dW phases

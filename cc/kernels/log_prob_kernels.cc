@@ -32,8 +32,8 @@ template <typename T>
   return ::tensorflow::Status();
 }
 
-// Hsm>LogProb, or with kSaving Hsm>LogProbSavingLogits (the grouped nodes' logits as a
-// second output, for the gradient op to copy).
+// Hsm>LogProb, or with kSaving Hsm>LogProbSavingLogits (the grouped nodes' logits and the
+// tokens' directions as second and third outputs, for the gradient op).
 template <typename T, bool kSaving>
 class LogProbOp : public OpKernel {
  public:
@@ -51,13 +51,21 @@ class LogProbOp : public OpKernel {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &out));
     T* saved = nullptr;
+    T* directions = nullptr;
     if (kSaving) {
       const int64 total = SavedLogitOffsets(plan, tree).back();
-      Tensor* saved_out = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({total <= max_saved_ ? total : 0}), &saved_out));
-      if (total <= max_saved_) saved = saved_out->flat<T>().data();
+      const bool keep = total <= max_saved_;
+      Tensor *saved_out = nullptr, *directions_out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({keep ? total : 0}), &saved_out));
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              2, keep ? in.hidden->shape() : TensorShape({0}), &directions_out));
+      if (keep) {
+        saved = saved_out->flat<T>().data();
+        directions = directions_out->flat<T>().data();
+      }
     }
-    LogProbForward<T>(plan, tree, params, CpuParallelFor(ctx), out->flat<T>().data(), saved);
+    LogProbForward<T>(plan, tree, params, CpuParallelFor(ctx), out->flat<T>().data(), saved,
+                      directions);
   }
 
  private:
@@ -67,7 +75,8 @@ class LogProbOp : public OpKernel {
 
 // Hsm>LogProbGrad; with kWithLogProb Hsm>LogProbAndGrad (log_prob first, from the
 // backward's own logsumexps, then the same gradient outputs); with kFromSaved
-// Hsm>LogProbGradFromLogits (input 9: the forward's saved logits, or none).
+// Hsm>LogProbGradFromLogits (inputs 9 and 10: the forward's saved logits and directions,
+// or none).
 template <typename T, bool kWithLogProb, bool kFromSaved = false>
 class LogProbGradOp : public OpKernel {
  public:
@@ -95,7 +104,17 @@ class LogProbGradOp : public OpKernel {
                   errors::InvalidArgument("saved_logits must be the forward's ", expected,
                                           " logits of these inputs (or empty), got shape ",
                                           saved.shape().DebugString()));
-      if (saved.NumElements() > 0) grads.saved_logits = saved.flat<T>().data();
+      const Tensor& directions = ctx->input(10);
+      const bool none = saved.NumElements() == 0 && directions.NumElements() == 0;
+      OP_REQUIRES(ctx, none || (saved.NumElements() > 0 && directions.shape() == in.hidden->shape()),
+                  errors::InvalidArgument("saved_directions must have hidden's shape ",
+                                          in.hidden->shape().DebugString(),
+                                          " with saved_logits (or both be empty), got ",
+                                          directions.shape().DebugString()));
+      if (!none) {
+        grads.saved_logits = saved.flat<T>().data();
+        grads.saved_directions = directions.flat<T>().data();
+      }
     }
     if (kWithLogProb) {
       Tensor* log_prob = nullptr;

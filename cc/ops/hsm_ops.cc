@@ -88,27 +88,34 @@ REGISTER_OP("Hsm>LogProbSavingLogits")
     TF_HSM_LOG_PROB_INPUTS
     .Output("log_prob: T")
     .Output("saved_logits: T")
+    .Output("saved_directions: T")
     .Attr("max_saved_logits: int >= 0 = 33554432")
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(LogProbShape(c));
       c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, c->UnknownShape());
       return Status();
     })
     .Doc(R"doc(
-Hsm>LogProb (CPU) that also returns the logits of the nodes with more than 8 children
-along the batch's paths (one per visit and child: the sum of their branching over the
-visits), for Hsm>LogProbGradFromLogits, which then computes none of them again. Empty
-when there are more than max_saved_logits of them (the gradient recomputes them).
+Hsm>LogProb (CPU) that also returns what Hsm>LogProbGradFromLogits needs of the nodes
+with more than 8 children along the batch's paths, short of the upstream gradient: their
+logits (one per visit and child: the sum of their branching over the
+visits) and each token's direction, the gradient of its log-probability with respect to
+its hidden row through those nodes. The gradient op then computes none of those logits
+again and reads none of their weight rows for the hidden gradient. Both are empty when
+there are more than max_saved_logits logits (the gradient recomputes everything).
 log_prob equals Hsm>LogProb's up to rounding.
 
 log_prob: targets' shape.
 saved_logits: [n], n the number of logits kept, or 0.
+saved_directions: hidden's shape, or [0] with no saved logits.
 )doc");
 
 REGISTER_OP("Hsm>LogProbGradFromLogits")
     TF_HSM_LOG_PROB_INPUTS
     .Input("upstream: T")
     .Input("saved_logits: T")
+    .Input("saved_directions: T")
     .Output("hidden_grad: T")
     .Output("weight_grad_rows: T")
     .Output("bias_grad_rows: T")
@@ -119,12 +126,14 @@ REGISTER_OP("Hsm>LogProbGradFromLogits")
       return GradShapes(c, 0);
     })
     .Doc(R"doc(
-Hsm>LogProbGrad given the saved_logits of Hsm>LogProbSavingLogits on the same inputs: the
-same outputs, bit for bit, without computing those logits again (all of them when
-saved_logits is empty).
+Hsm>LogProbGrad given the saved_logits and saved_directions of Hsm>LogProbSavingLogits on
+the same inputs: the same outputs, bit for bit, without computing those logits again or
+reading those nodes' weight rows for hidden_grad (all of them computed when both are
+empty).
 
 upstream: targets' shape.
 saved_logits: Hsm>LogProbSavingLogits' second output for these inputs.
+saved_directions: its third output.
 hidden_grad, weight_grad_rows, bias_grad_rows, row_ids: as Hsm>LogProbGrad.
 )doc");
 

@@ -89,9 +89,12 @@ Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w
   p.dim = D;
   Run<T> run;
   run.log_prob.resize(targets.size());
-  // save_logits: the backward copies the forward's logits of grouped nodes.
+  // save_logits: the backward copies the forward's logits of grouped nodes and takes its
+  // directions.
   std::vector<T> saved(save_logits ? SavedLogitOffsets(plan, t.view()).back() : 0);
-  LogProbForward<T>(plan, t.view(), p, pf, run.log_prob.data(), save_logits ? saved.data() : nullptr);
+  std::vector<T> directions(save_logits ? h.size() : 0);
+  LogProbForward<T>(plan, t.view(), p, pf, run.log_prob.data(), save_logits ? saved.data() : nullptr,
+                    save_logits ? directions.data() : nullptr);
   run.d_hidden.resize(h.size());
   // The weight-gradient rows start rows_offset elements past a 64-byte boundary (aligned
   // rows are written with streaming stores).
@@ -106,6 +109,7 @@ Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w
   g.bias_rows = b ? run.d_bias_rows.data() : nullptr;
   g.row_ids = run.row_ids.data();
   g.saved_logits = save_logits ? saved.data() : nullptr;
+  g.saved_directions = save_logits ? directions.data() : nullptr;
   LogProbBackward<T>(plan, t.view(), p, upstream.data(), pf, g, budget);
   run.d_rows.assign(rows, rows + plan.num_rows() * D);
   return run;
@@ -231,9 +235,9 @@ void TestDeterminism() {
         EXPECT(SameBits(a.d_rows, c.d_rows), "d_rows differ (threads %d budget %ld)", threads, (long)budget);
         EXPECT(SameBits(a.d_bias_rows, c.d_bias_rows), "d_bias differs (threads %d budget %ld)", threads, (long)budget);
         EXPECT(a.row_ids == c.row_ids, "row ids differ");
-        // The backward given the forward's saved logits: the same gradients to the bit; the
-        // forward's values (computed in the backward's token tiles) equal to rounding and
-        // the same whatever the threads.
+        // The backward given the forward's saved logits and directions: the same gradients
+        // to the bit; the forward's values (computed in the backward's token tiles) equal
+        // to rounding and the same whatever the threads.
         const Run<float> s = RunCore<float>(t, h, w, &b, targets, up, D, ThreadedFor(threads), budget, 0, true);
         const Run<float> s1 = RunCore<float>(t, h, w, &b, targets, up, D, SerialFor, budget, 0, true);
         EXPECT(SameBits(a.d_hidden, s.d_hidden), "d_hidden differs with saved logits (threads %d budget %ld)", threads, (long)budget);
