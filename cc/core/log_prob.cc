@@ -371,7 +371,7 @@ void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64
   if (acc != nullptr) std::fill(acc, acc + nt * D, T(0));
   for (int64 r = 0; r < nt; ++r) {
     rows[r] = p.hidden + plan.entry_token[e0 + r] * D;
-    acc_rows[r] = acc + r * D;
+    acc_rows[r] = acc != nullptr ? acc + r * D : nullptr;
   }
   T* e = Grow(&s.tile, kTokenTile * kSlotTile);
   T* row_max = Grow(&s.row_max, nt);
