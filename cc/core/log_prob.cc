@@ -424,11 +424,15 @@ struct Item {
   int64 count;
 };
 
-bool HasWalkedGroups(const VisitPlan& plan, const TreeView& tree) {
+bool HasGroups(const VisitPlan& plan, const TreeView& tree, bool walked) {
   for (int64 g = 0; g < plan.num_groups(); ++g) {
-    if (IsWalked(tree, plan.group_node[g])) return true;
+    if (IsWalked(tree, plan.group_node[g]) == walked) return true;
   }
   return false;
+}
+
+bool HasWalkedGroups(const VisitPlan& plan, const TreeView& tree) {
+  return HasGroups(plan, tree, true);
 }
 
 // Rough scalar operations per token of a walk, for the thread pool's shard sizes.
@@ -538,9 +542,12 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
     if (grads.saved_logits == nullptr) return nullptr;
     return grads.saved_logits + saved_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
   };
+  // Without grouped nodes (deep binary trees) every direction is zero, so dh starts at
+  // zero and no pass scales the directions below.
+  const bool grouped = HasGroups(plan, tree, false);
   // The directions start at zero (megabytes at large batches: filled by all threads; the
   // cost is about a cycle per 4 elements written).
-  if (saved_directions == nullptr) {
+  if (saved_directions == nullptr || !grouped) {
     parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
       std::fill(grads.hidden + begin * D, grads.hidden + end * D, T(0));
     });
@@ -786,12 +793,14 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   if (directions_only) return;
   // dh = upstream * directions, before the walked nodes add their terms.
   const T* const directions = saved_directions != nullptr ? saved_directions : grads.hidden;
-  parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
-    for (int64 i = begin; i < end; ++i) {
-      const T g = upstream[i];
-      for (int64 d = 0; d < D; ++d) grads.hidden[i * D + d] = g * directions[i * D + d];
-    }
-  });
+  if (grouped) {
+    parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
+      for (int64 i = begin; i < end; ++i) {
+        const T g = upstream[i];
+        for (int64 d = 0; d < D; ++d) grads.hidden[i * D + d] = g * directions[i * D + d];
+      }
+    });
+  }
 
   // Walked (small) nodes, after every grouped level so that each dh row sums its terms in
   // a fixed order: pass 1 walks every token's path (logits, lse, coefficients, dh); pass 2
