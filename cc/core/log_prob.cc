@@ -853,11 +853,21 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
     // needs the coefficients gathered per slot: the whole backward at E measured 4-5%
     // slower with it, on one thread and on two.)
     constexpr int64 kChunk = 8;
+    constexpr int64 kSgdRowsAhead = 4;
     Scratch<T>& s = ThreadScratch<T>();
     for (int64 r = begin; r < end; ++r) {
       for (int64 g = runs[r].begin; g < runs[r].end; ++g) {
         const int64 node = plan.group_node[g];
         if (!IsWalked(tree, node)) continue;
+        if (sgd && g + kSgdRowsAhead < runs[r].end) {
+          // The in-place update reads the weight rows again, long after the walk: ask for
+          // those of a group a few ahead.
+          const int64 ahead = plan.group_node[g + kSgdRowsAhead];
+          const int64 a0 = tree.child_begin[ahead], a1 = tree.child_begin[ahead + 1];
+          const char* bytes = reinterpret_cast<const char*>(grads.sgd_weights + a0 * D);
+          for (int64 o = 0; o < (a1 - a0) * D * static_cast<int64>(sizeof(T)); o += 64)
+            __builtin_prefetch(bytes + o, 1, 3);
+        }
         const NodeBlock<T> blk = BlockOf<T>(tree, node);
         const int64 K = blk.size, e0 = plan.group_begin[g], ne = plan.group_begin[g + 1] - e0;
         const T* w = p.weights + blk.first_slot * D;
