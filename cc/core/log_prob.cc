@@ -859,9 +859,10 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
       for (int64 g = runs[r].begin; g < runs[r].end; ++g) {
         const int64 node = plan.group_node[g];
         if (!IsWalked(tree, node)) continue;
-        if (sgd && g + kSgdRowsAhead < runs[r].end) {
-          // The in-place update reads the weight rows again, long after the walk: ask for
-          // those of a group a few ahead.
+        // The in-place update reads the weight rows again, long after the walk: ask for
+        // those of a walked group a few ahead.
+        if (sgd && g + kSgdRowsAhead < runs[r].end &&
+            IsWalked(tree, plan.group_node[g + kSgdRowsAhead])) {
           const int64 ahead = plan.group_node[g + kSgdRowsAhead];
           const int64 a0 = tree.child_begin[ahead], a1 = tree.child_begin[ahead + 1];
           const char* bytes = reinterpret_cast<const char*>(grads.sgd_weights + a0 * D);
