@@ -103,8 +103,9 @@ def log_prob(hidden, weights, biases, tree, targets):
   tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
   if (tf.config.list_logical_devices("GPU") or not _has_grouped_nodes(tree) or
       not _gradient_may_follow()):
-    # Nothing to keep without grouped nodes; then the gradient op also does not wait for
-    # the forward's (empty) output and can run beside it when its upstream allows.
+    # Nothing to keep without grouped nodes, and nothing worth keeping when no tape can
+    # record; then the gradient op (if any) also does not wait for the forward's outputs
+    # and can run beside it when its upstream allows.
     result = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
   else:
     result = _loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,

@@ -79,6 +79,21 @@ NodeBlock<T> BlockOf(const TreeView& tree, int64 node) {
   return {tree.child_begin[node], tree.child_begin[node + 1] - tree.child_begin[node]};
 }
 
+// Asks the memory system for a node's rows of `table` (to read, or to update in place),
+// which are scattered cache misses in a large table.
+template <typename T>
+void RequestRows(const T* table, const NodeBlock<T>& blk, int64 dim, bool for_update) {
+  const char* bytes = reinterpret_cast<const char*>(table + blk.first_slot * dim);
+  const int64 n = blk.size * dim * static_cast<int64>(sizeof(T));
+  for (int64 o = 0; o < n; o += 64) {
+    if (for_update) {
+      __builtin_prefetch(bytes + o, 1, 3);
+    } else {
+      __builtin_prefetch(bytes + o);
+    }
+  }
+}
+
 // Nodes with at most this many children are not grouped: each token walks its own path
 // through them (see WalkPath). Their blocks are too small for the grouped kernels to repay
 // the bookkeeping, and a deep binary tree would pay one thread-pool synchronisation per
@@ -201,18 +216,17 @@ T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& 
   const int64 path = plan.token_path[i];
   const int64 depth = plan.token_step_begin[i + 1] - plan.token_step_begin[i];
   const int64 step0 = plan.token_step_begin[i];
-  const int64 row_bytes = D * static_cast<int64>(sizeof(T));
   Scratch<T>& s = ThreadScratch<T>();
   WalkStep<T>* steps = Grow(&s.walk_steps, depth);
   const T** rows = Grow(&s.walk_rows, depth * kWalkMaxBranching);
   int64 num_steps = 0, n = 0;
   for (int64 l = 0; l < depth; ++l) {
     const int64 node = tree.path_nodes[path + l];
-    const int64 first = tree.child_begin[node], k = tree.child_begin[node + 1] - first;
+    const NodeBlock<T> blk = BlockOf<T>(tree, node);
+    const int64 first = blk.first_slot, k = blk.size;
     if (k > kWalkMaxBranching) continue;
     const T* w = p.weights + first * D;
-    const char* bytes = reinterpret_cast<const char*>(w);
-    for (int64 o = 0; o < k * row_bytes; o += 64) __builtin_prefetch(bytes + o);
+    RequestRows(p.weights, blk, D, false);
     steps[num_steps++] = {n, k, tree.path_slots[path + l] - first,
                           p.biases != nullptr ? p.biases + first : nullptr,
                           grad && keep ? coef + (step0 + l) * stride : nullptr};
@@ -544,7 +558,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   };
   // Without grouped nodes (deep binary trees) every direction is zero, so dh starts at
   // zero and no pass scales the directions below.
-  const bool grouped = HasGroups(plan, tree, false);
+  const bool grouped = HasGroups(plan, tree, false), walked = HasWalkedGroups(plan, tree);
   // The directions start at zero (megabytes at large batches: filled by all threads; the
   // cost is about a cycle per 4 elements written).
   if (saved_directions == nullptr || !grouped) {
@@ -805,7 +819,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   // Walked (small) nodes, after every grouped level so that each dh row sums its terms in
   // a fixed order: pass 1 walks every token's path (logits, lse, coefficients, dh); pass 2
   // gives each walked group its dW rows, summed over its tokens in token order.
-  if (!HasWalkedGroups(plan, tree)) return;
+  if (!walked) return;
   std::vector<int64> group_level(plan.num_groups());
   int64 stride = 0;
   for (int64 level = 0; level < plan.num_levels(); ++level) {
@@ -861,13 +875,9 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
         if (!IsWalked(tree, node)) continue;
         // The in-place update reads the weight rows again, long after the walk: ask for
         // those of a walked group a few ahead.
-        if (sgd && g + kSgdRowsAhead < runs[r].end &&
-            IsWalked(tree, plan.group_node[g + kSgdRowsAhead])) {
+        if (sgd && g + kSgdRowsAhead < runs[r].end) {
           const int64 ahead = plan.group_node[g + kSgdRowsAhead];
-          const int64 a0 = tree.child_begin[ahead], a1 = tree.child_begin[ahead + 1];
-          const char* bytes = reinterpret_cast<const char*>(grads.sgd_weights + a0 * D);
-          for (int64 o = 0; o < (a1 - a0) * D * static_cast<int64>(sizeof(T)); o += 64)
-            __builtin_prefetch(bytes + o, 1, 3);
+          if (IsWalked(tree, ahead)) RequestRows(grads.sgd_weights, BlockOf<T>(tree, ahead), D, true);
         }
         const NodeBlock<T> blk = BlockOf<T>(tree, node);
         const int64 K = blk.size, e0 = plan.group_begin[g], ne = plan.group_begin[g + 1] - e0;
