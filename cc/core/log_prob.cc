@@ -213,7 +213,6 @@ template <typename T>
 T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p, int64 i,
            T upstream, bool want_value, bool grad, T* dh, T* coef, bool keep, int64 stride) {
   const int64 D = p.dim;
-  const int64 path = plan.token_path[i];
   const int64 depth = plan.token_step_begin[i + 1] - plan.token_step_begin[i];
   const int64 step0 = plan.token_step_begin[i];
   Scratch<T>& s = ThreadScratch<T>();
@@ -221,13 +220,13 @@ T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& 
   const T** rows = Grow(&s.walk_rows, depth * kWalkMaxBranching);
   int64 num_steps = 0, n = 0;
   for (int64 l = 0; l < depth; ++l) {
-    const int64 node = tree.path_nodes[path + l];
+    const int64 node = plan.step_node[step0 + l];
     const NodeBlock<T> blk = BlockOf<T>(tree, node);
     const int64 first = blk.first_slot, k = blk.size;
     if (k > kWalkMaxBranching) continue;
     const T* w = p.weights + first * D;
     RequestRows(p.weights, blk, D, false);
-    steps[num_steps++] = {n, k, tree.path_slots[path + l] - first,
+    steps[num_steps++] = {n, k, plan.step_slot[step0 + l] - first,
                           p.biases != nullptr ? p.biases + first : nullptr,
                           grad && keep ? coef + (step0 + l) * stride : nullptr};
     for (int64 j = 0; j < k; ++j) rows[n++] = w + j * D;

@@ -26,23 +26,40 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   plan->group_begin.push_back(0);
   plan->group_row.push_back(0);
 
-  // Validate targets and the paths they read; find each token's depth.
+  // Validate targets and the paths they read; find each token's depth, and copy its path
+  // next to the other tokens' (the later passes read it level by level, and the tree's
+  // paths sit at random places in a large array).
   int64 max_depth = 0;
-  plan->token_path.resize(num_tokens);
   plan->token_step_begin.assign(num_tokens + 1, 0);
-  // The paths of a large tree sit at random places in memory: each token's path_begin is
-  // requested kAhead tokens before it is read, and its path kAhead / 2 tokens before.
+  // The paths of a large tree sit at random places in memory, and so do their nodes'
+  // child_begin entries. Each token's path_begin is requested kAhead tokens before it is
+  // read, its path (every cache line of it) kAhead / 2 tokens before, and the child_begin
+  // entries of its path nodes kAhead / 4 tokens before.
   constexpr int64 kAhead = 16;
-  auto valid_target = [&](int64 i) { return targets[i] >= 0 && targets[i] < C; };
+  constexpr int64 kPerLine = 64 / sizeof(int64);
+  auto path_range = [&](int64 i, int64* b, int64* e) {
+    if (i >= num_tokens || targets[i] < 0 || targets[i] >= C) return false;
+    *b = tree.path_begin[targets[i]];
+    *e = tree.path_begin[targets[i] + 1];
+    return *b >= 0 && *b < *e && *e <= tree.path_length;
+  };
   for (int64 i = 0; i < num_tokens; ++i) {
-    if (i + kAhead < num_tokens && valid_target(i + kAhead)) {
+    if (i + kAhead < num_tokens && targets[i + kAhead] >= 0 && targets[i + kAhead] < C) {
       __builtin_prefetch(tree.path_begin + targets[i + kAhead]);
     }
-    if (i + kAhead / 2 < num_tokens && valid_target(i + kAhead / 2)) {
-      const int64 ahead = tree.path_begin[targets[i + kAhead / 2]];
-      if (ahead >= 0 && ahead < tree.path_length) {
-        __builtin_prefetch(tree.path_nodes + ahead);
-        __builtin_prefetch(tree.path_slots + ahead);
+    int64 ahead_b, ahead_e;
+    if (path_range(i + kAhead / 2, &ahead_b, &ahead_e)) {
+      for (int64 p = ahead_b; p < ahead_e; p += kPerLine) {
+        __builtin_prefetch(tree.path_nodes + p);
+        __builtin_prefetch(tree.path_slots + p);
+      }
+      __builtin_prefetch(tree.path_nodes + ahead_e - 1);
+      __builtin_prefetch(tree.path_slots + ahead_e - 1);
+    }
+    if (path_range(i + kAhead / 4, &ahead_b, &ahead_e)) {
+      for (int64 p = ahead_b; p < ahead_e; ++p) {
+        const int64 n = tree.path_nodes[p];
+        if (n >= 0 && n < M) __builtin_prefetch(tree.child_begin + n);
       }
     }
     const int64 t = targets[i];
@@ -55,8 +72,16 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
                      "] is not a non-empty range within the ", tree.path_length,
                      " path steps");
     }
+    const int64 step0 = plan->token_step_begin[i];
+    if (static_cast<int64>(plan->step_node.size()) < step0 + (e - b)) {
+      const int64 grown = std::max<int64>(2 * step0, step0 + (e - b));
+      plan->step_node.resize(grown);
+      plan->step_slot.resize(grown);
+    }
     for (int64 p = b; p < e; ++p) {
       const int64 n = tree.path_nodes[p], s = tree.path_slots[p];
+      plan->step_node[step0 + p - b] = n;
+      plan->step_slot[step0 + p - b] = s;
       if (n < 0 || n >= M) {
         return Message("malformed tree: path_nodes[", p, "] = ", n, " is not a node in [0, ",
                        M, ")");
@@ -71,10 +96,12 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
                        " is outside the slots [", cb, ", ", ce, ") of node ", n);
       }
     }
-    plan->token_path[i] = b;
-    plan->token_step_begin[i + 1] = plan->token_step_begin[i] + (e - b);
+    plan->token_step_begin[i + 1] = step0 + (e - b);
     max_depth = std::max(max_depth, e - b);
   }
+
+  plan->step_node.resize(plan->num_steps());
+  plan->step_slot.resize(plan->num_steps());
 
   // Group level by level. Nodes are mapped to this level's groups through a small
   // open-addressing table sized by the batch, not by the tree, so a call costs
@@ -103,7 +130,7 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
     const uint64_t mask = static_cast<uint64_t>(capacity) - 1;
     used.clear();
     for (const int64 i : active) {
-      const int64 n = tree.path_nodes[plan->token_path[i] + level];
+      const int64 n = plan->step_node[plan->token_step_begin[i] + level];
       uint64_t h = (static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull) >> 20 & mask;
       while (table_node[h] != -1 && table_node[h] != n) h = (h + 1) & mask;
       if (table_node[h] == -1) {
@@ -137,7 +164,7 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
       const int64 i = level_tokens[v];
       const int64 e = cursor[level_groups[v] - first_group]++;
       plan->entry_token[e] = i;
-      plan->entry_slot[e] = tree.path_slots[plan->token_path[i] + level];
+      plan->entry_slot[e] = plan->step_slot[plan->token_step_begin[i] + level];
     }
     plan->level_begin.push_back(plan->num_groups());
   }

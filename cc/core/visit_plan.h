@@ -23,16 +23,20 @@ struct VisitPlan {
   std::vector<int64> group_row;    // [groups + 1], prefix sums of the nodes' branching
   std::vector<int64> entry_token;  // [entries]
   std::vector<int64> entry_slot;   // [entries], the slot taken at this visit
-  // Per token, for kernels that walk a token's path instead of visiting groups:
-  std::vector<int64> token_path;        // [tokens], index of its first step in path_nodes
+  // Per token, for kernels that walk a token's path instead of visiting groups: its steps
+  // are [token_step_begin[i], token_step_begin[i + 1]), copies of its path in the tree.
   std::vector<int64> token_step_begin;  // [tokens + 1], prefix sums of the path lengths
+  std::vector<int64> step_node;         // [steps], path_nodes of each token's path
+  std::vector<int64> step_slot;         // [steps], path_slots of each token's path
 
   // Empties every vector, keeping its storage (BuildVisitPlan starts with this, so a plan
-  // reused across calls allocates nothing once it has grown).
+  // reused across calls allocates nothing once it has grown). step_node and step_slot keep
+  // their size too: BuildVisitPlan overwrites them and grows them only when a batch has more
+  // steps than the last, so that a reused plan does not zero-fill them in every call.
   void Clear() {
     num_tokens = 0;
     for (std::vector<int64>* v : {&level_begin, &group_node, &group_begin, &group_row,
-                                  &entry_token, &entry_slot, &token_path, &token_step_begin}) {
+                                  &entry_token, &entry_slot, &token_step_begin}) {
       v->clear();
     }
   }
