@@ -19,7 +19,6 @@
 namespace tf_hsm {
 namespace {
 
-constexpr int64 kSlotTile = 128;        // weight rows per logits tile (as in log_prob.cc)
 constexpr int64 kMinSearchRows = 16;    // rows one TopK work item searches together:
 constexpr int64 kMaxSearchRows = 64;    //   see SearchRowsPerItem
 constexpr int64 kSampleRows = 64;       // rows one Sample work item walks together

@@ -20,7 +20,6 @@ constexpr int64 kTokenTile = 64;   // tokens per work item
 // The forward keeps no logits, so its items can be larger: fewer, longer work items for
 // the large groups.
 constexpr int64 kForwardTokenTile = 256;
-constexpr int64 kSlotTile = 128;   // weight rows per logits tile (stays in L2 with D <= 1K)
 // Weight rows per dW work item of a large group: its slots are split into an even number,
 // at least four, of near-equal chunks of at most about this many rows, a multiple of 16
 // (so a chunk's panels are a slice of the block's). Each chunk reads every token row of

@@ -14,6 +14,11 @@ namespace tf_hsm {
 // Per instruction set, like simd.h (see there).
 inline namespace TF_HSM_SIMD_ISA {
 
+// Weight rows per logits tile of a large node, in the training and the inference ops: a
+// node's logits are computed and folded into its logsumexp in chunks of this many rows
+// (a 128-row tile of D <= 1K floats stays in L2).
+constexpr int64 kSlotTile = 128;
+
 // Grows per-thread scratch on demand (never shrinks) and returns its data.
 template <typename T>
 T* Grow(std::vector<T>* v, int64 n) {
