@@ -35,8 +35,9 @@ def test_tiny_custom_case_reports_every_method(tmp_path):
     assert set(case["methods"]) == set(setup.TRAIN_METHODS)
     for name, row in case["methods"].items():
       assert row["status"] == "ok", (name, row)
-      for kind in ("fwd", "step"):
+      for kind in ("fwd", "step", "step_loop"):
         assert row[kind]["n"] == 10 and 0 < row[kind]["min"] <= row[kind]["median"], name
+      assert row["rates"]["step_loop"]["tokens_per_s"] > 0
       assert row["memory"]["status"] == "ok"
       assert row["memory"]["peak_rss"] >= row["memory"]["baseline_rss"] > 0
       assert row["rates"]["step"]["tokens_per_s"] > 0

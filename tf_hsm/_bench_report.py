@@ -25,6 +25,7 @@ def summarize_method(case, method, row, optimizer):
   ceilings = case.get("ceilings") or {}
   fwd, step = time_stats(row.get("fwd_times")), time_stats(row.get("step_times"))
   row["fwd"], row["step"] = fwd, step
+  row["step_loop"] = time_stats(row.get("step_loop_times"))
   if "work" not in case:
     return row
   work = setup.method_work(method, case, optimizer)
@@ -44,6 +45,8 @@ def summarize_method(case, method, row, optimizer):
       entry.update(gflops=flops / seconds / 1e9, gbps=nbytes / seconds / 1e9,
                    floor_s=floor, roofline=None if floor is None else floor / seconds)
     rates[kind] = entry
+  if row["step_loop"]:
+    rates["step_loop"] = {"tokens_per_s": case["tokens"] / row["step_loop"]["median"]}
   row["rates"] = rates
   return row
 
@@ -134,6 +137,8 @@ def case_markdown(case, optimizer):
             "peak RSS MB (Δ)", "tf_hsm speed-up"]
   if topk:
     header[3] = "nodes expanded/row"
+  else:
+    header.insert(4, f"{step_name} in a loop: ms (tokens/s)")
   lines.append("| " + " | ".join(header) + " |")
   lines.append("|" + "---|" * len(header))
   for name, row in case["methods"].items():
@@ -153,11 +158,16 @@ def case_markdown(case, optimizer):
     third = (_num((row.get("info") or {}).get("nodes_expanded_per_row"), "{:.1f}") if topk
              else _ms(row.get("step")))
     roof = rates.get("roofline")
-    lines.append("| " + " | ".join([
-        name, _status(row), _ms(row.get("fwd")), third,
-        _num(rates.get("tokens_per_s"), "{:,.0f}"), _num(rates.get("gflops")),
-        _num(rates.get("gbps")), _num(None if roof is None else 100 * roof, "{:.2g}"),
-        mem_cell, speed_cell]) + " |")
+    cells = [name, _status(row), _ms(row.get("fwd")), third,
+             _num(rates.get("tokens_per_s"), "{:,.0f}"), _num(rates.get("gflops")),
+             _num(rates.get("gbps")), _num(None if roof is None else 100 * roof, "{:.2g}"),
+             mem_cell, speed_cell]
+    if not topk:
+      loop = row.get("step_loop")
+      loop_rate = (row.get("rates") or {}).get("step_loop", {}).get("tokens_per_s")
+      cells.insert(4, "–" if not loop else
+                   f"{_fmt_ms(loop['median'])} ({_num(loop_rate, '{:,.0f}')})")
+    lines.append("| " + " | ".join(cells) + " |")
   if case["kind"] == "mem":
     lines.append("")
     lines.extend(mem_verdict(case))
