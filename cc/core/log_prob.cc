@@ -436,15 +436,12 @@ struct Item {
   int64 count;
 };
 
+// Whether the plan has a group of a walked node (walked) or of a grouped one (!walked).
 bool HasGroups(const VisitPlan& plan, const TreeView& tree, bool walked) {
   for (int64 g = 0; g < plan.num_groups(); ++g) {
     if (IsWalked(tree, plan.group_node[g]) == walked) return true;
   }
   return false;
-}
-
-bool HasWalkedGroups(const VisitPlan& plan, const TreeView& tree) {
-  return HasGroups(plan, tree, true);
 }
 
 // Rough scalar operations per token of a walk, for the thread pool's shard sizes.
@@ -556,7 +553,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   };
   // Without grouped nodes (deep binary trees) every direction is zero, so dh starts at
   // zero and no pass scales the directions below.
-  const bool grouped = HasGroups(plan, tree, false), walked = HasWalkedGroups(plan, tree);
+  const bool grouped = HasGroups(plan, tree, false), walked = HasGroups(plan, tree, true);
   // The directions start at zero (megabytes at large batches: filled by all threads; the
   // cost is about a cycle per 4 elements written).
   if (saved_directions == nullptr || !grouped) {
@@ -958,7 +955,7 @@ void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
   } else {
     GroupedForward(plan, tree, p, parallel_for, log_prob, ++call_counter);
   }
-  if (!HasWalkedGroups(plan, tree)) return;
+  if (!HasGroups(plan, tree, true)) return;
   // Then each token's walked steps, in path order.
   parallel_for(plan.num_tokens, WalkCostPerToken(plan, p.dim), [&](int64 begin, int64 end) {
     for (int64 i = begin; i < end; ++i) {

@@ -27,26 +27,26 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   plan->group_row.push_back(0);
 
   // Validate targets and the paths they read; find each token's depth, and copy its path
-  // next to the other tokens' (the later passes read it level by level, and the tree's
-  // paths sit at random places in a large array).
+  // next to the other tokens' (the later passes read it level by level). The paths of a
+  // large tree sit at random places in memory, and so do their nodes' child_begin entries:
+  // each token's path_begin is requested kAhead tokens before it is read, its path (every
+  // cache line of it) kAhead / 2 tokens before, and the child_begin entries of its path
+  // nodes kAhead / 4 tokens before.
   int64 max_depth = 0;
   plan->token_step_begin.assign(num_tokens + 1, 0);
-  // The paths of a large tree sit at random places in memory, and so do their nodes'
-  // child_begin entries. Each token's path_begin is requested kAhead tokens before it is
-  // read, its path (every cache line of it) kAhead / 2 tokens before, and the child_begin
-  // entries of its path nodes kAhead / 4 tokens before.
   constexpr int64 kAhead = 16;
   constexpr int64 kPerLine = 64 / sizeof(int64);
+  auto valid_target = [&](int64 i) {
+    return i < num_tokens && targets[i] >= 0 && targets[i] < C;
+  };
   auto path_range = [&](int64 i, int64* b, int64* e) {
-    if (i >= num_tokens || targets[i] < 0 || targets[i] >= C) return false;
+    if (!valid_target(i)) return false;
     *b = tree.path_begin[targets[i]];
     *e = tree.path_begin[targets[i] + 1];
     return *b >= 0 && *b < *e && *e <= tree.path_length;
   };
   for (int64 i = 0; i < num_tokens; ++i) {
-    if (i + kAhead < num_tokens && targets[i + kAhead] >= 0 && targets[i + kAhead] < C) {
-      __builtin_prefetch(tree.path_begin + targets[i + kAhead]);
-    }
+    if (valid_target(i + kAhead)) __builtin_prefetch(tree.path_begin + targets[i + kAhead]);
     int64 ahead_b, ahead_e;
     if (path_range(i + kAhead / 2, &ahead_b, &ahead_e)) {
       for (int64 p = ahead_b; p < ahead_e; p += kPerLine) {
