@@ -219,14 +219,17 @@ def test_reused_gradient_buffer_never_overwrites_a_held_gradient(rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gradient_from_the_forward_logits_is_the_recomputed_one(rng, dtype):
-  """On the CPU log_prob keeps the grouped nodes' logits and the tokens' directions for its
-  gradient: the gradient is Hsm>LogProbGrad's (which computes them again) bit for bit;
-  over the size limit the forward keeps neither and the gradient op recomputes them;
-  wrong-sized inputs are refused."""
+  """On the CPU log_prob keeps the grouped nodes' logits, the walked steps' coefficients
+  and the tokens' directions for its gradient: the gradient is Hsm>LogProbGrad's (which
+  computes them again) bit for bit; over the size limit the forward keeps none of them and
+  the gradient op recomputes them; wrong-sized inputs are refused. The trees: mixed node
+  sizes, grouped nodes only, and walked nodes only (binary Huffman, 4-ary balanced)."""
   from tf_hsm import _loader
   from tf_hsm.ops import _tree_tensors
   ops = _loader.ops()
-  for tree in [random_mixed_tree(rng), tf_hsm.Tree.two_level(3000), tf_hsm.Tree.balanced(500, 30)]:
+  huffman = tf_hsm.Tree.huffman(rng.zipf(1.3, size=2000).astype(np.float64))
+  for tree in [random_mixed_tree(rng), tf_hsm.Tree.two_level(3000), tf_hsm.Tree.balanced(500, 30),
+               huffman, tf_hsm.Tree.balanced(700, 4)]:
     t = _tree_tensors(tree)
     tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
     hidden, weights, biases, targets = random_inputs(rng, tree, (7, 40), 19, dtype, True)

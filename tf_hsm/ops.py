@@ -1,6 +1,5 @@
 """Python wrappers and registered gradients of the tf_hsm ops."""
 
-import numpy as np
 import tensorflow as tf
 
 from tf_hsm import _loader
@@ -8,9 +7,6 @@ from tf_hsm.tree import Tree
 
 _FLOAT_TYPES = (tf.float32, tf.float64)
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
-# Nodes with at most this many children are walked token by token, never grouped, and
-# have no logits for log_prob to keep (kWalkMaxBranching in cc/core/log_prob.cc).
-_WALK_MAX_BRANCHING = 8
 
 
 def _tree_tensors(tree):
@@ -82,15 +78,15 @@ def log_prob(hidden, weights, biases, tree, targets):
   Returns:
     log-probabilities with the shape of `targets` and the dtype of `hidden`.
     The gradient for weights and biases is a `tf.IndexedSlices` over the touched rows.
-    On the CPU, for trees with nodes of more than 8 children, when a `tf.GradientTape` is
-    recording where `log_prob` is called (eagerly, or traced inside the tape's block), the
-    op also keeps what the gradient needs of those nodes: their logits along the batch's
-    paths (up to 2**25 of them, one per visit and child) and each token's gradient with
-    respect to its hidden row short of the upstream factor. The gradient then reads no
-    weight row for the hidden gradient and computes no logit of those nodes again. Without
-    a recording tape the forward skips that work (about a third of its time); a gradient
-    taken anyway (a `tf.function` called under a tape outside it) recomputes it, with the
-    same bits.
+    On the CPU, when a `tf.GradientTape` is recording where `log_prob` is called (eagerly,
+    or traced inside the tape's block), the op also keeps what the gradient needs short of
+    the upstream factor: the logits of the nodes of more than 8 children along the
+    batch's paths (one per visit and child), the softmax coefficients of the steps through
+    smaller nodes, and each token's gradient with respect to its hidden row (up to 2**25
+    logits and coefficients in all). The gradient then reads no weight row for the hidden
+    gradient, computes no logit of a large node again and walks no path through small
+    ones. Without a recording tape the forward skips that work; a gradient taken anyway (a
+    `tf.function` called under a tape outside it) recomputes it, with the same bits.
 
   Raises:
     TypeError: wrong dtypes.
@@ -101,11 +97,8 @@ def log_prob(hidden, weights, biases, tree, targets):
   hidden, weights, biases, out_dtype = _dense_inputs(hidden, weights, biases)
   targets = _class_ids(targets, "targets")
   tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
-  if (tf.config.list_logical_devices("GPU") or not _has_grouped_nodes(tree) or
-      not _gradient_may_follow()):
-    # Nothing to keep without grouped nodes, and nothing worth keeping when no tape can
-    # record; then the gradient op (if any) also does not wait for the forward's outputs
-    # and can run beside it when its upstream allows.
+  if tf.config.list_logical_devices("GPU") or not _gradient_may_follow():
+    # Nothing worth keeping when no tape can record.
     result = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
   else:
     result = _loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
@@ -120,14 +113,6 @@ def _gradient_may_follow():
     return bool(record.could_possibly_record())
   except (ImportError, AttributeError):
     return True
-
-
-def _has_grouped_nodes(tree):
-  cached = tree.__dict__.get("_has_grouped_nodes")
-  if cached is None:
-    cached = bool(np.any(np.diff(tree.child_begin) > _WALK_MAX_BRANCHING))
-    tree.__dict__["_has_grouped_nodes"] = cached
-  return cached
 
 
 @tf.RegisterGradient("Hsm>LogProb")

@@ -53,7 +53,7 @@ struct Scratch {
   std::vector<T> tile, row_max, row_sum, taken_logit, lse, panels, sgd_rows, sgd_bias,
       dh_acc, logits, staged_rows;
   std::vector<WalkStep<T>> walk_steps;
-  std::vector<T> walk_z, walk_coef;
+  std::vector<T> walk_z, walk_coef, visit_upstream;
   std::vector<const T*> walk_rows, visit_coefs;
   std::vector<const T*> rows;
   std::vector<T*> out_rows;
@@ -93,11 +93,8 @@ void RequestRows(const T* table, const NodeBlock<T>& blk, int64 dim, bool for_up
   }
 }
 
-// Nodes with at most this many children are not grouped: each token walks its own path
-// through them (see WalkPath). Their blocks are too small for the grouped kernels to repay
-// the bookkeeping, and a deep binary tree would pay one thread-pool synchronisation per
-// level; walked, a whole batch needs one pass over the tokens and one over the nodes.
-constexpr int64 kWalkMaxBranching = 8;
+// Walked nodes (kWalkMaxBranching, visit_plan.h) cost a whole batch one pass over the
+// tokens (WalkPath) and one over the nodes (the dW pass), however deep the tree.
 constexpr int64 kWalkItemEntries = 64;  // visits per dW work item of walked nodes
 
 bool IsWalked(const TreeView& tree, int64 node) {
@@ -110,13 +107,15 @@ bool IsWalked(const TreeView& tree, int64 node) {
 // the log are paid once per vector rather than once per step.
 //
 // Each step adds z[taken] - logsumexp(z) to *total (in step order) when want_value. With
-// grad, it writes the coefficients upstream * (onehot(taken) - softmax(z)) to coef[row]
-// and, when set, to step.coef. Every lane goes through the same operations wherever it
-// sits (SpanMax / SpanSum sum within the span in a fixed tree), so a step gives the same
-// bits alone or in any batch: the dW pass may recompute one step's coefficients by itself.
+// grad, it writes the unit coefficients onehot(taken) - softmax(z) to coef[row] and, when
+// set, to step.coef (the gradient of the step's term with respect to z; the upstream
+// factor is applied later, as for grouped nodes). Every lane goes through the same
+// operations wherever it sits (SpanMax / SpanSum sum within the span in a fixed tree), so
+// a step gives the same bits alone or in any batch: the dW pass may recompute one step's
+// coefficients by itself.
 template <typename T, int kSpan>
-void WalkSoftmax(const WalkStep<T>* steps, int64 n, const T* z_rows, T upstream,
-                 bool want_value, bool grad, T* total, T* coef_rows) {
+void WalkSoftmax(const WalkStep<T>* steps, int64 n, const T* z_rows, bool want_value,
+                 bool grad, T* total, T* coef_rows) {
   using V = simd::VecT<T>;
   using I = typename simd::Vec<T>::itype;
   using Lane = std::remove_reference_t<decltype(I{}[0])>;
@@ -154,8 +153,8 @@ void WalkSoftmax(const WalkStep<T>* steps, int64 n, const T* z_rows, T upstream,
     for (int64 j = 0; j < n; ++j) *total += value[j * kSpan + steps[j].taken];
   }
   if (!grad) return;
-  V c = e * (simd::Splat<T>(-upstream) / sum);
-  c += taken ? simd::Splat<T>(upstream) : V{};
+  V c = e * (simd::Splat<T>(-1) / sum);
+  c += taken ? simd::Splat<T>(1) : V{};
   simd::Store(lanes, c);
   for (int64 j = 0; j < n; ++j) {
     const WalkStep<T>& st = steps[j];
@@ -171,8 +170,8 @@ static_assert(kWalkMaxBranching <= 8, "WalkSpan covers nodes of up to 8 children
 
 // WalkSoftmax over steps[0..n), in batches of consecutive steps of one span.
 template <typename T>
-void WalkSoftmaxAll(const WalkStep<T>* steps, int64 n, const T* z_rows, T upstream,
-                    bool want_value, bool grad, T* total, T* coef_rows) {
+void WalkSoftmaxAll(const WalkStep<T>* steps, int64 n, const T* z_rows, bool want_value,
+                    bool grad, T* total, T* coef_rows) {
   constexpr int64 kLanes = simd::Vec<T>::kWidth;
   for (int64 s = 0; s < n;) {
     const int64 span = WalkSpan(steps[s].k);
@@ -180,37 +179,38 @@ void WalkSoftmaxAll(const WalkStep<T>* steps, int64 n, const T* z_rows, T upstre
     while (s + count < n && (count + 1) * span <= kLanes && WalkSpan(steps[s + count].k) == span) ++count;
     const WalkStep<T>* batch = steps + s;
     switch (span) {
-      case 1: WalkSoftmax<T, 1>(batch, count, z_rows, upstream, want_value, grad, total, coef_rows); break;
-      case 2: WalkSoftmax<T, 2>(batch, count, z_rows, upstream, want_value, grad, total, coef_rows); break;
-      case 4: WalkSoftmax<T, 4>(batch, count, z_rows, upstream, want_value, grad, total, coef_rows); break;
-      default: WalkSoftmax<T, 8>(batch, count, z_rows, upstream, want_value, grad, total, coef_rows); break;
+      case 1: WalkSoftmax<T, 1>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
+      case 2: WalkSoftmax<T, 2>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
+      case 4: WalkSoftmax<T, 4>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
+      default: WalkSoftmax<T, 8>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
     }
     s += count;
   }
 }
 
-// The coefficients of one walked step alone (the dW pass, when they were not kept): the
-// same bits as the walk gave them.
+// The unit coefficients of one walked step alone (the dW pass, when they were not kept):
+// the same bits as the walk gave them.
 template <typename T>
 void WalkStepCoefficients(const T* h, const T* w, const T* b, int64 k, int64 taken, int64 D,
-                          T upstream, T* coef) {
+                          T* coef) {
   const T* rows[kWalkMaxBranching];
   T z[kWalkMaxBranching], c[kWalkMaxBranching];
   for (int64 j = 0; j < k; ++j) rows[j] = w + j * D;
   simd::DotScattered<T>(h, rows, k, D, z);
   const WalkStep<T> step = {0, k, taken, b, coef};
-  WalkSoftmaxAll<T>(&step, 1, z, upstream, false, true, nullptr, c);
+  WalkSoftmaxAll<T>(&step, 1, z, false, true, nullptr, c);
 }
 
 // Token i's steps through small nodes, in path order: returns the sum of their
-// log-probability terms when want_value. With grad (backward), dh gets every step's
-// coef @ W, and when keep, step s = plan.token_step_begin[i] + l stores its coefficients at
-// coef[s * stride]. (dh may be null when D = 0: grad, not dh, says which pass this is.)
+// log-probability terms when want_value. With grad, the token's direction (the gradient of
+// its log-probability with respect to its hidden row) gets every step's unit coef @ W, and
+// when keep, step s = plan.token_step_begin[i] + l stores its unit coefficients at
+// coef[s * stride]. (direction may be null when D = 0: grad says which pass this is.)
 // The steps are gathered first, their rows requested from memory all at once (they sit at
-// random places in the table); then all their logits, all the softmaxes, and dh.
+// random places in the table); then all their logits, all the softmaxes, and the direction.
 template <typename T>
 T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p, int64 i,
-           T upstream, bool want_value, bool grad, T* dh, T* coef, bool keep, int64 stride) {
+           bool want_value, bool grad, T* direction, T* coef, bool keep, int64 stride) {
   const int64 D = p.dim;
   const int64 depth = plan.token_step_begin[i + 1] - plan.token_step_begin[i];
   const int64 step0 = plan.token_step_begin[i];
@@ -235,8 +235,8 @@ T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& 
   const T* h = p.hidden + i * D;
   simd::DotScattered<T>(h, rows, n, D, z);
   T total = 0;
-  WalkSoftmaxAll<T>(steps, num_steps, z, upstream, want_value, grad, &total, c);
-  if (grad && dh != nullptr) simd::AccumulateScattered<T>(dh, rows, c, n, D);
+  WalkSoftmaxAll<T>(steps, num_steps, z, want_value, grad, &total, c);
+  if (grad && direction != nullptr) simd::AccumulateScattered<T>(direction, rows, c, n, D);
   return total;
 }
 
@@ -436,14 +436,6 @@ struct Item {
   int64 count;
 };
 
-// Whether the plan has a group of a walked node (walked) or of a grouped one (!walked).
-bool HasGroups(const VisitPlan& plan, const TreeView& tree, bool walked) {
-  for (int64 g = 0; g < plan.num_groups(); ++g) {
-    if (IsWalked(tree, plan.group_node[g]) == walked) return true;
-  }
-  return false;
-}
-
 // Rough scalar operations per token of a walk, for the thread pool's shard sizes.
 int64 WalkCostPerToken(const VisitPlan& plan, int64 dim) {
   if (plan.num_tokens == 0) return 0;
@@ -510,6 +502,12 @@ void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
 
 }  // namespace
 
+namespace {
+
+// Where the saving forward keeps the grouped nodes' logits: group g's entry e (in plan
+// order) and slot j of its node at offsets[g] + (e - plan.group_begin[g]) * K + j, K the
+// node's number of children. The walked steps' unit coefficients follow from
+// offsets[num_groups]: step s's at offsets[num_groups] + s * plan.max_walked_branching.
 std::vector<int64> SavedLogitOffsets(const VisitPlan& plan, const TreeView& tree) {
   std::vector<int64> offsets(plan.num_groups() + 1, 0);
   for (int64 g = 0; g < plan.num_groups(); ++g) {
@@ -520,14 +518,21 @@ std::vector<int64> SavedLogitOffsets(const VisitPlan& plan, const TreeView& tree
   return offsets;
 }
 
+}  // namespace
+
+int64 SavedLogitsSize(const VisitPlan& plan, const TreeView& tree) {
+  return SavedLogitOffsets(plan, tree).back() + plan.num_steps() * plan.max_walked_branching;
+}
+
 namespace {
 
 // LogProbBackward, or with out_logits (the forward pass of a log_prob whose gradient comes
 // later) the part of it that needs no upstream gradient: the log-probabilities into
-// grads.log_prob_from_backward, the grouped nodes' logits into out_logits
-// (SavedLogitOffsets) and their directions into grads.hidden, with no weight gradient and
-// no walked nodes. The gradient given both then reads no weight row for dh, and every
-// output has the bits of the backward that computes them itself.
+// grads.log_prob_from_backward, the grouped nodes' logits and the walked steps' unit
+// coefficients into out_logits (SavedLogitOffsets) and the tokens' directions into
+// grads.hidden, with no weight gradient. The gradient given both then reads no weight row
+// for dh and walks no path, and every output has the bits of the backward that computes
+// them itself.
 template <typename T>
 void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
               const T* upstream, const ParallelFor& parallel_for, const LogProbGrads<T>& grads,
@@ -536,8 +541,8 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   const std::uint64_t call = ++call_counter;
   T* const log_prob = grads.log_prob_from_backward;
   const bool directions_only = out_logits != nullptr;
-  // dh is upstream * (the sum of the directions over the grouped nodes), plus the walked
-  // nodes' terms; the directions are computed here unless the forward saved them.
+  // dh is upstream * (the sum of the directions over the grouped nodes, then the walked
+  // ones); the directions are computed here unless the forward saved them.
   const T* const saved_directions = grads.saved_logits != nullptr ? grads.saved_directions : nullptr;
   const std::vector<int64> out_offsets =
       directions_only ? SavedLogitOffsets(plan, tree) : std::vector<int64>();
@@ -551,12 +556,13 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
     if (grads.saved_logits == nullptr) return nullptr;
     return grads.saved_logits + saved_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
   };
-  // Without grouped nodes (deep binary trees) every direction is zero, so dh starts at
-  // zero and no pass scales the directions below.
-  const bool grouped = HasGroups(plan, tree, false), walked = HasGroups(plan, tree, true);
+  const bool walked = plan.max_walked_branching > 0;
+  // The walked steps' unit coefficients the forward saved, after its grouped logits.
+  const T* const saved_walk =
+      grads.saved_logits != nullptr ? grads.saved_logits + saved_offsets.back() : nullptr;
   // The directions start at zero (megabytes at large batches: filled by all threads; the
   // cost is about a cycle per 4 elements written).
-  if (saved_directions == nullptr || !grouped) {
+  if (saved_directions == nullptr) {
     parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
       std::fill(grads.hidden + begin * D, grads.hidden + end * D, T(0));
     });
@@ -799,40 +805,54 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   }
 
   if (entry_values) SumGroupedEntries(plan, tree, entry_value, log_prob);
-  if (directions_only) return;
-  // dh = upstream * directions, before the walked nodes add their terms.
-  const T* const directions = saved_directions != nullptr ? saved_directions : grads.hidden;
-  if (grouped) {
-    parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
+
+  // Walked (small) nodes, after every grouped level so that each direction sums its terms
+  // in a fixed order: pass 1 walks every token's path (logits, lse, unit coefficients,
+  // direction), unless the forward saved what it gives; pass 2 (below) gives each walked
+  // group its dW rows, summed over its tokens in token order.
+  const int64 stride = plan.max_walked_branching;
+  const bool keep = directions_only || plan.num_steps() * stride <= coef_budget;
+  const bool own_coefs = keep && !directions_only && saved_walk == nullptr;
+  std::vector<T> step_coef(own_coefs ? plan.num_steps() * stride : 0);
+  T* const walk_coef = directions_only ? out_logits + out_offsets.back() : step_coef.data();
+  // With the forward's coefficients the walk is needed only for the values.
+  const bool walk_grad = walked && saved_walk == nullptr;
+  // dh = upstream * direction, row by row: in the walk while the row is in cache, else in
+  // a pass of its own.
+  auto scale_rows = [&](int64 begin, int64 end, const T* directions) {
+    for (int64 i = begin; i < end; ++i) {
+      const T g = upstream[i];
+      for (int64 d = 0; d < D; ++d) grads.hidden[i * D + d] = g * directions[i * D + d];
+    }
+  };
+  if (walk_grad || (walked && log_prob != nullptr)) {
+    parallel_for(plan.num_tokens, (walk_grad ? 2 : 1) * WalkCostPerToken(plan, D),
+                 [&](int64 begin, int64 end) {
       for (int64 i = begin; i < end; ++i) {
-        const T g = upstream[i];
-        for (int64 d = 0; d < D; ++d) grads.hidden[i * D + d] = g * directions[i * D + d];
+        const T value = WalkPath<T>(plan, tree, p, i, log_prob != nullptr, walk_grad,
+                                    grads.hidden + i * D, walk_coef, keep, stride);
+        if (log_prob != nullptr) log_prob[i] += value;
+        if (walk_grad && !directions_only) scale_rows(i, i + 1, grads.hidden);
       }
     });
   }
+  if (directions_only) return;
+  if (!walk_grad) {
+    const T* const directions = saved_directions != nullptr ? saved_directions : grads.hidden;
+    parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
+      scale_rows(begin, end, directions);
+    });
+  }
 
-  // Walked (small) nodes, after every grouped level so that each dh row sums its terms in
-  // a fixed order: pass 1 walks every token's path (logits, lse, coefficients, dh); pass 2
-  // gives each walked group its dW rows, summed over its tokens in token order.
   if (!walked) return;
   std::vector<int64> group_level(plan.num_groups());
-  int64 stride = 0;
   for (int64 level = 0; level < plan.num_levels(); ++level) {
     for (int64 g = plan.level_begin[level]; g < plan.level_begin[level + 1]; ++g) {
       group_level[g] = level;
-      const int64 k = BlockOf<T>(tree, plan.group_node[g]).size;
-      if (k <= kWalkMaxBranching) stride = std::max(stride, k);
     }
   }
-  const bool keep = plan.num_steps() * stride <= coef_budget;
-  std::vector<T> step_coef(keep ? plan.num_steps() * stride : 0);
-  parallel_for(plan.num_tokens, 2 * WalkCostPerToken(plan, D), [&](int64 begin, int64 end) {
-    for (int64 i = begin; i < end; ++i) {
-      const T value = WalkPath<T>(plan, tree, p, i, upstream[i], log_prob != nullptr, true,
-                                  grads.hidden + i * D, step_coef.data(), keep, stride);
-      if (log_prob != nullptr) log_prob[i] += value;
-    }
-  });
+  // Each step's unit coefficients: the forward's, the walk's, or recomputed per visit.
+  const T* const coefs = saved_walk != nullptr ? saved_walk : keep ? step_coef.data() : nullptr;
 
   // Work items: runs of consecutive walked groups with about kWalkItemEntries visits.
   struct GroupRun {
@@ -851,7 +871,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
     }
   }
   if (run_begin >= 0) runs.push_back({run_begin, plan.num_groups()});
-  const int64 run_cost = kWalkItemEntries * stride * D * (keep ? 2 : 4);
+  const int64 run_cost = kWalkItemEntries * stride * D * (coefs != nullptr ? 2 : 4);
   parallel_for(static_cast<int64>(runs.size()), run_cost, [&](int64 begin, int64 end) {
     using V = simd::VecT<T>;
     constexpr int64 vw = simd::Vec<T>::kWidth;
@@ -878,18 +898,21 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
         const int64 K = blk.size, e0 = plan.group_begin[g], ne = plan.group_begin[g + 1] - e0;
         const T* w = p.weights + blk.first_slot * D;
         const T* b = p.biases != nullptr ? p.biases + blk.first_slot : nullptr;
-        // Each visit's hidden row and coefficients (recomputed when not kept).
+        // Each visit's hidden row, upstream gradient and unit coefficients (recomputed
+        // when not kept).
         const T** h = Grow(&s.rows, ne);
         const T** c = Grow(&s.visit_coefs, ne);
-        T* recomputed = keep ? nullptr : Grow(&s.walk_coef, ne * K);
+        T* u = Grow(&s.visit_upstream, ne);
+        T* recomputed = coefs != nullptr ? nullptr : Grow(&s.walk_coef, ne * K);
         for (int64 v = 0; v < ne; ++v) {
           const int64 i = plan.entry_token[e0 + v];
           h[v] = p.hidden + i * D;
-          if (keep) {
-            c[v] = step_coef.data() + (plan.token_step_begin[i] + group_level[g]) * stride;
+          u[v] = upstream[i];
+          if (coefs != nullptr) {
+            c[v] = coefs + (plan.token_step_begin[i] + group_level[g]) * stride;
           } else {
             WalkStepCoefficients<T>(h[v], w, b, K, plan.entry_slot[e0 + v] - blk.first_slot, D,
-                                    upstream[i], recomputed + v * K);
+                                    recomputed + v * K);
             c[v] = recomputed + v * K;
           }
         }
@@ -903,7 +926,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
             V acc[kChunk];
             for (int64 j = 0; j < kChunk; ++j) acc[j] = V{};
             for (int64 v = 0; v < ne; ++v) {
-              const T ck = c[v][k];
+              const T ck = u[v] * c[v][k];
               const T* hv = h[v] + d0;
               for (int64 j = 0; j < kChunk; ++j) {
                 if (j * vw + vw <= n) {
@@ -923,7 +946,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
           }
           if (block.db != nullptr) {
             T sum = block.db[k];
-            for (int64 v = 0; v < ne; ++v) sum += c[v][k];
+            for (int64 v = 0; v < ne; ++v) sum += u[v] * c[v][k];
             block.db[k] = sum;
           }
         }
@@ -947,19 +970,19 @@ void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
                     const ParallelFor& parallel_for, T* log_prob, T* saved_logits,
                     T* saved_directions) {
   if (saved_logits != nullptr) {
-    // The grouped nodes as the backward computes them, up to the upstream gradient.
+    // Everything as the backward computes it, up to the upstream gradient.
     LogProbGrads<T> grads;
     grads.hidden = saved_directions;
     grads.log_prob_from_backward = log_prob;
     Backward<T>(plan, tree, p, nullptr, parallel_for, grads, 0, saved_logits);
-  } else {
-    GroupedForward(plan, tree, p, parallel_for, log_prob, ++call_counter);
+    return;
   }
-  if (!HasGroups(plan, tree, true)) return;
+  GroupedForward(plan, tree, p, parallel_for, log_prob, ++call_counter);
+  if (plan.max_walked_branching == 0) return;
   // Then each token's walked steps, in path order.
   parallel_for(plan.num_tokens, WalkCostPerToken(plan, p.dim), [&](int64 begin, int64 end) {
     for (int64 i = begin; i < end; ++i) {
-      log_prob[i] += WalkPath<T>(plan, tree, p, i, T(0), true, false, nullptr, nullptr, false, 0);
+      log_prob[i] += WalkPath<T>(plan, tree, p, i, true, false, nullptr, nullptr, false, 0);
     }
   });
 }

@@ -24,20 +24,20 @@ struct SoftmaxParams {
   int64 dim = 0;
 };
 
-// Where LogProbForward saves the logits of the grouped (non-walked) nodes' visits for
-// LogProbBackward: group g's entry e (in plan order) and slot j of its node at
-// offsets[g] + (e - plan.group_begin[g]) * K + j, K the node's number of children;
-// offsets[num_groups] is the total.
-std::vector<int64> SavedLogitOffsets(const VisitPlan& plan, const TreeView& tree);
+// The number of values LogProbForward saves for LogProbBackward (its saved_logits): the
+// logits of the grouped nodes' visits (one per visit and child) and the unit coefficients
+// of the walked steps (plan.max_walked_branching per path step).
+int64 SavedLogitsSize(const VisitPlan& plan, const TreeView& tree);
 
-// log_prob[i] for every token of the plan. With saved_logits (SavedLogitOffsets().back()
-// values) and saved_directions ([num_tokens, dim]), also what the backward pass needs of
-// the grouped nodes that does not depend on the upstream gradient: their logits, and each
-// token's direction, the gradient of its log-probability with respect to its hidden row
-// through the grouped nodes (sum over them of W[taken] - sum_s p_s W[s]). A backward pass
-// given both reads no weight row for dh and computes no logit of a grouped node, getting
-// the same bits as one that computes them. log_prob is then the backward's own
-// (LogProbGrads::log_prob_from_backward), equal to the plain forward's up to rounding.
+// log_prob[i] for every token of the plan. With saved_logits (SavedLogitsSize values) and
+// saved_directions ([num_tokens, dim]), also what the backward pass needs that does not
+// depend on the upstream gradient: the grouped nodes' logits, the walked steps' unit
+// coefficients (onehot(taken) - softmax), and each token's direction, the gradient of its
+// log-probability with respect to its hidden row (sum over its path of W[taken] -
+// sum_s p_s W[s]). A backward pass given both reads no weight row for dh, computes no logit
+// of a grouped node and walks no path, getting the same bits as one that computes them.
+// log_prob is then the backward's own (LogProbGrads::log_prob_from_backward), equal to the
+// plain forward's up to rounding.
 template <typename T>
 void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
                     const ParallelFor& parallel_for, T* log_prob, T* saved_logits = nullptr,
@@ -70,9 +70,10 @@ struct LogProbGrads {
   // before the rows it reads are updated).
   T* log_prob_from_backward = nullptr;
 
-  // Inputs, optional: the logits and directions LogProbForward saved for the same plan and
-  // inputs (the weights unchanged since); the backward then computes no logits of grouped
-  // nodes and reads no weight row for dh. saved_directions is used only with saved_logits.
+  // Inputs, optional: the logits, coefficients and directions LogProbForward saved for the
+  // same plan and inputs (the weights unchanged since); the backward then computes no
+  // logits of grouped nodes, walks no path and reads no weight row for dh.
+  // saved_directions is used only with saved_logits.
   const T* saved_logits = nullptr;
   const T* saved_directions = nullptr;
 };
@@ -81,7 +82,8 @@ struct LogProbGrads {
 // of one level; beyond it they are recomputed. Either way the results are bit-identical.
 constexpr int64 kDefaultCoefBudget = int64{1} << 25;
 
-// Gradients of sum_i upstream[i] * log_prob[i].
+// Gradients of sum_i upstream[i] * log_prob[i]. The plan must be built for
+// PlanFor::kBackward (LogProbForward takes either).
 template <typename T>
 void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
                      const T* upstream, const ParallelFor& parallel_for,

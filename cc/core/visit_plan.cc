@@ -16,12 +16,13 @@ std::string Message(const Args&... args) {
 }  // namespace
 
 std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num_tokens,
-                           VisitPlan* plan) {
+                           VisitPlan* plan, PlanFor use) {
   const int64 C = tree.num_classes, M = tree.num_nodes, S = tree.num_slots;
   if (C < 1) return "the tree has no classes (path_begin needs at least 2 entries)";
   if (M < 1) return "the tree has no nodes (child_begin needs at least 2 entries)";
   plan->Clear();
   plan->num_tokens = num_tokens;
+  plan->walked_groups = use == PlanFor::kBackward;
   plan->level_begin.push_back(0);
   plan->group_begin.push_back(0);
   plan->group_row.push_back(0);
@@ -33,6 +34,7 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   // cache line of it) kAhead / 2 tokens before, and the child_begin entries of its path
   // nodes kAhead / 4 tokens before.
   int64 max_depth = 0;
+  int64 grouped_depth = 0;  // 1 + the last path position of a node that is not walked
   plan->token_step_begin.assign(num_tokens + 1, 0);
   constexpr int64 kAhead = 16;
   constexpr int64 kPerLine = 64 / sizeof(int64);
@@ -95,6 +97,11 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
         return Message("malformed tree: path_slots[", p, "] = ", s,
                        " is outside the slots [", cb, ", ", ce, ") of node ", n);
       }
+      if (ce - cb <= kWalkMaxBranching) {
+        plan->max_walked_branching = std::max(plan->max_walked_branching, ce - cb);
+      } else {
+        grouped_depth = std::max(grouped_depth, p - b + 1);
+      }
     }
     plan->token_step_begin[i + 1] = step0 + (e - b);
     max_depth = std::max(max_depth, e - b);
@@ -106,13 +113,15 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   // Group level by level. Nodes are mapped to this level's groups through a small
   // open-addressing table sized by the batch, not by the tree, so a call costs
   // O(visits) however many nodes the tree has. A malformed tree that repeats a node at two
-  // positions still gets separate groups, one per level.
+  // positions still gets separate groups, one per level. A plan for the forward pass
+  // leaves the walked nodes out.
+  const int64 levels = plan->walked_groups ? max_depth : grouped_depth;
   std::vector<int64> table_node, table_group, used;
   std::vector<int64> level_tokens, level_groups, counts;
   // The tokens whose paths reach this level, in token order.
   std::vector<int64> active(num_tokens);
   for (int64 i = 0; i < num_tokens; ++i) active[i] = i;
-  for (int64 level = 0; level < max_depth; ++level) {
+  for (int64 level = 0; level < levels; ++level) {
     const int64 first_group = plan->num_groups();
     level_tokens.clear();
     level_groups.clear();
@@ -131,6 +140,8 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
     used.clear();
     for (const int64 i : active) {
       const int64 n = plan->step_node[plan->token_step_begin[i] + level];
+      const bool walked = tree.child_begin[n + 1] - tree.child_begin[n] <= kWalkMaxBranching;
+      if (walked && !plan->walked_groups) continue;
       uint64_t h = (static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull) >> 20 & mask;
       while (table_node[h] != -1 && table_node[h] != n) h = (h + 1) & mask;
       if (table_node[h] == -1) {

@@ -11,6 +11,12 @@
 
 namespace tf_hsm {
 
+// Nodes with at most this many children are "walked": the kernels take each token's path
+// through them on its own instead of grouping the tokens per node (their blocks are too
+// small to repay a group's bookkeeping, and a deep binary tree would pay one thread-pool
+// synchronisation per level).
+constexpr int64 kWalkMaxBranching = 8;
+
 // Visits grouped by (path position, node). Levels are path positions 0, 1, ...; within a
 // level a token visits at most one group, which is what makes the backward pass's dh
 // accumulation race-free. Groups are numbered in order of first appearance in the batch and
@@ -28,6 +34,10 @@ struct VisitPlan {
   std::vector<int64> token_step_begin;  // [tokens + 1], prefix sums of the path lengths
   std::vector<int64> step_node;         // [steps], path_nodes of each token's path
   std::vector<int64> step_slot;         // [steps], path_slots of each token's path
+  // The most children of a walked node on the batch's paths; 0 when no path has one.
+  int64 max_walked_branching = 0;
+  // Whether the walked nodes' visits are grouped too (PlanFor::kBackward).
+  bool walked_groups = true;
 
   // Empties every vector, keeping its storage (BuildVisitPlan starts with this, so a plan
   // reused across calls allocates nothing once it has grown). step_node and step_slot keep
@@ -35,6 +45,7 @@ struct VisitPlan {
   // steps than the last, so that a reused plan does not zero-fill them in every call.
   void Clear() {
     num_tokens = 0;
+    max_walked_branching = 0;
     for (std::vector<int64>* v : {&level_begin, &group_node, &group_begin, &group_row,
                                   &entry_token, &entry_slot, &token_step_begin}) {
       v->clear();
@@ -47,12 +58,18 @@ struct VisitPlan {
   int64 num_steps() const { return token_step_begin.empty() ? 0 : token_step_begin.back(); }
 };
 
+// What a plan is for. The backward pass gives every visited node its weight-gradient rows
+// through the groups, walked nodes included; the forward pass reads walked nodes only
+// along each token's path, so its plan leaves them out of the groups (for a deep binary
+// tree, all the grouping work).
+enum class PlanFor { kBackward, kForward };
+
 // Builds the plan for targets[0..num_tokens). Checks every target and every tree offset the
 // batch reads, so that no later step can read out of bounds; returns a message naming the
-// problem, or "" on success. num_slots is the number of weight rows. *plan is overwritten;
-// its vectors keep their storage, so a caller building many plans can reuse one.
+// problem, or "" on success. *plan is overwritten; its vectors keep their storage, so a
+// caller building many plans can reuse one.
 std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num_tokens,
-                           VisitPlan* plan);
+                           VisitPlan* plan, PlanFor use = PlanFor::kBackward);
 
 }  // namespace tf_hsm
 

@@ -20,13 +20,13 @@ namespace {
 
 // Reads and checks the inputs both ops share and builds the visit plan.
 template <typename T>
-::tensorflow::Status PrepareLogProb(OpKernelContext* ctx, SoftmaxInputs* in,
+::tensorflow::Status PrepareLogProb(OpKernelContext* ctx, PlanFor use, SoftmaxInputs* in,
                                    SoftmaxParams<T>* params, TreeView* tree, VisitPlan* plan) {
   TF_RETURN_IF_ERROR(ReadSoftmaxInputs(ctx, in));
   TF_RETURN_IF_ERROR(ReadTree(ctx, 4, -1, in->weights->dim_size(0), tree));
   std::vector<int64> targets;
   TF_RETURN_IF_ERROR(ReadClassIds(ctx->input(3), "targets", BatchShape(*in->hidden), &targets));
-  const std::string problem = BuildVisitPlan(*tree, targets.data(), in->num_tokens, plan);
+  const std::string problem = BuildVisitPlan(*tree, targets.data(), in->num_tokens, plan, use);
   if (!problem.empty()) return errors::InvalidArgument(problem);
   *params = ParamsOf<T>(*in);
   return ::tensorflow::Status();
@@ -47,13 +47,13 @@ class LogProbOp : public OpKernel {
     TreeView tree;
     const PlanPool::Lease lease = plans_.Acquire();
     const VisitPlan& plan = *lease;
-    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, &in, &params, &tree, lease.get()));
+    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, PlanFor::kForward, &in, &params, &tree, lease.get()));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &out));
     T* saved = nullptr;
     T* directions = nullptr;
     if (kSaving) {
-      const int64 total = SavedLogitOffsets(plan, tree).back();
+      const int64 total = SavedLogitsSize(plan, tree);
       const bool keep = total <= max_saved_;
       Tensor *saved_out = nullptr, *directions_out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({keep ? total : 0}), &saved_out));
@@ -88,7 +88,7 @@ class LogProbGradOp : public OpKernel {
     TreeView tree;
     const PlanPool::Lease lease = plans_.Acquire();
     const VisitPlan& plan = *lease;
-    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, &in, &params, &tree, lease.get()));
+    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, PlanFor::kBackward, &in, &params, &tree, lease.get()));
     const Tensor& upstream = ctx->input(8);
     OP_REQUIRES(ctx, upstream.shape() == BatchShape(*in.hidden),
                 errors::InvalidArgument("upstream gradient must have shape ",
@@ -99,7 +99,7 @@ class LogProbGradOp : public OpKernel {
     LogProbGrads<T> grads;
     if (kFromSaved) {
       const Tensor& saved = ctx->input(9);
-      const int64 expected = SavedLogitOffsets(plan, tree).back();
+      const int64 expected = SavedLogitsSize(plan, tree);
       OP_REQUIRES(ctx, saved.dims() == 1 && (saved.NumElements() == 0 || saved.NumElements() == expected),
                   errors::InvalidArgument("saved_logits must be the forward's ", expected,
                                           " logits of these inputs (or empty), got shape ",

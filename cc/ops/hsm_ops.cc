@@ -97,17 +97,18 @@ REGISTER_OP("Hsm>LogProbSavingLogits")
       return Status();
     })
     .Doc(R"doc(
-Hsm>LogProb (CPU) that also returns what Hsm>LogProbGradFromLogits needs of the nodes
-with more than 8 children along the batch's paths, short of the upstream gradient: their
-logits (one per visit and child: the sum of their branching over the
-visits) and each token's direction, the gradient of its log-probability with respect to
-its hidden row through those nodes. The gradient op then computes none of those logits
-again and reads none of their weight rows for the hidden gradient. Both are empty when
-there are more than max_saved_logits logits (the gradient recomputes everything).
-log_prob equals Hsm>LogProb's up to rounding.
+Hsm>LogProb (CPU) that also returns what Hsm>LogProbGradFromLogits needs, short of the
+upstream gradient: the logits of the nodes with more than 8 children along the batch's
+paths (one per visit and child), the softmax coefficients (onehot - softmax) of the steps
+through smaller nodes (as many per path step as the most children of such a node on the
+batch's paths), and each token's direction, the gradient of its log-probability with
+respect to its hidden row. The gradient op then computes none of those logits again,
+walks no path and reads no weight row for the hidden gradient. Both are empty when there
+are more than max_saved_logits values (the gradient recomputes everything). log_prob
+equals Hsm>LogProb's up to rounding.
 
 log_prob: targets' shape.
-saved_logits: [n], n the number of logits kept, or 0.
+saved_logits: [n], n the number of logits and coefficients kept, or 0.
 saved_directions: hidden's shape, or [0] with no saved logits.
 )doc");
 
@@ -127,9 +128,9 @@ REGISTER_OP("Hsm>LogProbGradFromLogits")
     })
     .Doc(R"doc(
 Hsm>LogProbGrad given the saved_logits and saved_directions of Hsm>LogProbSavingLogits on
-the same inputs: the same outputs, bit for bit, without computing those logits again or
-reading those nodes' weight rows for hidden_grad (all of them computed when both are
-empty).
+the same inputs: the same outputs, bit for bit, without computing those logits and
+coefficients again or reading weight rows for hidden_grad (all of them computed when both
+are empty).
 
 upstream: targets' shape.
 saved_logits: Hsm>LogProbSavingLogits' second output for these inputs.

@@ -78,10 +78,13 @@ template <typename T>
 Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w,
                const std::vector<T>* b, const std::vector<int64>& targets,
                const std::vector<T>& upstream, int64 D, const ParallelFor& pf, int64 budget,
-               int64 rows_offset = 0, bool save_logits = false) {
-  VisitPlan plan;
+               int64 rows_offset = 0, bool save_logits = false,
+               PlanFor forward_use = PlanFor::kBackward) {
+  VisitPlan plan, forward_plan;
   const std::string err = BuildVisitPlan(t.view(), targets.data(), targets.size(), &plan);
   EXPECT(err.empty(), "%s", err.c_str());
+  // The forward's own plan, as the ops build it (kForward leaves walked nodes ungrouped).
+  BuildVisitPlan(t.view(), targets.data(), targets.size(), &forward_plan, forward_use);
   SoftmaxParams<T> p;
   p.hidden = h.data();
   p.weights = w.data();
@@ -89,12 +92,14 @@ Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w
   p.dim = D;
   Run<T> run;
   run.log_prob.resize(targets.size());
-  // save_logits: the backward copies the forward's logits of grouped nodes and takes its
-  // directions.
-  std::vector<T> saved(save_logits ? SavedLogitOffsets(plan, t.view()).back() : 0);
+  // save_logits: the backward takes the forward's logits of grouped nodes, unit coefficients
+  // of walked steps and directions.
+  std::vector<T> saved(save_logits ? SavedLogitsSize(forward_plan, t.view()) : 0);
+  EXPECT(!save_logits || SavedLogitsSize(plan, t.view()) == static_cast<int64>(saved.size()),
+         "the forward's and the backward's plans count different saved values");
   std::vector<T> directions(save_logits ? h.size() : 0);
-  LogProbForward<T>(plan, t.view(), p, pf, run.log_prob.data(), save_logits ? saved.data() : nullptr,
-                    save_logits ? directions.data() : nullptr);
+  LogProbForward<T>(forward_plan, t.view(), p, pf, run.log_prob.data(),
+                    save_logits ? saved.data() : nullptr, save_logits ? directions.data() : nullptr);
   run.d_hidden.resize(h.size());
   // The weight-gradient rows start rows_offset elements past a 64-byte boundary (aligned
   // rows are written with streaming stores).
@@ -238,8 +243,11 @@ void TestDeterminism() {
         // The backward given the forward's saved logits and directions: the same gradients
         // to the bit; the forward's values (computed in the backward's token tiles) equal
         // to rounding and the same whatever the threads.
-        const Run<float> s = RunCore<float>(t, h, w, &b, targets, up, D, ThreadedFor(threads), budget, 0, true);
+        const Run<float> s = RunCore<float>(t, h, w, &b, targets, up, D, ThreadedFor(threads), budget, 0, true, PlanFor::kForward);
         const Run<float> s1 = RunCore<float>(t, h, w, &b, targets, up, D, SerialFor, budget, 0, true);
+        // The plain forward on a plan that leaves walked nodes ungrouped: the same bits.
+        const Run<float> f = RunCore<float>(t, h, w, &b, targets, up, D, ThreadedFor(threads), budget, 0, false, PlanFor::kForward);
+        EXPECT(SameBits(a.log_prob, f.log_prob), "log_prob differs on a forward plan (threads %d)", threads);
         EXPECT(SameBits(a.d_hidden, s.d_hidden), "d_hidden differs with saved logits (threads %d budget %ld)", threads, (long)budget);
         EXPECT(SameBits(a.d_rows, s.d_rows), "d_rows differ with saved logits (threads %d budget %ld)", threads, (long)budget);
         EXPECT(SameBits(a.d_bias_rows, s.d_bias_rows), "d_bias differs with saved logits (threads %d budget %ld)", threads, (long)budget);
