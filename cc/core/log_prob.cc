@@ -97,10 +97,6 @@ void RequestRows(const T* table, const NodeBlock<T>& blk, int64 dim, bool for_up
 // tokens (WalkPath) and one over the nodes (the dW pass), however deep the tree.
 constexpr int64 kWalkItemEntries = 64;  // visits per dW work item of walked nodes
 
-bool IsWalked(const TreeView& tree, int64 node) {
-  return tree.child_begin[node + 1] - tree.child_begin[node] <= kWalkMaxBranching;
-}
-
 // The softmax of steps steps[0..n) of one token, whose logits z[row] are computed: each
 // step has at most kSpan rows and more than kSpan / 2, and n <= kWidth / kSpan. Step j
 // sits in lanes [j * kSpan, j * kSpan + k_j) of one vector, so the max, the exp, the sum and
@@ -544,18 +540,17 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   // dh is upstream * (the sum of the directions over the grouped nodes, then the walked
   // ones); the directions are computed here unless the forward saved them.
   const T* const saved_directions = grads.saved_logits != nullptr ? grads.saved_directions : nullptr;
-  const std::vector<int64> out_offsets =
-      directions_only ? SavedLogitOffsets(plan, tree) : std::vector<int64>();
-  auto out_at = [&](int64 g, int64 offset) -> T* {
-    return out_logits + out_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
+  // Where the forward's logits of entries [offset, ...) of group g are (or go, when this
+  // is the forward) in `base`, its saved values.
+  const std::vector<int64> saved_offsets = directions_only || grads.saved_logits != nullptr
+                                               ? SavedLogitOffsets(plan, tree)
+                                               : std::vector<int64>();
+  auto logits_at = [&](auto* base, int64 g, int64 offset) -> decltype(base) {
+    if (base == nullptr) return nullptr;
+    return base + saved_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
   };
-  // The forward's logits of entries [offset, ...) of group g, when it saved them.
-  const std::vector<int64> saved_offsets =
-      grads.saved_logits != nullptr ? SavedLogitOffsets(plan, tree) : std::vector<int64>();
-  auto saved_at = [&](int64 g, int64 offset) -> const T* {
-    if (grads.saved_logits == nullptr) return nullptr;
-    return grads.saved_logits + saved_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
-  };
+  auto out_at = [&](int64 g, int64 offset) { return logits_at(out_logits, g, offset); };
+  auto saved_at = [&](int64 g, int64 offset) { return logits_at(grads.saved_logits, g, offset); };
   const bool walked = plan.max_walked_branching > 0;
   // The walked steps' unit coefficients the forward saved, after its grouped logits.
   const T* const saved_walk =
@@ -814,7 +809,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   const bool keep = directions_only || plan.num_steps() * stride <= coef_budget;
   const bool own_coefs = keep && !directions_only && saved_walk == nullptr;
   std::vector<T> step_coef(own_coefs ? plan.num_steps() * stride : 0);
-  T* const walk_coef = directions_only ? out_logits + out_offsets.back() : step_coef.data();
+  T* const walk_coef = directions_only ? out_logits + saved_offsets.back() : step_coef.data();
   // With the forward's coefficients the walk is needed only for the values.
   const bool walk_grad = walked && saved_walk == nullptr;
   // dh = upstream * direction, row by row: in the walk while the row is in cache, else in

@@ -140,8 +140,7 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
     used.clear();
     for (const int64 i : active) {
       const int64 n = plan->step_node[plan->token_step_begin[i] + level];
-      const bool walked = tree.child_begin[n + 1] - tree.child_begin[n] <= kWalkMaxBranching;
-      if (walked && !plan->walked_groups) continue;
+      if (!plan->walked_groups && IsWalked(tree, n)) continue;
       uint64_t h = (static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull) >> 20 & mask;
       while (table_node[h] != -1 && table_node[h] != n) h = (h + 1) & mask;
       if (table_node[h] == -1) {

@@ -17,6 +17,10 @@ namespace tf_hsm {
 // synchronisation per level).
 constexpr int64 kWalkMaxBranching = 8;
 
+inline bool IsWalked(const TreeView& tree, int64 node) {
+  return tree.child_begin[node + 1] - tree.child_begin[node] <= kWalkMaxBranching;
+}
+
 // Visits grouped by (path position, node). Levels are path positions 0, 1, ...; within a
 // level a token visits at most one group, which is what makes the backward pass's dh
 // accumulation race-free. Groups are numbered in order of first appearance in the batch and
