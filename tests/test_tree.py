@@ -799,6 +799,48 @@ def test_get_config_is_json_serializable():
         Tree.from_config({"num_classes": 3})
 
 
+def test_config_of_large_trees_is_compact():
+    # A JSON list would take ~9 bytes per slot (9 MB here); the encoded layout of
+    # the usual builders' trees is a small fraction of that.
+    import json
+    tree = Tree.two_level(1_000_000)
+    text = json.dumps(tree.get_config())
+    assert len(text) < 100_000
+    assert Tree.from_config(json.loads(text)) == tree
+    counts = np.random.default_rng(0).zipf(1.3, 100_000)
+    huffman = Tree.huffman(counts)
+    text = json.dumps(huffman.get_config())
+    assert len(text) < 3 * huffman.num_slots
+    assert Tree.from_config(json.loads(text)) == huffman
+
+
+def test_config_with_plain_lists_still_loads():
+    # The format of earlier versions (and the easiest to write by hand).
+    tree = Tree.from_nested([[0, 1], 2, [3, [4, 5]]])
+    config = {"num_classes": 6, "child_begin": tree.child_begin.tolist(),
+              "slot_child": tree.slot_child.tolist()}
+    assert Tree.from_config(config) == tree
+
+
+def test_config_errors_name_the_problem():
+    good = Tree.balanced(7, 3).get_config()
+    other = Tree.balanced(8, 3).get_config()
+    cases = [
+        ([good["child_begin"]], "must be a dict"),
+        ({**good, "encoding": "json"}, "unknown encoding 'json'"),
+        ({**good, "child_begin": "not base64!"}, "child_begin is corrupt"),
+        ({**good, "slot_child": "AAAA"}, "slot_child is corrupt"),
+        ({**good, "slot_child": [0, 1, 2]}, "slot_child must be a string"),
+        # Valid deflate data whose length is not a whole number of int64 values.
+        ({**good, "slot_child": "eJxjYGAAAAADAAE="}, "whole number of int64"),
+        ({**good, "slot_child": other["slot_child"]}, "slot_child has 11 entries"),
+        ({**good, "num_classes": 8}, "with 8 classes"),
+    ]
+    for config, message in cases:
+        with pytest.raises(ValueError, match=message):
+            Tree.from_config(config)
+
+
 # --------------------------------------------------------------------------- #
 # Scale
 # --------------------------------------------------------------------------- #

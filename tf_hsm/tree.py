@@ -25,11 +25,14 @@ machines without TensorFlow.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
 import math
 import operator
 import os
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -41,6 +44,12 @@ _FORMAT_NAME = "tf_hsm.Tree"
 _FORMAT_VERSION = 1
 
 _INT64_MAX = np.iinfo(np.int64).max
+
+# How `get_config` writes the layout arrays: differences of consecutive entries
+# (most are 1 or small in every builder's trees) as little-endian int64, deflated,
+# in base64. A JSON list of a 10M-class tree is ~90 MB and millions of Python ints
+# that Keras walks one by one when it loads a layer; this string is ~0.2 MB.
+_CONFIG_ENCODING = "int64-delta-zlib-base64"
 
 
 # --------------------------------------------------------------------------- #
@@ -72,6 +81,28 @@ def _check_int(value, name, minimum=None):
     if minimum is not None and result < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {result}")
     return result
+
+
+def _encode_ints(values):
+    """An int64 array as the `_CONFIG_ENCODING` string."""
+    deltas = np.diff(np.asarray(values, np.int64), prepend=np.int64(0))
+    return base64.b64encode(zlib.compress(deltas.astype("<i8").tobytes(), 6)).decode("ascii")
+
+
+def _decode_ints(text, name):
+    """Inverse of `_encode_ints`; ValueError naming `name` if `text` is not one."""
+    if not isinstance(text, str):
+        raise ValueError(f"tree config's {name} must be a string in the "
+                         f"{_CONFIG_ENCODING!r} encoding, got {type(text).__name__}")
+    try:
+        raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+    except (binascii.Error, UnicodeEncodeError, zlib.error) as e:
+        raise ValueError(f"tree config's {name} is corrupt: {e}") from None
+    if len(raw) % 8:
+        raise ValueError(f"tree config's {name} is corrupt: {len(raw)} bytes is not "
+                         "a whole number of int64 values")
+    # Wrapping int64 sums undo wrapping differences, so every int64 array round-trips.
+    return np.cumsum(np.frombuffer(raw, "<i8"), dtype=np.int64)
 
 
 def _int_array(values, name, copy=False):
@@ -1065,12 +1096,14 @@ class Tree:
     def get_config(self):
         """Returns a JSON-serializable dict that `from_config` turns back into the tree.
 
-        Meant for Keras layer configs; for large trees prefer `save`.
+        The layout arrays are stored as compact strings (see `from_config`), so the
+        config of a 10M-class tree stays well under a megabyte for the usual trees.
         """
         return {
             "num_classes": self._num_classes,
-            "child_begin": self.child_begin.tolist(),
-            "slot_child": self.slot_child.tolist(),
+            "encoding": _CONFIG_ENCODING,
+            "child_begin": _encode_ints(self.child_begin),
+            "slot_child": _encode_ints(self.slot_child),
         }
 
     @classmethod
@@ -1078,19 +1111,34 @@ class Tree:
         """Rebuilds a tree from `get_config` output (validated).
 
         Args:
-          config: dict with keys num_classes, child_begin, slot_child.
+          config: dict with keys num_classes, child_begin, slot_child. With
+            ``"encoding": "int64-delta-zlib-base64"`` (what `get_config` writes)
+            the two arrays are strings; without it they are lists of ints (the
+            format of earlier versions, also handy to write by hand).
 
         Returns:
           A Tree.
 
         Raises:
-          ValueError: if a key is missing or the layout is invalid.
+          ValueError: if a key is missing, the encoding is unknown or corrupt, or
+            the layout is invalid.
         """
+        if not isinstance(config, dict):
+            raise ValueError(f"tree config must be a dict, got {type(config).__name__}")
         try:
-            return cls._from_layout(
-                config["child_begin"], config["slot_child"], config["num_classes"])
+            child_begin, slot_child = config["child_begin"], config["slot_child"]
+            num_classes = config["num_classes"]
         except KeyError as e:
             raise ValueError(f"tree config is missing {e}") from None
+        encoding = config.get("encoding")
+        if encoding is not None:
+            if encoding != _CONFIG_ENCODING:
+                raise ValueError(
+                    f"tree config has an unknown encoding {encoding!r}; this tf_hsm "
+                    f"reads {_CONFIG_ENCODING!r} or plain lists")
+            child_begin = _decode_ints(child_begin, "child_begin")
+            slot_child = _decode_ints(slot_child, "slot_child")
+        return cls._from_layout(child_begin, slot_child, num_classes)
 
     def __reduce__(self):
         # Pickle / copy through the validating constructor, so that an
