@@ -70,3 +70,15 @@ def test_bad_arguments_exit_with_usage_error(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "tf_hsm.bench", "--scenario", "Z"],
                         cwd=_ROOT, env=env, capture_output=True, text=True, timeout=60)
   assert proc.returncode == 2 and "unknown scenario" in proc.stderr
+
+
+def test_methods_named_on_the_command_line_are_run():
+  # The fused SGD step is not among a custom scenario's default methods; naming it
+  # must add it (with tf_hsm, the reference), not silently drop it.
+  from tf_hsm import bench
+  args = bench.parse_args(["--custom", "300,8,32", "--methods", setup.FUSED_SGD])
+  opts = bench.Options(quick=False, repeats=10, optimizer="none", num_sampled=16, seed=0,
+                       limit_bytes=1e9, timeout_s=60, time_budget_s=1, jobs=1,
+                       memory=False, spawn="fork")
+  (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent", opts)
+  assert case["methods"] == ["tf_hsm", setup.FUSED_SGD]

@@ -272,7 +272,10 @@ def expand_cases(scenarios, args, tree_dir, opts):
                 "tree": kind, "tree_path": tree_path, "seed": opts.seed,
                 "num_sampled": opts.num_sampled, "k": setup.TOPK_K, "note": sc.note}
         methods = list(sc.methods)
-        if sc.kind == "train" and opts.optimizer == "sgd" and setup.FUSED_SGD not in methods:
+        # The fused SGD step is a training method of every training scenario when asked
+        # for by name or implied by --optimizer sgd; E lists it by default.
+        wants_sgd = opts.optimizer == "sgd" or setup.FUSED_SGD in (args.methods or ())
+        if sc.kind == "train" and wants_sgd and setup.FUSED_SGD not in methods:
           methods.insert(1, setup.FUSED_SGD)
         methods = [m for m in methods if not args.methods or m in args.methods]
         if sc.kind != "topk" and "tf_hsm" not in methods:
