@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections.abc
 import itertools
 import math
 import operator
@@ -1123,7 +1124,7 @@ class Tree:
           ValueError: if a key is missing, the encoding is unknown or corrupt, or
             the layout is invalid.
         """
-        if not isinstance(config, dict):
+        if not isinstance(config, collections.abc.Mapping):
             raise ValueError(f"tree config must be a dict, got {type(config).__name__}")
         try:
             child_begin, slot_child = config["child_begin"], config["slot_child"]
