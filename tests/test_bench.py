@@ -77,8 +77,6 @@ def test_methods_named_on_the_command_line_are_run():
   # must add it (with tf_hsm, the reference), not silently drop it.
   from tf_hsm import bench
   args = bench.parse_args(["--custom", "300,8,32", "--methods", setup.FUSED_SGD])
-  opts = bench.Options(quick=False, repeats=10, optimizer="none", num_sampled=16, seed=0,
-                       limit_bytes=1e9, timeout_s=60, time_budget_s=1, jobs=1,
-                       memory=False, spawn="fork")
-  (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent", opts)
+  (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent",
+                               bench.options_from_args(args))
   assert case["methods"] == ["tf_hsm", setup.FUSED_SGD]

@@ -610,23 +610,31 @@ def _machine():
   return f"{model}, {os.cpu_count()} cores{mem}"
 
 
-def main(argv=None):
-  args = parse_args(sys.argv[1:] if argv is None else argv)
-  wall_start = time.monotonic()
+def options_from_args(args):
+  """The run's Options: the command line's values, else the defaults (--quick's or the
+  full run's); the memory limit defaults to 18 GB, less on a machine with less free."""
   quick = args.quick
-  available = _mem_available_bytes()
   limit_gb = args.memory_limit_gb
   if limit_gb is None:
     limit_gb = 18.0
+    available = _mem_available_bytes()
     if available:
       limit_gb = max(1.0, min(limit_gb, available / GB - 1.0))
-  opts = Options(
+  return Options(
       quick=quick, repeats=args.repeats or (10 if quick else 15),
       optimizer=args.optimizer, num_sampled=args.num_sampled, seed=args.seed,
       limit_bytes=limit_gb * GB, timeout_s=args.timeout or (120 if quick else 1800),
       time_budget_s=args.time_budget or (3 if quick else 300),
       jobs=max(1, args.jobs or (2 if quick else 1)), memory=not args.no_memory,
       spawn=args.spawn)
+
+
+def main(argv=None):
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  wall_start = time.monotonic()
+  quick = args.quick
+  opts = options_from_args(args)
+  limit_gb = opts.limit_bytes / GB
 
   def progress(message):
     print(message, file=sys.stderr, flush=True)
