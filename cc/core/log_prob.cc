@@ -51,7 +51,7 @@ struct WalkStep {
 template <typename T>
 struct Scratch {
   std::vector<T> tile, row_max, row_sum, taken_logit, lse, panels, sgd_rows, sgd_bias,
-      dh_acc, logits, staged_rows;
+      dh_acc, logits, doubled_rows;
   std::vector<WalkStep<T>> walk_steps;
   std::vector<T> walk_z, walk_coef, visit_upstream;
   std::vector<const T*> walk_rows, visit_coefs;
@@ -609,19 +609,18 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   // single call (`only`) go to the gradient output past the caches: they are not read
   // again by this op, and most of them are rows of clusters that got one or two tokens,
   // where writing them is most of the work. Rows that are whole cache lines are streamed
-  // as they are computed; others are computed into scratch and copied out with
-  // CopyStreaming (the block is one contiguous stretch of the output).
+  // by the register-tile kernel; others (D = 300) by StreamTransposed, which writes the
+  // block as the one contiguous stretch of the output that it is.
   auto accumulate_rows = [&](const RowBlock& block, int64 kb, const T* z, int64 ld,
                              const T* const* rows, int64 nt, bool overwrite, bool only) {
     const bool stream = only && !sgd;
     const bool aligned = D * static_cast<int64>(sizeof(T)) % 64 == 0 &&
                          reinterpret_cast<std::uintptr_t>(block.dw) % 64 == 0;
-    if (stream && !aligned) {
-      T* staged = Grow(&ThreadScratch<T>().staged_rows, kb * D);
-      simd::AccumulateTransposed<T>(staged, D, kb, z, ld, rows, nt, D, true);
-      simd::CopyStreaming(block.dw, staged, kb * D);
+    if (stream && !aligned && D >= simd::Vec<T>::kWidth) {
+      simd::StreamTransposed<T>(block.dw, kb, z, ld, rows, nt, D,
+                                Grow(&ThreadScratch<T>().doubled_rows, nt * 2 * D));
     } else {
-      simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D, overwrite, stream);
+      simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D, overwrite, stream && aligned);
     }
     if (block.db != nullptr) {
       for (int64 r = 0; r < nt; ++r)

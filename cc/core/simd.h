@@ -889,6 +889,66 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
   if (full_cols < nb) rest(full_cols, nb - full_cols, 0);
 }
 
+// The bits of AccumulateTransposed(out, d, nb, coef, ldc, a, na, d, overwrite = true) for
+// an output block whose nb rows of d are one contiguous stretch: every 64-byte line of it
+// is stored past the caches straight from registers (StoreStreaming; the caller fences),
+// its unaligned ends with ordinary stores. AccumulateTransposed can stream only rows that
+// are whole vectors; for other widths (D = 300) staging the block and copying it out cost
+// clusters that got a few tokens as much again as the streaming itself. A vector that runs
+// from row j into row j + 1 takes its lanes' coefficients from both rows and its columns
+// from `doubled` (scratch of na * 2 * d elements: each a[i] twice in a row). Each element
+// is still summed over i in increasing order from +0. Needs d >= kWidth, so that a vector
+// spans at most two rows.
+template <typename T>
+void StreamTransposed(T* out, int64 nb, const T* coef, int64 ldc, const T* const* a, int64 na,
+                      int64 d, T* doubled) {
+  constexpr int64 w = Vec<T>::kWidth;
+  typedef typename Vec<T>::itype I;
+  for (int64 i = 0; i < na; ++i) {
+    std::memcpy(doubled + i * 2 * d, a[i], d * sizeof(T));
+    std::memcpy(doubled + i * 2 * d + d, a[i], d * sizeof(T));
+  }
+  // The vector whose lane 0 is element (j, c) of the block.
+  auto vector_at = [&](int64 j, int64 c) {
+    const int64 in_row = d - c;  // lanes [0, in_row) are row j's, the rest row j + 1's
+    VecT<T> acc{};
+    if (in_row >= w) {
+      for (int64 i = 0; i < na; ++i) acc += coef[i * ldc + j] * Load(doubled + i * 2 * d + c);
+      return acc;
+    }
+    typedef typename std::conditional<sizeof(T) == 4, std::int32_t, std::int64_t>::type Lane;
+    const I first_row = Iota<T>() < static_cast<Lane>(in_row);
+    const int64 next = j + 1 < nb ? j + 1 : j;  // past the block: lanes that are not stored
+    for (int64 i = 0; i < na; ++i) {
+      const VecT<T> ci = first_row ? Splat<T>(coef[i * ldc + j]) : Splat<T>(coef[i * ldc + next]);
+      acc += ci * Load(doubled + i * 2 * d + c);
+    }
+    return acc;
+  };
+  const int64 n = nb * d;
+  int64 head = static_cast<int64>((64 - reinterpret_cast<std::uintptr_t>(out) % 64) % 64 / sizeof(T));
+  if (reinterpret_cast<std::uintptr_t>(out) % sizeof(T) != 0 || head > n) head = n;
+  int64 f = 0, j = 0, c = 0;
+  auto advance = [&](int64 by) {  // by <= w <= d: at most one row boundary
+    c += by;
+    if (c >= d) {
+      c -= d;
+      ++j;
+    }
+  };
+  while (f < head) {  // head < w unless the block is not aligned to its element size
+    const int64 m = head - f < w ? head - f : w;
+    StorePartial(out + f, vector_at(j, c), m);
+    advance(m);
+    f += m;
+  }
+  for (; f + w <= n; f += w) {
+    StoreStreaming(out + f, vector_at(j, c));
+    advance(w);
+  }
+  if (f < n) StorePartial(out + f, vector_at(j, c), n - f);
+}
+
 // exp(x) elementwise over n values in place. float: a vectorized Cody-Waite range reduction
 // with a degree-6 polynomial (max error ~2 ulp); NaN stays NaN, x < -87.3 gives 0, x > 88.7
 // gives inf. double keeps std::exp, whose accuracy the float64 gradient checks rely on.

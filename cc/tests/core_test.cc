@@ -611,6 +611,32 @@ void CheckAccumulateKernels(std::mt19937_64& rng, int64 na, int64 nb, int64 D, c
     EXPECT(same, "%s: AccumulateTransposed na=%ld nb=%ld D=%ld depends on the row stride", what,
            (long)na, (long)nb, (long)D);
   }
+  // StreamTransposed: AccumulateTransposed's overwrite bits, written as one contiguous
+  // block wherever it starts relative to a 64-byte line, and nothing outside the block.
+  if (D < simd::Vec<T>::kWidth) return;
+  std::vector<T> want(nb * D);
+  simd::AccumulateTransposed<T>(want.data(), D, nb, coef.data(), nb, a_ptr.data(), na, D, true);
+  std::vector<T> doubled(na * 2 * D);
+  const int64 lanes = simd::Vec<T>::kWidth;
+  for (int64 offset = 0; offset < lanes; offset += (offset < 3 ? 1 : 5)) {
+    std::vector<T> storage(nb * D + 3 * lanes, T(7));
+    const int64 to_line = (lanes - reinterpret_cast<std::uintptr_t>(storage.data()) % 64 / sizeof(T)) % lanes;
+    T* buffer = storage.data() + to_line;  // 64-byte aligned, nb * D + 2 * lanes long
+    simd::StreamTransposed<T>(buffer + offset, nb, coef.data(), nb, a_ptr.data(), na, D, doubled.data());
+    simd::StreamFence();
+    bool inside = true, outside = true;
+    for (int64 f = 0; f < nb * D + 2 * lanes; ++f) {
+      if (f >= offset && f < offset + nb * D) {
+        inside = inside && std::memcmp(&buffer[f], &want[f - offset], sizeof(T)) == 0;
+      } else {
+        outside = outside && buffer[f] == T(7);
+      }
+    }
+    EXPECT(inside, "%s: StreamTransposed na=%ld nb=%ld D=%ld offset %ld differs from AccumulateTransposed",
+           what, (long)na, (long)nb, (long)D, (long)offset);
+    EXPECT(outside, "%s: StreamTransposed na=%ld nb=%ld D=%ld offset %ld wrote outside its block", what,
+           (long)na, (long)nb, (long)D, (long)offset);
+  }
 }
 
 // |got - a . b| within tol times (1 + sum_k |a_k b_k|), a . b summed in long double.
