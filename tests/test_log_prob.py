@@ -217,6 +217,34 @@ def test_reused_gradient_buffer_never_overwrites_a_held_gradient(rng):
     np.testing.assert_array_equal(step().numpy(), kept)
 
 
+def test_reused_saved_logits_buffer_never_overwrites_held_logits(rng):
+  # The logits the forward saves for its gradient (4 MB and more) also reuse one buffer
+  # once nothing else references it: saved logits still held survive the next call.
+  from tf_hsm import _loader
+  from tf_hsm.ops import _tree_tensors
+  tree = tf_hsm.Tree.two_level(20_000)
+  t = _tree_tensors(tree)
+  tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
+  dim = 16
+  w = tf.constant(rng.normal(size=(tree.num_slots, dim)).astype(np.float32))
+  b = tf.constant(rng.normal(size=tree.num_slots).astype(np.float32))
+
+  def saved_logits(seed):
+    r = np.random.default_rng(seed)
+    h = tf.constant(r.normal(size=(8000, dim)).astype(np.float32))
+    y = tf.constant(r.integers(0, 20_000, size=8000))
+    return _loader.ops().hsm_log_prob_saving_logits(h, w, b, y, *tree_inputs)[1]
+
+  first = saved_logits(1)
+  assert first.shape[0] * 4 >= 4 << 20   # large enough to be reused
+  kept = first.numpy().copy()
+  second = saved_logits(2)
+  np.testing.assert_array_equal(first.numpy(), kept)
+  assert not np.array_equal(second.numpy()[:1000], kept[:1000])
+  del first, second
+  np.testing.assert_array_equal(saved_logits(1).numpy(), kept)   # may reuse the buffer
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gradient_from_the_forward_logits_is_the_recomputed_one(rng, dtype):
   """On the CPU log_prob keeps the grouped nodes' logits, the walked steps' coefficients

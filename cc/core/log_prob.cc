@@ -568,8 +568,9 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   std::vector<T> entry_value(entry_values ? plan.entry_token.size() : 0);
   // Phase A writes every kept coefficient before phase B reads it, so the store is not
   // zeroed (it is megabytes per level, zeroed on one thread).
-  std::unique_ptr<T[]> coef_store;
-  int64 coef_capacity = 0;
+  CoefficientStore<T> own_store;
+  CoefficientStore<T>& store = grads.coefficient_store != nullptr ? *grads.coefficient_store : own_store;
+  T* coef_store = nullptr;
   std::vector<int64> coef_offset(plan.num_groups() + 1, 0);
 
   // A group handled by a single token tile gets its dW rows in phase A, straight from
@@ -650,10 +651,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
     }
     if (need == 0) continue;
     const bool keep = !directions_only && need <= coef_budget;
-    if (keep && coef_capacity < need) {
-      coef_store.reset(new T[need]);
-      coef_capacity = need;
-    }
+    if (keep) coef_store = store.Reserve(need);
 
     // Phase A: per token tile, logsumexp, coefficients, and directions += unit coef @
     // W_node. Within a level each token is in one tile only, so the rows of the directions
@@ -669,7 +667,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
         const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[it.group]);
         const bool owns_rows = whole_group(it.group);
         Scratch<T>& s = ThreadScratch<T>();
-        T* kept = keep ? coef_store.get() + coef_offset[it.group] + it.offset * blk.size : nullptr;
+        T* kept = keep ? coef_store + coef_offset[it.group] + it.offset * blk.size : nullptr;
         T* lse = Grow(&s.lse, it.count);
         if (owns_rows && it.count * blk.size <= kOnePassMaxLogits) {
           // The choice depends on the plan only, never on the budget or the threads.
@@ -781,7 +779,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
           const T** rows = Grow(&s.rows, nt);
           for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e_begin + t0 + r] * D;
           if (keep) {
-            accumulate_rows(block, kb, coef_store.get() + coef_offset[g] + t0 * blk.size + k0,
+            accumulate_rows(block, kb, coef_store + coef_offset[g] + t0 * blk.size + k0,
                             blk.size, rows, nt, t0 == 0, false);
           } else {
             Logits(p, rows, nt, blk, k0, kb, tile, kb, call, saved_at(g, t0));

@@ -208,43 +208,28 @@ ParallelFor CpuParallelFor(OpKernelContext* ctx) {
   };
 }
 
-::tensorflow::Status ReusableOutput::Allocate(OpKernelContext* ctx, int index, int64 rows,
-                                              int64 cols, Tensor** out) {
+::tensorflow::Status ReusableOutput::Allocate(OpKernelContext* ctx, int index,
+                                              const TensorShape& shape, Tensor** out) {
   constexpr int64 kMinReuseBytes = int64{4} << 20;
   const ::tensorflow::DataType dtype = ctx->expected_output_dtype(index);
-  const int64 bytes = rows * cols * static_cast<int64>(::tensorflow::DataTypeSize(dtype));
-  if (bytes < kMinReuseBytes) return ctx->allocate_output(index, TensorShape({rows, cols}), out);
+  const int64 bytes = shape.num_elements() * static_cast<int64>(::tensorflow::DataTypeSize(dtype));
+  if (shape.dims() == 0 || bytes < kMinReuseBytes) return ctx->allocate_output(index, shape, out);
+  const int64 rows = shape.dim_size(0);
   ::tensorflow::mutex_lock lock(mu_);
-  const bool reusable = buffer_.IsInitialized() && buffer_.RefCountIsOne() &&
-                        buffer_.dtype() == dtype && buffer_.dim_size(1) == cols &&
-                        buffer_.dim_size(0) >= rows;
+  bool reusable = buffer_.IsInitialized() && buffer_.RefCountIsOne() && buffer_.dtype() == dtype &&
+                  buffer_.dims() == shape.dims() && buffer_.dim_size(0) >= rows;
+  for (int d = 1; reusable && d < shape.dims(); ++d) reusable = buffer_.dim_size(d) == shape.dim_size(d);
   if (!reusable) {
     // Some headroom: the number of touched rows varies from batch to batch.
+    TensorShape roomy = shape;
+    roomy.set_dim(0, rows + rows / 4);
     Tensor fresh;
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({rows + rows / 4, cols}), &fresh));
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, roomy, &fresh));
     buffer_ = fresh;
   }
   ctx->set_output(index, buffer_.Slice(0, rows));
   *out = ctx->mutable_output(index);
   return Status();
-}
-
-PlanPool::Lease PlanPool::Acquire() {
-  std::unique_ptr<VisitPlan> plan;
-  {
-    ::tensorflow::mutex_lock lock(mu_);
-    if (!free_.empty()) {
-      plan = std::move(free_.back());
-      free_.pop_back();
-    }
-  }
-  if (plan == nullptr) plan = std::make_unique<VisitPlan>();
-  return Lease(plan.release(), Return{this});
-}
-
-void PlanPool::Release(VisitPlan* plan) {
-  ::tensorflow::mutex_lock lock(mu_);
-  free_.emplace_back(plan);
 }
 
 TensorShape BatchShape(const Tensor& hidden) {

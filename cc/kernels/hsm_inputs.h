@@ -118,41 +118,58 @@ template <typename T>
 // kept 1.82 of 2 cores busy, 1.93 this way).
 ParallelFor CpuParallelFor(::tensorflow::OpKernelContext* ctx);
 
-// An op output [rows, cols] whose buffer is kept by the kernel and handed out again on the
-// next call when nobody else holds it any more. The sparse weight gradient is 80-800 MB per
-// step at large vocabularies; as a fresh allocation each step, glibc maps it from the OS
-// and unmaps it on free, so every step pays a page fault and a page clear for all of it.
-// A buffer still referenced (the caller kept last step's gradient) is never reused, so
-// outputs never alias anything visible; small outputs are allocated normally.
+// An op output whose buffer is kept by the kernel and handed out again on the next call
+// when nobody else holds it any more; its first dimension may vary from call to call.
+// For the sparse weight gradient (80-800 MB per step at large vocabularies) and the
+// logits a forward saves for its gradient (81 MB at 10M classes and 3,200 tokens): as a
+// fresh allocation each step, glibc maps such a buffer from the OS and unmaps it on free,
+// so every step pays a page fault and a page clear for all of it. A buffer still
+// referenced (the caller kept last step's output) is never reused, so outputs never
+// alias anything visible; small outputs are allocated normally.
 class ReusableOutput {
  public:
-  ::tensorflow::Status Allocate(::tensorflow::OpKernelContext* ctx, int index, int64 rows,
-                                int64 cols, ::tensorflow::Tensor** out);
+  ::tensorflow::Status Allocate(::tensorflow::OpKernelContext* ctx, int index,
+                                const ::tensorflow::TensorShape& shape, ::tensorflow::Tensor** out);
 
  private:
   ::tensorflow::mutex mu_;
   ::tensorflow::Tensor buffer_ TF_GUARDED_BY(mu_);
 };
 
-// Visit plans kept by a kernel across calls, so that a plan's vectors keep their storage
-// (BuildVisitPlan clears them rather than replacing them): allocated afresh, they were
-// about a third of the time of building the plan of a 1K-token batch through a deep tree.
-// Each call holds its own plan for as long as the returned pointer lives, so concurrent
-// calls never share one.
-class PlanPool {
+// Objects a kernel keeps across calls so that their storage is reused: each call leases
+// one for as long as the returned pointer lives, so concurrent calls never share one. For
+// visit plans (BuildVisitPlan clears a plan's vectors rather than replacing them:
+// allocated afresh, they were about a third of the time of building the plan of a
+// 1K-token batch through a deep tree) and the backward's coefficient stores.
+template <typename X>
+class LeasePool {
  public:
   struct Return {
-    PlanPool* pool;
-    void operator()(VisitPlan* plan) const { pool->Release(plan); }
+    LeasePool* pool;
+    void operator()(X* x) const {
+      ::tensorflow::mutex_lock lock(pool->mu_);
+      pool->free_.emplace_back(x);
+    }
   };
-  using Lease = std::unique_ptr<VisitPlan, Return>;
-  Lease Acquire();
+  using Lease = std::unique_ptr<X, Return>;
+  Lease Acquire() {
+    std::unique_ptr<X> x;
+    {
+      ::tensorflow::mutex_lock lock(mu_);
+      if (!free_.empty()) {
+        x = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (x == nullptr) x = std::make_unique<X>();
+    return Lease(x.release(), Return{this});
+  }
 
  private:
-  void Release(VisitPlan* plan);
   ::tensorflow::mutex mu_;
-  std::vector<std::unique_ptr<VisitPlan>> free_ TF_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<X>> free_ TF_GUARDED_BY(mu_);
 };
+using PlanPool = LeasePool<VisitPlan>;
 
 // hidden's shape without its last dimension.
 ::tensorflow::TensorShape BatchShape(const ::tensorflow::Tensor& hidden);

@@ -56,7 +56,7 @@ class LogProbOp : public OpKernel {
       const int64 total = SavedLogitsSize(plan, tree);
       const bool keep = total <= max_saved_;
       Tensor *saved_out = nullptr, *directions_out = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({keep ? total : 0}), &saved_out));
+      OP_REQUIRES_OK(ctx, saved_logits_.Allocate(ctx, 1, TensorShape({keep ? total : 0}), &saved_out));
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               2, keep ? in.hidden->shape() : TensorShape({0}), &directions_out));
       if (keep) {
@@ -70,6 +70,7 @@ class LogProbOp : public OpKernel {
 
  private:
   PlanPool plans_;
+  ReusableOutput saved_logits_;
   int64_t max_saved_ = 0;
 };
 
@@ -123,18 +124,21 @@ class LogProbGradOp : public OpKernel {
     }
     Tensor *hidden_grad, *weight_rows, *bias_rows, *row_ids;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(first, in.hidden->shape(), &hidden_grad));
-    OP_REQUIRES_OK(ctx, weight_rows_.Allocate(ctx, first + 1, rows, in.dim, &weight_rows));
+    OP_REQUIRES_OK(ctx, weight_rows_.Allocate(ctx, first + 1, TensorShape({rows, in.dim}), &weight_rows));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(first + 2, TensorShape({in.has_bias ? rows : 0}), &bias_rows));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(first + 3, TensorShape({rows}), &row_ids));
     grads.hidden = hidden_grad->flat<T>().data();
     grads.weight_rows = weight_rows->flat<T>().data();
     grads.bias_rows = in.has_bias ? bias_rows->flat<T>().data() : nullptr;
     grads.row_ids = row_ids->flat<int64_t>().data();
+    const typename LeasePool<CoefficientStore<T>>::Lease store = stores_.Acquire();
+    grads.coefficient_store = store.get();
     LogProbBackward<T>(plan, tree, params, upstream.flat<T>().data(), CpuParallelFor(ctx), grads);
   }
 
  private:
   PlanPool plans_;
+  LeasePool<CoefficientStore<T>> stores_;
   ReusableOutput weight_rows_;
 };
 

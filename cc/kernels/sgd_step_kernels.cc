@@ -119,12 +119,15 @@ class SgdStepOp : public OpKernel {
     // The log-probabilities from the logsumexps the update needs anyway (no forward pass
     // over the grouped nodes, as in nll_loss); the rows are read before they are updated.
     grads.log_prob_from_backward = log_prob->flat<T>().data();
+    const typename LeasePool<CoefficientStore<T>>::Lease store = stores_.Acquire();
+    grads.coefficient_store = store.get();
     LogProbBackward<T>(plan, tree, params, upstream.data(), parallel_for, grads);
   }
 
  private:
   bool use_bias_ = false;
   PlanPool plans_;
+  LeasePool<CoefficientStore<T>> stores_;
 };
 
 #define REGISTER_CPU(T)                                                                   \

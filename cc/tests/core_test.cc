@@ -79,7 +79,7 @@ Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w
                const std::vector<T>* b, const std::vector<int64>& targets,
                const std::vector<T>& upstream, int64 D, const ParallelFor& pf, int64 budget,
                int64 rows_offset = 0, bool save_logits = false,
-               PlanFor forward_use = PlanFor::kBackward) {
+               PlanFor forward_use = PlanFor::kBackward, CoefficientStore<T>* store = nullptr) {
   VisitPlan plan, forward_plan;
   const std::string err = BuildVisitPlan(t.view(), targets.data(), targets.size(), &plan);
   EXPECT(err.empty(), "%s", err.c_str());
@@ -115,6 +115,7 @@ Run<T> RunCore(const Layout& t, const std::vector<T>& h, const std::vector<T>& w
   g.row_ids = run.row_ids.data();
   g.saved_logits = save_logits ? saved.data() : nullptr;
   g.saved_directions = save_logits ? directions.data() : nullptr;
+  g.coefficient_store = store;
   LogProbBackward<T>(plan, t.view(), p, upstream.data(), pf, g, budget);
   run.d_rows.assign(rows, rows + plan.num_rows() * D);
   return run;
@@ -258,6 +259,29 @@ void TestDeterminism() {
         }
       }
     }
+  }
+}
+
+// A coefficient store kept across calls, as the ops keep one, gives the bits of a store
+// of the call's own, whatever an earlier call of another batch size left in it (NaN here).
+void TestCoefficientStoreReused() {
+  std::mt19937_64 rng(13);
+  const Layout t = RandomLayout(rng, 300, 3, 0.05, 3000);
+  const int64 D = 40;
+  CoefficientStore<float> store;
+  bool first = true;
+  for (int64 N : {400, 60, 900}) {
+    const Inputs<float> in = RandomInputs<float>(rng, t, N, D);
+    const auto& [h, w, b, up, targets] = in;
+    const Run<float> own = RunCore<float>(t, h, w, &b, targets, up, D, ThreadedFor(2), kDefaultCoefBudget);
+    const Run<float> kept = RunCore<float>(t, h, w, &b, targets, up, D, ThreadedFor(2), kDefaultCoefBudget, 0,
+                                           false, PlanFor::kBackward, &store);
+    EXPECT(SameBits(own.d_hidden, kept.d_hidden), "d_hidden differs with a reused store (N %ld)", (long)N);
+    EXPECT(SameBits(own.d_rows, kept.d_rows), "d_rows differ with a reused store (N %ld)", (long)N);
+    EXPECT(SameBits(own.d_bias_rows, kept.d_bias_rows), "d_bias differs with a reused store (N %ld)", (long)N);
+    if (first) EXPECT(store.capacity > 0, "the backward did not keep its coefficients in the given store");
+    first = false;
+    std::fill(store.data.get(), store.data.get() + store.capacity, std::numeric_limits<float>::quiet_NaN());
   }
 }
 
@@ -786,6 +810,7 @@ int main() {
       {"against_reference", tf_hsm::TestAgainstReference},
       {"determinism", tf_hsm::TestDeterminism},
       {"streamed_gradient_rows", tf_hsm::TestStreamedGradientRows},
+      {"coefficient_store_reused", tf_hsm::TestCoefficientStoreReused},
       {"weights_changed_between_calls", tf_hsm::TestWeightsChangedBetweenCalls},
       {"nan_stays_in_its_row", tf_hsm::TestNanStaysInItsRow},
       {"in_place_sgd", tf_hsm::TestInPlaceSgd},
