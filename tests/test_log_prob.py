@@ -187,9 +187,22 @@ def test_training_loop_lowers_the_loss(rng):
   assert losses[-1] < 0.7 * losses[0], losses[::10]
 
 
+def _check_reused_buffer_keeps_held_outputs(output_of, compare=1000):
+  """output_of(seed) returns an op output of 4 MB or more, which the kernel writes into a
+  buffer it reuses once nothing else references it: an output the caller still holds must
+  survive the next call, and a call that may reuse the buffer gives the same bits."""
+  first = output_of(1)
+  assert first.shape.num_elements() * 4 >= 4 << 20   # large enough to be reused
+  kept = first.numpy().copy()
+  second = output_of(2)
+  np.testing.assert_array_equal(first.numpy(), kept)
+  assert not np.array_equal(second.numpy()[:compare], kept[:compare])
+  del first, second
+  np.testing.assert_array_equal(output_of(1).numpy(), kept)   # may now reuse the buffer
+  return kept
+
+
 def test_reused_gradient_buffer_never_overwrites_a_held_gradient(rng):
-  # Weight gradients of 4 MB and more reuse one buffer across calls, but only once nothing
-  # else references it: a gradient the caller still holds must survive the next call.
   tree = tf_hsm.Tree.two_level(20_000)
   dim = 128
   w = tf.Variable(rng.normal(size=(tree.num_slots, dim)).astype(np.float32))
@@ -203,23 +216,14 @@ def test_reused_gradient_buffer_never_overwrites_a_held_gradient(rng):
       loss = tf.reduce_sum(tf_hsm.log_prob(h, w, b, tree, y))
     return tape.gradient(loss, w)
 
-  first = weight_grad(1)
-  assert first.values.shape[0] * dim * 4 >= 4 << 20   # large enough to be reused
-  kept = first.values.numpy().copy()
-  second = weight_grad(2)
-  np.testing.assert_array_equal(first.values.numpy(), kept)
-  assert not np.array_equal(second.values.numpy()[:100], kept[:100])
-  del first, second
-  again = weight_grad(1)   # may now reuse the buffer, and must give the same bits
-  np.testing.assert_array_equal(again.values.numpy(), kept)
+  kept = _check_reused_buffer_keeps_held_outputs(lambda seed: weight_grad(seed).values, compare=100)
   step = tf.function(lambda: weight_grad(1).values)
   for _ in range(3):
     np.testing.assert_array_equal(step().numpy(), kept)
 
 
 def test_reused_saved_logits_buffer_never_overwrites_held_logits(rng):
-  # The logits the forward saves for its gradient (4 MB and more) also reuse one buffer
-  # once nothing else references it: saved logits still held survive the next call.
+  # The logits the forward saves for its gradient reuse a buffer the same way.
   from tf_hsm import _loader
   from tf_hsm.ops import _tree_tensors
   tree = tf_hsm.Tree.two_level(20_000)
@@ -235,14 +239,7 @@ def test_reused_saved_logits_buffer_never_overwrites_held_logits(rng):
     y = tf.constant(r.integers(0, 20_000, size=8000))
     return _loader.ops().hsm_log_prob_saving_logits(h, w, b, y, *tree_inputs)[1]
 
-  first = saved_logits(1)
-  assert first.shape[0] * 4 >= 4 << 20   # large enough to be reused
-  kept = first.numpy().copy()
-  second = saved_logits(2)
-  np.testing.assert_array_equal(first.numpy(), kept)
-  assert not np.array_equal(second.numpy()[:1000], kept[:1000])
-  del first, second
-  np.testing.assert_array_equal(saved_logits(1).numpy(), kept)   # may reuse the buffer
+  _check_reused_buffer_keeps_held_outputs(saved_logits)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
