@@ -53,8 +53,8 @@ class CaseInputs:
   tree methods, the [V, D] class table for full/sampled softmax and dense top-k. Methods
   that only read a table share one; a method whose step updates its table gets its own:
   a sparse update (Keras SGD's scatter_sub of an IndexedSlices gradient, for one) switches
-  a TF resource variable to copy-on-read, after which every read copies the whole table,
-  which would then be charged to every method sharing it.
+  a TF resource variable to copy-on-read, after which every plain read (the baselines')
+  copies the whole table, which would then be charged to every method sharing it.
   """
 
   def __init__(self, spec, methods):

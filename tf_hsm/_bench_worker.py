@@ -85,7 +85,7 @@ def probe(spec):
   result = {"first_call_s": seconds, "build_and_first_call_s": time.perf_counter() - start}
   if bm.mutates_table(method, spec):
     # The steady state differs from the first step: a sparse update switches the table
-    # to copy-on-read, so the second step's reads copy it.
+    # to copy-on-read, so the second step's plain reads (the baselines') copy it.
     result["second_call_s"] = bm.timed_call(m.step)
   result.update(status="ok", baseline_rss=baseline, peak_rss=_peak_rss(),
                 setup_peak_rss=setup_peak, peak_reset=reset, info=m.info)

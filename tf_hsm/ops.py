@@ -29,13 +29,33 @@ def _tree_tensors(tree):
   return cached
 
 
+def _read_table(table):
+  """The value of a table that may be a variable, read without a copy of the whole table.
+
+  After a sparse update or gather (`scatter_sub`, an Embedding lookup, the optimizers in
+  `tf_hsm.optimizers`, Keras' SGD), TensorFlow puts a variable in copy-on-read mode, where
+  every plain read copies all of it: a 1.2 GB copy per call at 1M x 300. The ops read the
+  whole table, so they switch it back to copy-on-write first (as TensorFlow's own
+  checkpointing does). A later sparse update copies the table only if a reader still
+  holds it; within a training step the readers are done by then.
+  """
+  if not isinstance(table, tf.Variable):
+    inner = getattr(table, "value", None)  # a Keras 3 variable's tf.Variable
+    if isinstance(inner, tf.Variable):
+      table = inner
+  read_no_copy = getattr(table, "read_value_no_copy", None)
+  if isinstance(table, tf.Variable) and read_no_copy is not None:
+    return read_no_copy()
+  return table
+
+
 def _dense_inputs(hidden, weights, biases):
   """Converts hidden/weights/biases to tensors of one float type.
 
   float16/bfloat16 hidden states are computed in float32 (the kernels accumulate in the
   float32 of the weight table); the result is cast back by the caller.
   """
-  weights = tf.convert_to_tensor(weights)
+  weights = tf.convert_to_tensor(_read_table(weights))
   if weights.dtype not in _FLOAT_TYPES:
     raise TypeError(f"weights must be float32 or float64, got {weights.dtype.name}")
   hidden = tf.convert_to_tensor(hidden)
@@ -48,7 +68,7 @@ def _dense_inputs(hidden, weights, biases):
   if biases is None:
     biases = tf.zeros([0], weights.dtype)
   else:
-    biases = tf.convert_to_tensor(biases, dtype_hint=weights.dtype)
+    biases = tf.convert_to_tensor(_read_table(biases), dtype_hint=weights.dtype)
     if biases.dtype != weights.dtype:
       raise TypeError(f"biases ({biases.dtype.name}) and weights ({weights.dtype.name}) "
                       "must have the same dtype")
