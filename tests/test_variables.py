@@ -107,3 +107,152 @@ def test_a_sparse_update_after_a_read_leaves_the_reader_its_values(rng):
   np.testing.assert_array_equal(
       after.numpy(), tf_hsm.log_prob(hidden, tf.constant(before - 3.0), None, tree,
                                      targets).numpy())
+
+
+# Initializers HierarchicalSoftmax fills by blocks, with the distribution each gives the
+# whole [rows, dim] table, from the definitions: ("uniform", low, high),
+# ("normal", mean, stddev) or ("truncated", mean, stddev of the normal before the
+# truncation at 2 stddevs).
+_TRUNCATED_STD = 0.87962566103423978  # std of a standard normal truncated to [-2, 2]
+_BLOCKWISE = {
+    "glorot_uniform": lambda rows, dim: ("uniform", -np.sqrt(6 / (rows + dim)),
+                                         np.sqrt(6 / (rows + dim))),
+    "he_normal": lambda rows, dim: ("truncated", 0.0, np.sqrt(2 / rows) / _TRUNCATED_STD),
+    "lecun_uniform": lambda rows, dim: ("uniform", -np.sqrt(3 / rows), np.sqrt(3 / rows)),
+    "fan_out_untruncated": lambda rows, dim: ("normal", 0.0, np.sqrt(2.5 / dim)),
+    "random_uniform": lambda rows, dim: ("uniform", -0.3, 0.2),
+    "random_normal": lambda rows, dim: ("normal", 0.1, 0.05),
+    "truncated_normal": lambda rows, dim: ("truncated", -0.2, 0.1),
+}
+
+
+def _initializer(name, seed):
+  init = keras.initializers
+  made = {
+      "glorot_uniform": lambda: init.GlorotUniform(seed),
+      "he_normal": lambda: init.HeNormal(seed),
+      "lecun_uniform": lambda: init.LecunUniform(seed),
+      "fan_out_untruncated": lambda: init.VarianceScaling(2.5, "fan_out",
+                                                          "untruncated_normal", seed),
+      "random_uniform": lambda: init.RandomUniform(-0.3, 0.2, seed),
+      "random_normal": lambda: init.RandomNormal(0.1, 0.05, seed),
+      "truncated_normal": lambda: init.TruncatedNormal(-0.2, 0.1, seed),
+  }
+  return made[name]()
+
+
+def _kernel(tree, dim, initializer, dtype="float32"):
+  layer = HierarchicalSoftmax(tree, kernel_initializer=initializer, dtype=dtype)
+  layer.build((None, dim))
+  return layer, layer.kernel.numpy()
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+  """Blocks of 1 KB, so that a small table is filled in many of them."""
+  monkeypatch.setattr(layers, "_INIT_BLOCK_BYTES", 1024)
+
+
+@pytest.mark.parametrize("name", sorted(_BLOCKWISE))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_large_tables_are_filled_by_blocks_from_the_whole_tables_distribution(
+    small_blocks, name, dtype):
+  tree = tf_hsm.Tree.two_level(4000)
+  dim = 24
+  layer, kernel = _kernel(tree, dim, _initializer(name, seed=11), dtype)
+  assert kernel.dtype == dtype and len(layer.weights) == 2
+  rows = tree.num_slots
+  kind, a, b = _BLOCKWISE[name](rows, dim)
+  values = kernel.astype(np.float64).ravel()
+  if kind == "uniform":
+    assert a <= values.min() < a + 0.01 * (b - a) and b - 0.01 * (b - a) < values.max() <= b
+    mean, std = (a + b) / 2, (b - a) / np.sqrt(12)
+  elif kind == "normal":
+    mean, std = a, b
+  else:
+    assert np.all(np.abs(values - a) <= 2 * b * (1 + 1e-6))
+    mean, std = a, b * _TRUNCATED_STD
+  # ~100K values: the sample mean and std are within 1% of std of the true ones.
+  assert abs(values.mean() - mean) < 0.02 * std
+  assert abs(values.std() / std - 1) < 0.02
+  # Every block has its own values (8 rows of 24 float32 per 1 KB block).
+  block_rows = 1024 // (dim * np.dtype(dtype).itemsize)
+  firsts = kernel[::block_rows][:50]
+  assert len({row.tobytes() for row in firsts}) == len(firsts)
+
+
+def test_block_fills_are_reproducible_for_a_seed(small_blocks):
+  tree = tf_hsm.Tree.two_level(500)
+  _, first = _kernel(tree, 16, keras.initializers.GlorotUniform(seed=3))
+  _, again = _kernel(tree, 16, keras.initializers.GlorotUniform(seed=3))
+  _, other = _kernel(tree, 16, keras.initializers.GlorotUniform(seed=4))
+  np.testing.assert_array_equal(first, again)
+  assert not np.any(first == other)
+
+
+def test_tables_of_one_block_get_the_initializers_own_values():
+  tree = tf_hsm.Tree.two_level(500)
+  initializer = keras.initializers.GlorotUniform(seed=5)
+  _, kernel = _kernel(tree, 16, initializer)
+  np.testing.assert_array_equal(kernel, initializer((tree.num_slots, 16)).numpy())
+
+
+@pytest.mark.parametrize("initializer", [
+    keras.initializers.Orthogonal(seed=2), keras.initializers.Constant(0.25),
+    keras.initializers.VarianceScaling(seed=2, input_axes=[0], output_axes=[1]),
+    lambda shape, dtype=None: tf.reshape(tf.range(np.prod(shape), dtype=dtype), shape)])
+def test_other_initializers_are_called_on_the_whole_table(small_blocks, initializer):
+  tree = tf_hsm.Tree.two_level(300)
+  _, kernel = _kernel(tree, 16, initializer)
+  np.testing.assert_array_equal(kernel,
+                                np.asarray(initializer((tree.num_slots, 16), "float32")))
+
+
+def test_a_functional_model_fills_its_layer_by_blocks(small_blocks):
+  tree = tf_hsm.Tree.two_level(2000)
+  hidden = keras.Input((16,))
+  targets = keras.Input((), dtype="int64")
+  layer = HierarchicalSoftmax(tree, kernel_initializer=keras.initializers.GlorotUniform(7))
+  keras.Model([hidden, targets], layer(hidden, targets))
+  _, blockwise = _kernel(tree, 16, keras.initializers.GlorotUniform(7))
+  whole = keras.initializers.GlorotUniform(7)((tree.num_slots, 16)).numpy()
+  assert not np.array_equal(blockwise, whole)
+  np.testing.assert_array_equal(layer.kernel.numpy(), blockwise)
+
+
+def test_a_layer_first_built_in_a_function_gets_the_whole_table_initializer(small_blocks,
+                                                                            rng):
+  # While a function is traced the new variable gets its value only when the function
+  # runs, so it cannot be filled by blocks then.
+  tree = tf_hsm.Tree.two_level(2000)
+  initializer = keras.initializers.GlorotUniform(seed=8)
+  layer = HierarchicalSoftmax(tree, kernel_initializer=initializer)
+  hidden = tf.constant(rng.normal(size=(4, 16)), tf.float32)
+  targets = tf.constant([0, 1, 2, 3], tf.int64)
+  log_probs = tf.function(layer)(hidden, targets)
+  kernel = layer.kernel.numpy()
+  np.testing.assert_array_equal(kernel, initializer((tree.num_slots, 16)).numpy())
+  np.testing.assert_array_equal(log_probs.numpy(),
+                                tf_hsm.log_prob(hidden, kernel, layer.bias, tree, targets))
+
+
+def test_block_fill_peaks_near_the_table_and_leaves_plain_reads_uncopied():
+  # One call of a Keras random initializer holds ~3 table-sized tensors besides the table.
+  result = _run_script("""
+  import keras
+  from tf_hsm.layers import HierarchicalSoftmax, _INIT_BLOCK_BYTES
+  tree = tf_hsm.Tree.two_level(300_000)
+  layer = HierarchicalSoftmax(tree)
+  reset_peak()
+  before = mb()
+  layer.build((None, 256))
+  build = mb("VmHWM") - before
+  reset_peak()
+  before = mb()
+  held = [layer.kernel.value.read_value() for _ in range(3)]
+  reads = mb("VmHWM") - before
+  print(json.dumps(dict(table=tree.num_slots * 256 * 4 / 2**20, build=build, reads=reads,
+                        block=_INIT_BLOCK_BYTES / 2**20)))
+  """)
+  assert result["build"] < result["table"] + 6 * result["block"], result
+  assert result["reads"] < 0.3 * result["table"], result

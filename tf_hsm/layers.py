@@ -4,8 +4,13 @@ import keras
 import tensorflow as tf
 
 from tf_hsm import _loader
-from tf_hsm.ops import log_prob
+from tf_hsm.ops import _read_table, log_prob
 from tf_hsm.tree import Tree
+
+# Tables larger than this are initialised one block of rows at a time (see
+# `_block_initializer`): a Keras random initializer computes its value with several
+# table-sized temporaries, which at 10M x 300 (12 GB) would not fit beside the table.
+_INIT_BLOCK_BYTES = 32 << 20
 
 # A SavedModel that uses the Hsm> ops (from `model.export`) can only be loaded once they
 # are registered; do that on import when the library is there, and leave the error for
@@ -44,6 +49,12 @@ class HierarchicalSoftmax(keras.layers.Layer):
     use_bias: whether to add a bias per tree edge.
     kernel_initializer: initializer of the `[num_slots, D]` table; the default matches
       `keras.layers.Dense`'s, so it is a like-for-like replacement of a full softmax.
+      A table over 32 MB is filled one block of rows at a time, in place, when the
+      initializer draws each value independently (`VarianceScaling` and its Glorot, He
+      and LeCun forms, `RandomUniform`, `RandomNormal`, `TruncatedNormal`): the values
+      follow the distribution the initializer gives the whole table (its fans are the
+      table's), reproducibly for a given seed, but are not the ones one call of the
+      initializer would give. Other initializers are called on the whole table.
     bias_initializer, kernel_regularizer, bias_regularizer, kernel_constraint,
       bias_constraint: as in `keras.layers.Dense`. A regularizer or constraint acts on
       the whole table and makes its gradient (or update) dense.
@@ -88,12 +99,17 @@ class HierarchicalSoftmax(keras.layers.Layer):
     if dim is None:
       raise ValueError("HierarchicalSoftmax needs a known last dimension of `hidden`, "
                        f"got shape {hidden_shape}")
+    shape = (self.tree.num_slots, dim)
+    block = _block_initializer(self.kernel_initializer, shape, self.variable_dtype)
     # autocast=False: under mixed precision the op reads the float32 table directly;
     # Keras' autocast would copy the whole table to float16/bfloat16 on every call.
     self.kernel = self.add_weight(
-        name="kernel", shape=(self.tree.num_slots, dim),
-        initializer=self.kernel_initializer, regularizer=self.kernel_regularizer,
-        constraint=self.kernel_constraint, autocast=False)
+        name="kernel", shape=shape,
+        initializer="zeros" if block else self.kernel_initializer,
+        regularizer=self.kernel_regularizer, constraint=self.kernel_constraint,
+        autocast=False)
+    if block:
+      _fill_by_blocks(self.kernel, block)
     if self.use_bias:
       self.bias = self.add_weight(
           name="bias", shape=(self.tree.num_slots,), initializer=self.bias_initializer,
@@ -171,3 +187,90 @@ class HierarchicalSoftmax(keras.layers.Layer):
         "bias_constraint": keras.constraints.serialize(self.bias_constraint),
     })
     return config
+
+
+def _fan_divisor(mode, rows, dim):
+  """What `keras.initializers.VarianceScaling` divides its scale by for a [rows, dim] table."""
+  if mode == "fan_in":
+    return max(1.0, rows)
+  if mode == "fan_out":
+    return max(1.0, dim)
+  return max(1.0, (rows + dim) / 2.0)
+
+
+def _block_initializer(initializer, shape, dtype):
+  """`rows -> values` of the next block of `rows` rows of a table `initializer` fills.
+
+  The blocks draw from the distribution `initializer` has for the whole `shape`, each with
+  fresh random bits. None where the table fits in one block, where `initializer` is not
+  one whose values are drawn independently (Orthogonal, Identity, custom callables), or
+  where the variable cannot be written as soon as it is created (while a function is
+  traced, where its initial value is assigned only when the function runs; a Keras
+  stateless scope, which defers its creation; a distribution strategy); the caller then
+  calls `initializer` on the whole table.
+  """
+  rows, dim = shape
+  if rows * dim * tf.as_dtype(dtype).size <= _INIT_BLOCK_BYTES:
+    return None
+  if tf.inside_function() or tf.distribute.has_strategy() or _in_stateless_scope():
+    return None
+  init = keras.initializers
+  kind = type(initializer).__call__
+  if kind not in (init.VarianceScaling.__call__, init.RandomUniform.__call__,
+                  init.RandomNormal.__call__, init.TruncatedNormal.__call__):
+    return None
+  if kind is init.VarianceScaling.__call__ and (initializer.input_axes is not None or
+                                                initializer.output_axes is not None):
+    return None
+  # One generator for all blocks, so that each block gets new bits: an integer seed
+  # would give every block of the same size the same values. Its state is a variable,
+  # made outside any function being traced, like the table's.
+  seed = initializer.seed
+  if not isinstance(seed, keras.random.SeedGenerator):
+    with tf.init_scope():
+      seed = keras.random.SeedGenerator(seed)
+  if kind is init.VarianceScaling.__call__:
+    full = _fan_divisor(initializer.mode, rows, dim)
+
+    def block(block_rows):
+      # Rescaled so that the block's scale over its own fans is the table's.
+      scale = initializer.scale * _fan_divisor(initializer.mode, block_rows, dim) / full
+      return init.VarianceScaling(scale=scale, mode=initializer.mode,
+                                  distribution=initializer.distribution,
+                                  seed=seed)((block_rows, dim), dtype=dtype)
+    return block
+  if kind is init.RandomUniform.__call__:
+    block_init = init.RandomUniform(initializer.minval, initializer.maxval, seed=seed)
+  elif kind is init.RandomNormal.__call__:
+    block_init = init.RandomNormal(initializer.mean, initializer.stddev, seed=seed)
+  else:
+    block_init = init.TruncatedNormal(initializer.mean, initializer.stddev, seed=seed)
+  return lambda block_rows: block_init((block_rows, dim), dtype=dtype)
+
+
+def _in_stateless_scope():
+  """Whether Keras defers variable creation here (its check is not public API)."""
+  try:
+    from keras.src.backend import in_stateless_scope  # pylint: disable=import-outside-toplevel
+    return bool(in_stateless_scope())
+  except (ImportError, AttributeError):
+    return True
+
+
+def _fill_by_blocks(variable, block):
+  """Writes `block(rows)` into consecutive row blocks of the 2-D `variable`, in place.
+
+  The raw op writes through the handle: slicing the variable first would read it into a
+  tensor that shares its buffer, and the write would then copy the whole table. The
+  write puts the variable in copy-on-read mode, which a read without a copy ends, so
+  that later plain reads of the new table do not copy it either.
+  """
+  rows, dim = variable.shape
+  block_rows = max(1, _INIT_BLOCK_BYTES // (dim * tf.as_dtype(variable.dtype).size))
+  with tf.init_scope():
+    handle = variable.value.handle
+    for start in range(0, rows, block_rows):
+      stop = min(rows, start + block_rows)
+      tf.raw_ops.ResourceStridedSliceAssign(ref=handle, begin=[start, 0], end=[stop, dim],
+                                            strides=[1, 1], value=block(stop - start))
+    _read_table(variable)
