@@ -7,7 +7,9 @@ import pytest
 import tensorflow as tf
 
 import tf_hsm
+from tf_hsm import _loader
 from tf_hsm import losses
+from tf_hsm import optimizers
 from tf_hsm.layers import HierarchicalSoftmax
 from tf_hsm.optimizers import LazyAdam
 from tf_hsm.optimizers import SparseAdagrad
@@ -48,7 +50,7 @@ def _gradients(rng, steps, always=(), extra=8, duplicates=True):
 
 
 @pytest.mark.parametrize("use_function", [True, False])
-def test_sparse_adagrad_equals_keras_adagrad(rng, use_function):
+def test_sparse_adagrad_equals_keras_adagrad(rng, use_function, row_path):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   grads = _gradients(rng, 8)
   kwargs = dict(learning_rate=0.1, initial_accumulator_value=0.2, epsilon=1e-6)
@@ -62,12 +64,32 @@ def test_sparse_adagrad_equals_keras_adagrad(rng, use_function):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_sparse_adagrad_is_bitwise_keras_adagrad_without_duplicates(rng):
+@pytest.fixture(params=["fused", "gather_scatter"])
+def row_path(request, monkeypatch):
+  """Runs a test with the fused row ops (the CPU path) and with the gathers and scatters
+  the optimizers use where those do not apply (variables on a GPU)."""
+  if request.param == "gather_scatter":
+    monkeypatch.setattr(optimizers, "_fused_ops", lambda variables: None)
+  return request.param
+
+
+def _assert_keras_bits(ours, theirs, row_path):
+  """Bit for bit on the gather/scatter path, which runs Keras' own TensorFlow ops. The
+  fused ops round each operation exactly, where TensorFlow's vectorised sqrt is an
+  approximation of a few ulps, so they agree to a few ulps (and bit for bit with the
+  same formula in NumPy: test_fused_rows_are_the_formula_in_numpy_bit_for_bit)."""
+  if row_path == "fused":
+    np.testing.assert_allclose(ours, theirs, rtol=2e-6, atol=1e-7)
+  else:
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_sparse_adagrad_is_bitwise_keras_adagrad_without_duplicates(rng, row_path):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   grads = _gradients(rng, 6, duplicates=False)
   ours = _run(SparseAdagrad(0.05), grads, init)
   theirs = _run(keras.optimizers.Adagrad(0.05), grads, init, sparse=False)
-  np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+  _assert_keras_bits(ours.numpy(), theirs.numpy(), row_path)
   # Keras' Adagrad given the IndexedSlices itself (unique rows) agrees to an ulp (its
   # sparse path rounds the division differently from its own dense path).
   theirs = _run(keras.optimizers.Adagrad(0.05), grads, init, sparse=True)
@@ -75,7 +97,7 @@ def test_sparse_adagrad_is_bitwise_keras_adagrad_without_duplicates(rng):
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_lazy_adam_equals_adam_on_rows_touched_every_step(rng, amsgrad):
+def test_lazy_adam_equals_adam_on_rows_touched_every_step(rng, amsgrad, row_path):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   always = [0, 3, 7, 11]
   grads = _gradients(rng, 10, always=always)
@@ -89,17 +111,17 @@ def test_lazy_adam_equals_adam_on_rows_touched_every_step(rng, amsgrad):
     np.testing.assert_allclose(a[always], b[always], rtol=1e-6, atol=1e-7)
 
 
-def test_lazy_adam_is_bitwise_adam_when_every_row_is_touched(rng):
+def test_lazy_adam_is_bitwise_adam_when_every_row_is_touched(rng, row_path):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   grads = [(rng.normal(size=(_ROWS, _DIM)).astype(np.float32), rng.permutation(_ROWS))
            for _ in range(5)]
   ours = _run(LazyAdam(0.01), grads, init)
   theirs = _run(keras.optimizers.Adam(0.01), grads, init, sparse=False)
-  np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+  _assert_keras_bits(ours.numpy(), theirs.numpy(), row_path)
 
 
 @pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad])
-def test_untouched_rows_and_slots_are_left_alone(rng, make):
+def test_untouched_rows_and_slots_are_left_alone(rng, make, row_path):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   optimizer = make(learning_rate=0.1)
   variable = keras.Variable(init)
@@ -144,7 +166,7 @@ def test_dense_gradients_are_the_parent_optimizer_bit_for_bit(rng, make, referen
 
 
 @pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad])
-def test_duplicate_indices_are_summed(rng, make):
+def test_duplicate_indices_are_summed(rng, make, row_path):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   values = rng.normal(size=(5, _DIM)).astype(np.float32)
   split = _run(make(0.1), [(values, [4, 9, 4, 2, 9])], init)
@@ -219,3 +241,99 @@ def test_fit_touches_only_the_rows_in_the_batches(rng, make):
   assert untouched.size > tree.num_slots // 2
   np.testing.assert_array_equal(hsm.kernel.numpy()[untouched], table_before[untouched])
   assert np.all(hsm.kernel.numpy()[touched] != table_before[touched])
+
+
+def _numpy_adam_rows(w, m, v, v_hat, indices, grad, alpha, c1, c2, eps):
+  """Hsm>SparseAdamRows from its definition: each operation rounded in the dtype, the
+  indices taken in order (a repeated row is updated twice)."""
+  w, m, v = w.copy(), m.copy(), v.copy()
+  v_hat = None if v_hat is None else v_hat.copy()
+  for k, r in enumerate(indices):
+    g = grad[k]
+    m[r] = m[r] + (g - m[r]) * c1
+    v[r] = v[r] + (g * g - v[r]) * c2
+    second = v[r]
+    if v_hat is not None:
+      v_hat[r] = np.maximum(v_hat[r], v[r])
+      second = v_hat[r]
+    w[r] = w[r] - (m[r] * alpha) / (np.sqrt(second) + eps)
+  return w, m, v, v_hat
+
+
+def _numpy_adagrad_rows(w, acc, indices, grad, lr, eps):
+  w, acc = w.copy(), acc.copy()
+  for k, r in enumerate(indices):
+    acc[r] = acc[r] + grad[k] * grad[k]
+    w[r] = w[r] - (lr * grad[k]) / np.sqrt(acc[r] + eps)
+  return w, acc
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_fused_rows_are_the_formula_in_numpy_bit_for_bit(rng, dtype, amsgrad):
+  # Enough rows and indices for the kernel to split them over threads; repeated rows are
+  # updated in index order.
+  rows, dim, n = 3000, 37, 2500
+  indices = rng.integers(0, rows, n).astype(np.int64)
+  grad = rng.normal(size=(n, dim)).astype(dtype)
+  w, m = (rng.normal(size=(rows, dim)).astype(dtype) for _ in range(2))
+  v, v_hat = (rng.random(size=(rows, dim)).astype(dtype) for _ in range(2))
+  scalars = [dtype(x) for x in (0.01, 0.1, 0.001, 1e-7)]
+  expected = _numpy_adam_rows(w, m, v, v_hat if amsgrad else None, indices, grad, *scalars)
+  variables = [tf.Variable(x) for x in (w, m, v, v_hat)]
+  _loader.ops().hsm_sparse_adam_rows(*[x.handle for x in variables], indices, grad,
+                                     *scalars, amsgrad=amsgrad)
+  for got, want in zip(variables, expected):
+    np.testing.assert_array_equal(got.numpy(), v_hat if want is None else want)
+
+  acc = rng.random(size=(rows, dim)).astype(dtype)
+  expected = _numpy_adagrad_rows(w, acc, indices.astype(np.int32), grad, dtype(0.05),
+                                 dtype(1e-7))
+  variables = [tf.Variable(x) for x in (w, acc)]
+  _loader.ops().hsm_sparse_adagrad_rows(*[x.handle for x in variables],
+                                        indices.astype(np.int32), grad, dtype(0.05),
+                                        dtype(1e-7))
+  for got, want in zip(variables, expected):
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_the_cpu_path_runs_the_fused_ops():
+  variable = keras.Variable(tf.zeros([10, 3]))
+  for make, op in [(LazyAdam, "Hsm>SparseAdamRows"), (SparseAdagrad, "Hsm>SparseAdagradRows")]:
+    optimizer = make()
+    optimizer.build([variable])
+    step = tf.function(lambda values, indices, opt=optimizer: opt.apply(
+        [tf.IndexedSlices(values, indices, tf.constant([10, 3], tf.int64))], [variable]))
+    graph = step.get_concrete_function(tf.TensorSpec([2, 3]),
+                                       tf.TensorSpec([2], tf.int64)).graph
+    types = {o.type for o in graph.get_operations()}
+    types |= {o.type for f in graph._functions.values() for o in f.graph.get_operations()}
+    assert op in types, sorted(types)
+
+
+def test_fused_row_ops_reject_bad_input():
+  ops = _loader.ops()
+  var, m, v = (tf.Variable(tf.zeros([5, 2])) for _ in range(3))
+  one = tf.constant(0.1)
+  grad = tf.ones([2, 2])
+
+  def adam(*handles, indices=(1, 2), gradient=grad):
+    ops.hsm_sparse_adam_rows(*handles, tf.constant(indices, tf.int64), gradient, one, one,
+                             one, one)
+
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[1\] = 5 is not a row"):
+    adam(var.handle, m.handle, v.handle, v.handle, indices=(0, 5))
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[0\] = -1"):
+    adam(var.handle, m.handle, v.handle, v.handle, indices=(-1, 0))
+  with pytest.raises(tf.errors.InvalidArgumentError, match="gradient must have shape"):
+    adam(var.handle, m.handle, v.handle, v.handle, gradient=tf.ones([2, 3]))
+  with pytest.raises(tf.errors.InvalidArgumentError, match="must be different variables"):
+    adam(var.handle, var.handle, v.handle, v.handle)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="v has shape"):
+    adam(var.handle, m.handle, tf.Variable(tf.zeros([5, 3])).handle, v.handle)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="m has dtype double"):
+    adam(var.handle, tf.Variable(tf.zeros([5, 2], tf.float64)).handle, v.handle, v.handle)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="learning_rate must be a scalar"):
+    ops.hsm_sparse_adagrad_rows(var.handle, m.handle, tf.constant([0], tf.int64),
+                                tf.ones([1, 2]), tf.constant([0.1]), one)
+  np.testing.assert_array_equal(var.numpy(), np.zeros([5, 2]))  # nothing was written

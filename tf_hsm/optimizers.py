@@ -24,6 +24,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tf_hsm import _loader
+
 
 def _merge_duplicates(gradient, dtype):
   """Sums the rows of an IndexedSlices that share an index.
@@ -41,6 +43,20 @@ def _merge_duplicates(gradient, dtype):
 def _rows(variable):
   """The tf.Variable behind a Keras variable (scatter ops need it)."""
   return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _fused_ops(variables):
+  """The op library, where the fused row updates can apply to these variables (float32
+  or float64 on the CPU); None otherwise (the updates then use gathers and scatters)."""
+  for variable in variables:
+    if variable.dtype not in (tf.float32, tf.float64):
+      return None
+    if tf.DeviceSpec.from_string(variable.handle.device).device_type != "CPU":
+      return None
+  try:
+    return _loader.ops()
+  except ImportError:
+    return None
 
 
 @keras.saving.register_keras_serializable(package="tf_hsm")
@@ -83,18 +99,30 @@ class LazyAdam(keras.optimizers.Adam):
     index = self._get_variable_index(variable)
     m = _rows(self._momentums[index])
     v = _rows(self._velocities[index])
+    v_hat = _rows(self._velocity_hats[index]) if self.amsgrad else None
+    one_minus_beta_1 = tf.cast(1 - self.beta_1, dtype)
+    one_minus_beta_2 = tf.cast(1 - self.beta_2, dtype)
+    epsilon = tf.cast(self.epsilon, dtype)
+    table = _rows(variable)
+    fused = _fused_ops([table, m, v] + ([v_hat] if self.amsgrad else []))
+    if fused is not None:
+      # One pass over each touched row; the same operations as below, element by element.
+      fused.hsm_sparse_adam_rows(table.handle, m.handle, v.handle,
+                                 (v_hat if self.amsgrad else v).handle, indices, grad,
+                                 alpha, one_minus_beta_1, one_minus_beta_2, epsilon,
+                                 amsgrad=self.amsgrad)
+      return
     m_rows = tf.gather(m, indices)
     v_rows = tf.gather(v, indices)
-    m_rows = m_rows + (grad - m_rows) * tf.cast(1 - self.beta_1, dtype)
-    v_rows = v_rows + (tf.square(grad) - v_rows) * tf.cast(1 - self.beta_2, dtype)
+    m_rows = m_rows + (grad - m_rows) * one_minus_beta_1
+    v_rows = v_rows + (tf.square(grad) - v_rows) * one_minus_beta_2
     m.scatter_update(tf.IndexedSlices(m_rows, indices))
     v.scatter_update(tf.IndexedSlices(v_rows, indices))
     if self.amsgrad:
-      v_hat = _rows(self._velocity_hats[index])
       v_rows = tf.maximum(tf.gather(v_hat, indices), v_rows)
       v_hat.scatter_update(tf.IndexedSlices(v_rows, indices))
-    step = (m_rows * alpha) / (tf.sqrt(v_rows) + tf.cast(self.epsilon, dtype))
-    _rows(variable).scatter_sub(tf.IndexedSlices(step, indices))
+    step = (m_rows * alpha) / (tf.sqrt(v_rows) + epsilon)
+    table.scatter_sub(tf.IndexedSlices(step, indices))
 
 
 @keras.saving.register_keras_serializable(package="tf_hsm")
@@ -119,8 +147,15 @@ class SparseAdagrad(keras.optimizers.Adagrad):
     dtype = variable.dtype
     indices, grad = _merge_duplicates(gradient, dtype)
     lr = ops.cast(learning_rate, dtype)
+    epsilon = tf.cast(self.epsilon, dtype)
     acc = _rows(self._accumulators[self._get_variable_index(variable)])
+    table = _rows(variable)
+    fused = _fused_ops([table, acc])
+    if fused is not None:
+      # One pass over each touched row; the same operations as below, element by element.
+      fused.hsm_sparse_adagrad_rows(table.handle, acc.handle, indices, grad, lr, epsilon)
+      return
     acc_rows = tf.gather(acc, indices) + tf.square(grad)
     acc.scatter_update(tf.IndexedSlices(acc_rows, indices))
-    step = (lr * grad) / tf.sqrt(acc_rows + tf.cast(self.epsilon, dtype))
-    _rows(variable).scatter_sub(tf.IndexedSlices(step, indices))
+    step = (lr * grad) / tf.sqrt(acc_rows + epsilon)
+    table.scatter_sub(tf.IndexedSlices(step, indices))

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "cc/core/tree_view.h"
 #include "cc/core/visit_plan.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/util/work_sharder.h"
@@ -170,6 +172,35 @@ class LeasePool {
   std::vector<std::unique_ptr<X>> free_ TF_GUARDED_BY(mu_);
 };
 using PlanPool = LeasePool<VisitPlan>;
+
+// The variable's tensor, made safe to update in place: if a reader still shares its buffer
+// (and the variable is not in copy-on-read mode, where readers copy instead), the buffer
+// is copied first, as TensorFlow's own training ops do, so the reader keeps its values.
+// The caller holds the variable's lock. `dtype_source` names the input whose dtype T is.
+template <typename T>
+::tensorflow::Status ExclusiveTensor(::tensorflow::OpKernelContext* ctx, ::tensorflow::Var* var,
+                                    const char* name, const char* dtype_source,
+                                    ::tensorflow::Tensor** out) {
+  namespace errors = ::tensorflow::errors;
+  ::tensorflow::Tensor* t = var->tensor();
+  if (!t->IsInitialized()) return errors::FailedPrecondition(name, " is not initialized");
+  const ::tensorflow::DataType dtype = ::tensorflow::DataTypeToEnum<T>::value;
+  if (t->dtype() != dtype) {
+    return errors::InvalidArgument(name, " has dtype ", ::tensorflow::DataTypeString(t->dtype()),
+                                   " but ", dtype_source, " has ",
+                                   ::tensorflow::DataTypeString(dtype));
+  }
+  if (!var->copy_on_read_mode.load() && !t->RefCountIsOne()) {
+    ::tensorflow::Tensor copy;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &copy));
+    if (t->NumElements() > 0) {
+      std::memcpy(copy.flat<T>().data(), t->flat<T>().data(), t->NumElements() * sizeof(T));
+    }
+    *t = copy;
+  }
+  *out = t;
+  return ::tensorflow::Status();
+}
 
 // hidden's shape without its last dimension.
 ::tensorflow::TensorShape BatchShape(const ::tensorflow::Tensor& hidden);

@@ -23,30 +23,6 @@ namespace errors = ::tensorflow::errors;
 
 namespace {
 
-// The variable's tensor, made safe to update in place: if a reader still shares its buffer
-// (and the variable is not in copy-on-read mode, where readers copy instead), the buffer
-// is copied first, as TensorFlow's own training ops do, so the reader keeps its values.
-template <typename T>
-Status ExclusiveTensor(OpKernelContext* ctx, Var* var, const char* name, Tensor** out) {
-  Tensor* t = var->tensor();
-  if (!t->IsInitialized()) return errors::FailedPrecondition(name, " is not initialized");
-  if (t->dtype() != ::tensorflow::DataTypeToEnum<T>::value) {
-    return errors::InvalidArgument(name, " has dtype ", ::tensorflow::DataTypeString(t->dtype()),
-                                   " but hidden has ",
-                                   ::tensorflow::DataTypeString(::tensorflow::DataTypeToEnum<T>::value));
-  }
-  if (!var->copy_on_read_mode.load() && !t->RefCountIsOne()) {
-    Tensor copy;
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &copy));
-    if (t->NumElements() > 0) {
-      std::memcpy(copy.flat<T>().data(), t->flat<T>().data(), t->NumElements() * sizeof(T));
-    }
-    *t = copy;
-  }
-  *out = t;
-  return Status();
-}
-
 template <typename T>
 class SgdStepOp : public OpKernel {
  public:
@@ -69,10 +45,10 @@ class SgdStepOp : public OpKernel {
     }
     Tensor* weights = nullptr;
     Tensor* biases = nullptr;
-    OP_REQUIRES_OK(ctx, ExclusiveTensor<T>(ctx, weights_var.get(), "weights", &weights));
+    OP_REQUIRES_OK(ctx, ExclusiveTensor<T>(ctx, weights_var.get(), "weights", "hidden", &weights));
     Tensor no_bias(::tensorflow::DataTypeToEnum<T>::value, ::tensorflow::TensorShape({0}));
     if (use_bias_) {
-      OP_REQUIRES_OK(ctx, ExclusiveTensor<T>(ctx, biases_var.get(), "biases", &biases));
+      OP_REQUIRES_OK(ctx, ExclusiveTensor<T>(ctx, biases_var.get(), "biases", "hidden", &biases));
     } else {
       biases = &no_bias;
     }

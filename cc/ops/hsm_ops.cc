@@ -228,4 +228,60 @@ log_prob: targets' shape, before the update.
 hidden_grad: hidden's shape, dloss/dhidden.
 )doc");
 
+// Shapes are checked by the kernels: the variables' shapes are not known here.
+REGISTER_OP("Hsm>SparseAdamRows")
+    .Input("var: resource")
+    .Input("m: resource")
+    .Input("v: resource")
+    .Input("v_hat: resource")
+    .Input("indices: Tidx")
+    .Input("gradient: T")
+    .Input("alpha: T")
+    .Input("one_minus_beta_1: T")
+    .Input("one_minus_beta_2: T")
+    .Input("epsilon: T")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .Attr("amsgrad: bool = false")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
+    .Doc(R"doc(
+Adam's update of the rows a sparse gradient names, in place; other rows are left alone.
+
+For k in order, with r = indices[k] and g = gradient[k]:
+m[r] += (g - m[r]) * one_minus_beta_1, v[r] += (g * g - v[r]) * one_minus_beta_2, with
+amsgrad v_hat[r] = max(v_hat[r], v[r]) used in place of v[r], then
+var[r] -= (m[r] * alpha) / (sqrt(v[r]) + epsilon), each operation rounded as written.
+The variables are locked for the update.
+
+var, m, v: resource variables of dtype T and one shape, of rank >= 1.
+v_hat: a fourth such variable; read only with amsgrad.
+indices: [n] rows of var.
+gradient: [n] + var's shape without its first dimension.
+alpha: scalar, learning_rate * sqrt(1 - beta_2^t) / (1 - beta_1^t).
+)doc");
+
+REGISTER_OP("Hsm>SparseAdagradRows")
+    .Input("var: resource")
+    .Input("accumulator: resource")
+    .Input("indices: Tidx")
+    .Input("gradient: T")
+    .Input("learning_rate: T")
+    .Input("epsilon: T")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
+    .Doc(R"doc(
+Adagrad's update of the rows a sparse gradient names, in place; other rows are left alone.
+
+For k in order, with r = indices[k] and g = gradient[k]: accumulator[r] += g * g, then
+var[r] -= (learning_rate * g) / sqrt(accumulator[r] + epsilon), each operation rounded as
+written. The variables are locked for the update.
+
+var, accumulator: resource variables of dtype T and one shape, of rank >= 1.
+indices: [n] rows of var.
+gradient: [n] + var's shape without its first dimension.
+)doc");
+
 }  // namespace tf_hsm

@@ -1,0 +1,48 @@
+// The row updates of cc/core/sparse_rows.h. Built with -fno-math-errno, so that std::sqrt
+// may be a vector instruction (correctly rounded all the same), and -ffp-contract=off, so
+// that no product and sum are fused into one rounding (see cc/BUILD).
+#include "cc/core/sparse_rows.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace tf_hsm {
+
+template <typename T>
+void AdamRow(const T* g, int64 n, const AdamStep<T>& s, T* w, T* m, T* v, T* v_hat) {
+  for (int64 i = 0; i < n; ++i) {
+    const T mi = m[i] + (g[i] - m[i]) * s.one_minus_beta_1;
+    const T vi = v[i] + (g[i] * g[i] - v[i]) * s.one_minus_beta_2;
+    m[i] = mi;
+    v[i] = vi;
+  }
+  if (v_hat != nullptr) {
+    for (int64 i = 0; i < n; ++i) {
+      // tf.maximum: NaN if either is NaN.
+      const T a = v_hat[i], b = v[i];
+      v_hat[i] = a != a || b != b ? a + b : std::max(a, b);
+    }
+  }
+  const T* second = v_hat != nullptr ? v_hat : v;
+  for (int64 i = 0; i < n; ++i) {
+    w[i] = w[i] - (m[i] * s.alpha) / (std::sqrt(second[i]) + s.epsilon);
+  }
+}
+
+template <typename T>
+void AdagradRow(const T* g, int64 n, T learning_rate, T epsilon, T* w, T* acc) {
+  for (int64 i = 0; i < n; ++i) {
+    const T a = acc[i] + g[i] * g[i];
+    acc[i] = a;
+    w[i] = w[i] - (learning_rate * g[i]) / std::sqrt(a + epsilon);
+  }
+}
+
+template void AdamRow<float>(const float*, int64, const AdamStep<float>&, float*, float*,
+                             float*, float*);
+template void AdamRow<double>(const double*, int64, const AdamStep<double>&, double*,
+                              double*, double*, double*);
+template void AdagradRow<float>(const float*, int64, float, float, float*, float*);
+template void AdagradRow<double>(const double*, int64, double, double, double*, double*);
+
+}  // namespace tf_hsm
