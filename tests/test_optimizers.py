@@ -75,9 +75,9 @@ def row_path(request, monkeypatch):
 
 def _assert_keras_bits(ours, theirs, row_path):
   """Bit for bit on the gather/scatter path, which runs Keras' own TensorFlow ops. The
-  fused ops round each operation exactly, where TensorFlow's vectorised sqrt is an
-  approximation of a few ulps, so they agree to a few ulps (and bit for bit with the
-  same formula in NumPy: test_fused_rows_are_the_formula_in_numpy_bit_for_bit)."""
+  fused ops round each operation correctly (bit for bit the formula in NumPy:
+  test_fused_rows_are_the_formula_in_numpy_bit_for_bit), which TensorFlow's vectorised
+  kernels do not always do, so they agree with Keras to an ulp or two."""
   if row_path == "fused":
     np.testing.assert_allclose(ours, theirs, rtol=2e-6, atol=1e-7)
   else:

@@ -3,9 +3,17 @@
 Keras' own Adam and Adagrad turn a `tf.IndexedSlices` gradient (what `tf_hsm.log_prob`
 and `tf.gather` / `keras.layers.Embedding` produce for their tables) into an update of the
 whole variable, so a step costs O(table) however few rows it touched. The optimizers here
-apply an IndexedSlices gradient with gathers and scatters over the touched rows only:
-per-step work and memory are O(touched rows x D). Dense gradients (every other variable of
-a model) go through the parent class unchanged.
+apply an IndexedSlices gradient to the touched rows only: per-step work and memory are
+O(touched rows x D). On the CPU one op (Hsm>SparseAdamRows, Hsm>SparseAdagradRows)
+updates each touched row and its slots in one vectorised pass, in place; elsewhere (a
+variable on a GPU) gathers, elementwise ops and scatters do it. Dense gradients (every
+other variable of a model) go through the parent class unchanged.
+
+Rounding: each elementwise operation is the one Keras applies, in the same order. On the
+gather/scatter path they are Keras' own TensorFlow ops, so the results are Keras' bit
+for bit. The CPU ops round every operation correctly (they give the formula in NumPy
+bit for bit), which TensorFlow's vectorised kernels do not always do: they differ from
+Keras by an ulp or two in places (the tests allow 2e-6 relative).
 
 Both are drop-in replacements: same constructor arguments, same slot variables, same
 checkpoint layout as `keras.optimizers.Adam` / `keras.optimizers.Adagrad`.
@@ -77,9 +85,10 @@ class LazyAdam(keras.optimizers.Adam):
 
   Bias correction uses the optimizer's global step count t = iterations + 1, not a
   per-row count, as TensorFlow Addons' LazyAdam does. So a row touched on every step
-  follows exactly the trajectory Keras' Adam gives it (the same float operations in the
-  same order), while a row touched rarely gets the bias correction of a long-running
-  optimizer: its first updates are smaller than a fresh Adam's would be.
+  follows the trajectory Keras' Adam gives it (the same float operations in the same
+  order; see the module's note on rounding), while a row touched rarely gets the bias
+  correction of a long-running optimizer: its first updates are smaller than a fresh
+  Adam's would be.
 
   Args: as `keras.optimizers.Adam`.
   """
@@ -129,9 +138,9 @@ class LazyAdam(keras.optimizers.Adam):
 class SparseAdagrad(keras.optimizers.Adagrad):
   """Adagrad that, for a sparse gradient, updates only the touched rows and accumulators.
 
-  Adagrad leaves a row with zero gradient unchanged anyway, so this is exactly
+  Adagrad leaves a row with zero gradient unchanged anyway, so this is
   `keras.optimizers.Adagrad` applied to the densified gradient (duplicate indices
-  summed), only without touching the other rows:
+  summed; see the module's note on rounding), only without touching the other rows:
 
       acc[r] <- acc[r] + g[r]^2
       var[r] <- var[r] - learning_rate * g[r] / sqrt(acc[r] + epsilon)
