@@ -187,6 +187,13 @@ def test_training_loop_lowers_the_loss(rng):
   assert losses[-1] < 0.7 * losses[0], losses[::10]
 
 
+def _random_batch(seed, tokens, dim, num_classes):
+  """float32 hidden states [tokens, dim] and targets [tokens] drawn from `seed`."""
+  r = np.random.default_rng(seed)
+  return (tf.constant(r.normal(size=(tokens, dim)).astype(np.float32)),
+          tf.constant(r.integers(0, num_classes, size=tokens)))
+
+
 def _check_reused_buffer_keeps_held_outputs(output_of, compare=1000):
   """output_of(seed) returns an op output of 4 MB or more, which the kernel writes into a
   buffer it reuses once nothing else references it: an output the caller still holds must
@@ -209,9 +216,7 @@ def test_reused_gradient_buffer_never_overwrites_a_held_gradient(rng):
   b = tf.Variable(rng.normal(size=tree.num_slots).astype(np.float32))
 
   def weight_grad(seed):
-    r = np.random.default_rng(seed)
-    h = tf.constant(r.normal(size=(3000, dim)).astype(np.float32))
-    y = tf.constant(r.integers(0, 20_000, size=3000))
+    h, y = _random_batch(seed, 3000, dim, 20_000)
     with tf.GradientTape() as tape:
       loss = tf.reduce_sum(tf_hsm.log_prob(h, w, b, tree, y))
     return tape.gradient(loss, w)
@@ -234,9 +239,7 @@ def test_reused_saved_logits_buffer_never_overwrites_held_logits(rng):
   b = tf.constant(rng.normal(size=tree.num_slots).astype(np.float32))
 
   def saved_logits(seed):
-    r = np.random.default_rng(seed)
-    h = tf.constant(r.normal(size=(8000, dim)).astype(np.float32))
-    y = tf.constant(r.integers(0, 20_000, size=8000))
+    h, y = _random_batch(seed, 8000, dim, 20_000)
     return _loader.ops().hsm_log_prob_saving_logits(h, w, b, y, *tree_inputs)[1]
 
   _check_reused_buffer_keeps_held_outputs(saved_logits)

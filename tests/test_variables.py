@@ -24,14 +24,13 @@ import json
 import numpy as np
 import tensorflow as tf
 import tf_hsm
+from tf_hsm._bench_worker import _reset_peak_rss, _status_kb
 
 def mb(field="VmRSS"):
-  status = open("/proc/self/status").read()
-  return int(status.split(field + ":")[1].split()[0]) / 1024
+  return _status_kb(field) / 2**20
 
 def reset_peak():
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM to the current resident size
+  assert _reset_peak_rss(), "the kernel refused to reset the peak RSS"
 """
 
 

@@ -39,14 +39,17 @@ def _read_table(table):
   checkpointing does). A later sparse update copies the table only if a reader still
   holds it; within a training step the readers are done by then.
   """
-  if not isinstance(table, tf.Variable):
-    inner = getattr(table, "value", None)  # a Keras 3 variable's tf.Variable
-    if isinstance(inner, tf.Variable):
-      table = inner
-  read_no_copy = getattr(table, "read_value_no_copy", None)
-  if isinstance(table, tf.Variable) and read_no_copy is not None:
-    return read_no_copy()
-  return table
+  variable = _tf_variable(table)
+  read_no_copy = getattr(variable, "read_value_no_copy", None)
+  return table if read_no_copy is None else read_no_copy()
+
+
+def _tf_variable(value):
+  """The tf.Variable of a tf.Variable or of a Keras 3 variable; None for anything else."""
+  if isinstance(value, tf.Variable):
+    return value
+  inner = getattr(value, "value", None)
+  return inner if isinstance(inner, tf.Variable) else None
 
 
 def _dense_inputs(hidden, weights, biases):
@@ -246,12 +249,11 @@ def _log_prob_and_grad_grad(op, upstream, *unused_output_grads):
 
 def _variable_handle(variable, name):
   """The resource handle of a tf.Variable or a Keras 3 variable."""
-  for candidate in (variable, getattr(variable, "value", None)):
-    handle = getattr(candidate, "handle", None)
-    if handle is not None and handle.dtype == tf.resource:
-      return handle
-  raise TypeError(f"{name} must be a tf.Variable or keras.Variable, got "
-                  f"{type(variable).__name__}")
+  found = _tf_variable(variable)
+  if found is None:
+    raise TypeError(f"{name} must be a tf.Variable or keras.Variable, got "
+                    f"{type(variable).__name__}")
+  return found.handle
 
 
 def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=None):

@@ -33,6 +33,7 @@ import tensorflow as tf
 from keras import ops
 
 from tf_hsm import _loader
+from tf_hsm.ops import _tf_variable
 
 
 def _merge_duplicates(gradient, dtype):
@@ -50,7 +51,8 @@ def _merge_duplicates(gradient, dtype):
 
 def _rows(variable):
   """The tf.Variable behind a Keras variable (scatter ops need it)."""
-  return variable.value if isinstance(variable, keras.Variable) else variable
+  found = _tf_variable(variable)
+  return variable if found is None else found
 
 
 def _fused_ops(variables):

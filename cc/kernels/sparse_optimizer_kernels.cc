@@ -62,6 +62,9 @@ class LockedRows {
   bool ok() const { return ok_; }
   T* data(int i) const { return tensors_[i]->template flat<T>().data(); }
   const ::tensorflow::TensorShape& shape() const { return tensors_[0]->shape(); }
+  int64 num_rows() const { return shape().dim_size(0); }
+  // Elements per row (1 for a vector of biases).
+  int64 width() const { return shape().num_elements() / std::max<int64>(1, num_rows()); }
 
  private:
   std::vector<::tensorflow::core::RefCountPtr<Var>> vars_;
@@ -131,11 +134,11 @@ class SparseAdamRowsOp : public OpKernel {
     std::vector<int64> rows;
     OP_REQUIRES_OK(ctx, ReadSparseGradient<Tidx>(ctx->input(4), ctx->input(5), vars.shape(),
                                                  &rows));
-    const int64 width = vars.shape().num_elements() / std::max<int64>(1, vars.shape().dim_size(0));
+    const int64 width = vars.width();
     const T* g = ctx->input(5).flat<T>().data();
     T *w = vars.data(0), *m = vars.data(1), *v = vars.data(2);
     T* v_hat = amsgrad_ ? vars.data(3) : nullptr;
-    ForEachRowInOrder(rows.data(), rows.size(), vars.shape().dim_size(0), 12 * width,
+    ForEachRowInOrder(rows.data(), rows.size(), vars.num_rows(), 12 * width,
                       CpuParallelFor(ctx), [&](int64 k, int64 row) {
                         const int64 at = row * width;
                         AdamRow(g + k * width, width, step, w + at, m + at, v + at,
@@ -162,10 +165,10 @@ class SparseAdagradRowsOp : public OpKernel {
     std::vector<int64> rows;
     OP_REQUIRES_OK(ctx, ReadSparseGradient<Tidx>(ctx->input(2), ctx->input(3), vars.shape(),
                                                  &rows));
-    const int64 width = vars.shape().num_elements() / std::max<int64>(1, vars.shape().dim_size(0));
+    const int64 width = vars.width();
     const T* g = ctx->input(3).flat<T>().data();
     T *w = vars.data(0), *acc = vars.data(1);
-    ForEachRowInOrder(rows.data(), rows.size(), vars.shape().dim_size(0), 8 * width,
+    ForEachRowInOrder(rows.data(), rows.size(), vars.num_rows(), 8 * width,
                       CpuParallelFor(ctx), [&](int64 k, int64 row) {
                         AdagradRow(g + k * width, width, learning_rate, epsilon,
                                    w + row * width, acc + row * width);
