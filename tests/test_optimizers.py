@@ -243,13 +243,23 @@ def test_fit_touches_only_the_rows_in_the_batches(rng, make):
   assert np.all(hsm.kernel.numpy()[touched] != table_before[touched])
 
 
+def _numpy_merged_rows(indices, grad):
+  """The distinct rows of `indices` and their summed gradient rows, each sum started from
+  zero and added in the order of `indices` (as tf.math.unsorted_segment_sum adds)."""
+  rows = list(dict.fromkeys(indices.tolist()))
+  summed = np.zeros((len(rows),) + grad.shape[1:], grad.dtype)
+  at = {r: i for i, r in enumerate(rows)}
+  for k, r in enumerate(indices.tolist()):
+    summed[at[r]] = summed[at[r]] + grad[k]
+  return rows, summed
+
+
 def _numpy_adam_rows(w, m, v, v_hat, indices, grad, alpha, c1, c2, eps):
-  """Hsm>SparseAdamRows from its definition: each operation rounded in the dtype, the
-  indices taken in order (a repeated row is updated twice)."""
+  """Hsm>SparseAdamRows from its definition: repeated rows summed first, then each
+  operation rounded in the dtype, once per distinct row."""
   w, m, v = w.copy(), m.copy(), v.copy()
   v_hat = None if v_hat is None else v_hat.copy()
-  for k, r in enumerate(indices):
-    g = grad[k]
+  for r, g in zip(*_numpy_merged_rows(indices, grad)):
     m[r] = m[r] + (g - m[r]) * c1
     v[r] = v[r] + (g * g - v[r]) * c2
     second = v[r]
@@ -262,17 +272,17 @@ def _numpy_adam_rows(w, m, v, v_hat, indices, grad, alpha, c1, c2, eps):
 
 def _numpy_adagrad_rows(w, acc, indices, grad, lr, eps):
   w, acc = w.copy(), acc.copy()
-  for k, r in enumerate(indices):
-    acc[r] = acc[r] + grad[k] * grad[k]
-    w[r] = w[r] - (lr * grad[k]) / np.sqrt(acc[r] + eps)
+  for r, g in zip(*_numpy_merged_rows(indices, grad)):
+    acc[r] = acc[r] + g * g
+    w[r] = w[r] - (lr * g) / np.sqrt(acc[r] + eps)
   return w, acc
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_fused_rows_are_the_formula_in_numpy_bit_for_bit(rng, dtype, amsgrad):
-  # Enough rows and indices for the kernel to split them over threads; repeated rows are
-  # updated in index order.
+  # Enough rows and indices for the kernel to split them over threads; ~1/3 of the rows
+  # named are named more than once, so their sums' order of addition matters.
   rows, dim, n = 3000, 37, 2500
   indices = rng.integers(0, rows, n).astype(np.int64)
   grad = rng.normal(size=(n, dim)).astype(dtype)
@@ -337,3 +347,25 @@ def test_fused_row_ops_reject_bad_input():
     ops.hsm_sparse_adagrad_rows(var.handle, m.handle, tf.constant([0], tf.int64),
                                 tf.ones([1, 2]), tf.constant([0.1]), one)
   np.testing.assert_array_equal(var.numpy(), np.zeros([5, 2]))  # nothing was written
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_fused_rows_sum_repeats_as_the_merge_before_them_did(rng, index_dtype):
+  """The ops' own merge of repeated rows gives the bits of `_merge_duplicates` (tf.unique
+  and a segment sum) followed by the ops on distinct rows."""
+  from tf_hsm.optimizers import _merge_duplicates
+  rows, dim, n = 2000, 19, 3000
+  indices = rng.integers(0, rows, n).astype(index_dtype)
+  grad = rng.normal(size=(n, dim)).astype(np.float32)
+  start = [rng.normal(size=(rows, dim)).astype(np.float32)] + [
+      rng.random(size=(rows, dim)).astype(np.float32) for _ in range(3)]
+  merged = _merge_duplicates(tf.IndexedSlices(grad, indices), tf.float32)
+  scalars = [np.float32(x) for x in (0.01, 0.1, 0.001, 1e-7)]
+  results = []
+  for ids, values in [(indices, grad), merged]:
+    variables = [tf.Variable(x) for x in start]
+    _loader.ops().hsm_sparse_adam_rows(*[x.handle for x in variables], ids, values, *scalars,
+                                       amsgrad=True)
+    results.append([x.numpy() for x in variables])
+  for got, want in zip(*results):
+    np.testing.assert_array_equal(got, want)

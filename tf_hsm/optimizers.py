@@ -99,7 +99,6 @@ class LazyAdam(keras.optimizers.Adam):
     if not isinstance(gradient, tf.IndexedSlices):
       return super().update_step(gradient, variable, learning_rate)
     dtype = variable.dtype
-    indices, grad = _merge_duplicates(gradient, dtype)
     # The same scalar expressions as keras.optimizers.Adam.update_step.
     lr = ops.cast(learning_rate, dtype)
     local_step = ops.cast(self.iterations + 1, dtype)
@@ -117,12 +116,14 @@ class LazyAdam(keras.optimizers.Adam):
     table = _rows(variable)
     fused = _fused_ops([table, m, v] + ([v_hat] if self.amsgrad else []))
     if fused is not None:
-      # One pass over each touched row; the same operations as below, element by element.
+      # One pass over each touched row, repeated rows summed as _merge_duplicates sums
+      # them; the same operations as below, element by element.
       fused.hsm_sparse_adam_rows(table.handle, m.handle, v.handle,
-                                 (v_hat if self.amsgrad else v).handle, indices, grad,
-                                 alpha, one_minus_beta_1, one_minus_beta_2, epsilon,
-                                 amsgrad=self.amsgrad)
+                                 (v_hat if self.amsgrad else v).handle, gradient.indices,
+                                 tf.cast(gradient.values, dtype), alpha, one_minus_beta_1,
+                                 one_minus_beta_2, epsilon, amsgrad=self.amsgrad)
       return
+    indices, grad = _merge_duplicates(gradient, dtype)
     m_rows = tf.gather(m, indices)
     v_rows = tf.gather(v, indices)
     m_rows = m_rows + (grad - m_rows) * one_minus_beta_1
@@ -156,16 +157,18 @@ class SparseAdagrad(keras.optimizers.Adagrad):
     if not isinstance(gradient, tf.IndexedSlices):
       return super().update_step(gradient, variable, learning_rate)
     dtype = variable.dtype
-    indices, grad = _merge_duplicates(gradient, dtype)
     lr = ops.cast(learning_rate, dtype)
     epsilon = tf.cast(self.epsilon, dtype)
     acc = _rows(self._accumulators[self._get_variable_index(variable)])
     table = _rows(variable)
     fused = _fused_ops([table, acc])
     if fused is not None:
-      # One pass over each touched row; the same operations as below, element by element.
-      fused.hsm_sparse_adagrad_rows(table.handle, acc.handle, indices, grad, lr, epsilon)
+      # One pass over each touched row, repeated rows summed as _merge_duplicates sums
+      # them; the same operations as below, element by element.
+      fused.hsm_sparse_adagrad_rows(table.handle, acc.handle, gradient.indices,
+                                    tf.cast(gradient.values, dtype), lr, epsilon)
       return
+    indices, grad = _merge_duplicates(gradient, dtype)
     acc_rows = tf.gather(acc, indices) + tf.square(grad)
     acc.scatter_update(tf.IndexedSlices(acc_rows, indices))
     step = (lr * grad) / tf.sqrt(acc_rows + epsilon)

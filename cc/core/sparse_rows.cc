@@ -38,6 +38,17 @@ void AdagradRow(const T* g, int64 n, T learning_rate, T epsilon, T* w, T* acc) {
   }
 }
 
+template <typename T>
+void SumRows(const T* g, int64 width, const int64* ks, int64 count, T* out) {
+  std::fill(out, out + width, T(0));
+  for (int64 j = 0; j < count; ++j) {
+    const T* row = g + ks[j] * width;
+    for (int64 i = 0; i < width; ++i) out[i] = out[i] + row[i];
+  }
+}
+
+template void SumRows<float>(const float*, int64, const int64*, int64, float*);
+template void SumRows<double>(const double*, int64, const int64*, int64, double*);
 template void AdamRow<float>(const float*, int64, const AdamStep<float>&, float*, float*,
                              float*, float*);
 template void AdamRow<double>(const double*, int64, const AdamStep<double>&, double*,

@@ -1,6 +1,6 @@
 // Row updates of the sparse optimizers (tf_hsm.optimizers.LazyAdam and SparseAdagrad) in
-// one pass over each touched row, instead of a gather, ~10 whole-batch elementwise ops and
-// a scatter per slot. Each element goes through the same float operations, in the same
+// one pass over each touched row, instead of merging repeated rows (tf.unique and a segment
+// sum), a gather, ~10 whole-batch elementwise ops and a scatter per slot. Each element goes through the same float operations, in the same
 // order, as Keras' Adam and Adagrad apply to it (the build uses no FMA contraction), so a
 // row gets the bits Keras' dense update would give it.
 #ifndef TF_HSM_CC_CORE_SPARSE_ROWS_H_
@@ -33,13 +33,21 @@ void AdamRow(const T* g, int64 n, const AdamStep<T>& s, T* w, T* m, T* v, T* v_h
 template <typename T>
 void AdagradRow(const T* g, int64 n, T learning_rate, T epsilon, T* w, T* acc);
 
-// Calls update(k, row) for every k in [0, n) with row = rows[k] (each in [0, num_rows)),
-// with every row's updates made by one thread in the order of k, so that the result is
-// that of the serial loop, repeated rows included, on any thread count: the rows are
-// split into ranges, the k of each range listed in order, and the ranges run in parallel.
-template <typename Update>
-void ForEachRowInOrder(const int64* rows, int64 n, int64 num_rows, int64 cost_per_row,
-                       const ParallelFor& parallel_for, const Update& update) {
+// out <- 0 + g[ks[0]] + g[ks[1]] + ..., rows of `width` elements, added in the order of
+// ks, as tf.math.unsorted_segment_sum adds the rows of one segment.
+template <typename T>
+void SumRows(const T* g, int64 width, const int64* ks, int64 count, T* out);
+
+// Calls update(row, g_row) once for every distinct row named in rows[0, n) (each in
+// [0, num_rows)), with g_row the sum (SumRows) of the gradient rows g[k] (each `width`
+// elements) of all k that name it, in the order of k: the rows of a sparse gradient
+// merged as tf.unique + tf.math.unsorted_segment_sum merge them, without building the
+// merged gradient. The rows are split into ranges run in parallel, so the result is the
+// same on any thread count.
+template <typename T, typename Update>
+void ForEachDistinctRow(const int64* rows, int64 n, int64 num_rows, const T* g, int64 width,
+                        int64 cost_per_row, const ParallelFor& parallel_for,
+                        const Update& update) {
   if (n <= 0) return;
   const int64 num_ranges = std::min<int64>(num_rows, 256);
   auto range_of = [&](int64 row) { return row * num_ranges / num_rows; };
@@ -51,8 +59,19 @@ void ForEachRowInOrder(const int64* rows, int64 n, int64 num_rows, int64 cost_pe
   for (int64 k = 0; k < n; ++k) order[fill[range_of(rows[k])]++] = k;
   const int64 cost = std::max<int64>(1, n / num_ranges) * cost_per_row;
   parallel_for(num_ranges, cost, [&](int64 first, int64 last) {
+    std::vector<T> sum(width);
     for (int64 r = first; r < last; ++r) {
-      for (int64 j = begin[r]; j < begin[r + 1]; ++j) update(order[j], rows[order[j]]);
+      int64* ks = order.data() + begin[r];
+      const int64 count = begin[r + 1] - begin[r];
+      // Stable: the k naming one row stay in increasing order.
+      std::stable_sort(ks, ks + count, [&](int64 a, int64 b) { return rows[a] < rows[b]; });
+      for (int64 j = 0; j < count;) {
+        int64 end = j + 1;
+        while (end < count && rows[ks[end]] == rows[ks[j]]) ++end;
+        SumRows(g, width, ks + j, end - j, sum.data());
+        update(rows[ks[j]], static_cast<const T*>(sum.data()));
+        j = end;
+      }
     }
   });
 }

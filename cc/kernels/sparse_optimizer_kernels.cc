@@ -138,12 +138,12 @@ class SparseAdamRowsOp : public OpKernel {
     const T* g = ctx->input(5).flat<T>().data();
     T *w = vars.data(0), *m = vars.data(1), *v = vars.data(2);
     T* v_hat = amsgrad_ ? vars.data(3) : nullptr;
-    ForEachRowInOrder(rows.data(), rows.size(), vars.num_rows(), 12 * width,
-                      CpuParallelFor(ctx), [&](int64 k, int64 row) {
-                        const int64 at = row * width;
-                        AdamRow(g + k * width, width, step, w + at, m + at, v + at,
-                                v_hat == nullptr ? nullptr : v_hat + at);
-                      });
+    ForEachDistinctRow(rows.data(), rows.size(), vars.num_rows(), g, width, 12 * width,
+                       CpuParallelFor(ctx), [&](int64 row, const T* g_row) {
+                         const int64 at = row * width;
+                         AdamRow(g_row, width, step, w + at, m + at, v + at,
+                                 v_hat == nullptr ? nullptr : v_hat + at);
+                       });
   }
 
  private:
@@ -168,11 +168,11 @@ class SparseAdagradRowsOp : public OpKernel {
     const int64 width = vars.width();
     const T* g = ctx->input(3).flat<T>().data();
     T *w = vars.data(0), *acc = vars.data(1);
-    ForEachRowInOrder(rows.data(), rows.size(), vars.num_rows(), 8 * width,
-                      CpuParallelFor(ctx), [&](int64 k, int64 row) {
-                        AdagradRow(g + k * width, width, learning_rate, epsilon,
-                                   w + row * width, acc + row * width);
-                      });
+    ForEachDistinctRow(rows.data(), rows.size(), vars.num_rows(), g, width, 8 * width,
+                       CpuParallelFor(ctx), [&](int64 row, const T* g_row) {
+                         AdagradRow(g_row, width, learning_rate, epsilon, w + row * width,
+                                    acc + row * width);
+                       });
   }
 };
 

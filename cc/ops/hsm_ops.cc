@@ -248,11 +248,12 @@ REGISTER_OP("Hsm>SparseAdamRows")
     .Doc(R"doc(
 Adam's update of the rows a sparse gradient names, in place; other rows are left alone.
 
-For k in order, with r = indices[k] and g = gradient[k]:
-m[r] += (g - m[r]) * one_minus_beta_1, v[r] += (g * g - v[r]) * one_minus_beta_2, with
-amsgrad v_hat[r] = max(v_hat[r], v[r]) used in place of v[r], then
-var[r] -= (m[r] * alpha) / (sqrt(v[r]) + epsilon), each operation rounded as written.
-The variables are locked for the update.
+Rows that indices names more than once are summed first (from zero, in the order of
+indices, as tf.math.unsorted_segment_sum sums them). For each distinct row r, with g the
+summed gradient row: m[r] += (g - m[r]) * one_minus_beta_1,
+v[r] += (g * g - v[r]) * one_minus_beta_2, with amsgrad v_hat[r] = max(v_hat[r], v[r])
+used in place of v[r], then var[r] -= (m[r] * alpha) / (sqrt(v[r]) + epsilon), each
+operation rounded as written. The variables are locked for the update.
 
 var, m, v: resource variables of dtype T and one shape, of rank >= 1.
 v_hat: a fourth such variable; read only with amsgrad.
@@ -275,7 +276,9 @@ REGISTER_OP("Hsm>SparseAdagradRows")
     .Doc(R"doc(
 Adagrad's update of the rows a sparse gradient names, in place; other rows are left alone.
 
-For k in order, with r = indices[k] and g = gradient[k]: accumulator[r] += g * g, then
+Rows that indices names more than once are summed first (from zero, in the order of
+indices, as tf.math.unsorted_segment_sum sums them). For each distinct row r, with g the
+summed gradient row: accumulator[r] += g * g, then
 var[r] -= (learning_rate * g) / sqrt(accumulator[r] + epsilon), each operation rounded as
 written. The variables are locked for the update.
 
