@@ -1,5 +1,8 @@
-"""tf_hsm.optimizers: LazyAdam and SparseAdagrad against Keras' Adam and Adagrad, lazy
-(touched-rows-only) updates, O(touched rows) graphs, serialization, model.fit."""
+"""tf_hsm.optimizers: LazyAdam, SparseAdagrad and SparseSGD against Keras' Adam, Adagrad
+and SGD, lazy (touched-rows-only) updates, O(touched rows) graphs, serialization,
+model.fit."""
+
+import functools
 
 import keras
 import numpy as np
@@ -13,8 +16,11 @@ from tf_hsm import optimizers
 from tf_hsm.layers import HierarchicalSoftmax
 from tf_hsm.optimizers import LazyAdam
 from tf_hsm.optimizers import SparseAdagrad
+from tf_hsm.optimizers import SparseSGD
 
 _ROWS, _DIM = 30, 4
+_MomentumSGD = functools.partial(SparseSGD, momentum=0.9)
+_KerasMomentumSGD = functools.partial(keras.optimizers.SGD, momentum=0.9)
 
 
 def _run(optimizer, gradients, init, sparse=True, use_function=True):
@@ -120,7 +126,43 @@ def test_lazy_adam_is_bitwise_adam_when_every_row_is_touched(rng, row_path):
   _assert_keras_bits(ours.numpy(), theirs.numpy(), row_path)
 
 
-@pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad])
+_SGD_FORMS = [dict(), dict(momentum=0.9), dict(momentum=0.7, nesterov=True)]
+
+
+@pytest.mark.parametrize("kwargs", _SGD_FORMS)
+def test_sparse_sgd_is_bitwise_keras_sgd_on_rows_touched_every_step(rng, kwargs, row_path):
+  # Multiplications and subtractions only: TensorFlow's kernels round them correctly
+  # too, so both paths give Keras' bits (duplicates included: the dense gradient Keras
+  # gets sums them as the optimizer does).
+  init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
+  always = [1, 2, 5, 17]
+  grads = _gradients(rng, 8, always=always)
+  mine, ref = SparseSGD(0.05, **kwargs), keras.optimizers.SGD(0.05, **kwargs)
+  ours = _run(mine, grads, init)
+  theirs = _run(ref, grads, init, sparse=False)
+  np.testing.assert_array_equal(ours.numpy()[always], theirs.numpy()[always])
+  for a, b in zip(_slots(mine), _slots(ref)):
+    np.testing.assert_array_equal(a[always], b[always])
+  if not kwargs:  # without momentum Keras' SGD leaves untouched rows alone too
+    np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+def test_sparse_sgd_momentum_is_lazy(rng):
+  """A row's momentum neither decays nor moves the row on steps that do not touch it."""
+  init = np.zeros((_ROWS, _DIM), np.float32)
+  g = np.full((1, _DIM), 2.0, np.float32)
+  lr, mu = 0.5, 0.25
+  variable = _run(SparseSGD(lr, momentum=mu), [(g, [3]), (g, [0]), (g, [0]), (g, [3])],
+                  init)
+  m1 = -lr * 2.0
+  m2 = m1 * mu - lr * 2.0
+  np.testing.assert_allclose(variable.numpy()[3], m1 + m2, rtol=1e-6)
+  keras_variable = _run(keras.optimizers.SGD(lr, momentum=mu),
+                        [(g, [3]), (g, [0]), (g, [0]), (g, [3])], init)
+  assert not np.allclose(keras_variable.numpy()[3], m1 + m2)  # Keras' decays in between
+
+
+@pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad, _MomentumSGD])
 def test_untouched_rows_and_slots_are_left_alone(rng, make, row_path):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   optimizer = make(learning_rate=0.1)
@@ -155,7 +197,8 @@ def test_lazy_adam_bias_correction_uses_the_global_step(rng):
 
 
 @pytest.mark.parametrize("make,reference", [(LazyAdam, keras.optimizers.Adam),
-                                            (SparseAdagrad, keras.optimizers.Adagrad)])
+                                            (SparseAdagrad, keras.optimizers.Adagrad),
+                                            (_MomentumSGD, _KerasMomentumSGD)])
 def test_dense_gradients_are_the_parent_optimizer_bit_for_bit(rng, make, reference):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   grads = [(rng.normal(size=(_ROWS, _DIM)).astype(np.float32), np.arange(_ROWS))
@@ -195,7 +238,8 @@ def _graph_tensor_sizes(optimizer, rows, dim, touched):
 
 
 @pytest.mark.parametrize("make,reference", [(LazyAdam, keras.optimizers.Adam),
-                                            (SparseAdagrad, keras.optimizers.Adagrad)])
+                                            (SparseAdagrad, keras.optimizers.Adagrad),
+                                            (_MomentumSGD, _KerasMomentumSGD)])
 def test_a_sparse_step_builds_no_table_sized_tensor(make, reference):
   """Per-step work is O(touched rows): no float tensor of the table's size in the graph.
 
@@ -206,9 +250,11 @@ def test_a_sparse_step_builds_no_table_sized_tensor(make, reference):
   assert max(_graph_tensor_sizes(reference(), rows, dim, touched)) >= rows * dim
 
 
-@pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad])
-def test_serialization(make):
-  optimizer = make(learning_rate=0.25, epsilon=1e-4)
+@pytest.mark.parametrize("make,kwargs", [(LazyAdam, dict(epsilon=1e-4)),
+                                         (SparseAdagrad, dict(epsilon=1e-4)),
+                                         (SparseSGD, dict(momentum=0.5, nesterov=True))])
+def test_serialization(make, kwargs):
+  optimizer = make(learning_rate=0.25, **kwargs)
   config = keras.optimizers.serialize(optimizer)
   assert config["class_name"] == make.__name__ and "tf_hsm" in config["module"] + str(
       config.get("registered_name"))
@@ -217,7 +263,7 @@ def test_serialization(make):
   assert restored.get_config() == optimizer.get_config()
 
 
-@pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad])
+@pytest.mark.parametrize("make", [LazyAdam, SparseAdagrad, SparseSGD, _MomentumSGD])
 def test_fit_touches_only_the_rows_in_the_batches(rng, make):
   vocab, seq_len = 60, 4
   tree = tf_hsm.Tree.two_level(vocab)
@@ -270,6 +316,18 @@ def _numpy_adam_rows(w, m, v, v_hat, indices, grad, alpha, c1, c2, eps):
   return w, m, v, v_hat
 
 
+def _numpy_sgd_rows(w, m, indices, grad, lr, mu, nesterov):
+  w = w.copy()
+  m = None if m is None else m.copy()
+  for r, g in zip(*_numpy_merged_rows(indices, grad)):
+    if m is None:
+      w[r] = w[r] - g * lr
+      continue
+    m[r] = m[r] * mu - g * lr
+    w[r] = w[r] + (m[r] * mu - g * lr if nesterov else m[r])
+  return w, m
+
+
 def _numpy_adagrad_rows(w, acc, indices, grad, lr, eps):
   w, acc = w.copy(), acc.copy()
   for r, g in zip(*_numpy_merged_rows(indices, grad)):
@@ -307,9 +365,29 @@ def test_fused_rows_are_the_formula_in_numpy_bit_for_bit(rng, dtype, amsgrad):
     np.testing.assert_array_equal(got.numpy(), want)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kwargs", _SGD_FORMS)
+def test_fused_sgd_rows_are_the_formula_in_numpy_bit_for_bit(rng, dtype, kwargs):
+  rows, dim, n = 3000, 37, 2500
+  indices = rng.integers(0, rows, n).astype(np.int32)
+  grad = rng.normal(size=(n, dim)).astype(dtype)
+  w, m = (rng.normal(size=(rows, dim)).astype(dtype) for _ in range(2))
+  lr, mu = dtype(0.05), dtype(kwargs.get("momentum", 0.0))
+  use_momentum = bool(kwargs)
+  expected = _numpy_sgd_rows(w, m if use_momentum else None, indices, grad, lr, mu,
+                             kwargs.get("nesterov", False))
+  variables = [tf.Variable(x) for x in (w, m)]
+  _loader.ops().hsm_sparse_sgd_rows(variables[0].handle, variables[1].handle, indices, grad,
+                                    lr, mu, use_momentum=use_momentum,
+                                    nesterov=kwargs.get("nesterov", False))
+  np.testing.assert_array_equal(variables[0].numpy(), expected[0])
+  np.testing.assert_array_equal(variables[1].numpy(), m if expected[1] is None else expected[1])
+
+
 def test_the_cpu_path_runs_the_fused_ops():
   variable = keras.Variable(tf.zeros([10, 3]))
-  for make, op in [(LazyAdam, "Hsm>SparseAdamRows"), (SparseAdagrad, "Hsm>SparseAdagradRows")]:
+  for make, op in [(LazyAdam, "Hsm>SparseAdamRows"), (SparseAdagrad, "Hsm>SparseAdagradRows"),
+                   (SparseSGD, "Hsm>SparseSgdRows"), (_MomentumSGD, "Hsm>SparseSgdRows")]:
     optimizer = make()
     optimizer.build([variable])
     step = tf.function(lambda values, indices, opt=optimizer: opt.apply(
@@ -346,6 +424,16 @@ def test_fused_row_ops_reject_bad_input():
   with pytest.raises(tf.errors.InvalidArgumentError, match="learning_rate must be a scalar"):
     ops.hsm_sparse_adagrad_rows(var.handle, m.handle, tf.constant([0], tf.int64),
                                 tf.ones([1, 2]), tf.constant([0.1]), one)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="must be different variables"):
+    ops.hsm_sparse_sgd_rows(var.handle, var.handle, tf.constant([0], tf.int64),
+                            tf.ones([1, 2]), one, one, use_momentum=True)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="momentum_var has shape"):
+    ops.hsm_sparse_sgd_rows(var.handle, tf.Variable(tf.zeros([4, 2])).handle,
+                            tf.constant([0], tf.int64), tf.ones([1, 2]), one, one,
+                            use_momentum=True)
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[0\] = 7"):
+    ops.hsm_sparse_sgd_rows(var.handle, m.handle, tf.constant([7], tf.int64),
+                            tf.ones([1, 2]), one, one)
   np.testing.assert_array_equal(var.numpy(), np.zeros([5, 2]))  # nothing was written
 
 

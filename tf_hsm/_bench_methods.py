@@ -99,17 +99,18 @@ def fused_sgd_available():
 
 
 def make_optimizer(name):
-  """A Keras optimizer by name (None for "none"); lazy_adam / sparse_adagrad are
-  tf_hsm.optimizers' row-sparse versions."""
+  """A Keras optimizer by name (None for "none"); lazy_adam, sparse_adagrad and
+  sparse_sgd[_momentum] are tf_hsm.optimizers' row-sparse versions; the _momentum forms
+  use momentum 0.9."""
   if name in (None, "none"):
     return None
   import keras  # pylint: disable=import-outside-toplevel
-  if name in ("lazy_adam", "sparse_adagrad"):
-    from tf_hsm import optimizers  # pylint: disable=import-outside-toplevel
-    cls = optimizers.LazyAdam if name == "lazy_adam" else optimizers.SparseAdagrad
-    return cls(learning_rate=1e-3)
+  from tf_hsm import optimizers  # pylint: disable=import-outside-toplevel
   classes = {"sgd": keras.optimizers.SGD, "adagrad": keras.optimizers.Adagrad,
-             "adam": keras.optimizers.Adam}
+             "adam": keras.optimizers.Adam, "lazy_adam": optimizers.LazyAdam,
+             "sparse_adagrad": optimizers.SparseAdagrad, "sparse_sgd": optimizers.SparseSGD}
+  if name.endswith("_momentum"):
+    return classes[name[:-len("_momentum")]](learning_rate=1e-3, momentum=0.9)
   return classes[name](learning_rate=1e-3)
 
 

@@ -208,7 +208,8 @@ def method_work(method, case, optimizer):
   d, t, v = case["dim"], case["tokens"], case["vocab"]
   work = case["work"]
   e = 4
-  opt_slots = {"none": None, "sgd": 0, "adagrad": 1, "sparse_adagrad": 1, "adam": 2,
+  opt_slots = {"none": None, "sgd": 0, "sparse_sgd": 0, "sgd_momentum": 1,
+               "sparse_sgd_momentum": 1, "adagrad": 1, "sparse_adagrad": 1, "adam": 2,
                "lazy_adam": 2}.get(optimizer)
   if method == LOG_PROB_ALL:
     slots = case["tree_summary"]["num_slots"]

@@ -519,9 +519,11 @@ def parse_args(argv):
                  help="adds scenario 'custom' with these sizes (trees from --trees, "
                       "default two_level)")
   p.add_argument("--optimizer", default="none",
-                 choices=("none", "sgd", "adagrad", "adam", "lazy_adam", "sparse_adagrad"),
+                 choices=("none", "sgd", "sgd_momentum", "adagrad", "adam", "sparse_sgd",
+                          "sparse_sgd_momentum", "lazy_adam", "sparse_adagrad"),
                  help="also apply this optimizer in the timed fwd+bwd step (Keras "
-                      "optimizers; lazy_adam/sparse_adagrad from tf_hsm.optimizers)")
+                      "optimizers; sparse_sgd, lazy_adam and sparse_adagrad from "
+                      "tf_hsm.optimizers; the _momentum forms with momentum 0.9)")
   p.add_argument("--num-sampled", type=int, default=1024,
                  help="negative classes of sampled softmax (default 1024)")
   p.add_argument("--out", default="bench_results", help="output directory")

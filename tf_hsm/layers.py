@@ -29,7 +29,8 @@ class HierarchicalSoftmax(keras.layers.Layer):
   `use_bias`, `[tree.num_slots]` biases. Only the rows on the targets' paths are read, so
   a step costs about depth x branching dot products per token instead of num_classes,
   and the table's gradient is a `tf.IndexedSlices` over the touched rows: pair the layer
-  with `tf_hsm.optimizers.LazyAdam` or `SparseAdagrad` to keep the update that sparse too.
+  with `tf_hsm.optimizers.LazyAdam`, `SparseAdagrad` or `SparseSGD` to keep the update
+  that sparse too.
 
   Padding: targets < 0 give log-probability 0 and no gradient, and so do positions where
   a Keras mask is 0 (the `mask` argument, or the mask of `hidden` propagated from an

@@ -1,29 +1,33 @@
 """Keras 3 optimizers that update only the rows of a table that a step touched.
 
-Keras' own Adam and Adagrad turn a `tf.IndexedSlices` gradient (what `tf_hsm.log_prob`
-and `tf.gather` / `keras.layers.Embedding` produce for their tables) into an update of the
-whole variable, so a step costs O(table) however few rows it touched. The optimizers here
-apply an IndexedSlices gradient to the touched rows only: per-step work and memory are
-O(touched rows x D). On the CPU one op (Hsm>SparseAdamRows, Hsm>SparseAdagradRows)
-updates each touched row and its slots in one vectorised pass, in place; elsewhere (a
-variable on a GPU) gathers, elementwise ops and scatters do it. Dense gradients (every
+Keras' own Adam, Adagrad and SGD with momentum turn a `tf.IndexedSlices` gradient (what
+`tf_hsm.log_prob` and `tf.gather` / `keras.layers.Embedding` produce for their tables)
+into an update of the whole variable, so a step costs O(table) however few rows it
+touched. The optimizers here apply an IndexedSlices gradient to the touched rows only:
+per-step work and memory are O(touched rows x D). On the CPU one op
+(Hsm>SparseAdamRows, Hsm>SparseAdagradRows, Hsm>SparseSgdRows) updates each touched row
+and its slots in one vectorised pass, in place; elsewhere (a variable on a GPU) gathers,
+elementwise ops and scatters do it. Dense gradients (every
 other variable of a model) go through the parent class unchanged.
 
 Rounding: each elementwise operation is the one Keras applies, in the same order. On the
 gather/scatter path they are Keras' own TensorFlow ops, so the results are Keras' bit
 for bit. The CPU ops round every operation correctly (they give the formula in NumPy
-bit for bit), which TensorFlow's vectorised kernels do not always do: they differ from
-Keras by an ulp or two in places (the tests allow 2e-6 relative).
+bit for bit), which TensorFlow's vectorised kernels do not always do for Adam's and
+Adagrad's square roots and divisions: there they differ from Keras by an ulp or two in
+places (the tests allow 2e-6 relative). SGD's products and differences are Keras' bits
+on both paths.
 
-Both are drop-in replacements: same constructor arguments, same slot variables, same
-checkpoint layout as `keras.optimizers.Adam` / `keras.optimizers.Adagrad`.
+All are drop-in replacements: same constructor arguments, same slot variables, same
+checkpoint layout as `keras.optimizers.Adam` / `keras.optimizers.Adagrad` /
+`keras.optimizers.SGD`.
 
 Rows named more than once in one IndexedSlices are summed first, so a sparse gradient
 means exactly what its dense equivalent (`tf.convert_to_tensor(grad)`) means. (Keras'
 Adam and Adagrad, given such a gradient directly, square the duplicates separately and
 get a different result from their own dense path.)
 
-Caveats shared by both: Keras applies `weight_decay`, `use_ema` and
+Caveats shared by all: Keras applies `weight_decay`, `use_ema` and
 `gradient_accumulation_steps` to whole variables, so they bring back a per-step cost of
 O(table). Regularise the table some other way, or accept that cost.
 """
@@ -173,3 +177,59 @@ class SparseAdagrad(keras.optimizers.Adagrad):
     acc.scatter_update(tf.IndexedSlices(acc_rows, indices))
     step = (lr * grad) / tf.sqrt(acc_rows + epsilon)
     table.scatter_sub(tf.IndexedSlices(step, indices))
+
+
+@keras.saving.register_keras_serializable(package="tf_hsm")
+class SparseSGD(keras.optimizers.SGD):
+  """SGD that, for a sparse gradient, updates only the touched rows (and their momentum).
+
+  For a dense gradient this is `keras.optimizers.SGD`, bit for bit. For a
+  `tf.IndexedSlices` gradient (duplicate indices are summed first), the rows r it names
+  get what Keras' SGD gives them:
+
+      without momentum:  var[r] <- var[r] - g[r] * learning_rate
+      with momentum:     m[r] <- m[r] * momentum - g[r] * learning_rate
+                         var[r] <- var[r] + m[r]
+                         (nesterov: var[r] <- var[r] + (m[r] * momentum - g[r] * learning_rate))
+
+  Without momentum, Keras' SGD already updates only the touched rows; this one does it
+  in one pass, in place, with no scaled copy of the gradient. With momentum, Keras' SGD
+  densifies the gradient and updates every row and its momentum on every step (an
+  untouched row keeps moving by its decaying momentum). Here a row's momentum changes,
+  and the row moves, only on the steps that touch it ("lazy", as the sparse momentum
+  update of TensorFlow 1's `MomentumOptimizer`). So a row touched on every step follows
+  Keras' trajectory, while a row touched now and then keeps its momentum undecayed
+  until it is touched again.
+
+  Args: as `keras.optimizers.SGD`.
+  """
+
+  def update_step(self, gradient, variable, learning_rate):
+    if not isinstance(gradient, tf.IndexedSlices):
+      return super().update_step(gradient, variable, learning_rate)
+    dtype = variable.dtype
+    lr = ops.cast(learning_rate, dtype)
+    momentum = tf.cast(self.momentum, dtype)
+    use_momentum = self.momentum != 0
+    m = _rows(self.momentums[self._get_variable_index(variable)]) if use_momentum else None
+    table = _rows(variable)
+    fused = _fused_ops([table] + ([m] if use_momentum else []))
+    if fused is not None:
+      # One pass over each touched row, repeated rows summed as _merge_duplicates sums
+      # them; the same operations as below, element by element.
+      fused.hsm_sparse_sgd_rows(table.handle, (m if use_momentum else table).handle,
+                                gradient.indices, tf.cast(gradient.values, dtype), lr,
+                                momentum, use_momentum=use_momentum,
+                                nesterov=bool(self.nesterov))
+      return
+    indices, grad = _merge_duplicates(gradient, dtype)
+    step = grad * lr
+    if not use_momentum:
+      table.scatter_sub(tf.IndexedSlices(step, indices))
+      return
+    m_rows = tf.gather(m, indices) * momentum - step
+    m.scatter_update(tf.IndexedSlices(m_rows, indices))
+    if self.nesterov:
+      table.scatter_add(tf.IndexedSlices(m_rows * momentum - step, indices))
+    else:
+      table.scatter_add(tf.IndexedSlices(m_rows, indices))

@@ -30,6 +30,28 @@ void AdamRow(const T* g, int64 n, const AdamStep<T>& s, T* w, T* m, T* v, T* v_h
 }
 
 template <typename T>
+void SgdRow(const T* g, int64 n, const SgdStep<T>& s, T* w, T* m) {
+  if (m == nullptr) {
+    for (int64 i = 0; i < n; ++i) w[i] = w[i] - g[i] * s.learning_rate;
+    return;
+  }
+  if (s.nesterov) {
+    for (int64 i = 0; i < n; ++i) {
+      const T step = g[i] * s.learning_rate;
+      const T mi = m[i] * s.momentum - step;
+      m[i] = mi;
+      w[i] = w[i] + (mi * s.momentum - step);
+    }
+    return;
+  }
+  for (int64 i = 0; i < n; ++i) {
+    const T mi = m[i] * s.momentum - g[i] * s.learning_rate;
+    m[i] = mi;
+    w[i] = w[i] + mi;
+  }
+}
+
+template <typename T>
 void AdagradRow(const T* g, int64 n, T learning_rate, T epsilon, T* w, T* acc) {
   for (int64 i = 0; i < n; ++i) {
     const T a = acc[i] + g[i] * g[i];
@@ -53,6 +75,8 @@ template void AdamRow<float>(const float*, int64, const AdamStep<float>&, float*
                              float*, float*);
 template void AdamRow<double>(const double*, int64, const AdamStep<double>&, double*,
                               double*, double*, double*);
+template void SgdRow<float>(const float*, int64, const SgdStep<float>&, float*, float*);
+template void SgdRow<double>(const double*, int64, const SgdStep<double>&, double*, double*);
 template void AdagradRow<float>(const float*, int64, float, float, float*, float*);
 template void AdagradRow<double>(const double*, int64, double, double, double*, double*);
 

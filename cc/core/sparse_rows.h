@@ -1,4 +1,5 @@
-// Row updates of the sparse optimizers (tf_hsm.optimizers.LazyAdam and SparseAdagrad) in
+// Row updates of the sparse optimizers (tf_hsm.optimizers.LazyAdam, SparseAdagrad and
+// SparseSGD) in
 // one pass over each touched row, instead of merging repeated rows (tf.unique and a segment
 // sum), a gather, ~10 whole-batch elementwise ops and a scatter per slot. Each element goes through the same float operations, in the same
 // order, as Keras' Adam and Adagrad apply to it (the build uses no FMA contraction), so a
@@ -28,6 +29,20 @@ struct AdamStep {
 // Defined in sparse_rows.cc, which is built to vectorise the square roots.
 template <typename T>
 void AdamRow(const T* g, int64 n, const AdamStep<T>& s, T* w, T* m, T* v, T* v_hat);
+
+// Scalars of one SGD step.
+template <typename T>
+struct SgdStep {
+  T learning_rate;
+  T momentum;     // used only with a momentum row
+  bool nesterov;  // likewise
+};
+
+// Without a momentum row (m == nullptr): w <- w - g learning_rate. With one:
+// m <- m momentum - g learning_rate, then w <- w + m, or with nesterov
+// w <- w + (m momentum - g learning_rate).
+template <typename T>
+void SgdRow(const T* g, int64 n, const SgdStep<T>& s, T* w, T* m);
 
 // acc <- acc + g^2; w <- w - (learning_rate g) / sqrt(acc + epsilon).
 template <typename T>

@@ -1,5 +1,6 @@
-// OpKernels for Hsm>SparseAdamRows and Hsm>SparseAdagradRows: the row updates of
-// tf_hsm.optimizers' LazyAdam and SparseAdagrad, in place, under the variables' locks.
+// OpKernels for Hsm>SparseAdamRows, Hsm>SparseAdagradRows and Hsm>SparseSgdRows: the row
+// updates of tf_hsm.optimizers' LazyAdam, SparseAdagrad and SparseSGD, in place, under the
+// variables' locks.
 #include <algorithm>
 #include <vector>
 
@@ -112,6 +113,36 @@ Status ReadScalar(const Tensor& t, const char* name, T* value) {
   return Status();
 }
 
+// The update of every op here: locks the variables at inputs [0, names.size()), reads the
+// sparse gradient (indices at input indices_input, the gradient rows after them) and
+// calls update(g_row, row_data, width) once per distinct row named, with g_row its summed
+// gradient and row_data[i] its row in variable i.
+constexpr size_t kMaxVariables = 4;  // Adam's var, m, v and v_hat
+template <typename T, typename Tidx, typename Update>
+void UpdateNamedRows(OpKernelContext* ctx, const std::vector<const char*>& names,
+                     int indices_input, int64 cost_per_element, const Update& update) {
+  OP_REQUIRES(ctx, names.size() <= kMaxVariables,
+              errors::Internal("at most ", kMaxVariables, " variables per row update"));
+  LockedRows<T> vars(ctx, names);
+  if (!vars.ok()) return;
+  const Tensor& indices = ctx->input(indices_input);
+  const Tensor& gradient = ctx->input(indices_input + 1);
+  std::vector<int64> rows;
+  OP_REQUIRES_OK(ctx, ReadSparseGradient<Tidx>(indices, gradient, vars.shape(), &rows));
+  const int64 width = vars.width();
+  std::vector<T*> data(names.size());
+  for (size_t i = 0; i < names.size(); ++i) data[i] = vars.data(i);
+  ForEachDistinctRow(rows.data(), rows.size(), vars.num_rows(), gradient.flat<T>().data(),
+                     width, cost_per_element * width, CpuParallelFor(ctx),
+                     [&](int64 row, const T* g_row) {
+                       T* row_data[kMaxVariables];
+                       for (size_t i = 0; i < data.size(); ++i) {
+                         row_data[i] = data[i] + row * width;
+                       }
+                       update(g_row, row_data, width);
+                     });
+}
+
 // Inputs: var, m, v, v_hat (resources; v_hat only with amsgrad), indices, gradient, alpha,
 // one_minus_beta_1, one_minus_beta_2, epsilon.
 template <typename T, typename Tidx>
@@ -129,21 +160,10 @@ class SparseAdamRowsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ReadScalar(ctx->input(9), "epsilon", &step.epsilon));
     std::vector<const char*> names = {"var", "m", "v"};
     if (amsgrad_) names.push_back("v_hat");
-    LockedRows<T> vars(ctx, names);
-    if (!vars.ok()) return;
-    std::vector<int64> rows;
-    OP_REQUIRES_OK(ctx, ReadSparseGradient<Tidx>(ctx->input(4), ctx->input(5), vars.shape(),
-                                                 &rows));
-    const int64 width = vars.width();
-    const T* g = ctx->input(5).flat<T>().data();
-    T *w = vars.data(0), *m = vars.data(1), *v = vars.data(2);
-    T* v_hat = amsgrad_ ? vars.data(3) : nullptr;
-    ForEachDistinctRow(rows.data(), rows.size(), vars.num_rows(), g, width, 12 * width,
-                       CpuParallelFor(ctx), [&](int64 row, const T* g_row) {
-                         const int64 at = row * width;
-                         AdamRow(g_row, width, step, w + at, m + at, v + at,
-                                 v_hat == nullptr ? nullptr : v_hat + at);
-                       });
+    const bool amsgrad = amsgrad_;
+    UpdateNamedRows<T, Tidx>(ctx, names, 4, 12, [&](const T* g, T* const* row, int64 width) {
+      AdamRow(g, width, step, row[0], row[1], row[2], amsgrad ? row[3] : nullptr);
+    });
   }
 
  private:
@@ -160,20 +180,39 @@ class SparseAdagradRowsOp : public OpKernel {
     T learning_rate, epsilon;
     OP_REQUIRES_OK(ctx, ReadScalar(ctx->input(4), "learning_rate", &learning_rate));
     OP_REQUIRES_OK(ctx, ReadScalar(ctx->input(5), "epsilon", &epsilon));
-    LockedRows<T> vars(ctx, {"var", "accumulator"});
-    if (!vars.ok()) return;
-    std::vector<int64> rows;
-    OP_REQUIRES_OK(ctx, ReadSparseGradient<Tidx>(ctx->input(2), ctx->input(3), vars.shape(),
-                                                 &rows));
-    const int64 width = vars.width();
-    const T* g = ctx->input(3).flat<T>().data();
-    T *w = vars.data(0), *acc = vars.data(1);
-    ForEachDistinctRow(rows.data(), rows.size(), vars.num_rows(), g, width, 8 * width,
-                       CpuParallelFor(ctx), [&](int64 row, const T* g_row) {
-                         AdagradRow(g_row, width, learning_rate, epsilon, w + row * width,
-                                    acc + row * width);
-                       });
+    UpdateNamedRows<T, Tidx>(ctx, {"var", "accumulator"}, 2, 8,
+                             [&](const T* g, T* const* row, int64 width) {
+                               AdagradRow(g, width, learning_rate, epsilon, row[0], row[1]);
+                             });
   }
+};
+
+// Inputs: var, momentum_var (resources; momentum_var only with use_momentum), indices,
+// gradient, learning_rate, momentum.
+template <typename T, typename Tidx>
+class SparseSgdRowsOp : public OpKernel {
+ public:
+  explicit SparseSgdRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("use_momentum", &use_momentum_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("nesterov", &nesterov_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    SgdStep<T> step;
+    step.nesterov = nesterov_;
+    OP_REQUIRES_OK(ctx, ReadScalar(ctx->input(4), "learning_rate", &step.learning_rate));
+    OP_REQUIRES_OK(ctx, ReadScalar(ctx->input(5), "momentum", &step.momentum));
+    std::vector<const char*> names = {"var"};
+    if (use_momentum_) names.push_back("momentum_var");
+    const bool use_momentum = use_momentum_;
+    UpdateNamedRows<T, Tidx>(ctx, names, 2, 6, [&](const T* g, T* const* row, int64 width) {
+      SgdRow(g, width, step, row[0], use_momentum ? row[1] : nullptr);
+    });
+  }
+
+ private:
+  bool use_momentum_ = false;
+  bool nesterov_ = false;
 };
 
 }  // namespace
@@ -188,7 +227,12 @@ class SparseAdagradRowsOp : public OpKernel {
                               .Device(DEVICE_CPU)                                        \
                               .TypeConstraint<T>("T")                                    \
                               .TypeConstraint<Tidx>("Tidx"),                             \
-                          SparseAdagradRowsOp<T, Tidx>);
+                          SparseAdagradRowsOp<T, Tidx>);                                 \
+  REGISTER_KERNEL_BUILDER(Name("Hsm>SparseSgdRows")                                      \
+                              .Device(DEVICE_CPU)                                        \
+                              .TypeConstraint<T>("T")                                    \
+                              .TypeConstraint<Tidx>("Tidx"),                             \
+                          SparseSgdRowsOp<T, Tidx>);
 REGISTER_CPU(float, ::tensorflow::int32)
 REGISTER_CPU(float, ::tensorflow::int64)
 REGISTER_CPU(double, ::tensorflow::int32)

@@ -287,4 +287,34 @@ indices: [n] rows of var.
 gradient: [n] + var's shape without its first dimension.
 )doc");
 
+REGISTER_OP("Hsm>SparseSgdRows")
+    .Input("var: resource")
+    .Input("momentum_var: resource")
+    .Input("indices: Tidx")
+    .Input("gradient: T")
+    .Input("learning_rate: T")
+    .Input("momentum: T")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .Attr("use_momentum: bool = false")
+    .Attr("nesterov: bool = false")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
+    .Doc(R"doc(
+SGD's update of the rows a sparse gradient names, in place; other rows are left alone.
+
+Rows that indices names more than once are summed first (from zero, in the order of
+indices, as tf.math.unsorted_segment_sum sums them). For each distinct row r, with g the
+summed gradient row: without use_momentum, var[r] -= g * learning_rate; with it,
+momentum_var[r] = momentum_var[r] * momentum - g * learning_rate, then
+var[r] += momentum_var[r], or with nesterov
+var[r] += momentum_var[r] * momentum - g * learning_rate; each operation rounded as
+written. The variables are locked for the update.
+
+var: a resource variable of dtype T, of rank >= 1.
+momentum_var: a second such variable of var's shape; read only with use_momentum.
+indices: [n] rows of var.
+gradient: [n] + var's shape without its first dimension.
+)doc");
+
 }  // namespace tf_hsm
