@@ -80,3 +80,21 @@ def test_methods_named_on_the_command_line_are_run():
   (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent",
                                bench.options_from_args(args))
   assert case["methods"] == ["tf_hsm", setup.FUSED_SGD]
+
+
+def test_every_optimizer_choice_is_built_and_the_memory_scenario_takes_one():
+  import keras  # pylint: disable=import-outside-toplevel
+  from tf_hsm import _bench_methods, optimizers  # pylint: disable=import-outside-toplevel
+  for choice in ("sgd", "sgd_momentum", "adagrad", "adam", "sparse_sgd",
+                 "sparse_sgd_momentum", "lazy_adam", "sparse_adagrad"):
+    assert choice in setup.OPTIMIZER_SLOTS
+    optimizer = _bench_methods.make_optimizer(choice)
+    assert isinstance(optimizer, keras.optimizers.Optimizer), choice
+    assert (getattr(optimizer, "momentum", 0) == 0.9) == choice.endswith("_momentum")
+  assert isinstance(_bench_methods.make_optimizer("sparse_sgd"), optimizers.SparseSGD)
+  # The memory scenario's step applies --optimizer, Keras' SGD when none is named; the
+  # fused SGD step always its own SGD.
+  assert setup.step_optimizer("mem", "tf_hsm", "none") == "sgd"
+  assert setup.step_optimizer("mem", "tf_hsm", "sparse_sgd") == "sparse_sgd"
+  assert setup.step_optimizer("train", "tf_hsm", "none") == "none"
+  assert setup.step_optimizer("train", setup.FUSED_SGD, "lazy_adam") == "sgd"

@@ -147,7 +147,7 @@ class Method:
     self.name = name
     self.info = {}
     tree, y, h = inputs.tree, inputs.targets, inputs.hidden
-    optimizer = "sgd" if spec["kind"] == "mem" else spec.get("optimizer", "none")
+    optimizer = setup.step_optimizer(spec["kind"], name, spec.get("optimizer", "none"))
     self.step = None
     if name in setup.TOPK_METHODS:
       self.fwd = self._top_k_fn(name, inputs, spec)

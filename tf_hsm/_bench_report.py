@@ -129,8 +129,8 @@ def case_markdown(case, optimizer):
   if facts:
     lines.append("; ".join(facts))
   lines.append("")
-  step_name = "fwd+bwd" + ("" if optimizer == "none" and case["kind"] != "mem" else
-                           f"+{'sgd' if case['kind'] == 'mem' else optimizer}")
+  optimizer = setup.step_optimizer(case["kind"], None, optimizer)
+  step_name = "fwd+bwd" + ("" if optimizer == "none" else f"+{optimizer}")
   topk = case["kind"] == "topk"
   header = ["method", "status", "fwd ms [IQR]", "" if topk else f"{step_name} ms [IQR]",
             "rows/s" if topk else "tokens/s", "GFLOP/s", "GB/s", "roofline %",

@@ -92,6 +92,20 @@ SCENARIO_NAMES = tuple(FULL_SCENARIOS) + ("custom",)
 TOPK_K = 10
 
 
+# The bench's --optimizer choices, with the slot rows each reads and writes per touched
+# row (for the roofline).
+OPTIMIZER_SLOTS = {"sgd": 0, "sgd_momentum": 1, "adagrad": 1, "adam": 2, "sparse_sgd": 0,
+                   "sparse_sgd_momentum": 1, "lazy_adam": 2, "sparse_adagrad": 1}
+
+
+def step_optimizer(kind, method, optimizer):
+  """The optimizer a method's timed step applies: the fused SGD step's own SGD; in the
+  memory scenario --optimizer, Keras' SGD by default; elsewhere --optimizer."""
+  if method == FUSED_SGD or (kind == "mem" and optimizer == "none"):
+    return "sgd"
+  return optimizer
+
+
 def zipf_weights(num_classes):
   """Unnormalised Zipf(1) probabilities 1/rank of the frequency-sorted classes 0..V-1."""
   return 1.0 / np.arange(1, num_classes + 1, dtype=np.float64)
@@ -208,9 +222,7 @@ def method_work(method, case, optimizer):
   d, t, v = case["dim"], case["tokens"], case["vocab"]
   work = case["work"]
   e = 4
-  opt_slots = {"none": None, "sgd": 0, "sparse_sgd": 0, "sgd_momentum": 1,
-               "sparse_sgd_momentum": 1, "adagrad": 1, "sparse_adagrad": 1, "adam": 2,
-               "lazy_adam": 2}.get(optimizer)
+  opt_slots = OPTIMIZER_SLOTS.get(optimizer)
   if method == LOG_PROB_ALL:
     slots = case["tree_summary"]["num_slots"]
     rows, mults = slots, t * slots

@@ -479,8 +479,8 @@ def run_case(case, workdir, opts, progress, available):
   for group in groups:
     time_group(case, group, rows, workdir, opts, progress)
   for name, row in rows.items():
-    optimizer = "sgd" if case["kind"] == "mem" or name == setup.FUSED_SGD else opts.optimizer
-    report_lib.summarize_method(case, name, row, optimizer)
+    report_lib.summarize_method(case, name, row,
+                                setup.step_optimizer(case["kind"], name, opts.optimizer))
   report_lib.add_speedups(case)
 
 
@@ -519,8 +519,7 @@ def parse_args(argv):
                  help="adds scenario 'custom' with these sizes (trees from --trees, "
                       "default two_level)")
   p.add_argument("--optimizer", default="none",
-                 choices=("none", "sgd", "sgd_momentum", "adagrad", "adam", "sparse_sgd",
-                          "sparse_sgd_momentum", "lazy_adam", "sparse_adagrad"),
+                 choices=("none",) + tuple(setup.OPTIMIZER_SLOTS),
                  help="also apply this optimizer in the timed fwd+bwd step (Keras "
                       "optimizers; sparse_sgd, lazy_adam and sparse_adagrad from "
                       "tf_hsm.optimizers; the _momentum forms with momentum 0.9)")
