@@ -147,7 +147,7 @@ def test_sparse_sgd_is_bitwise_keras_sgd_on_rows_touched_every_step(rng, kwargs,
     np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
 
 
-def test_sparse_sgd_momentum_is_lazy(rng):
+def test_sparse_sgd_momentum_is_lazy():
   """A row's momentum neither decays nor moves the row on steps that do not touch it."""
   init = np.zeros((_ROWS, _DIM), np.float32)
   g = np.full((1, _DIM), 2.0, np.float32)

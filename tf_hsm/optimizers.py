@@ -7,8 +7,8 @@ touched. The optimizers here apply an IndexedSlices gradient to the touched rows
 per-step work and memory are O(touched rows x D). On the CPU one op
 (Hsm>SparseAdamRows, Hsm>SparseAdagradRows, Hsm>SparseSgdRows) updates each touched row
 and its slots in one vectorised pass, in place; elsewhere (a variable on a GPU) gathers,
-elementwise ops and scatters do it. Dense gradients (every
-other variable of a model) go through the parent class unchanged.
+elementwise ops and scatters do it. Dense gradients (every other variable of a model) go
+through the parent class unchanged.
 
 Rounding: each elementwise operation is the one Keras applies, in the same order. On the
 gather/scatter path they are Keras' own TensorFlow ops, so the results are Keras' bit
@@ -190,7 +190,7 @@ class SparseSGD(keras.optimizers.SGD):
       without momentum:  var[r] <- var[r] - g[r] * learning_rate
       with momentum:     m[r] <- m[r] * momentum - g[r] * learning_rate
                          var[r] <- var[r] + m[r]
-                         (nesterov: var[r] <- var[r] + (m[r] * momentum - g[r] * learning_rate))
+           nesterov:     var[r] <- var[r] + (m[r] * momentum - g[r] * learning_rate)
 
   Without momentum, Keras' SGD already updates only the touched rows; this one does it
   in one pass, in place, with no scaled copy of the gradient. With momentum, Keras' SGD

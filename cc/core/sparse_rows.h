@@ -1,9 +1,9 @@
 // Row updates of the sparse optimizers (tf_hsm.optimizers.LazyAdam, SparseAdagrad and
-// SparseSGD) in
-// one pass over each touched row, instead of merging repeated rows (tf.unique and a segment
-// sum), a gather, ~10 whole-batch elementwise ops and a scatter per slot. Each element goes through the same float operations, in the same
-// order, as Keras' Adam and Adagrad apply to it (the build uses no FMA contraction), so a
-// row gets the bits Keras' dense update would give it.
+// SparseSGD) in one pass over each touched row, instead of merging repeated rows
+// (tf.unique and a segment sum), a gather, a few whole-batch elementwise ops and a scatter
+// per slot. Each element goes through the same float operations, in the same order, as
+// Keras' Adam, Adagrad and SGD apply to it (the build uses no FMA contraction), so a row
+// gets the bits Keras' dense update would give it.
 #ifndef TF_HSM_CC_CORE_SPARSE_ROWS_H_
 #define TF_HSM_CC_CORE_SPARSE_ROWS_H_
 
