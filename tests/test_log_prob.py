@@ -313,3 +313,40 @@ def test_log_prob_keeps_nothing_without_a_recording_tape(rng):
   np.testing.assert_array_equal(plain_grads[0].numpy(), kept_grads[0].numpy())
   np.testing.assert_array_equal(plain_grads[1].values.numpy(), kept_grads[1].values.numpy())
   np.testing.assert_array_equal(plain_grads[1].indices.numpy(), kept_grads[1].indices.numpy())
+
+
+def test_large_tree_arrays_are_shared_with_their_tensors(rng, monkeypatch):
+  """The ops' tensors of a large tree's arrays use the tree's own buffers (one copy of
+  the values, not two); the arrays keep their values and stay read-only, and the op's
+  results are those of copied tensors, bit for bit."""
+  from tf_hsm import ops  # pylint: disable=import-outside-toplevel
+  num_classes = 200_000  # path arrays of 400K int64 values: over the sharing threshold
+  shared, copied = tf_hsm.Tree.two_level(num_classes), tf_hsm.Tree.two_level(num_classes)
+  before = {name: getattr(shared, name).copy() for name in ("slot_child", "path_nodes")}
+  tensors = ops._tree_tensors(shared)
+  for name, values in before.items():
+    array = getattr(shared, name)
+    np.testing.assert_array_equal(array, values)
+    assert not array.flags.writeable
+    assert array.ctypes.data % ops._TENSOR_ALIGNMENT == 0
+    # Write through a private alias of the buffer: the tensor sees it.
+    alias = np.ndarray(array.shape, np.int64, buffer=array.base,
+                       offset=array.ctypes.data - array.base.ctypes.data)
+    alias[3] += 1
+    assert int(tensors[name][3]) == values[3] + 1
+    alias[3] -= 1
+  monkeypatch.setattr(ops, "_SHARE_MIN_BYTES", 1 << 62)  # copies for the second tree
+  ops._tree_tensors(copied)
+  hidden = tf.constant(rng.normal(size=(64, 8)), tf.float32)
+  weights = tf.constant(rng.normal(size=(shared.num_slots, 8)), tf.float32)
+  targets = tf.constant(rng.integers(0, num_classes, 64))
+  results = []
+  for tree in (shared, copied):
+    with tf.GradientTape() as tape:
+      tape.watch([hidden, weights])
+      out = tf_hsm.log_prob(hidden, weights, None, tree, targets)
+    d_hidden, d_weights = tape.gradient(out, [hidden, weights])
+    results.append([out.numpy(), d_hidden.numpy(), d_weights.values.numpy()])
+  for a, b in zip(*results):
+    np.testing.assert_array_equal(a, b)
+  assert shared == copied
