@@ -15,6 +15,7 @@ from tf_hsm import losses
 from tf_hsm import optimizers
 from tf_hsm.layers import HierarchicalSoftmax
 from tf_hsm.optimizers import LazyAdam
+from tf_hsm.optimizers import _merge_duplicates
 from tf_hsm.optimizers import SparseAdagrad
 from tf_hsm.optimizers import SparseSGD
 
@@ -441,7 +442,6 @@ def test_fused_row_ops_reject_bad_input():
 def test_fused_rows_sum_repeats_as_the_merge_before_them_did(rng, index_dtype):
   """The ops' own merge of repeated rows gives the bits of `_merge_duplicates` (tf.unique
   and a segment sum) followed by the ops on distinct rows."""
-  from tf_hsm.optimizers import _merge_duplicates
   rows, dim, n = 2000, 19, 3000
   indices = rng.integers(0, rows, n).astype(index_dtype)
   grad = rng.normal(size=(n, dim)).astype(np.float32)
