@@ -136,9 +136,9 @@ def main():
       return "      OOM            "
 
   scenarios = {
-      "B": (100_000, 512, [640, 2560], [("two_level_317", 317), ("huffman", None)]),
-      "C": (793_471, 512, [320], [("two_level_891", 891), ("huffman", None)]),
-      "D": (1_000_000, 300, [256, 3200], [("two_level_1000", 1000), ("huffman", None)]),
+      "B": (100_000, 512, [640, 2560, 4096], [("two_level_317", 317), ("huffman", None)]),
+      "C": (793_471, 512, [320, 2560], [("two_level_891", 891), ("huffman", None)]),
+      "D": (1_000_000, 300, [256, 3200, 4096], [("two_level_1000", 1000), ("huffman", None)]),
   }
   print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
   for s in args.scenarios.split(","):
@@ -184,10 +184,10 @@ def main():
 
           line += f" | full softmax {run('full', full_softmax)}"
           del w_full, b_full
-        key = {"two_level_317": f"B_two_level_317_T{t}", "two_level_891": "C_two_level_891",
+        key = {"two_level_317": f"B_two_level_317_T{t}", "two_level_891": "C_two_level_891" + (f"_T{t}" if t != 320 else ""),
                "two_level_1000": f"D_two_level_1000_T{t}"}.get(
                    tree_name, f"{s}_huffman" + (f"_T{t}" if s != "C" else ""))
-        if key in hsm:
+        if key in hsm and hsm[key]["tokens"] == t:
           r = hsm[key]
           line += (f" | tf_hsm kernels {r['forward_ms'] + r['backward_ms']:9.3f} ms "
                    f"(floor {r['forward_floor_ms'] + r['backward_floor_ms']:.3f})")
