@@ -21,6 +21,9 @@
 #   TF_HSM_CUDA_ARCHS   SM versions to build SASS for (default "80 90": A100, H100/H200;
 #                       PTX of the last one is embedded too)
 #   TF_HSM_MARCH        -march for the CPU core (default native)
+#   TF_HSM_NVCC_FLAGS   extra nvcc flags for the CUDA sources, e.g. the tuning knobs
+#                       -DTF_HSM_GPU_CHUNK_SLOTS=256 -DTF_HSM_GPU_SMALL_TILE_BLOCKS=2 of
+#                       cc/core/log_prob_gpu.cu (use another TF_HSM_HARNESS_DIR per setting)
 #   TF_HSM_CUBLAS       1 to time cuBLAS SGEMM as the FLOP ceiling (default: when found)
 #   CXX                 host compiler for --emulate (default g++)
 #   TF_HSM_HARNESS_DIR  build directory (default build/gpu_harness)
@@ -94,7 +97,7 @@ else
   elif [ "$want_cublas" = 1 ]; then
     say "TF_HSM_CUBLAS=1 but cuBLAS was not found next to $nvcc"; exit 2
   fi
-  flags=(-std=c++17 -O3 -I. -lineinfo "${cublas[@]}")
+  flags=(-std=c++17 -O3 -I. -lineinfo "${cublas[@]}" ${TF_HSM_NVCC_FLAGS:-})
   cc_cmd() { "$nvcc" -std=c++17 -O2 -I. -Xcompiler "-march=$march" -x c++ -c "$1" -o "$2"; }
   cu_cmd() { "$nvcc" "${flags[@]}" "${gencode[@]}" -c "$1" -o "$2"; }
   link_cmd() { "$nvcc" "${gencode[@]}" -o "$1" "${@:2}" "${link_extra[@]}"; }

@@ -21,7 +21,13 @@ constexpr int64 kSmallSlots = 32;
 // Slots per logits work item; wider nodes are split into chunks whose partial logsumexps
 // are combined in a fixed order, so any branching factor fits and big nodes are spread
 // over many blocks.
-constexpr int64 kChunkSlots = 256;
+// 128 rather than 256: a 317-child node is then three near-even items, not a full one and
+// a quarter, and a wide group is spread over twice the blocks. (Compile-time knob for
+// comparing settings in the GPU harness.)
+#ifndef TF_HSM_GPU_CHUNK_SLOTS
+#define TF_HSM_GPU_CHUNK_SLOTS 128
+#endif
+constexpr int64 kChunkSlots = TF_HSM_GPU_CHUNK_SLOTS;
 // Groups with at most this many tokens use 16-token tiles, the others 64-token tiles.
 constexpr int64 kNarrowTokens = 16;
 // Weight gradients of small nodes' slices of at most this many tokens: a warp per slice.
@@ -34,8 +40,18 @@ constexpr int64 kMaxBlocks = 5;  // so that the emulator exercises the grid-stri
 constexpr int64 kMaxBlocks = int64{1} << 20;  // grid-stride loops beyond this
 #endif
 constexpr int64 kAlign = 256;                 // workspace sub-buffer alignment (bytes)
-// Tiled kernels: two blocks per SM in float32 (at most 128 registers), one in float64.
-#define TF_HSM_TILE_BOUNDS TF_HSM_LAUNCH_BOUNDS(kThreads, sizeof(T) == 4 ? 2 : 1)
+// Blocks per SM the tiled kernels are compiled for. In float32, tiles of at most 16 x 64
+// outputs get four (at most 64 registers a thread): they stream weight rows for few tokens,
+// and only more blocks keep enough loads in flight; 64 x 64 tiles get two (128 registers).
+// One in float64.
+#ifndef TF_HSM_GPU_SMALL_TILE_BLOCKS
+#define TF_HSM_GPU_SMALL_TILE_BLOCKS 4
+#endif
+template <typename T, class C>
+constexpr int TileMinBlocks() {
+  return sizeof(T) == 4 ? (C::BM * C::BN <= 16 * 64 ? TF_HSM_GPU_SMALL_TILE_BLOCKS : 2) : 1;
+}
+#define TF_HSM_TILE_BOUNDS TF_HSM_LAUNCH_BOUNDS(kThreads, (TileMinBlocks<T, C>()))
 
 using WideTile = TileConfig<64, 64, 16, 4, 4>;
 using NarrowTile = TileConfig<16, 64, 16, 1, 4>;
