@@ -14,6 +14,7 @@
 #   cc/gpu_harness.sh --emulate --asan the same under AddressSanitizer and UBSan (catches
 #                                      out-of-bounds reads in the kernels)
 # Every other argument goes to the harness: --quick | --full, --time | --time-only,
+# --plan-only (the host side of each call at the timing scenarios' sizes; no GPU needed),
 # --check-timed, --only SUBSTRING, --seed N, --json FILE, --repeats N, --verbose.
 #
 # Environment:

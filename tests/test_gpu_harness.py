@@ -6,6 +6,7 @@ host emulator, so the GPU code is compiled and executed on machines without a GP
 - test_kernels_in_emulator: the same kernel source built by the host compiler with
   cc/core/gpu_emulation.cuh (every CUDA thread a fiber) and checked against the CPU core
   on the quick cases, under three thread schedules; needs only g++.
+- test_host_plans_without_gpu: --plan-only, the host side of a call timed at full size.
 - test_harness_on_gpu: the real thing, when a GPU and nvcc are present.
 Neither TensorFlow nor PyTorch is involved.
 """
@@ -46,6 +47,20 @@ def test_harness_compiles():
 def test_kernels_in_emulator():
   result = _run(["--emulate", "--quick"], timeout=900)
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+  assert ", 0 failed" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="no host C++ compiler")
+def test_host_plans_without_gpu():
+  # --plan-only times the host side of a call at a timing scenario's full size; no kernel
+  # runs. Every class of the 317-group two-level tree is two levels down: 2 entries a token.
+  result = _run(["--emulate", "--plan-only", "--only", "B_two_level_317_T640", "--repeats", "1"],
+                timeout=900)
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+  line = [l for l in result.stdout.splitlines() if "B_two_level_317_T640" in l]
+  assert len(line) == 1 and "entries=1280 " in line[0], result.stdout[-4000:]
   assert ", 0 failed" in result.stdout
 
 

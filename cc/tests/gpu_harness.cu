@@ -74,6 +74,7 @@ struct Options {
   bool time = false;
   bool check = true;
   bool check_timed = false;
+  bool plan_only = false;
   bool verbose = false;
   std::uint64_t seed = 1;
   std::string only;  // run only cases whose name contains this
@@ -415,21 +416,9 @@ void FillNormal(std::vector<T>* values, double scale, std::mt19937_64& rng) {
   for (auto& t : pool) t.join();
 }
 
-template <typename T>
-Data<T> MakeData(const Case& c, std::mt19937_64& rng) {
-  Data<T> d;
-  std::normal_distribution<double> normal(0, 1);
-  const int64 S = c.tree.num_slots(), C = c.tree.num_classes;
-  d.hidden.resize(c.tokens * c.dim);
-  d.weights.resize(S * c.dim);
-  d.biases.resize(c.bias ? S : 0);
-  d.upstream.resize(c.tokens);
-  for (auto& v : d.hidden) v = static_cast<T>(normal(rng));
-  const double ws = c.weight_scale / std::sqrt(std::max<double>(1.0, c.dim / 16.0));
-  FillNormal(&d.weights, ws, rng);
-  for (auto& v : d.biases) v = static_cast<T>(normal(rng));
-  for (auto& v : d.upstream) v = static_cast<T>(normal(rng));
-  // Zipf over a random ranking of the classes.
+// The case's targets: Zipf over a random ranking of the classes.
+std::vector<int64> MakeTargets(const Case& c, std::mt19937_64& rng) {
+  const int64 C = c.tree.num_classes;
   std::vector<int64> rank(C);
   std::iota(rank.begin(), rank.end(), 0);
   std::shuffle(rank.begin(), rank.end(), rng);
@@ -440,11 +429,29 @@ Data<T> MakeData(const Case& c, std::mt19937_64& rng) {
     cdf[i] = total;
   }
   std::uniform_real_distribution<double> uniform(0, total);
-  d.targets.resize(c.tokens);
-  for (auto& t : d.targets) {
+  std::vector<int64> targets(c.tokens);
+  for (auto& t : targets) {
     const int64 i = std::lower_bound(cdf.begin(), cdf.end(), uniform(rng)) - cdf.begin();
     t = rank[std::min(i, C - 1)];
   }
+  return targets;
+}
+
+template <typename T>
+Data<T> MakeData(const Case& c, std::mt19937_64& rng) {
+  Data<T> d;
+  std::normal_distribution<double> normal(0, 1);
+  const int64 S = c.tree.num_slots();
+  d.hidden.resize(c.tokens * c.dim);
+  d.weights.resize(S * c.dim);
+  d.biases.resize(c.bias ? S : 0);
+  d.upstream.resize(c.tokens);
+  for (auto& v : d.hidden) v = static_cast<T>(normal(rng));
+  const double ws = c.weight_scale / std::sqrt(std::max<double>(1.0, c.dim / 16.0));
+  FillNormal(&d.weights, ws, rng);
+  for (auto& v : d.biases) v = static_cast<T>(normal(rng));
+  for (auto& v : d.upstream) v = static_cast<T>(normal(rng));
+  d.targets = MakeTargets(c, rng);
   return d;
 }
 
@@ -1400,6 +1407,50 @@ void TimeCase(const Case& c, std::mt19937_64& rng, const Options& opt, const Cei
   }
 }
 
+// The host side of a GPU call at the timing scenarios' full sizes: the visit plan and the
+// forward and backward work lists (what each op call builds before its kernels). No kernel
+// runs, so this works in the emulator build and on a machine without a GPU.
+void TimeHostPlans(std::mt19937_64& rng, const Options& opt) {
+  auto median_ms = [&](const std::function<void()>& work) {
+    std::vector<double> ms;
+    for (int r = 0; r < std::max(1, opt.repeats); ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      work();
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  };
+  std::printf("host plans (median of %d): visit plan | forward work lists | backward work lists\n",
+              std::max(1, opt.repeats));
+  for (const Case& c : TimingCases(rng, 1)) {
+    if (!opt.only.empty() && c.name.find(opt.only) == std::string::npos) continue;
+    const std::vector<int64> targets = MakeTargets(c, rng);
+    VisitPlan plan;
+    std::string err;
+    const double plan_ms = median_ms(
+        [&]() { err = BuildVisitPlan(c.tree.view(), targets.data(), c.tokens, &plan); });
+    HARNESS_EXPECT(err.empty(), "%s: %s", c.name.c_str(), err.c_str());
+    if (!err.empty()) continue;
+    GpuLogProbPlan work;
+    const double fwd_ms = median_ms([&]() {
+      err = PrepareLogProbGpu<float>(plan, c.tree.view(), c.dim, c.bias, false,
+                                     kDefaultGpuCoefBudget, &work);
+    });
+    const double bwd_ms = median_ms([&]() {
+      err = PrepareLogProbGpu<float>(plan, c.tree.view(), c.dim, c.bias, true,
+                                     kDefaultGpuCoefBudget, &work);
+    });
+    HARNESS_EXPECT(err.empty(), "%s: %s", c.name.c_str(), err.c_str());
+    std::printf("  %-26s T=%-5" PRId64 " entries=%-7zu groups=%-7" PRId64
+                " | %7.3f ms | %7.3f ms | %7.3f ms\n",
+                c.name.c_str(), c.tokens, plan.entry_token.size(), plan.num_groups(), plan_ms,
+                fwd_ms, bwd_ms);
+    std::fflush(stdout);
+  }
+}
+
 int Main(int argc, char** argv) {
   Options opt;
   for (int i = 1; i < argc; ++i) {
@@ -1420,6 +1471,9 @@ int Main(int argc, char** argv) {
     } else if (a == "--time-only") {
       opt.time = true;
       opt.check = false;
+    } else if (a == "--plan-only") {
+      opt.plan_only = true;
+      opt.check = false;
     } else if (a == "--check-timed") {
       opt.check_timed = true;
     } else if (a == "--verbose" || a == "-v") {
@@ -1436,7 +1490,8 @@ int Main(int argc, char** argv) {
       opt.warmup = std::atoi(value().c_str());
     } else {
       std::fprintf(stderr,
-                   "usage: gpu_harness [--quick|--full] [--time|--time-only] [--check-timed]\n"
+                   "usage: gpu_harness [--quick|--full] [--time|--time-only|--plan-only]\n"
+                   "                   [--check-timed]\n"
                    "                   [--only SUBSTRING] [--seed N] [--json FILE]\n"
                    "                   [--repeats N] [--warmup N] [--verbose]\n");
       return 2;
@@ -1464,6 +1519,7 @@ int Main(int argc, char** argv) {
       std::printf("[%s] nan_row_inference\n", failures == before_inference ? "PASS" : "FAIL");
     }
   }
+  if (opt.plan_only) TimeHostPlans(rng, opt);
   if (opt.time) {
     if (kEmulated) {
       // A smoke run of the timing code on scenarios shrunk 32x: the times mean nothing.
