@@ -713,8 +713,10 @@ std::string BuildWork(const VisitPlan& plan, const TreeView& tree, int64 dim, bo
   int64 num_partials = 0;
   for (int64 g = 0; g < num_groups; ++g) {
     const int64 node = plan.group_node[g];
+    // The branching is the plan's row count: the node's entries in the tree, scattered over
+    // megabytes for a large tree, are read once.
     group_first[g] = tree.child_begin[node];
-    const int64 k = tree.child_begin[node + 1] - group_first[g];
+    const int64 k = plan.group_row[g + 1] - plan.group_row[g];
     group_chunks[g] = k <= kSmallSlots ? 1 : CeilDiv(k, kChunkSlots);
     group_partial[g] = num_partials;
     num_partials += (vbegin[g + 1] - vbegin[g]) * group_chunks[g];
@@ -758,7 +760,7 @@ std::string BuildWork(const VisitPlan& plan, const TreeView& tree, int64 dim, bo
   for (int64 level = 0; level < plan.num_levels(); ++level) {
     for (int64 g = plan.level_begin[level]; g < plan.level_begin[level + 1]; ++g) {
       const int64 n = vbegin[g + 1] - vbegin[g];
-      const int64 k = tree.child_begin[plan.group_node[g] + 1] - group_first[g];
+      const int64 k = plan.group_row[g + 1] - plan.group_row[g];
       const bool small = k <= kSmallSlots;
       const bool wide = n > kNarrowTokens;
       for (int64 offset = 0; offset < n;) {

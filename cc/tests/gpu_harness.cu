@@ -1306,7 +1306,8 @@ std::vector<Case> TimingCases(std::mt19937_64& rng, int64 shrink) {
     c.bias = true;
     cases.push_back(std::move(c));
   };
-  // Scenario B: V = 100K, D = 512, T = 640 and 2560 (and 4096, the issue's roofline target).
+  // Scenario B: V = 100K, D = 512, T = 640 and 2560 (and 4096, where the GPU roofline target
+  // is set).
   {
     const int64 V = 100000 / shrink;
     const HostTree two = Layout(TwoLevelShape(V, 317 / shrink), &rng);
