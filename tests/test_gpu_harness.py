@@ -7,6 +7,7 @@ host emulator, so the GPU code is compiled and executed on machines without a GP
   cc/core/gpu_emulation.cuh (every CUDA thread a fiber) and checked against the CPU core
   on the quick cases, under three thread schedules; needs only g++.
 - test_host_plans_without_gpu: --plan-only, the host side of a call timed at full size.
+- test_timing_code_in_emulator: --time-only on shrunk scenarios, training and inference.
 - test_harness_on_gpu: the real thing, when a GPU and nvcc are present.
 Neither TensorFlow nor PyTorch is involved.
 """
@@ -61,6 +62,20 @@ def test_host_plans_without_gpu():
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
   line = [l for l in result.stdout.splitlines() if "B_two_level_317_T640" in l]
   assert len(line) == 1 and "entries=1280 " in line[0], result.stdout[-4000:]
+  assert ", 0 failed" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="no host C++ compiler")
+def test_timing_code_in_emulator():
+  # The timing path on scenarios shrunk 32x (times meaningless): every training and
+  # inference case runs, its outputs poisoned and guarded, and prints its line.
+  result = _run(["--emulate", "--time-only"], timeout=900)
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+  for case in ("B_two_level_317_T4096", "C_two_level_891_T2560", "infer_two_level_1000_V1M",
+               "infer_two_level_317_V100K"):
+    assert case in result.stdout, case
   assert ", 0 failed" in result.stdout
 
 

@@ -27,7 +27,8 @@
 // shuffled and a reversed thread schedule and must match bit for bit (a missing barrier
 // shows up there); --time there only smoke-tests the timing code on shrunk scenarios.
 //
-// Timing (--time, GPU only): the benchmark scenarios of PERFORMANCE.md, each call timed with
+// Timing (--time, GPU only): the benchmark scenarios of PERFORMANCE.md and the inference
+// kernels (log_prob_all, top_k, sample) at the topk scenario's sizes, each call timed with
 // cudaEvents (median of repeats after warm-up) against its roofline, using ceilings measured
 // in the same run: an FMA-throughput kernel (and cuBLAS SGEMM when built with it) for
 // FLOP/s and a device-to-device copy for bytes/s.
@@ -1408,6 +1409,110 @@ void TimeCase(const Case& c, std::mt19937_64& rng, const Options& opt, const Cei
   }
 }
 
+// The inference kernels at the `topk` scenario's sizes (V = 1M, D = 64, 64 rows, 2-level)
+// and at B's (V = 100K, D = 512, 640 rows); `shrink` as above. (A binary tree is left out:
+// a block per row walks its million nodes one after another, seconds a call.)
+std::vector<Case> InferenceTimingCases(int64 shrink, std::mt19937_64& rng) {
+  std::vector<Case> cases;
+  auto add = [&](const std::string& name, HostTree tree, int64 rows, int64 dim) {
+    Case c;
+    c.name = name;
+    c.tree = std::move(tree);
+    c.tokens = std::max<int64>(1, rows / shrink);
+    c.dim = std::max<int64>(1, dim / shrink);
+    c.bias = true;
+    cases.push_back(std::move(c));
+  };
+  const int64 V = 1000000 / shrink;
+  add("infer_two_level_1000_V1M", Layout(TwoLevelShape(V, 1000 / shrink), &rng), 64, 64);
+  add("infer_two_level_317_V100K", Layout(TwoLevelShape(100000 / shrink, 317 / shrink), &rng),
+      640, 512);
+  return cases;
+}
+
+// log_prob_all (every class), top_k (k = 10) and sample of one case, each timed like the
+// training kernels (median of cudaEvent-timed calls, the upload of the tree included)
+// against its floor: log_prob_all and top_k evaluate every node for every row
+// (2 D N S FLOPs; the table, the rows and, for log_prob_all, the N x V output move once);
+// sample evaluates the nodes on each row's sampled path (counted after the run).
+void TimeInferenceCase(const Case& c, std::mt19937_64& rng, const Options& opt,
+                       const Ceilings& ceil, FILE* json) {
+  const Data<float> data = MakeData<float>(c, rng);
+  DeviceInputs<float> in(data);
+  const TreeView view = c.tree.view();
+  const int64 N = c.tokens, C = c.tree.num_classes, S = view.num_slots, k = std::min<int64>(10, C);
+  const double D = static_cast<double>(c.dim);
+  const SoftmaxParams<float> p = DeviceParams(c, in);
+  GpuInferencePlan all_plan, top_plan, sample_plan;
+  std::string err = PrepareLogProbAllGpu<float>(view, N, c.dim, c.bias, 0, C,
+                                                kDefaultGpuInferenceBudget, &all_plan);
+  if (err.empty()) {
+    err = PrepareTopKGpu<float>(view, N, c.dim, c.bias, k, kDefaultGpuInferenceBudget, &top_plan);
+  }
+  if (err.empty()) err = PrepareSampleGpu<float>(view, N, c.dim, c.bias, &sample_plan);
+  HARNESS_EXPECT(err.empty(), "%s: %s", c.name.c_str(), err.c_str());
+  if (!err.empty()) return;
+  DeviceArray<float> all(N * C), top_lp(N * k);
+  DeviceArray<int64> top_cls(N * k), expanded(N), sampled(N);
+  all.Poison();
+  top_lp.Poison();
+  for (auto* a : {&top_cls, &expanded, &sampled}) a->Poison();
+  DeviceBuffer ws_all(all_plan.workspace_bytes), ws_top(top_plan.workspace_bytes),
+      ws_sample(sample_plan.workspace_bytes);
+  const std::uint64_t seed = rng();
+  const double all_ms = TimeCalls(
+      [&]() { return LogProbAllGpu<float>(all_plan, p, all.data(), ws_all.ptr, nullptr); },
+      opt.warmup, opt.repeats);
+  const double top_ms = TimeCalls(
+      [&]() {
+        return TopKGpu<float>(top_plan, p, top_lp.data(), top_cls.data(), expanded.data(),
+                              ws_top.ptr, nullptr);
+      },
+      opt.warmup, opt.repeats);
+  const double sample_ms = TimeCalls(
+      [&]() {
+        return SampleGpu<float>(sample_plan, p, seed, 1.0f, sampled.data(), ws_sample.ptr,
+                                nullptr);
+      },
+      opt.warmup, opt.repeats);
+  CudaOrDie(cudaDeviceSynchronize(), "inference kernels");
+  // The sampled paths' branching, for sample's floor.
+  const std::vector<int64> classes = sampled.Download((c.name + " sample").c_str(), true);
+  double path_k = 0;
+  for (const int64 cls : classes) {
+    if (cls < 0 || cls >= C) continue;
+    for (int64 q = view.path_begin[cls]; q < view.path_begin[cls + 1]; ++q) {
+      const int64 node = view.path_nodes[q];
+      path_k += static_cast<double>(view.child_begin[node + 1] - view.child_begin[node]);
+    }
+  }
+  const double peak = ceil.sgemm > 0 ? ceil.sgemm : ceil.flops;
+  auto floor_ms = [&](double flops, double bytes) {
+    return 1e3 * std::max(flops / peak, bytes / ceil.bandwidth);
+  };
+  const double every_node = 2 * D * N * S;
+  const double all_floor = floor_ms(every_node, 4 * (D * S + S + D * N + double(N) * C));
+  const double top_floor = floor_ms(every_node, 4 * (D * S + S + D * N));
+  const double sample_floor = floor_ms(2 * D * path_k, 4 * (D + 1) * path_k + 4 * D * N);
+  std::printf("  %-26s V=%-7" PRId64 " D=%-4" PRId64 " rows=%-4" PRId64
+              " | log_prob_all %8.3f ms (%5.1f%%) | top_k %8.3f ms (%5.1f%%)"
+              " | sample %7.3f ms (%5.1f%%)\n",
+              c.name.c_str(), C, c.dim, N, all_ms, 100 * all_floor / all_ms, top_ms,
+              100 * top_floor / top_ms, sample_ms, 100 * sample_floor / sample_ms);
+  std::fflush(stdout);
+  if (json != nullptr) {
+    std::fprintf(json,
+                 "{\"case\": \"%s\", \"device\": \"%s\", \"classes\": %" PRId64
+                 ", \"dim\": %" PRId64 ", \"rows\": %" PRId64
+                 ", \"log_prob_all_ms\": %.4f, \"log_prob_all_floor_ms\": %.4f"
+                 ", \"top_k_ms\": %.4f, \"top_k_floor_ms\": %.4f, \"k\": %" PRId64
+                 ", \"sample_ms\": %.4f, \"sample_floor_ms\": %.4f}\n",
+                 c.name.c_str(), ceil.device.c_str(), C, c.dim, N, all_ms, all_floor, top_ms,
+                 top_floor, k, sample_ms, sample_floor);
+    std::fflush(json);
+  }
+}
+
 // The host side of a GPU call at the timing scenarios' full sizes: the visit plan and the
 // forward and backward work lists (what each op call builds before its kernels). No kernel
 // runs, so this works in the emulator build and on a machine without a GPU.
@@ -1537,6 +1642,10 @@ int Main(int argc, char** argv) {
         if (!opt.only.empty() && c.name.find(opt.only) == std::string::npos) continue;
         TimeCase(c, rng, quick, ceil, json);
       }
+      for (const Case& c : InferenceTimingCases(32, rng)) {
+        if (!opt.only.empty() && c.name.find(opt.only) == std::string::npos) continue;
+        TimeInferenceCase(c, rng, quick, ceil, json);
+      }
       if (json != nullptr) std::fclose(json);
     } else {
       const Ceilings ceil = MeasureCeilings(opt);
@@ -1546,10 +1655,13 @@ int Main(int argc, char** argv) {
                                  : "not built",
                   ceil.bandwidth / 1e9);
       FILE* json = opt.json.empty() ? nullptr : std::fopen(opt.json.c_str(), "w");
-      const std::vector<Case> cases = TimingCases(rng, 1);
-      for (const Case& c : cases) {
+      for (const Case& c : TimingCases(rng, 1)) {
         if (!opt.only.empty() && c.name.find(opt.only) == std::string::npos) continue;
         TimeCase(c, rng, opt, ceil, json);
+      }
+      for (const Case& c : InferenceTimingCases(1, rng)) {
+        if (!opt.only.empty() && c.name.find(opt.only) == std::string::npos) continue;
+        TimeInferenceCase(c, rng, opt, ceil, json);
       }
       if (json != nullptr) std::fclose(json);
     }
