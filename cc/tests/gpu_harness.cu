@@ -1294,18 +1294,23 @@ Ceilings MeasureCeilings(const Options& opt) {
   return c;
 }
 
-// The scenarios of PERFORMANCE.md; `shrink` > 1 divides V, T and D (for a smoke run of the
-// timing code in the emulator).
+// A timing case with biases; `shrink` > 1 divides T (rows) and D (for a smoke run of the
+// timing code in the emulator; the callers divide V).
+Case TimingCase(const std::string& name, HostTree tree, int64 tokens, int64 dim, int64 shrink) {
+  Case c;
+  c.name = name;
+  c.tree = std::move(tree);
+  c.tokens = std::max<int64>(1, tokens / shrink);
+  c.dim = std::max<int64>(1, dim / shrink);
+  c.bias = true;
+  return c;
+}
+
+// The scenarios of PERFORMANCE.md; `shrink` > 1 divides V, T and D.
 std::vector<Case> TimingCases(std::mt19937_64& rng, int64 shrink) {
   std::vector<Case> cases;
   auto add = [&](const std::string& name, HostTree tree, int64 tokens, int64 dim) {
-    Case c;
-    c.name = name;
-    c.tree = std::move(tree);
-    c.tokens = std::max<int64>(1, tokens / shrink);
-    c.dim = std::max<int64>(1, dim / shrink);
-    c.bias = true;
-    cases.push_back(std::move(c));
+    cases.push_back(TimingCase(name, std::move(tree), tokens, dim, shrink));
   };
   // Scenario B: V = 100K, D = 512, T = 640 and 2560 (and 4096, where the GPU roofline target
   // is set).
@@ -1414,19 +1419,12 @@ void TimeCase(const Case& c, std::mt19937_64& rng, const Options& opt, const Cei
 // a block per row walks its million nodes one after another, seconds a call.)
 std::vector<Case> InferenceTimingCases(int64 shrink, std::mt19937_64& rng) {
   std::vector<Case> cases;
-  auto add = [&](const std::string& name, HostTree tree, int64 rows, int64 dim) {
-    Case c;
-    c.name = name;
-    c.tree = std::move(tree);
-    c.tokens = std::max<int64>(1, rows / shrink);
-    c.dim = std::max<int64>(1, dim / shrink);
-    c.bias = true;
-    cases.push_back(std::move(c));
-  };
-  const int64 V = 1000000 / shrink;
-  add("infer_two_level_1000_V1M", Layout(TwoLevelShape(V, 1000 / shrink), &rng), 64, 64);
-  add("infer_two_level_317_V100K", Layout(TwoLevelShape(100000 / shrink, 317 / shrink), &rng),
-      640, 512);
+  cases.push_back(TimingCase("infer_two_level_1000_V1M",
+                             Layout(TwoLevelShape(1000000 / shrink, 1000 / shrink), &rng), 64,
+                             64, shrink));
+  cases.push_back(TimingCase("infer_two_level_317_V100K",
+                             Layout(TwoLevelShape(100000 / shrink, 317 / shrink), &rng), 640,
+                             512, shrink));
   return cases;
 }
 
