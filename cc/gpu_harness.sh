@@ -24,7 +24,8 @@
 #   TF_HSM_MARCH        -march for the CPU core (default native)
 #   TF_HSM_NVCC_FLAGS   extra nvcc flags for the CUDA sources, e.g. the tuning knobs
 #                       -DTF_HSM_GPU_CHUNK_SLOTS=256 -DTF_HSM_GPU_SMALL_TILE_BLOCKS=2 of
-#                       cc/core/log_prob_gpu.cu (use another TF_HSM_HARNESS_DIR per setting)
+#                       cc/core/log_prob_gpu.cu, -DTF_HSM_GPU_SELECT_PER_THREAD=32 of
+#                       cc/core/inference_gpu.cu (use another TF_HSM_HARNESS_DIR per setting)
 #   TF_HSM_CUBLAS       1 to time cuBLAS SGEMM as the FLOP ceiling (default: when found)
 #   CXX                 host compiler for --emulate (default g++)
 #   TF_HSM_HARNESS_DIR  build directory (default build/gpu_harness)

@@ -9,14 +9,19 @@
 // with device pointers. One asynchronous upload of the tree, then the kernels run on the
 // given stream; nothing synchronises with the host.
 //
-// The kernels (simple and correct first; not tuned):
-//  - LogProbAllGpu: one thread block per row. The needed nodes (all of them, or those on
-//    paths to class_range) are visited in increasing id order, which puts every parent
-//    before its children; for each node the block computes the children's logits (a
-//    thread per child, one fma chain over D, then the bias), folds them into per-thread
-//    online logsumexps combined by a fixed-shape tree reduction, and writes
-//    parent + (z - logsumexp) for every child that is a class in the range or a needed
-//    node. Rows are processed in waves whose per-row node values fit `budget` elements.
+// The kernels:
+//  - LogProbAllGpu: rows are processed in waves whose buffers fit `budget` elements. For a
+//    wave, one tiled product computes the logits of every slot of every needed node (all
+//    nodes, or those on paths to class_range) for every row into a [rows, slots] buffer
+//    (each logit one fma chain over D, then the bias). Then the needed nodes are normalised
+//    level by level, parents before children: a group of threads per (row, node), as many
+//    as the level's widest node needs up to a warp, folds the node's logits into an online
+//    logsumexp (a fixed-shape reduction) and stores the node's base, its log-probability
+//    minus that logsumexp (its parent's base plus its own logit, 0 for the root). Last, a
+//    thread per (row, class) writes base of the class's node + the class's logit, in class
+//    order so that the writes are contiguous whatever the tree's layout. (Per call, a
+//    kernel first derives each class's node and slot from slot_child.) One launch per
+//    level: a tree with thousands of levels pays thousands of launches.
 //  - SampleGpu: one thread block per row walking down from the root. At each node the
 //    logits are computed in parallel into a per-block scratch row, then one thread runs
 //    exactly the CPU core's PickSlot: NaN or +inf logits or all -inf give class -1,
@@ -26,11 +31,13 @@
 //    round differently from the CPU core's, so a class can differ from the CPU's only
 //    when u falls within rounding of a cumulative boundary (the harness allows 1% of rows).
 //  - TopKGpu: NOT the CPU core's best-first search. Rows are processed in waves: the
-//    LogProbAll kernel writes every class's log-probability of the wave's rows to the
-//    workspace, then one block per row selects the top k by k rounds of a block-wide
-//    arg-best, each round taking the best class strictly after the previous one in the
-//    output order (larger log-probability first, equal values by increasing class id, NaN
-//    last). O(k * C) per row: fine for the small k of inference, slow for k near C.
+//    LogProbAll kernels write every class's log-probability of the wave's rows to the
+//    workspace, then a selection takes each row's top k in the output order (larger
+//    log-probability first, equal values by increasing class id, NaN last). For k up to
+//    256 a block per (row, chunk of 2,048 classes) keeps its chunk's best k (k rounds of a
+//    block-wide arg-best, each taking the best strictly after the previous), and the
+//    candidates are reduced the same way until one chunk per row is left. Larger k: a
+//    block per row runs k rounds over all C classes, O(k * C) per row, slow for k near C.
 //    num_expanded[i] is the number of internal nodes evaluated: always num_nodes.
 // Determinism: no atomics; every output is written by one thread from values combined in
 // a fixed order, so results are bitwise reproducible run to run. No size aborts: any
@@ -52,8 +59,10 @@ struct CUstream_st;
 
 namespace tf_hsm {
 
-// Default bound (elements of T) on the per-wave buffers of LogProbAll and TopK.
-constexpr int64 kDefaultGpuInferenceBudget = int64{1} << 24;
+// Default bound (elements of T) on the per-wave buffers of LogProbAll and TopK: 256 MB in
+// float32. At a million classes that is 64 rows of logits a wave (32 for TopK, which also
+// keeps the wave's log-probabilities); fewer rows a wave read the weight table more often.
+constexpr int64 kDefaultGpuInferenceBudget = int64{1} << 26;
 
 struct GpuInferencePlan {
   enum Mode { kLogProbAll, kSample, kTopK };
@@ -69,10 +78,21 @@ struct GpuInferencePlan {
   int64 wave_rows = 0;                   // rows per wave (LogProbAll, TopK)
   int64 sample_blocks = 0;               // Sample: blocks, each with a scratch row
 
+  int64 num_zslots = 0;                  // the needed nodes' slots
+  bool zslot_identity = true;            // every slot is needed, in order
+  // The needed nodes' positions in runs of equal (depth, threads per node): run r is
+  // [segment_begin[r], segment_begin[r + 1]) with segment_lanes[r] threads per (row, node).
+  std::vector<int64> segment_begin;
+  std::vector<int> segment_lanes;
+  int64 candidates_per_row = 0;          // TopK: the first selection step's output
+
   std::vector<int64> staging;  // uploaded to the start of the workspace (int64 words)
   // Byte offsets within the workspace.
   int64 child_begin = 0, slot_child = 0, nodes = 0, position = 0;
-  int64 node_values = 0, all_values = 0, scratch = 0;
+  int64 zslot = 0, zbegin = 0;
+  int64 class_pos = 0, class_zslot = 0, parent_pos = 0, node_zslot = 0;
+  int64 node_values = 0, zvalues = 0, all_values = 0, scratch = 0;
+  int64 candidate_values[2] = {0, 0}, candidate_ids[2] = {0, 0};
   int64 workspace_bytes = 0;
 };
 

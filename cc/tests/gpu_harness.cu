@@ -1022,46 +1022,55 @@ void CheckInference(const Case& c, const Data<T>& d, DeviceInputs<T>& in, std::m
   HARNESS_EXPECT(got == RunSampleGpu<T>(c, in, seed, temperature, what + " sample again"),
                  "%s sample: a second run differs", what.c_str());
 
-  // TopK.
-  const int64 k = C <= 64 && rng() % 2 ? C : 1 + static_cast<int64>(rng() % std::min<int64>(C, 8));
-  std::vector<double> lp64(N * k);
-  std::vector<int64> cls64(N * k), expanded64(N);
-  err = TopK<double>(view, p64, N, k, ThreadPoolFor(), lp64.data(), cls64.data(),
-                     expanded64.data());
-  HARNESS_EXPECT(err.empty(), "%s top_k (CPU): %s", what.c_str(), err.c_str());
-  const std::string tk = what + " top_k (k=" + std::to_string(k) + ")";
-  const TopKOut<T> top = RunTopKGpu<T>(c, in, k, kDefaultGpuInferenceBudget, tk);
-  Compare(tk + " log_probs", top.log_probs, lp64, rtol);
-  int64 wrong = 0, ties = 0;
-  for (int64 i = 0; i < N; ++i) {
-    for (int64 j = 0; j < k; ++j) {
-      const int64 g = top.classes[i * k + j];
-      if (g < 0 || g >= C) {
-        ++wrong;
-        continue;
-      }
-      for (int64 j2 = 0; j2 < j; ++j2) wrong += top.classes[i * k + j2] == g;
-      const double v = all64[i * C + g];
-      const double tol = rtol * (std::fabs(v) + 1);
-      wrong += !(std::fabs(top.log_probs[i * k + j] - v) <= tol);  // the value is g's
-      if (g != cls64[i * k + j]) {
-        if (std::fabs(v - lp64[i * k + j]) <= tol) {
-          ++ties;
-        } else {
+  // TopK: a small k (the chunked selection, in one step or several) and a large one (up to
+  // 400: past the chunked selection's limit, where a block per row selects).
+  const int64 small_k =
+      C <= 64 && rng() % 2 ? C : 1 + static_cast<int64>(rng() % std::min<int64>(C, 8));
+  const int64 large_k = std::min<int64>(C, 1 + static_cast<int64>(rng() % 400));
+  TopKOut<T> top;
+  std::string tk;
+  int64 k = 0;
+  for (const int64 each_k : {large_k, small_k}) {
+    k = each_k;
+    std::vector<double> lp64(N * k);
+    std::vector<int64> cls64(N * k), expanded64(N);
+    err = TopK<double>(view, p64, N, k, ThreadPoolFor(), lp64.data(), cls64.data(),
+                       expanded64.data());
+    HARNESS_EXPECT(err.empty(), "%s top_k (CPU): %s", what.c_str(), err.c_str());
+    tk = what + " top_k (k=" + std::to_string(k) + ")";
+    top = RunTopKGpu<T>(c, in, k, kDefaultGpuInferenceBudget, tk);
+    Compare(tk + " log_probs", top.log_probs, lp64, rtol);
+    int64 wrong = 0, ties = 0;
+    for (int64 i = 0; i < N; ++i) {
+      for (int64 j = 0; j < k; ++j) {
+        const int64 g = top.classes[i * k + j];
+        if (g < 0 || g >= C) {
           ++wrong;
+          continue;
+        }
+        for (int64 j2 = 0; j2 < j; ++j2) wrong += top.classes[i * k + j2] == g;
+        const double v = all64[i * C + g];
+        const double tol = rtol * (std::fabs(v) + 1);
+        wrong += !(std::fabs(top.log_probs[i * k + j] - v) <= tol);  // the value is g's
+        if (g != cls64[i * k + j]) {
+          if (std::fabs(v - lp64[i * k + j]) <= tol) {
+            ++ties;
+          } else {
+            ++wrong;
+          }
         }
       }
+      wrong += top.expanded[i] != M;
     }
-    wrong += top.expanded[i] != M;
+    HARNESS_EXPECT(wrong == 0, "%s: %" PRId64 " wrong classes", tk.c_str(), wrong);
+    if (sizeof(T) == 8) {
+      HARNESS_EXPECT(ties == 0, "%s: %" PRId64 " classes differ (near ties) in float64", tk.c_str(),
+                     ties);
+    }
+    const TopKOut<T> waves = RunTopKGpu<T>(c, in, k, 1, tk + " in waves of one row");
+    HARNESS_EXPECT(SameBits(top.log_probs, waves.log_probs) && top.classes == waves.classes,
+                   "%s: waves of one row differ", tk.c_str());
   }
-  HARNESS_EXPECT(wrong == 0, "%s: %" PRId64 " wrong classes", tk.c_str(), wrong);
-  if (sizeof(T) == 8) {
-    HARNESS_EXPECT(ties == 0, "%s: %" PRId64 " classes differ (near ties) in float64", tk.c_str(),
-                   ties);
-  }
-  const TopKOut<T> waves = RunTopKGpu<T>(c, in, k, 1, tk + " in waves of one row");
-  HARNESS_EXPECT(SameBits(top.log_probs, waves.log_probs) && top.classes == waves.classes,
-                 "%s: waves of one row differ", tk.c_str());
 #ifdef TF_HSM_GPU_EMULATE
   for (auto schedule : {tf_hsm_emu::Schedule::kShuffled, tf_hsm_emu::Schedule::kReverse}) {
     tf_hsm_emu::SetSchedule(schedule, rng());
@@ -1414,14 +1423,16 @@ void TimeCase(const Case& c, std::mt19937_64& rng, const Options& opt, const Cei
   }
 }
 
-// The inference kernels at the `topk` scenario's sizes (V = 1M, D = 64, 64 rows, 2-level)
-// and at B's (V = 100K, D = 512, 640 rows); `shrink` as above. (A binary tree is left out:
-// a block per row walks its million nodes one after another, seconds a call.)
+// The inference kernels at the `topk` scenario's sizes (V = 1M, D = 64, 64 rows, 2-level and
+// binary Huffman) and at B's (V = 100K, D = 512, 640 rows); `shrink` as above.
 std::vector<Case> InferenceTimingCases(int64 shrink, std::mt19937_64& rng) {
   std::vector<Case> cases;
   cases.push_back(TimingCase("infer_two_level_1000_V1M",
                              Layout(TwoLevelShape(1000000 / shrink, 1000 / shrink), &rng), 64,
                              64, shrink));
+  cases.push_back(TimingCase("infer_huffman_V1M",
+                             Layout(HuffmanShape(ZipfCounts(1000000 / shrink, 1.0), 2), nullptr),
+                             64, 64, shrink));
   cases.push_back(TimingCase("infer_two_level_317_V100K",
                              Layout(TwoLevelShape(100000 / shrink, 317 / shrink), &rng), 640,
                              512, shrink));
@@ -1474,6 +1485,35 @@ void TimeInferenceCase(const Case& c, std::mt19937_64& rng, const Options& opt,
       },
       opt.warmup, opt.repeats);
   CudaOrDie(cudaDeviceSynchronize(), "inference kernels");
+  if (opt.check_timed) {
+    // The timed outputs against the CPU core in float64: log_prob_all to tolerance, top_k's
+    // values to tolerance and its classes' own log-probabilities equal to its values.
+    const std::vector<double> h64 = Convert<double>(data.hidden),
+                              w64 = Convert<double>(data.weights),
+                              b64 = Convert<double>(data.biases);
+    const SoftmaxParams<double> p64{h64.data(), w64.data(), c.bias ? b64.data() : nullptr,
+                                    c.dim};
+    std::vector<double> all64(N * C), lp64(N * k);
+    std::vector<int64> cls64(N * k), expanded64(N);
+    err = LogProbAll<double>(view, p64, N, 0, C, ThreadPoolFor(), all64.data());
+    if (err.empty()) {
+      err = TopK<double>(view, p64, N, k, ThreadPoolFor(), lp64.data(), cls64.data(),
+                         expanded64.data());
+    }
+    HARNESS_EXPECT(err.empty(), "%s (CPU): %s", c.name.c_str(), err.c_str());
+    Compare(c.name + " log_prob_all", all.Download((c.name + " all").c_str(), true), all64, 1e-3);
+    const std::vector<float> top_values = top_lp.Download((c.name + " top_k").c_str(), true);
+    Compare(c.name + " top_k log_probs", top_values, lp64, 1e-3);
+    const std::vector<int64> top_classes = top_cls.Download((c.name + " top_k").c_str(), true);
+    int64 wrong = 0;
+    for (int64 i = 0; i < N * k; ++i) {
+      const int64 g = top_classes[i];
+      wrong += g < 0 || g >= C ||
+               !(std::fabs(top_values[i] - all64[i / k * C + g]) <= 1e-3 * (std::fabs(lp64[i]) + 1));
+    }
+    HARNESS_EXPECT(wrong == 0, "%s top_k: %" PRId64 " classes whose log-probability is not the "
+                   "value given", c.name.c_str(), wrong);
+  }
   // The sampled paths' branching, for sample's floor.
   const std::vector<int64> classes = sampled.Download((c.name + " sample").c_str(), true);
   double path_k = 0;
