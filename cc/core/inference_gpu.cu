@@ -63,8 +63,6 @@ struct Args {
   int64 dim;
   const int64* child_begin;  // [M + 1]
   const int64* slot_child;   // [S]
-  const int64* nodes;        // the needed nodes, increasing
-  const int64* position;     // [M]: index in nodes, or -1
   int64 num_classes, num_positions, max_branching;
   int64 class_begin, class_end;
   // The needed nodes' slots, numbered in position order ("z slots"): node nodes[q]'s slots
@@ -688,8 +686,6 @@ Args<T> MakeArgs(const GpuInferencePlan& plan, const SoftmaxParams<T>& p, void* 
   a.dim = p.dim;
   a.child_begin = reinterpret_cast<const int64*>(base + plan.child_begin);
   a.slot_child = reinterpret_cast<const int64*>(base + plan.slot_child);
-  a.nodes = reinterpret_cast<const int64*>(base + plan.nodes);
-  a.position = reinterpret_cast<const int64*>(base + plan.position);
   a.num_classes = plan.num_classes;
   a.num_positions = plan.num_positions;
   a.max_branching = plan.max_branching;
