@@ -1,5 +1,6 @@
 """tf_hsm.layers.HierarchicalSoftmax and tf_hsm.losses: outputs, padding and masks, sparse
-gradients, model.fit, saving and export in a fresh process, mixed precision, inference."""
+gradients, model.fit, saving and export in a fresh process, MirroredStrategy, mixed
+precision, inference."""
 
 import os
 import subprocess
@@ -240,6 +241,65 @@ def test_save_and_export_reload_in_a_fresh_process(rng, tmp_path):
   np.testing.assert_array_equal(np.load(tmp_path / "keras_out.npy"), expected)
   np.testing.assert_allclose(np.load(tmp_path / "export_out.npy"), expected, rtol=1e-6,
                              atol=1e-6)
+
+
+# Two logical CPUs must be set before TensorFlow starts, hence a fresh process.
+_MIRRORED_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+    import tf_hsm
+    from tf_hsm import losses, optimizers
+
+    name = sys.argv[1]
+    make_optimizer = {"SparseSGD": lambda: optimizers.SparseSGD(0.5),
+                      "LazyAdam": lambda: optimizers.LazyAdam(0.05),
+                      "SparseAdagrad": lambda: optimizers.SparseAdagrad(0.5)}[name]
+    rng = np.random.default_rng(3)
+    tree = tf_hsm.Tree.huffman(rng.integers(1, 100, size=40), branching=3)
+
+    def model():
+      tokens = keras.Input((5,), dtype="int32")
+      targets = keras.Input((5,), dtype="int32")
+      x = keras.layers.Embedding(tree.num_classes, 8)(tokens)
+      x = keras.layers.Dense(16, activation="tanh")(x)
+      return keras.Model([tokens, targets], tf_hsm.HierarchicalSoftmax(tree)(x, targets))
+
+    x = rng.integers(0, tree.num_classes, size=(8, 5)).astype(np.int32)
+    y = rng.integers(0, tree.num_classes, size=(8, 5)).astype(np.int32)
+    keras.utils.set_random_seed(1)
+    single = model()
+    initial = single.get_weights()
+    single.compile(optimizer=make_optimizer(), loss=losses.nll)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+      mirrored = model()
+      mirrored.set_weights(initial)
+      mirrored.compile(optimizer=make_optimizer(), loss=losses.nll)
+    # Two steps of 4 sequences: each replica takes 2 of them a step.
+    single.fit([x, y], y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    mirrored.fit([x, y], y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for before, one, two in zip(initial, single.get_weights(), mirrored.get_weights()):
+      assert not np.allclose(before, one), "a variable did not move"
+      np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "LazyAdam", "SparseAdagrad"])
+def test_mirrored_strategy_trains_as_one_device(optimizer):
+  """Under tf.distribute.MirroredStrategy over two CPUs, the replicas' sparse table
+  gradients are combined and applied by the sparse optimizers to the mirrored variables:
+  the weights after two steps are those of the same steps on one device."""
+  env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             TF_CPP_MIN_LOG_LEVEL="2")
+  result = subprocess.run([sys.executable, "-c", _MIRRORED_SCRIPT, optimizer], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
