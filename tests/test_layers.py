@@ -200,6 +200,16 @@ def test_constructor_errors(rng):
     HierarchicalSoftmax(_tree(rng)).top_k(np.zeros((1, 3), np.float32), 2)
 
 
+def _run_fresh(script, *args, timeout):
+  """Runs a Python script in a fresh process with this checkout importable; asserts that
+  it succeeded."""
+  env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             TF_CPP_MIN_LOG_LEVEL="2")
+  result = subprocess.run([sys.executable, "-c", script, *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
 _RELOAD_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
@@ -233,17 +243,14 @@ def test_save_and_export_reload_in_a_fresh_process(rng, tmp_path):
   model.export(str(tmp_path / "exported"), verbose=False)
   np.save(tmp_path / "x.npy", x)
   np.save(tmp_path / "y.npy", y)
-  env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             TF_CPP_MIN_LOG_LEVEL="2")
-  result = subprocess.run([sys.executable, "-c", _RELOAD_SCRIPT, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
-  assert result.returncode == 0, result.stderr[-3000:]
+  _run_fresh(_RELOAD_SCRIPT, str(tmp_path), timeout=120)
   np.testing.assert_array_equal(np.load(tmp_path / "keras_out.npy"), expected)
   np.testing.assert_allclose(np.load(tmp_path / "export_out.npy"), expected, rtol=1e-6,
                              atol=1e-6)
 
 
-# Two logical CPUs must be set before TensorFlow starts, hence a fresh process.
+# Two logical CPUs must be set before TensorFlow starts, hence a fresh process. It builds
+# the model with this file's _tree and _lm (the tests directory is argv[2]).
 _MIRRORED_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
@@ -252,32 +259,24 @@ _MIRRORED_SCRIPT = textwrap.dedent("""
     tf.config.set_logical_device_configuration(
         cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
-    import tf_hsm
     from tf_hsm import losses, optimizers
+    sys.path.insert(0, sys.argv[2])
+    from test_layers import _lm, _tree
 
-    name = sys.argv[1]
     make_optimizer = {"SparseSGD": lambda: optimizers.SparseSGD(0.5),
                       "LazyAdam": lambda: optimizers.LazyAdam(0.05),
-                      "SparseAdagrad": lambda: optimizers.SparseAdagrad(0.5)}[name]
+                      "SparseAdagrad": lambda: optimizers.SparseAdagrad(0.5)}[sys.argv[1]]
     rng = np.random.default_rng(3)
-    tree = tf_hsm.Tree.huffman(rng.integers(1, 100, size=40), branching=3)
-
-    def model():
-      tokens = keras.Input((5,), dtype="int32")
-      targets = keras.Input((5,), dtype="int32")
-      x = keras.layers.Embedding(tree.num_classes, 8)(tokens)
-      x = keras.layers.Dense(16, activation="tanh")(x)
-      return keras.Model([tokens, targets], tf_hsm.HierarchicalSoftmax(tree)(x, targets))
-
+    tree = _tree(rng)
     x = rng.integers(0, tree.num_classes, size=(8, 5)).astype(np.int32)
     y = rng.integers(0, tree.num_classes, size=(8, 5)).astype(np.int32)
     keras.utils.set_random_seed(1)
-    single = model()
+    single = _lm(tree, seq_len=5)
     initial = single.get_weights()
     single.compile(optimizer=make_optimizer(), loss=losses.nll)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
-      mirrored = model()
+      mirrored = _lm(tree, seq_len=5)
       mirrored.set_weights(initial)
       mirrored.compile(optimizer=make_optimizer(), loss=losses.nll)
     # Two steps of 4 sequences: each replica takes 2 of them a step.
@@ -295,11 +294,8 @@ def test_mirrored_strategy_trains_as_one_device(optimizer):
   """Under tf.distribute.MirroredStrategy over two CPUs, the replicas' sparse table
   gradients are combined and applied by the sparse optimizers to the mirrored variables:
   the weights after two steps are those of the same steps on one device."""
-  env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             TF_CPP_MIN_LOG_LEVEL="2")
-  result = subprocess.run([sys.executable, "-c", _MIRRORED_SCRIPT, optimizer], env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
-  assert result.returncode == 0, result.stderr[-3000:]
+  _run_fresh(_MIRRORED_SCRIPT, optimizer, os.path.dirname(os.path.abspath(__file__)),
+             timeout=300)
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
