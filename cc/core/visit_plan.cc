@@ -13,6 +13,30 @@ std::string Message(const Args&... args) {
   return s.str();
 }
 
+// Per-thread storage of BuildVisitPlan's grouping, kept across calls of up to
+// kKeptScratchSteps visits: its hash table is emptied slot by slot after use, so such a
+// call neither allocates nor fills a table. A larger batch's storage (~50 bytes a visit)
+// is released after its call rather than held by the thread.
+constexpr int64 kKeptScratchSteps = int64{1} << 16;
+struct GroupingScratch {
+  struct Slot {
+    int64 node;   // -1 when empty
+    int64 group;  // its position is level[group]
+    int64 count;  // visits
+  };
+  std::vector<Slot> slots;
+  // Per group, in order of first visit: its slot in the table, its path position, and
+  // its place in the plan.
+  std::vector<int64> used, level, final;
+  std::vector<int64> visit_group;  // per step: its group, or -1 when not grouped
+  std::vector<int64> cursor;
+};
+
+GroupingScratch& ThreadGroupingScratch() {
+  thread_local GroupingScratch scratch;
+  return scratch;
+}
+
 }  // namespace
 
 std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num_tokens,
@@ -110,74 +134,94 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   plan->step_node.resize(plan->num_steps());
   plan->step_slot.resize(plan->num_steps());
 
-  // Group level by level. Nodes are mapped to this level's groups through a small
-  // open-addressing table sized by the batch, not by the tree, so a call costs
-  // O(visits) however many nodes the tree has. A malformed tree that repeats a node at two
-  // positions still gets separate groups, one per level. A plan for the forward pass
-  // leaves the walked nodes out.
+  // Group in one pass over the visits in token order, keyed by (node, path position):
+  // a group's number is the order of its first visit, and its entries come in token
+  // order. A stable counting sort by position then gives the plan's order (level by level,
+  // each level's groups in order of their first token), the same as grouping each level
+  // on its own, without a pass per level over the tokens' scattered path copies. The
+  // hash table is sized by the batch, not by the tree, so a call costs O(visits) however
+  // many nodes the tree has; a malformed tree that repeats a node at two positions still
+  // gets one group per position. A plan for the forward pass leaves the walked nodes out.
   const int64 levels = plan->walked_groups ? max_depth : grouped_depth;
-  std::vector<int64> table_node, table_group, used;
-  std::vector<int64> level_tokens, level_groups, counts;
-  // The tokens whose paths reach this level, in token order.
-  std::vector<int64> active(num_tokens);
-  for (int64 i = 0; i < num_tokens; ++i) active[i] = i;
-  for (int64 level = 0; level < levels; ++level) {
-    const int64 first_group = plan->num_groups();
-    level_tokens.clear();
-    level_groups.clear();
-    active.erase(std::remove_if(active.begin(), active.end(), [&](int64 i) {
-                   return plan->token_step_begin[i + 1] - plan->token_step_begin[i] <= level;
-                 }),
-                 active.end());
-    const int64 visits = static_cast<int64>(active.size());
-    int64 capacity = 16;
-    while (capacity < 2 * visits) capacity *= 2;
-    if (static_cast<int64>(table_node.size()) < capacity) {
-      table_node.assign(capacity, -1);
-      table_group.resize(capacity);
-    }
-    const uint64_t mask = static_cast<uint64_t>(capacity) - 1;
-    used.clear();
-    for (const int64 i : active) {
-      const int64 n = plan->step_node[plan->token_step_begin[i] + level];
-      if (!plan->walked_groups && IsWalked(tree, n)) continue;
-      uint64_t h = (static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull) >> 20 & mask;
-      while (table_node[h] != -1 && table_node[h] != n) h = (h + 1) & mask;
-      if (table_node[h] == -1) {
-        table_node[h] = n;
-        table_group[h] = plan->num_groups();
-        used.push_back(static_cast<int64>(h));
-        plan->group_node.push_back(n);
-        counts.push_back(0);
+  GroupingScratch& g = ThreadGroupingScratch();
+  const int64 steps = plan->num_steps();
+  int64 capacity = 16;
+  while (capacity < 2 * steps) capacity *= 2;
+  if (static_cast<int64>(g.slots.size()) < capacity) g.slots.assign(capacity, {-1, 0, 0});
+  const uint64_t mask = static_cast<uint64_t>(capacity) - 1;
+  // At most one group per step: the per-group vectors are sized once, and the table,
+  // at least twice the steps, always has an empty slot to end a probe.
+  g.used.resize(steps);
+  g.level.resize(steps);
+  g.visit_group.resize(steps);
+  int64 groups = 0;
+  for (int64 i = 0; i < num_tokens; ++i) {
+    const int64 step0 = plan->token_step_begin[i];
+    const int64 depth = std::min(plan->token_step_begin[i + 1] - step0, levels);
+    for (int64 l = 0; l < depth; ++l) {
+      const int64 n = plan->step_node[step0 + l];
+      if (!plan->walked_groups && IsWalked(tree, n)) {
+        g.visit_group[step0 + l] = -1;
+        continue;
       }
-      const int64 g = table_group[h];
-      ++counts[g];
-      level_tokens.push_back(i);
-      level_groups.push_back(g);
+      uint64_t h = (static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull +
+                    static_cast<uint64_t>(l) * 0xC2B2AE3D27D4EB4Full) >> 20 & mask;
+      while (g.slots[h].node != -1 && (g.slots[h].node != n || g.level[g.slots[h].group] != l)) {
+        h = (h + 1) & mask;
+      }
+      GroupingScratch::Slot& slot = g.slots[h];
+      if (slot.node == -1) {
+        slot = {n, groups, 0};
+        g.used[groups] = static_cast<int64>(h);
+        g.level[groups] = l;
+        ++groups;
+      }
+      ++slot.count;
+      g.visit_group[step0 + l] = slot.group;
     }
-    for (int64 h : used) table_node[h] = -1;
-    // Counting sort of this level's visits by group, stable in token order.
-    const int64 entry_base = static_cast<int64>(plan->entry_token.size());
-    std::vector<int64> cursor(plan->num_groups() - first_group);
-    int64 offset = entry_base;
-    for (int64 g = first_group; g < plan->num_groups(); ++g) {
-      cursor[g - first_group] = offset;
-      offset += counts[g];
-      plan->group_begin.push_back(offset);
-      const int64 n = plan->group_node[g];
-      plan->group_row.push_back(plan->group_row.back() + tree.child_begin[n + 1] -
-                                tree.child_begin[n]);
-    }
-    plan->entry_token.resize(offset);
-    plan->entry_slot.resize(offset);
-    for (size_t v = 0; v < level_tokens.size(); ++v) {
-      const int64 i = level_tokens[v];
-      const int64 e = cursor[level_groups[v] - first_group]++;
-      plan->entry_token[e] = i;
-      plan->entry_slot[e] = plan->step_slot[plan->token_step_begin[i] + level];
-    }
-    plan->level_begin.push_back(plan->num_groups());
   }
+
+  // Order the groups by position with a stable counting sort (final[q] is group q's place
+  // in the plan), take each one's node and visit count from its slot, and empty the table
+  // for the next call.
+  plan->level_begin.assign(levels + 1, 0);
+  for (int64 q = 0; q < groups; ++q) ++plan->level_begin[g.level[q] + 1];
+  for (int64 l = 0; l < levels; ++l) plan->level_begin[l + 1] += plan->level_begin[l];
+  g.final.resize(groups);
+  g.cursor.assign(plan->level_begin.begin(), plan->level_begin.end() - 1);
+  for (int64 q = 0; q < groups; ++q) g.final[q] = g.cursor[g.level[q]]++;
+  plan->group_node.resize(groups);
+  plan->group_begin.resize(groups + 1);
+  plan->group_row.resize(groups + 1);
+  for (int64 q = 0; q < groups; ++q) {
+    GroupingScratch::Slot& slot = g.slots[g.used[q]];
+    plan->group_node[g.final[q]] = slot.node;
+    plan->group_begin[g.final[q] + 1] = slot.count;
+    slot.node = -1;
+  }
+  for (int64 q = 0; q < groups; ++q) {
+    const int64 n = plan->group_node[q];
+    plan->group_begin[q + 1] += plan->group_begin[q];
+    plan->group_row[q + 1] = plan->group_row[q] + tree.child_begin[n + 1] - tree.child_begin[n];
+  }
+
+  // Entries: each group's visits in token order.
+  const int64 entries = plan->group_begin[groups];
+  plan->entry_token.resize(entries);
+  plan->entry_slot.resize(entries);
+  g.cursor.assign(plan->group_begin.begin(), plan->group_begin.end() - 1);
+  for (int64 i = 0; i < num_tokens; ++i) {
+    const int64 step0 = plan->token_step_begin[i];
+    const int64 depth = std::min(plan->token_step_begin[i + 1] - step0, levels);
+    for (int64 l = 0; l < depth; ++l) {
+      const int64 q = g.visit_group[step0 + l];
+      if (q < 0) continue;
+      const int64 e = g.cursor[g.final[q]]++;
+      plan->entry_token[e] = i;
+      plan->entry_slot[e] = plan->step_slot[step0 + l];
+    }
+  }
+  if (steps > kKeptScratchSteps) g = GroupingScratch();
   return "";
 }
 

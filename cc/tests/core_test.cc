@@ -455,6 +455,105 @@ void TestNanStaysInItsRow() {
   }
 }
 
+// The plan against one built from its definition, level by level: level l's groups are
+// the nodes at path position l in order of their first token, each group's entries are its
+// tokens in token order; a forward plan leaves out walked nodes and the positions after
+// the last grouped one. One plan is reused across batches of growing and shrinking size
+// (the largest, ~100K visits, is past the size whose grouping storage a thread keeps), on
+// trees of mixed branching, and on a malformed one that repeats a node along a path.
+void TestVisitPlanStructure() {
+  std::mt19937_64 rng(9);
+  auto check = [](const Layout& t, const std::vector<int64>& targets, PlanFor use,
+                  VisitPlan* plan, const char* what) {
+    const TreeView v = t.view();
+    const int64 N = static_cast<int64>(targets.size());
+    const std::string err = BuildVisitPlan(v, targets.data(), N, plan, use);
+    EXPECT(err.empty(), "%s: %s", what, err.c_str());
+    auto branching = [&](int64 n) { return t.child_begin[n + 1] - t.child_begin[n]; };
+    int64 levels = 0;
+    for (int64 i = 0; i < N; ++i) {
+      const int64 b = t.path_begin[targets[i]], e = t.path_begin[targets[i] + 1];
+      for (int64 q = b; q < e; ++q) {
+        if (use == PlanFor::kBackward || branching(t.path_nodes[q]) > kWalkMaxBranching) {
+          levels = std::max(levels, q - b + 1);
+        }
+      }
+    }
+    std::vector<int64> level_begin = {0}, group_node, group_begin = {0}, group_row = {0};
+    std::vector<int64> entry_token, entry_slot;
+    for (int64 l = 0; l < levels; ++l) {
+      std::vector<int64> nodes;
+      std::vector<std::vector<int64>> tokens;
+      for (int64 i = 0; i < N; ++i) {
+        const int64 b = t.path_begin[targets[i]], e = t.path_begin[targets[i] + 1];
+        if (l >= e - b) continue;
+        const int64 n = t.path_nodes[b + l];
+        if (use == PlanFor::kForward && branching(n) <= kWalkMaxBranching) continue;
+        const size_t g = std::find(nodes.begin(), nodes.end(), n) - nodes.begin();
+        if (g == nodes.size()) {
+          nodes.push_back(n);
+          tokens.emplace_back();
+        }
+        tokens[g].push_back(i);
+      }
+      for (size_t g = 0; g < nodes.size(); ++g) {
+        group_node.push_back(nodes[g]);
+        group_row.push_back(group_row.back() + branching(nodes[g]));
+        for (int64 i : tokens[g]) {
+          entry_token.push_back(i);
+          entry_slot.push_back(t.path_slots[t.path_begin[targets[i]] + l]);
+        }
+        group_begin.push_back(static_cast<int64>(entry_token.size()));
+      }
+      level_begin.push_back(static_cast<int64>(group_node.size()));
+    }
+    EXPECT(plan->level_begin == level_begin, "%s: level_begin differs", what);
+    EXPECT(plan->group_node == group_node, "%s: group_node differs", what);
+    EXPECT(plan->group_begin == group_begin, "%s: group_begin differs", what);
+    EXPECT(plan->group_row == group_row, "%s: group_row differs", what);
+    EXPECT(plan->entry_token == entry_token, "%s: entry_token differs", what);
+    EXPECT(plan->entry_slot == entry_slot, "%s: entry_slot differs", what);
+    for (int64 i = 0; i < N; ++i) {
+      const int64 b = t.path_begin[targets[i]], e = t.path_begin[targets[i] + 1];
+      const int64 s0 = plan->token_step_begin[i];
+      EXPECT(plan->token_step_begin[i + 1] - s0 == e - b, "%s: token %ld's steps", what, (long)i);
+      for (int64 q = b; q < e; ++q) {
+        EXPECT(plan->step_node[s0 + q - b] == t.path_nodes[q] &&
+               plan->step_slot[s0 + q - b] == t.path_slots[q], "%s: token %ld's path copy", what, (long)i);
+      }
+    }
+  };
+  VisitPlan plan;
+  int64 most_steps = 0;
+  for (int trial = 0; trial < 4; ++trial) {
+    // Binary-deep, mixed (walked and grouped nodes on one path) and wide-shallow trees.
+    const Layout t = trial == 0 ? RandomLayout(rng, 2, 24, 0.9, 4000)
+                     : trial == 3 ? RandomLayout(rng, 300, 3, 0.1, 3000)
+                                  : RandomLayout(rng, 20, 8, 0.3, 3000);
+    for (const int64 N : {int64{700}, int64{1}, int64{9000}, int64{0}, int64{300}}) {
+      std::vector<int64> targets(N);
+      // Zipf-like: a few classes take most tokens, so groups are of very unequal sizes.
+      for (auto& y : targets) y = static_cast<int64>(std::pow(rng() % 1000 / 1000.0, 3) * t.num_classes);
+      for (const PlanFor use : {PlanFor::kBackward, PlanFor::kForward}) {
+        check(t, targets, use, &plan, use == PlanFor::kBackward ? "backward plan" : "forward plan");
+        most_steps = std::max(most_steps, plan.num_steps());
+      }
+    }
+  }
+  EXPECT(most_steps > int64{1} << 16, "the largest batch has %ld visits", (long)most_steps);
+  // A malformed tree whose first class's path visits its first node twice (the slots stay
+  // valid, so the plan is built): one group per position.
+  Layout c = RandomLayout(rng, 3, 6, 0.7, 200);
+  const int64 b = c.path_begin[0];
+  EXPECT(c.path_begin[1] - b >= 2, "the first class's path has 2+ steps");
+  c.path_nodes[b + 1] = c.path_nodes[b];
+  c.path_slots[b + 1] = c.path_slots[b];
+  const std::vector<int64> targets = {0, 1, 0};
+  check(c, targets, PlanFor::kBackward, &plan, "repeated node");
+  EXPECT(plan.level_begin[2] - plan.level_begin[1] >= 1 &&
+         plan.group_node[plan.level_begin[1]] == c.path_nodes[b], "repeated node: its second group");
+}
+
 void TestValidation() {
   std::mt19937_64 rng(4);
   Layout t = RandomLayout(rng, 5, 3, 0.5, 50);
@@ -815,6 +914,7 @@ int main() {
       {"nan_stays_in_its_row", tf_hsm::TestNanStaysInItsRow},
       {"in_place_sgd", tf_hsm::TestInPlaceSgd},
       {"log_prob_from_backward", tf_hsm::TestLogProbFromBackward},
+      {"visit_plan_structure", tf_hsm::TestVisitPlanStructure},
       {"validation", tf_hsm::TestValidation},
   };
   return tf_hsm::testing::RunTests(tests);
