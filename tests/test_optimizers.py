@@ -457,3 +457,45 @@ def test_fused_rows_sum_repeats_as_the_merge_before_them_did(rng, index_dtype):
     results.append([x.numpy() for x in variables])
   for got, want in zip(*results):
     np.testing.assert_array_equal(got, want)
+
+
+def test_fused_rows_keep_the_merged_sums_signs_of_zero(rng):
+  """A row named once reaches the update as its gradient row itself, not as the merge's
+  0 + g: where g is -0 the result must still be the merged sum's bits (+0), which decide
+  the sign of a table entry that is -0. Compared as bits (assert_array_equal calls -0
+  and +0 equal)."""
+  rows, dim = 400, 8
+  indices = np.concatenate([np.arange(0, 300), np.arange(0, 50)]).astype(np.int64)
+  grad = rng.normal(size=(len(indices), dim)).astype(np.float32)
+  grad[::3] = -0.0
+  grad[:, ::2] = -0.0
+  w = rng.normal(size=(rows, dim)).astype(np.float32)
+  w[:, :4] = -0.0
+  m = np.full((rows, dim), -0.0, np.float32)
+  acc = rng.random(size=(rows, dim)).astype(np.float32)
+
+  def same_bits(got, want):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
+
+  lr, mu = np.float32(0.05), np.float32(0.9)
+  for use_momentum, nesterov in [(False, False), (True, False), (True, True)]:
+    want = _numpy_sgd_rows(w, m if use_momentum else None, indices, grad, lr, mu, nesterov)
+    variables = [tf.Variable(w), tf.Variable(m)]
+    _loader.ops().hsm_sparse_sgd_rows(variables[0].handle, variables[1].handle, indices,
+                                      grad, lr, mu, use_momentum=use_momentum,
+                                      nesterov=nesterov)
+    same_bits(variables[0].numpy(), want[0])
+    same_bits(variables[1].numpy(), m if want[1] is None else want[1])
+  want = _numpy_adagrad_rows(w, acc, indices, grad, lr, np.float32(1e-7))
+  variables = [tf.Variable(w), tf.Variable(acc)]
+  _loader.ops().hsm_sparse_adagrad_rows(*[x.handle for x in variables], indices, grad, lr,
+                                        np.float32(1e-7))
+  for got, expected in zip(variables, want):
+    same_bits(got.numpy(), expected)
+  scalars = [np.float32(x) for x in (0.01, 0.1, 0.001, 1e-7)]
+  want = _numpy_adam_rows(w, m, acc, None, indices, grad, *scalars)
+  variables = [tf.Variable(x) for x in (w, m, acc)]
+  _loader.ops().hsm_sparse_adam_rows(*[x.handle for x in variables], variables[2].handle,
+                                     indices, grad, *scalars, amsgrad=False)
+  for got, expected in zip(variables, want[:3]):
+    same_bits(got.numpy(), expected)

@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cc/core/prefetch.h"
 #include "cc/core/simd.h"
 #include "cc/core/softmax_util.h"
 
@@ -82,15 +83,8 @@ NodeBlock<T> BlockOf(const TreeView& tree, int64 node) {
 // which are scattered cache misses in a large table.
 template <typename T>
 void RequestRows(const T* table, const NodeBlock<T>& blk, int64 dim, bool for_update) {
-  const char* bytes = reinterpret_cast<const char*>(table + blk.first_slot * dim);
-  const int64 n = blk.size * dim * static_cast<int64>(sizeof(T));
-  for (int64 o = 0; o < n; o += 64) {
-    if (for_update) {
-      __builtin_prefetch(bytes + o, 1, 3);
-    } else {
-      __builtin_prefetch(bytes + o);
-    }
-  }
+  RequestLines(table + blk.first_slot * dim, blk.size * dim * static_cast<int64>(sizeof(T)),
+               for_update);
 }
 
 // Walked nodes (kWalkMaxBranching, visit_plan.h) cost a whole batch one pass over the

@@ -8,11 +8,15 @@
 
 namespace tf_hsm {
 
+// The row updates read each gradient element as 0 + g[i]: ForEachDistinctRow passes a
+// row named once as it is, and this gives the bits of the merged sum (0 + g) it stands
+// for, -0 included.
 template <typename T>
 void AdamRow(const T* g, int64 n, const AdamStep<T>& s, T* w, T* m, T* v, T* v_hat) {
   for (int64 i = 0; i < n; ++i) {
-    const T mi = m[i] + (g[i] - m[i]) * s.one_minus_beta_1;
-    const T vi = v[i] + (g[i] * g[i] - v[i]) * s.one_minus_beta_2;
+    const T gi = T(0) + g[i];
+    const T mi = m[i] + (gi - m[i]) * s.one_minus_beta_1;
+    const T vi = v[i] + (gi * gi - v[i]) * s.one_minus_beta_2;
     m[i] = mi;
     v[i] = vi;
   }
@@ -32,12 +36,12 @@ void AdamRow(const T* g, int64 n, const AdamStep<T>& s, T* w, T* m, T* v, T* v_h
 template <typename T>
 void SgdRow(const T* g, int64 n, const SgdStep<T>& s, T* w, T* m) {
   if (m == nullptr) {
-    for (int64 i = 0; i < n; ++i) w[i] = w[i] - g[i] * s.learning_rate;
+    for (int64 i = 0; i < n; ++i) w[i] = w[i] - (T(0) + g[i]) * s.learning_rate;
     return;
   }
   if (s.nesterov) {
     for (int64 i = 0; i < n; ++i) {
-      const T step = g[i] * s.learning_rate;
+      const T step = (T(0) + g[i]) * s.learning_rate;
       const T mi = m[i] * s.momentum - step;
       m[i] = mi;
       w[i] = w[i] + (mi * s.momentum - step);
@@ -45,7 +49,7 @@ void SgdRow(const T* g, int64 n, const SgdStep<T>& s, T* w, T* m) {
     return;
   }
   for (int64 i = 0; i < n; ++i) {
-    const T mi = m[i] * s.momentum - g[i] * s.learning_rate;
+    const T mi = m[i] * s.momentum - (T(0) + g[i]) * s.learning_rate;
     m[i] = mi;
     w[i] = w[i] + mi;
   }
@@ -54,9 +58,10 @@ void SgdRow(const T* g, int64 n, const SgdStep<T>& s, T* w, T* m) {
 template <typename T>
 void AdagradRow(const T* g, int64 n, T learning_rate, T epsilon, T* w, T* acc) {
   for (int64 i = 0; i < n; ++i) {
-    const T a = acc[i] + g[i] * g[i];
+    const T gi = T(0) + g[i];
+    const T a = acc[i] + gi * gi;
     acc[i] = a;
-    w[i] = w[i] - (learning_rate * g[i]) / std::sqrt(a + epsilon);
+    w[i] = w[i] - (learning_rate * gi) / std::sqrt(a + epsilon);
   }
 }
 

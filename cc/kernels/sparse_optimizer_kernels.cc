@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cc/core/prefetch.h"
 #include "cc/core/sparse_rows.h"
 #include "cc/kernels/hsm_inputs.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -140,6 +141,9 @@ void UpdateNamedRows(OpKernelContext* ctx, const std::vector<const char*>& names
                          row_data[i] = data[i] + row * width;
                        }
                        update(g_row, row_data, width);
+                     },
+                     [&](int64 row) {
+                       for (T* d : data) RequestLines(d + row * width, width * sizeof(T), true);
                      });
 }
 
