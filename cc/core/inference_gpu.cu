@@ -454,7 +454,7 @@ TF_HSM_GLOBAL void TopKSelectKernel(const T* all, int64 C, int64 k, int64 num_no
       for (int64 c = tid; c < C; c += kThreads) {
         const T x = v[c];
         if (prev_id >= 0 && !Before(prev, prev_id, x, c)) continue;
-        if (best_id < 0 || Before(x, c, best, best_id)) {
+        if (BetterCandidate(x, c, best, best_id)) {
           best = x;
           best_id = c;
         }
@@ -466,7 +466,7 @@ TF_HSM_GLOBAL void TopKSelectKernel(const T* all, int64 C, int64 k, int64 num_no
         if (tid < hh) {
           const T ov = sv[tid + hh];
           const int64 oi = si[tid + hh];
-          if (oi >= 0 && (si[tid] < 0 || Before(ov, oi, sv[tid], si[tid]))) {
+          if (BetterCandidate(ov, oi, sv[tid], si[tid])) {
             sv[tid] = ov;
             si[tid] = oi;
           }
@@ -873,9 +873,9 @@ std::string PrepareTopKGpu(const TreeView& tree, int64 num_rows, int64 dim, bool
   // The first selection step's candidates (k per chunk of classes, a value and an id each),
   // when there is more than one chunk and k is small enough for the chunked selection.
   const int64 chunks = gpu::CeilDiv(C, gpu::kSelectChunk);
-  out->candidates_per_row = chunks > 1 && k <= gpu::kMaxChunkedK ? chunks * k : 0;
+  const int64 candidates_per_row = chunks > 1 && k <= gpu::kMaxChunkedK ? chunks * k : 0;
   const int64 candidate_elements =
-      out->candidates_per_row * (1 + static_cast<int64>(sizeof(int64) / sizeof(T)));
+      candidates_per_row * (1 + static_cast<int64>(sizeof(int64) / sizeof(T)));
   const int64 per_row = out->num_positions + out->num_zslots + C + 2 * candidate_elements;
   out->wave_rows = gpu::WaveRows(num_rows, budget / per_row);
   const int64 rows = out->wave_rows;
@@ -884,8 +884,8 @@ std::string PrepareTopKGpu(const TreeView& tree, int64 num_rows, int64 dim, bool
   out->zvalues = gpu::Reserve(&cursor, rows * out->num_zslots * sizeof(T));
   out->all_values = gpu::Reserve(&cursor, rows * C * sizeof(T));
   for (int b = 0; b < 2; ++b) {
-    out->candidate_values[b] = gpu::Reserve(&cursor, rows * out->candidates_per_row * sizeof(T));
-    out->candidate_ids[b] = gpu::Reserve(&cursor, rows * out->candidates_per_row * sizeof(int64));
+    out->candidate_values[b] = gpu::Reserve(&cursor, rows * candidates_per_row * sizeof(T));
+    out->candidate_ids[b] = gpu::Reserve(&cursor, rows * candidates_per_row * sizeof(int64));
   }
   out->workspace_bytes = cursor;
   return "";

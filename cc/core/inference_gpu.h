@@ -84,7 +84,6 @@ struct GpuInferencePlan {
   // [segment_begin[r], segment_begin[r + 1]) with segment_lanes[r] threads per (row, node).
   std::vector<int64> segment_begin;
   std::vector<int> segment_lanes;
-  int64 candidates_per_row = 0;          // TopK: the first selection step's output
 
   std::vector<int64> staging;  // uploaded to the start of the workspace (int64 words)
   // Byte offsets within the workspace.
@@ -92,6 +91,7 @@ struct GpuInferencePlan {
   int64 zslot = 0, zbegin = 0;
   int64 class_pos = 0, class_zslot = 0, parent_pos = 0, node_zslot = 0;
   int64 node_values = 0, zvalues = 0, all_values = 0, scratch = 0;
+  // TopK: the selection steps' candidates, ping-ponged between two buffers.
   int64 candidate_values[2] = {0, 0}, candidate_ids[2] = {0, 0};
   int64 workspace_bytes = 0;
 };
