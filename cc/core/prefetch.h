@@ -3,6 +3,8 @@
 #ifndef TF_HSM_CC_CORE_PREFETCH_H_
 #define TF_HSM_CC_CORE_PREFETCH_H_
 
+#include <cstdint>
+
 #include "cc/core/tree_view.h"
 
 namespace tf_hsm {
@@ -11,20 +13,17 @@ namespace tf_hsm {
 // are then requested for writing, so that the update does not wait to own them).
 inline void RequestLines(const void* p, int64 bytes, bool for_update) {
   if (bytes <= 0) return;
-  const char* const first = static_cast<const char*>(p);
-  // A range that does not start on a line boundary ends in one more line than bytes / 64.
-  const char* const last = first + bytes - 1;
-  for (const char* c = first; c <= last; c += 64) {
+  // From the line that holds the first byte to the one that holds the last: a range that
+  // does not start on a line boundary spans one more line than bytes / 64.
+  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t{63};
+  const std::uintptr_t last = reinterpret_cast<std::uintptr_t>(p) + bytes - 1;
+  for (std::uintptr_t line = first; line <= last; line += 64) {
+    const char* const c = reinterpret_cast<const char*>(line);
     if (for_update) {
       __builtin_prefetch(c, 1, 3);
     } else {
       __builtin_prefetch(c);
     }
-  }
-  if (for_update) {
-    __builtin_prefetch(last, 1, 3);
-  } else {
-    __builtin_prefetch(last);
   }
 }
 

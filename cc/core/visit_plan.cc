@@ -47,9 +47,6 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   plan->Clear();
   plan->num_tokens = num_tokens;
   plan->walked_groups = use == PlanFor::kBackward;
-  plan->level_begin.push_back(0);
-  plan->group_begin.push_back(0);
-  plan->group_row.push_back(0);
 
   // Validate targets and the paths they read; find each token's depth, and copy its path
   // next to the other tokens' (the later passes read it level by level). The paths of a
@@ -191,8 +188,8 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
   g.cursor.assign(plan->level_begin.begin(), plan->level_begin.end() - 1);
   for (int64 q = 0; q < groups; ++q) g.final[q] = g.cursor[g.level[q]]++;
   plan->group_node.resize(groups);
-  plan->group_begin.resize(groups + 1);
-  plan->group_row.resize(groups + 1);
+  plan->group_begin.assign(groups + 1, 0);
+  plan->group_row.assign(groups + 1, 0);
   for (int64 q = 0; q < groups; ++q) {
     GroupingScratch::Slot& slot = g.slots[g.used[q]];
     plan->group_node[g.final[q]] = slot.node;
