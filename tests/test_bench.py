@@ -27,12 +27,14 @@ def _bench(tmp_path, *args, timeout=150):
 def test_tiny_custom_case_reports_every_method(tmp_path):
   proc, report, markdown = _bench(
       tmp_path, "--custom", "300,8,32", "--trees", "huffman", "--repeats",
-      "10", "--time-budget", "10", "--num-sampled", "16")
+      "10", "--time-budget", "10", "--num-sampled", "16", "--methods",
+      *setup.TRAIN_METHODS, setup.KERAS_STEP)
+  methods = setup.TRAIN_METHODS + (setup.KERAS_STEP,)
   assert [c["tree"] for c in report["cases"]] == ["huffman"]
   for case in report["cases"]:
     assert case["ceilings"]["matmul_gflops"] > 0 and case["ceilings"]["read_gbps"] > 0
     assert case["work"]["sum_k"] > 0 and case["work"]["rows"] > 0
-    assert set(case["methods"]) == set(setup.TRAIN_METHODS)
+    assert set(case["methods"]) == set(methods)
     for name, row in case["methods"].items():
       assert row["status"] == "ok", (name, row)
       for kind in ("fwd", "step", "step_loop"):
@@ -41,12 +43,13 @@ def test_tiny_custom_case_reports_every_method(tmp_path):
       assert row["memory"]["status"] == "ok"
       assert row["memory"]["peak_rss"] >= row["memory"]["baseline_rss"] > 0
       assert row["rates"]["step"]["tokens_per_s"] > 0
-      if name == setup.NLL_LOSS:  # a tf_hsm variant, compared with tf_hsm
+      if name in (setup.NLL_LOSS, setup.KERAS_STEP):  # tf_hsm variants
         assert row["faster_than_tf_hsm"]["step"] > 0
       elif name != "tf_hsm":
         assert row["tf_hsm_speedup"]["step"] > 0
-  for name in setup.TRAIN_METHODS:
+  for name in methods:
     assert f"| {name} | ok |" in markdown
+  assert "train_on_batch (+sparse_sgd) " in markdown
   assert markdown.strip() in proc.stdout
   with open(tmp_path / "bench.png", "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -73,13 +76,59 @@ def test_bad_arguments_exit_with_usage_error(tmp_path):
 
 
 def test_methods_named_on_the_command_line_are_run():
-  # The fused SGD step is not among a custom scenario's default methods; naming it
-  # must add it (with tf_hsm, the reference), not silently drop it.
+  # The fused SGD step and the Keras step are not among a custom scenario's default
+  # methods; naming them must add them (with tf_hsm, the reference), not silently drop
+  # them.
   from tf_hsm import bench
-  args = bench.parse_args(["--custom", "300,8,32", "--methods", setup.FUSED_SGD])
+  for named, expected in (
+      ([setup.FUSED_SGD], ["tf_hsm", setup.FUSED_SGD]),
+      ([setup.KERAS_STEP, "gather"], ["tf_hsm", setup.KERAS_STEP, "gather"]),
+      ([setup.KERAS_STEP, setup.FUSED_SGD], ["tf_hsm", setup.FUSED_SGD, setup.KERAS_STEP])):
+    args = bench.parse_args(["--custom", "300,8,32", "--methods", *named])
+    (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent",
+                                 bench.options_from_args(args))
+    assert case["methods"] == expected, named
+  # Scenario E lists both by default.
+  args = bench.parse_args(["--scenario", "E"])
   (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent",
                                bench.options_from_args(args))
-  assert case["methods"] == ["tf_hsm", setup.FUSED_SGD]
+  assert {setup.FUSED_SGD, setup.KERAS_STEP} <= set(case["methods"])
+
+
+@pytest.mark.parametrize("optimizer", ["none", "lazy_adam"])
+def test_keras_step_trains_the_layer_of_the_case(tmp_path, optimizer):
+  # The Keras method's forward is the layer's log-probabilities of the case's targets,
+  # and its step is a real training step: the optimizer named (SparseSGD when none is),
+  # the touched rows of the table change and the loss on the batch falls.
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tf_hsm import _bench_methods, optimizers, ops  # pylint: disable=import-outside-toplevel
+  tree_path = str(tmp_path / "tree.npz")
+  setup.prepare_tree("huffman", 300, tree_path)
+  spec = {"scenario": "custom", "kind": "train", "vocab": 300, "dim": 8, "tokens": 64,
+          "tree": "huffman", "tree_path": tree_path, "seed": 3, "num_sampled": 16,
+          "k": 10, "optimizer": optimizer}
+  inputs = _bench_methods.CaseInputs(spec, ["tf_hsm", setup.KERAS_STEP])
+  method = _bench_methods.Method(setup.KERAS_STEP, inputs, spec)
+  expected = {"none": optimizers.SparseSGD, "lazy_adam": optimizers.LazyAdam}[optimizer]
+  assert type(method.optimizer) is expected  # pylint: disable=unidiomatic-typecheck
+  layer = inputs.keras_model.layers[-1]
+  kernel = layer.kernel.numpy()
+  log_probs = method.fwd().numpy()
+  reference = ops.log_prob(inputs.hidden, layer.kernel, layer.bias, inputs.tree,
+                           inputs.targets).numpy()
+  np.testing.assert_allclose(log_probs, reference, rtol=1e-6, atol=1e-6)
+  assert np.isclose(-log_probs.mean(), method.step(), rtol=1e-5)
+  method.optimizer.learning_rate.assign(0.05)
+  for _ in range(5):
+    loss = method.step()
+  assert loss < -log_probs.mean()
+  with tf.GradientTape() as tape:
+    total = tf.reduce_sum(ops.log_prob(inputs.hidden, layer.kernel, layer.bias,
+                                       inputs.tree, inputs.targets))
+  touched = np.unique(tape.gradient(total, layer.kernel).indices.numpy())
+  changed = np.flatnonzero(np.any(layer.kernel.numpy() != kernel, axis=1))
+  np.testing.assert_array_equal(changed, touched)
 
 
 def test_every_optimizer_choice_is_built_and_the_memory_scenario_takes_one():

@@ -21,9 +21,11 @@ _LOG_PROB_FNS = {
 
 
 def force(outputs):
-  """Waits for a function's results by reading every output tensor on the host."""
+  """Waits for a function's results by reading every output tensor on the host (Python
+  numbers, such as `train_on_batch`'s losses, are already there)."""
   for t in tf.nest.flatten(outputs, expand_composites=True):
-    t.numpy()
+    if hasattr(t, "numpy"):
+      t.numpy()
 
 
 def _first_row_sum(grad):
@@ -42,7 +44,7 @@ def mutates_table(method, spec):
   """Whether a method's timed step updates its table (optimizer or fused SGD step)."""
   if method in setup.TOPK_METHODS:
     return False
-  return (method == setup.FUSED_SGD or spec["kind"] == "mem"
+  return (method in setup.EXTRA_TRAIN_METHODS or spec["kind"] == "mem"
           or spec.get("optimizer", "none") != "none")
 
 
@@ -67,7 +69,10 @@ class CaseInputs:
     self.hidden = tf.random.stateless_normal([t, d], seed=[seed, 1])
     self._tables = {}
     for m in methods:
-      self.tables(m)
+      if m == setup.KERAS_STEP:
+        self.keras_model = self._keras_model()
+      else:
+        self.tables(m)
 
   def tables(self, method):
     """(weights, biases) variables for `method`, created on first use."""
@@ -78,6 +83,18 @@ class CaseInputs:
       rows = spec["vocab"] if by_class else self.tree.num_slots
       self._tables[key] = self._table(rows, spec["dim"], spec["seed"] + 2 + by_class)
     return self._tables[key]
+
+  def _keras_model(self):
+    """keras.Model([hidden, targets]) -> HierarchicalSoftmax log-probabilities, built here
+    (its table with the other methods' tables, before the memory probe's baseline) and
+    compiled by `Method`."""
+    import keras  # pylint: disable=import-outside-toplevel
+    from tf_hsm.layers import HierarchicalSoftmax  # pylint: disable=import-outside-toplevel
+    hidden = keras.Input((self.spec["dim"],), name="hidden")
+    targets = keras.Input((), dtype="int64", name="targets")
+    layer = HierarchicalSoftmax(self.tree, kernel_initializer=keras.initializers.RandomUniform(
+        0.0, 1.0, seed=self.spec["seed"] + 2))
+    return keras.Model([hidden, targets], layer(hidden, targets))
 
   @staticmethod
   def _table(rows, dim, seed):
@@ -140,7 +157,8 @@ class Method:
   """The timed functions of one method on one case.
 
   fwd: the forward (log-probs, loss, or top-k); step: forward + backward (+ the optimizer
-  update), or None for inference methods. Both are tf.functions without arguments.
+  update), or None for inference methods. Both are callables without arguments:
+  tf.functions, except the Keras step, which is `train_on_batch` as a user calls it.
   """
 
   def __init__(self, name, inputs, spec):
@@ -151,6 +169,9 @@ class Method:
     self.step = None
     if name in setup.TOPK_METHODS:
       self.fwd = self._top_k_fn(name, inputs, spec)
+      return
+    if name == setup.KERAS_STEP:
+      self._keras_fns(inputs, optimizer)
       return
     w, b = inputs.tables(name)
     if name == setup.FUSED_SGD:
@@ -194,6 +215,15 @@ class Method:
       return loss, dh
 
     self.step = step
+
+  def _keras_fns(self, inputs, optimizer):
+    """The Keras model's call (fwd) and one `train_on_batch` (step) on the case's batch."""
+    from tf_hsm import losses  # pylint: disable=import-outside-toplevel
+    model, h, y = inputs.keras_model, inputs.hidden, inputs.targets
+    model.compile(optimizer=make_optimizer(optimizer), loss=losses.nll)
+    self.optimizer = model.optimizer
+    self.fwd = tf.function(lambda: model([h, y]))
+    self.step = lambda: model.train_on_batch([h, y], y)
 
   def _top_k_fn(self, name, inputs, spec):
     h, k = inputs.hidden, spec.get("k", setup.TOPK_K)

@@ -59,7 +59,7 @@ def add_speedups(case):
   for name, row in methods.items():
     if name == ref_name:
       continue
-    if name in (setup.FUSED_SGD, setup.NLL_LOSS):  # tf_hsm variants: how much faster than tf_hsm
+    if name in (setup.FUSED_SGD, setup.NLL_LOSS, setup.KERAS_STEP):  # tf_hsm variants
       row["faster_than_tf_hsm"] = {
           kind: ref[kind]["median"] / row[kind]["median"] for kind in ("fwd", "step")
           if ref.get(kind) and row.get(kind)}
@@ -155,6 +155,9 @@ def case_markdown(case, optimizer):
     speed_cell = " / ".join(f"{k} ×{v:.3g}" for k, v in speed.items()) or "–"
     if row.get("faster_than_tf_hsm", {}).get("step"):
       speed_cell = f"fused step ×{row['faster_than_tf_hsm']['step']:.3g} faster than tf_hsm"
+      if name == setup.KERAS_STEP:
+        speed_cell = (f"train_on_batch (+{setup.step_optimizer(case['kind'], name, optimizer)}"
+                      f") {1 / row['faster_than_tf_hsm']['step']:.3g}× tf_hsm's time")
     third = (_num((row.get("info") or {}).get("nodes_expanded_per_row"), "{:.1f}") if topk
              else _ms(row.get("step")))
     roof = rates.get("roofline")

@@ -32,7 +32,15 @@ TOPK_METHODS = ("tf_hsm_top_k", "dense_top_k", LOG_PROB_ALL)
 # tf_hsm.sgd_step: forward, backward and SGD update fused, no gradient materialised. Runs
 # in the memory scenario and, with --optimizer sgd, in every training scenario.
 FUSED_SGD = "tf_hsm_sgd_step"
-ALL_METHODS = TRAIN_METHODS + (FUSED_SGD,) + TOPK_METHODS
+# HierarchicalSoftmax in a keras.Model compiled with tf_hsm.losses.nll: forward is the
+# model's call, the step `model.train_on_batch` (forward, backward, the optimizer's update
+# and Keras' own loss and metric bookkeeping, as `model.fit` runs each step). It always
+# updates: with --optimizer, or tf_hsm.optimizers.SparseSGD when none is named.
+KERAS_STEP = "tf_hsm_keras"
+KERAS_DEFAULT_OPTIMIZER = "sparse_sgd"
+# Methods a training scenario runs when named on the command line, beyond its own list.
+EXTRA_TRAIN_METHODS = (FUSED_SGD, KERAS_STEP)
+ALL_METHODS = TRAIN_METHODS + EXTRA_TRAIN_METHODS + TOPK_METHODS
 # Methods over the [V, D] class table rather than the [S, D] slot table.
 CLASS_TABLE_METHODS = ("full_softmax", "sampled_softmax", "dense_top_k")
 
@@ -65,7 +73,7 @@ FULL_SCENARIOS = {
     "D": Scenario("D", "train", (1_000_000, 3_000_000, 10_000_000), 300, (256, 3_200),
                   ("two_level", "huffman"), note="single output; 32x100 per timestep"),
     "E": Scenario("E", "train", (312_000,), 100, (1_024,), ("huffman",),
-                  methods=TRAIN_METHODS + (FUSED_SGD,),
+                  methods=TRAIN_METHODS + EXTRA_TRAIN_METHODS,
                   note="fastText-like; fastText's own step is an in-place SGD"),
     "topk": Scenario("topk", "topk", (1_000_000,), 64, (64,), ("two_level", "huffman"),
                      methods=TOPK_METHODS,
@@ -81,7 +89,8 @@ QUICK_SCENARIOS = {
     "B": Scenario("B", "train", (10_000,), 64, (64,), ("three_level",)),
     "C": Scenario("C", "train", (20_000,), 32, (64,), ("freq_two_level",)),
     "D": Scenario("D", "train", (50_000,), 32, (32,), ("two_level",)),
-    "E": Scenario("E", "train", (20_000,), 32, (64,), ("huffman",)),
+    "E": Scenario("E", "train", (20_000,), 32, (64,), ("huffman",),
+                  methods=TRAIN_METHODS + EXTRA_TRAIN_METHODS),
     "topk": Scenario("topk", "topk", (100_000,), 64, (64,), ("two_level",),
                      methods=TOPK_METHODS),
     "mem": Scenario("mem", "mem", (200_000,), 64, (256,), ("two_level",),
@@ -99,10 +108,13 @@ OPTIMIZER_SLOTS = {"sgd": 0, "sgd_momentum": 1, "adagrad": 1, "adam": 2, "sparse
 
 
 def step_optimizer(kind, method, optimizer):
-  """The optimizer a method's timed step applies: the fused SGD step's own SGD; in the
-  memory scenario --optimizer, Keras' SGD by default; elsewhere --optimizer."""
+  """The optimizer a method's timed step applies: the fused SGD step's own SGD; the Keras
+  step's --optimizer, SparseSGD by default; in the memory scenario --optimizer, Keras'
+  SGD by default; elsewhere --optimizer."""
   if method == FUSED_SGD or (kind == "mem" and optimizer == "none"):
     return "sgd"
+  if method == KERAS_STEP and optimizer == "none":
+    return KERAS_DEFAULT_OPTIMIZER
   return optimizer
 
 

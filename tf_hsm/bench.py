@@ -272,11 +272,16 @@ def expand_cases(scenarios, args, tree_dir, opts):
                 "tree": kind, "tree_path": tree_path, "seed": opts.seed,
                 "num_sampled": opts.num_sampled, "k": setup.TOPK_K, "note": sc.note}
         methods = list(sc.methods)
-        # The fused SGD step is a training method of every training scenario when asked
-        # for by name or implied by --optimizer sgd; E lists it by default.
-        wants_sgd = opts.optimizer == "sgd" or setup.FUSED_SGD in (args.methods or ())
-        if sc.kind == "train" and wants_sgd and setup.FUSED_SGD not in methods:
-          methods.insert(1, setup.FUSED_SGD)
+        # The fused SGD step and the Keras step are training methods of every training
+        # scenario when asked for by name (the fused step also when --optimizer sgd
+        # implies it); E lists both by default.
+        if sc.kind == "train":
+          wanted = [m for m in setup.EXTRA_TRAIN_METHODS if m in (args.methods or ())]
+          if opts.optimizer == "sgd" and setup.FUSED_SGD not in wanted:
+            wanted.insert(0, setup.FUSED_SGD)
+          for m in reversed(wanted):
+            if m not in methods:
+              methods.insert(1, m)   # next to tf_hsm, whose variants they are
         methods = [m for m in methods if not args.methods or m in args.methods]
         if sc.kind != "topk" and "tf_hsm" not in methods:
           methods.insert(0, "tf_hsm")   # the reference for every speed-up
@@ -375,7 +380,8 @@ def _mutates_table(method, case, opts):
   """Mirrors _bench_methods.mutates_table: the method's step updates its table."""
   if method in setup.TOPK_METHODS:
     return False
-  return method == setup.FUSED_SGD or case["kind"] == "mem" or opts.optimizer != "none"
+  return (method in setup.EXTRA_TRAIN_METHODS or case["kind"] == "mem"
+          or opts.optimizer != "none")
 
 
 def time_group(case, methods, rows, workdir, opts, progress):
