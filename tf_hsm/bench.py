@@ -13,7 +13,7 @@ For every scenario x vocabulary x tree x token count (a "case"):
 * the methods that fit are then timed in one process, interleaved round-robin so that
   noise hits all of them alike: forward and forward+backward (+ optimizer step), median
   and IQR over --repeats runs after warm-up, each call a tf.function whose outputs are
-  read on the host; plus tokens/s, achieved GFLOP/s and GB/s by PERFORMANCE.md's formulas,
+  read on the host (the Keras method's step is `train_on_batch`, as a user calls it); plus tokens/s, achieved GFLOP/s and GB/s by PERFORMANCE.md's formulas,
   the fraction of the roofline given the matmul rate and memory bandwidth measured in the
   same process, and the speed-up of tf_hsm over every baseline.
 
