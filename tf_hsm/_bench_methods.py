@@ -41,11 +41,8 @@ def timed_call(fn):
 
 
 def mutates_table(method, spec):
-  """Whether a method's timed step updates its table (optimizer or fused SGD step)."""
-  if method in setup.TOPK_METHODS:
-    return False
-  return (method in setup.EXTRA_TRAIN_METHODS or spec["kind"] == "mem"
-          or spec.get("optimizer", "none") != "none")
+  """setup.mutates_table for a worker's case spec."""
+  return setup.mutates_table(method, spec["kind"], spec.get("optimizer", "none"))
 
 
 class CaseInputs:

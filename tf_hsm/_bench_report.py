@@ -153,11 +153,12 @@ def case_markdown(case, optimizer):
       mem_cell = f"{mem['status']}"
     speed = row.get("tf_hsm_speedup") or {}
     speed_cell = " / ".join(f"{k} ×{v:.3g}" for k, v in speed.items()) or "–"
-    if row.get("faster_than_tf_hsm", {}).get("step"):
-      speed_cell = f"fused step ×{row['faster_than_tf_hsm']['step']:.3g} faster than tf_hsm"
-      if name == setup.KERAS_STEP:
-        speed_cell = (f"train_on_batch (+{setup.step_optimizer(case['kind'], name, optimizer)}"
-                      f") {1 / row['faster_than_tf_hsm']['step']:.3g}× tf_hsm's time")
+    faster = row.get("faster_than_tf_hsm", {}).get("step")
+    if faster and name == setup.KERAS_STEP:
+      speed_cell = (f"train_on_batch (+{setup.step_optimizer(case['kind'], name, optimizer)}"
+                    f") {1 / faster:.3g}× tf_hsm's time")
+    elif faster:
+      speed_cell = f"fused step ×{faster:.3g} faster than tf_hsm"
     third = (_num((row.get("info") or {}).get("nodes_expanded_per_row"), "{:.1f}") if topk
              else _ms(row.get("step")))
     roof = rates.get("roofline")

@@ -118,6 +118,14 @@ def step_optimizer(kind, method, optimizer):
   return optimizer
 
 
+def mutates_table(method, kind, optimizer):
+  """Whether a method's timed step updates its table (an optimizer, the fused SGD step or
+  the Keras step), so that it needs a table of its own."""
+  if method in TOPK_METHODS:
+    return False
+  return method in EXTRA_TRAIN_METHODS or kind == "mem" or optimizer != "none"
+
+
 def zipf_weights(num_classes):
   """Unnormalised Zipf(1) probabilities 1/rank of the frequency-sorted classes 0..V-1."""
   return 1.0 / np.arange(1, num_classes + 1, dtype=np.float64)

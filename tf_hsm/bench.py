@@ -13,9 +13,10 @@ For every scenario x vocabulary x tree x token count (a "case"):
 * the methods that fit are then timed in one process, interleaved round-robin so that
   noise hits all of them alike: forward and forward+backward (+ optimizer step), median
   and IQR over --repeats runs after warm-up, each call a tf.function whose outputs are
-  read on the host (the Keras method's step is `train_on_batch`, as a user calls it); plus tokens/s, achieved GFLOP/s and GB/s by PERFORMANCE.md's formulas,
-  the fraction of the roofline given the matmul rate and memory bandwidth measured in the
-  same process, and the speed-up of tf_hsm over every baseline.
+  read on the host (the Keras method's step is `train_on_batch`, as a user calls it);
+  plus tokens/s, achieved GFLOP/s and GB/s by PERFORMANCE.md's formulas, the fraction
+  of the roofline given the matmul rate and memory bandwidth measured in the same
+  process, and the speed-up of tf_hsm over every baseline.
 
 Writes bench.md (also printed), bench.json and bench.png (log-log time per token against V)
 to --out.
@@ -358,7 +359,7 @@ def plan_timing_groups(case, runnable, rows, opts):
 
   def table_key(m):
     by_class = m in setup.CLASS_TABLE_METHODS
-    return (by_class, m if _mutates_table(m, case, opts) else None)
+    return (by_class, m if setup.mutates_table(m, case["kind"], opts.optimizer) else None)
 
   def estimate(group):
     largest = max(group, key=lambda m: mems[m]["baseline_rss"])
@@ -374,14 +375,6 @@ def plan_timing_groups(case, runnable, rows, opts):
     else:
       groups.append([m])
   return groups
-
-
-def _mutates_table(method, case, opts):
-  """Mirrors _bench_methods.mutates_table: the method's step updates its table."""
-  if method in setup.TOPK_METHODS:
-    return False
-  return (method in setup.EXTRA_TRAIN_METHODS or case["kind"] == "mem"
-          or opts.optimizer != "none")
 
 
 def time_group(case, methods, rows, workdir, opts, progress):
