@@ -123,7 +123,7 @@ inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64
   int64 k = 0;
   for (; k + kSplit <= d; k += kSplit) {
     if (ahead < ahead_end) {
-      __builtin_prefetch(ahead, 0, 2);
+      RequestLine<false, 2>(ahead);
       ahead += kLine;
     }
     for (int64 u = 0; u < kSplit; ++u) {
@@ -141,7 +141,7 @@ inline void Tile(const T* panel, int64 d, const T* b, int64 ldb, int64 j0, int64
       for (int64 q = 0; q < kGroups; ++q) acc[u][q][c] += s * simd::Load(panel + (q * d + k) * w);
     }
   }
-  for (; ahead < ahead_end; ahead += kLine) __builtin_prefetch(ahead, 0, 2);
+  for (; ahead < ahead_end; ahead += kLine) RequestLine<false, 2>(ahead);
   for (int64 half = kSplit / 2; half > 0; half /= 2)
     for (int64 u = 0; u < half; ++u)
       for (int64 q = 0; q < kGroups; ++q)

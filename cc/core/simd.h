@@ -12,6 +12,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "cc/core/prefetch.h"
+
 #if defined(__AVX512F__) && !defined(__CUDACC__)
 #include <immintrin.h>
 #define TF_HSM_MASKED_PARTIALS 1
@@ -482,7 +484,7 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
       VecT<T> acc[kRows * kCols] = {};
       for (int64 k = 0; k < full; k += w) {
         if (ask) {
-          for (int64 c = 0; c < kCols; ++c) __builtin_prefetch(next[c] + k * sizeof(T), 0, 3);
+          for (int64 c = 0; c < kCols; ++c) RequestLine(next[c] + k * sizeof(T));
         }
         VecT<T> av[kRows], bv[kCols];
         for (int64 r = 0; r < kRows; ++r) av[r] = InRegister(Load(ar[r] + k));
@@ -492,7 +494,7 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
       }
       if (rest) {
         if (ask) {
-          for (int64 c = 0; c < kCols; ++c) __builtin_prefetch(next[c] + full * sizeof(T), 0, 3);
+          for (int64 c = 0; c < kCols; ++c) RequestLine(next[c] + full * sizeof(T));
         }
         VecT<T> av[kRows], bv[kCols];
         for (int64 r = 0; r < kRows; ++r) av[r] = LoadPartial(ar[r] + full, rest);
@@ -534,7 +536,7 @@ template <typename T>
 inline void PrefetchRowAhead(const T* b, int64 ldb, int64 j, int64 nb, int64 d) {
   if (j + kPrefetchAhead >= nb) return;
   const char* row = reinterpret_cast<const char*>(b + (j + kPrefetchAhead) * ldb);
-  for (int64 o = 0; o < d * static_cast<int64>(sizeof(T)); o += 64) __builtin_prefetch(row + o, 0, 2);
+  for (int64 o = 0; o < d * static_cast<int64>(sizeof(T)); o += 64) RequestLine<false, 2>(row + o);
 }
 
 // Same result layout as DotRows, one dot product at a time: for tiles with fewer than four
@@ -753,7 +755,7 @@ void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* 
       const int64 ni = last ? 0 : i0 + 4, nk = last ? k + kSlice : k;
       if (nk < full_k) {
         for (int64 r = 0; r < 4; ++r)
-          for (int64 l = 0; l < kSlice; l += kLine) __builtin_prefetch(out[ni + r] + nk + l, 1, 3);
+          for (int64 l = 0; l < kSlice; l += kLine) RequestLine<true>(out[ni + r] + nk + l);
       }
       internal::AccumulateRowsBlock<T, 4, 4>(out, i0, coef, ldc, bk, ldk, nb, k);
     }

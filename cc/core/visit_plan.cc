@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "cc/core/prefetch.h"
+
 namespace tf_hsm {
 namespace {
 
@@ -69,20 +71,20 @@ std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num
     return *b >= 0 && *b < *e && *e <= tree.path_length;
   };
   for (int64 i = 0; i < num_tokens; ++i) {
-    if (valid_target(i + kAhead)) __builtin_prefetch(tree.path_begin + targets[i + kAhead]);
+    if (valid_target(i + kAhead)) RequestLine(tree.path_begin + targets[i + kAhead]);
     int64 ahead_b, ahead_e;
     if (path_range(i + kAhead / 2, &ahead_b, &ahead_e)) {
       for (int64 p = ahead_b; p < ahead_e; p += kPerLine) {
-        __builtin_prefetch(tree.path_nodes + p);
-        __builtin_prefetch(tree.path_slots + p);
+        RequestLine(tree.path_nodes + p);
+        RequestLine(tree.path_slots + p);
       }
-      __builtin_prefetch(tree.path_nodes + ahead_e - 1);
-      __builtin_prefetch(tree.path_slots + ahead_e - 1);
+      RequestLine(tree.path_nodes + ahead_e - 1);
+      RequestLine(tree.path_slots + ahead_e - 1);
     }
     if (path_range(i + kAhead / 4, &ahead_b, &ahead_e)) {
       for (int64 p = ahead_b; p < ahead_e; ++p) {
         const int64 n = tree.path_nodes[p];
-        if (n >= 0 && n < M) __builtin_prefetch(tree.child_begin + n);
+        if (n >= 0 && n < M) RequestLine(tree.child_begin + n);
       }
     }
     const int64 t = targets[i];
