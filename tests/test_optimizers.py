@@ -337,13 +337,29 @@ def _numpy_adagrad_rows(w, acc, indices, grad, lr, eps):
   return w, acc
 
 
+def _named_rows(rng, layout, n):
+  """(number of table rows, n row ids with repeats) for the fused ops' tests.
+
+  "dense": 2,500 ids in 3,000 rows, ~1/3 of the rows named more than once (their sums'
+  order of addition matters), enough for the kernel to split them over threads; the ops
+  visit Adam's and Adagrad's rows in row order. "sparse": 300 ids drawn from 200 rows
+  spread over 60,000, far enough apart (~30 KB a row at D=37) that every op visits them
+  in the order given (cc/core/sparse_rows.h, VisitInGradientOrder).
+  """
+  if layout == "dense":
+    return 3000, rng.integers(0, 3000, n)
+  named = rng.choice(60000, 200, replace=False)
+  return 60000, named[rng.integers(0, named.size, n // 8)]
+
+
+@pytest.mark.parametrize("layout", ["dense", "sparse"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_fused_rows_are_the_formula_in_numpy_bit_for_bit(rng, dtype, amsgrad):
-  # Enough rows and indices for the kernel to split them over threads; ~1/3 of the rows
-  # named are named more than once, so their sums' order of addition matters.
-  rows, dim, n = 3000, 37, 2500
-  indices = rng.integers(0, rows, n).astype(np.int64)
+def test_fused_rows_are_the_formula_in_numpy_bit_for_bit(rng, dtype, amsgrad, layout):
+  dim = 37
+  rows, indices = _named_rows(rng, layout, 2500)
+  indices = indices.astype(np.int64)
+  n = indices.size
   grad = rng.normal(size=(n, dim)).astype(dtype)
   w, m = (rng.normal(size=(rows, dim)).astype(dtype) for _ in range(2))
   v, v_hat = (rng.random(size=(rows, dim)).astype(dtype) for _ in range(2))
@@ -366,11 +382,14 @@ def test_fused_rows_are_the_formula_in_numpy_bit_for_bit(rng, dtype, amsgrad):
     np.testing.assert_array_equal(got.numpy(), want)
 
 
+@pytest.mark.parametrize("layout", ["dense", "sparse"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("kwargs", _SGD_FORMS)
-def test_fused_sgd_rows_are_the_formula_in_numpy_bit_for_bit(rng, dtype, kwargs):
-  rows, dim, n = 3000, 37, 2500
-  indices = rng.integers(0, rows, n).astype(np.int32)
+def test_fused_sgd_rows_are_the_formula_in_numpy_bit_for_bit(rng, dtype, kwargs, layout):
+  dim = 37
+  rows, indices = _named_rows(rng, layout, 2500)
+  indices = indices.astype(np.int32)
+  n = indices.size
   grad = rng.normal(size=(n, dim)).astype(dtype)
   w, m = (rng.normal(size=(rows, dim)).astype(dtype) for _ in range(2))
   lr, mu = dtype(0.05), dtype(kwargs.get("momentum", 0.0))

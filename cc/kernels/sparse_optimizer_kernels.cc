@@ -134,7 +134,8 @@ void UpdateNamedRows(OpKernelContext* ctx, const std::vector<const char*>& names
   std::vector<T*> data(names.size());
   for (size_t i = 0; i < names.size(); ++i) data[i] = vars.data(i);
   ForEachDistinctRow(rows.data(), rows.size(), vars.num_rows(), gradient.flat<T>().data(),
-                     width, cost_per_element * width, CpuParallelFor(ctx),
+                     width, cost_per_element * width, static_cast<int>(names.size()),
+                     CpuParallelFor(ctx),
                      [&](int64 row, const T* g_row) {
                        T* row_data[kMaxVariables];
                        for (size_t i = 0; i < data.size(); ++i) {

@@ -16,6 +16,7 @@
 
 #include "cc/core/log_prob.h"
 #include "cc/core/simd.h"
+#include "cc/core/sparse_rows.h"
 #include "cc/core/visit_plan.h"
 #include "cc/tests/test_util.h"
 
@@ -554,6 +555,63 @@ void TestVisitPlanStructure() {
          plan.group_node[plan.level_begin[1]] == c.path_nodes[b], "repeated node: its second group");
 }
 
+// ForEachDistinctRow, in both visiting orders and on any threads: every row named gets
+// exactly one update, with 0 + the sum of its gradient rows in the order they are named
+// (the bits of tf.unique + unsorted_segment_sum), and no other row gets one.
+void TestForEachDistinctRow() {
+  std::mt19937_64 rng(7);
+  bool saw_gradient_order = false, saw_sorted = false;
+  for (int trial = 0; trial < 24; ++trial) {
+    // Few rows (many repeats, dense) or many (sparse); 1 or 3 variables per row.
+    const int64 num_rows = trial % 2 == 0 ? 40 : 200000;
+    const int num_variables = trial % 4 < 2 ? 1 : 3;
+    const int64 n = 1 + static_cast<int64>(rng() % 3000), width = 1 + static_cast<int64>(rng() % 19);
+    std::vector<int64> rows(n);
+    for (auto& r : rows) r = static_cast<int64>(rng() % num_rows);
+    std::vector<float> g(n * width);
+    std::normal_distribution<float> normal;
+    for (auto& x : g) x = rng() % 7 == 0 ? -0.0f : normal(rng);
+    // Expected: the merge's sums, in the order of k.
+    std::vector<float> want(num_rows * width, 0.0f);
+    std::vector<int> want_named(num_rows, 0);
+    for (int64 k = 0; k < n; ++k) {
+      want_named[rows[k]] = 1;
+      for (int64 i = 0; i < width; ++i) want[rows[k] * width + i] = want[rows[k] * width + i] + g[k * width + i];
+    }
+    const bool in_gradient_order =
+        VisitInGradientOrder(n, num_rows, width * static_cast<int64>(sizeof(float)), num_variables);
+    (in_gradient_order ? saw_gradient_order : saw_sorted) = true;
+    for (int threads : {0, 2, 5}) {
+      std::vector<float> got(num_rows * width, 1.0f);
+      std::vector<std::atomic<int>> updates(num_rows);
+      std::atomic<bool> bad_request(false);
+      const ParallelFor parallel_for = threads == 0 ? ParallelFor(SerialFor) : ThreadedFor(threads);
+      ForEachDistinctRow(rows.data(), n, num_rows, g.data(), width, 10 * width, num_variables,
+                         parallel_for,
+                         [&](int64 row, const float* g_row) {
+                           ++updates[row];
+                           for (int64 i = 0; i < width; ++i) got[row * width + i] = 0.0f + g_row[i];
+                         },
+                         [&](int64 row) {
+                           if (row < 0 || row >= num_rows) bad_request = true;
+                         });
+      EXPECT(!bad_request, "a request outside [0, %ld)", (long)num_rows);
+      int64 wrong_count = 0, wrong_bits = 0;
+      for (int64 r = 0; r < num_rows; ++r) {
+        wrong_count += updates[r] != want_named[r];
+        if (want_named[r]) {
+          wrong_bits += std::memcmp(&got[r * width], &want[r * width], width * sizeof(float)) != 0;
+        }
+      }
+      EXPECT(wrong_count == 0, "%ld rows not updated exactly once (%s order, %d threads)",
+             (long)wrong_count, in_gradient_order ? "gradient" : "sorted", threads);
+      EXPECT(wrong_bits == 0, "%ld rows with other sums (%s order, %d threads)", (long)wrong_bits,
+             in_gradient_order ? "gradient" : "sorted", threads);
+    }
+  }
+  EXPECT(saw_gradient_order && saw_sorted, "both orders should have been tested");
+}
+
 void TestValidation() {
   std::mt19937_64 rng(4);
   Layout t = RandomLayout(rng, 5, 3, 0.5, 50);
@@ -916,6 +974,7 @@ int main() {
       {"log_prob_from_backward", tf_hsm::TestLogProbFromBackward},
       {"visit_plan_structure", tf_hsm::TestVisitPlanStructure},
       {"validation", tf_hsm::TestValidation},
+      {"for_each_distinct_row", tf_hsm::TestForEachDistinctRow},
   };
   return tf_hsm::testing::RunTests(tests);
 }
