@@ -120,9 +120,9 @@ void ForEachDistinctRow(const int64* rows, int64 n, int64 num_rows, const T* g, 
 
   if (VisitInGradientOrder(n, num_rows, row_bytes, num_variables)) {
     // The rows named more than once, found with a bit per table row (78 KB for 624K rows)
-    // rather than by sorting all entries: sorting E's 8,358 took ~0.12 ms, mostly in
-    // mispredicted comparisons, about half of the update itself. Usually there are none
-    // (an HSM gradient names each row once).
+    // rather than by sorting every entry: for E's 8,358 entries the pass without its
+    // updates took 0.04 ms this way and 0.14 ms sorting. Usually there are none (an HSM
+    // gradient names each row once).
     const int64 words = (num_rows + 63) / 64;
     std::vector<uint64_t> seen(words, 0), repeated;
     for (int64 k = 0; k < n; ++k) {
