@@ -2,7 +2,12 @@
 and SGD, lazy (touched-rows-only) updates, O(touched rows) graphs, serialization,
 model.fit."""
 
+import collections
 import functools
+import os
+import platform
+import shutil
+import subprocess
 
 import keras
 import numpy as np
@@ -417,6 +422,32 @@ def test_the_cpu_path_runs_the_fused_ops():
     types = {o.type for o in graph.get_operations()}
     types |= {o.type for f in graph._functions.values() for o in f.graph.get_operations()}
     assert op in types, sorted(types)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("objdump"),
+                    reason="reads x86-64 code with objdump")
+def test_the_row_updates_request_their_rows_in_the_built_library():
+  """Each row update asks for the rows it will update a few rows ahead (and, visiting them
+  sorted, for the gradient rows). GCC once deleted the loop of requests that the kernels
+  pass to the core as a lambda, which no result shows; this reads the op library's code:
+  every kernel's functions must hold a prefetch for the variables in each of its two
+  visiting orders and one for the gradient (3; there was 1)."""
+  library = os.path.join(os.path.dirname(_loader.__file__), "_hsm_ops.so")
+  listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library],
+                           capture_output=True, text=True, check=True).stdout
+  prefetches = collections.Counter()
+  function = ""
+  for line in listing.splitlines():
+    if line and not line[0].isspace() and line.endswith(">:"):
+      function = line
+    elif "prefetch" in line:
+      for kernel in ("SparseSgdRowsOp", "SparseAdamRowsOp", "SparseAdagradRowsOp"):
+        for types in ("<float, long>", "<double, int>"):
+          if kernel + types in function:
+            prefetches[kernel + types] += 1
+  for kernel in ("SparseSgdRowsOp", "SparseAdamRowsOp", "SparseAdagradRowsOp"):
+    for types in ("<float, long>", "<double, int>"):
+      assert prefetches[kernel + types] >= 3, (kernel + types, prefetches)
 
 
 def test_fused_row_ops_reject_bad_input():
