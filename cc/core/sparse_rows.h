@@ -58,27 +58,34 @@ void AdagradRow(const T* g, int64 n, T learning_rate, T epsilon, T* w, T* acc);
 template <typename T>
 void SumRows(const T* g, int64 width, const int64* ks, int64 count, T* out);
 
-// Whether ForEachDistinctRow visits the rows in the gradient's order (true) or sorted by
-// row (false), for n gradient rows of a table of num_rows rows, with row_bytes per row in
-// each of num_variables variables (the table and the optimizer's slots). A pass costs
-// about its scattered accesses: the touched rows of a large table are cache and TLB misses
-// however early they are requested (this machine kind reads scattered rows at ~5-7 GB/s
-// against ~26 GB/s streaming). In the gradient's order the gradient is read front to back
-// and the variables at scattered rows; sorted, the variables are walked in address order
-// and the gradient read at scattered rows. Sorting can pay only where that walk is close
-// to streaming (the touched rows are dense) and there are several variables to walk
-// against the one gradient. Measured on the AMD EPYC (random row ids in a 1M x 300 table,
-// each order alternately in one process): SGD 4-13% faster in the gradient's order from
-// 8K to 500K rows (32K within the noise); Adam 15% faster in it at 8K rows (150 KB
-// apart), within the noise at 32K-100K, 7-13% slower at 226K-500K (5 KB apart and less).
-// An HSM gradient comes in the backward's order, node by node: at scenario E (8,358 rows
-// 30 KB apart, just written) the update took 1.4x less time in that order with SGD and
-// with Adam; at D (rows ascending already) the orders are the same.
+// Whether ForEachDistinctRow visits rows[0, n) in the gradient's order (true) or sorted by
+// row (false), for a table of num_rows rows, with row_bytes per row in each of
+// num_variables variables (the table and the optimizer's slots). A pass costs about its
+// scattered accesses: the touched rows of a large table are cache and TLB misses however
+// early they are requested (this machine kind reads scattered rows at ~5-7 GB/s against
+// ~26 GB/s streaming). In the gradient's order the gradient is read front to back and
+// the variables at scattered rows; sorted, the variables are walked in address order and
+// the gradient read at scattered rows. Sorting can pay only where that walk is close to
+// streaming (the touched rows are dense), there are several variables to walk against
+// the one gradient, and the rows do not come in order already. Measured on the AMD EPYC
+// (each order forced in turn in one process): with random row ids in a 1M x 300 table,
+// SGD 4-13% faster in the gradient's order from 8K to 500K rows (32K within the noise),
+// Adam 15% faster in it at 8K rows (150 KB apart), within the noise at 32K-100K, 7-13%
+// slower at 226K-500K (5 KB apart and less). HSM gradients come in the backward's order,
+// node by node: at scenario E (8,358 rows 30 KB apart, a quarter of the steps going
+// back) the update took 1.4x less time in that order with SGD and with Adam; at D (95K
+// rows 12.6 KB apart, ascending already) Adam's took 24 ms against 29 sorted, the sort
+// and the gradient's requests costing more than they saved.
 constexpr int64 kSortedVisitMaxGapBytes = 16 << 10;
-inline bool VisitInGradientOrder(int64 n, int64 num_rows, int64 row_bytes, int num_variables) {
-  if (num_variables <= 1 || n <= 0) return true;
+inline bool VisitInGradientOrder(const int64* rows, int64 n, int64 num_rows, int64 row_bytes,
+                                 int num_variables) {
+  if (num_variables <= 1 || n <= 1) return true;
   const double mean_gap_bytes = static_cast<double>(num_rows) / n * row_bytes;
-  return mean_gap_bytes > kSortedVisitMaxGapBytes;
+  if (mean_gap_bytes > kSortedVisitMaxGapBytes) return true;
+  // Rows already in order, but for at most one step in eight going back.
+  int64 descents = 0;
+  for (int64 k = 1; k < n; ++k) descents += rows[k] < rows[k - 1];
+  return descents * 8 <= n;
 }
 
 // Calls update(row, g_row) once for every distinct row named in rows[0, n) (each in
@@ -95,7 +102,9 @@ inline bool VisitInGradientOrder(int64 n, int64 num_rows, int64 row_bytes, int n
 // thread count and in either order. request(row) is called a few entries before
 // update(row), for the caller to ask for the row's lines (RequestLines): the touched
 // rows of a large table are cache misses at scattered places, and the update would
-// otherwise wait on each one.
+// otherwise wait on each one. A row visited right after the row before it in the table
+// is not requested: the hardware's prefetcher streams such runs already, and at D (95K
+// rows a step in runs of ~1,000) requesting them made LazyAdam's update ~10% slower.
 template <typename T, typename Update, typename Request>
 void ForEachDistinctRow(const int64* rows, int64 n, int64 num_rows, const T* g, int64 width,
                         int64 cost_per_row, int num_variables, const ParallelFor& parallel_for,
@@ -118,7 +127,7 @@ void ForEachDistinctRow(const int64* rows, int64 n, int64 num_rows, const T* g, 
     return end;
   };
 
-  if (VisitInGradientOrder(n, num_rows, row_bytes, num_variables)) {
+  if (VisitInGradientOrder(rows, n, num_rows, row_bytes, num_variables)) {
     // The rows named more than once, found with a bit per table row (78 KB for 624K rows)
     // rather than by sorting every entry: for E's 8,358 entries the pass without its
     // updates took 0.04 ms this way and 0.14 ms sorting. Usually there are none (an HSM
@@ -159,7 +168,8 @@ void ForEachDistinctRow(const int64* rows, int64 n, int64 num_rows, const T* g, 
       int64 requested = lo;
       for (int64 k = lo; k < hi; ++k) {
         for (; requested < std::min(hi, k + 1 + ahead); ++requested) {
-          if (role(requested) != kLater) request(rows[requested]);
+          const bool follows = requested > 0 && rows[requested] == rows[requested - 1] + 1;
+          if (role(requested) != kLater && !follows) request(rows[requested]);
         }
         const int64 j = role(k);
         if (j == kOnce) {
@@ -197,7 +207,8 @@ void ForEachDistinctRow(const int64* rows, int64 n, int64 num_rows, const T* g, 
       for (int64 j = 0; j < count;) {
         const int64 end = run_end(ks, j, count);
         for (; requested < std::min(count, end + ahead); ++requested) {
-          request(rows[ks[requested]]);
+          const int64 row = rows[ks[requested]];
+          if (requested == 0 || row != rows[ks[requested - 1]] + 1) request(row);
           RequestLines(g + ks[requested] * width, row_bytes, false);
         }
         if (end - j == 1) {
