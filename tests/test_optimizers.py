@@ -435,19 +435,18 @@ def test_the_row_updates_request_their_rows_in_the_built_library():
   library = os.path.join(os.path.dirname(_loader.__file__), "_hsm_ops.so")
   listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library],
                            capture_output=True, text=True, check=True).stdout
+  kernels = [kernel + types for kernel in ("SparseSgdRowsOp", "SparseAdamRowsOp",
+                                            "SparseAdagradRowsOp")
+             for types in ("<float, long>", "<double, int>")]
   prefetches = collections.Counter()
   function = ""
   for line in listing.splitlines():
     if line and not line[0].isspace() and line.endswith(">:"):
       function = line
     elif "prefetch" in line:
-      for kernel in ("SparseSgdRowsOp", "SparseAdamRowsOp", "SparseAdagradRowsOp"):
-        for types in ("<float, long>", "<double, int>"):
-          if kernel + types in function:
-            prefetches[kernel + types] += 1
-  for kernel in ("SparseSgdRowsOp", "SparseAdamRowsOp", "SparseAdagradRowsOp"):
-    for types in ("<float, long>", "<double, int>"):
-      assert prefetches[kernel + types] >= 3, (kernel + types, prefetches)
+      prefetches.update(kernel for kernel in kernels if kernel in function)
+  for kernel in kernels:
+    assert prefetches[kernel] >= 3, (kernel, prefetches)
 
 
 def test_fused_row_ops_reject_bad_input():

@@ -126,6 +126,17 @@ void ForEachDistinctRow(const int64* rows, int64 n, int64 num_rows, const T* g, 
     while (end < stop && rows[ks[end]] == rows[ks[j]]) ++end;
     return end;
   };
+  // Updates the row that ks[0, count) name (in increasing k): straight from its gradient
+  // row when one k names it, else from the sum of theirs, made in *sum.
+  auto update_run = [&](const int64* ks, int64 count, std::vector<T>* sum) {
+    if (count == 1) {
+      update(rows[ks[0]], g + ks[0] * width);
+      return;
+    }
+    sum->resize(width);
+    SumRows(g, width, ks, count, sum->data());
+    update(rows[ks[0]], static_cast<const T*>(sum->data()));
+  };
 
   if (VisitInGradientOrder(rows, n, num_rows, row_bytes, num_variables)) {
     // The rows named more than once, found with a bit per table row (78 KB for 624K rows)
@@ -168,17 +179,15 @@ void ForEachDistinctRow(const int64* rows, int64 n, int64 num_rows, const T* g, 
       int64 requested = lo;
       for (int64 k = lo; k < hi; ++k) {
         for (; requested < std::min(hi, k + 1 + ahead); ++requested) {
-          const bool follows = requested > 0 && rows[requested] == rows[requested - 1] + 1;
+          const bool follows = requested > lo && rows[requested] == rows[requested - 1] + 1;
           if (role(requested) != kLater && !follows) request(rows[requested]);
         }
         const int64 j = role(k);
         if (j == kOnce) {
-          update(rows[k], g + k * width);
+          update_run(&k, 1, &sum);
         } else if (j != kLater) {
-          sum.resize(width);
           const int64 stop = static_cast<int64>(repeats.size());
-          SumRows(g, width, repeats.data() + j, run_end(repeats.data(), j, stop) - j, sum.data());
-          update(rows[k], static_cast<const T*>(sum.data()));
+          update_run(repeats.data() + j, run_end(repeats.data(), j, stop) - j, &sum);
         }
       }
     });
@@ -198,7 +207,7 @@ void ForEachDistinctRow(const int64* rows, int64 n, int64 num_rows, const T* g, 
   for (int64 k = 0; k < n; ++k) order[fill[rows[k] >> shift]++] = k;
   const int64 cost = std::max<int64>(1, n / num_ranges) * cost_per_row;
   parallel_for(num_ranges, cost, [&](int64 lo, int64 hi) {
-    std::vector<T> sum(width);
+    std::vector<T> sum;
     for (int64 r = lo; r < hi; ++r) {
       int64* ks = order.data() + begin[r];
       const int64 count = begin[r + 1] - begin[r];
@@ -207,16 +216,11 @@ void ForEachDistinctRow(const int64* rows, int64 n, int64 num_rows, const T* g, 
       for (int64 j = 0; j < count;) {
         const int64 end = run_end(ks, j, count);
         for (; requested < std::min(count, end + ahead); ++requested) {
-          const int64 row = rows[ks[requested]];
-          if (requested == 0 || row != rows[ks[requested - 1]] + 1) request(row);
+          const bool follows = requested > 0 && rows[ks[requested]] == rows[ks[requested - 1]] + 1;
+          if (!follows) request(rows[ks[requested]]);
           RequestLines(g + ks[requested] * width, row_bytes, false);
         }
-        if (end - j == 1) {
-          update(rows[ks[j]], g + ks[j] * width);
-        } else {
-          SumRows(g, width, ks + j, end - j, sum.data());
-          update(rows[ks[j]], static_cast<const T*>(sum.data()));
-        }
+        update_run(ks + j, end - j, &sum);
         j = end;
       }
     }
