@@ -69,10 +69,24 @@ fi
 
 # --- Bazel configuration ----------------------------------------------------------------
 march="${TF_HSM_MARCH:-native}"
+# The kernels promise the same bits whichever of them computes a value (a dot product by
+# one row or in a tile, a token's walk or the weight gradient's recomputation), which
+# needs the compiler to fuse a * b + c into one FMA everywhere or nowhere. GCC's tuning
+# for AMD Zen (-mtune=znver*, what -march=native picks there) splits FMAs that form a
+# loop-carried chain of 128- or 256-bit vectors, and only those: whether a product is
+# fused then depends on the loop around it. Turn that off where the compiler knows it.
+core_copts="-march=$march"
+fma_chains=""
+for knob in avoid_fma_chains avoid_fma256_chains avoid_fma512_chains; do
+  if echo 'int x;' | "${CC:-gcc}" -mtune-ctrl="^$knob" -x c++ -c - -o /dev/null 2>/dev/null; then
+    fma_chains="${fma_chains:+$fma_chains\\\\,}^$knob"
+  fi
+done
+[ -n "$fma_chains" ] && core_copts="$core_copts,-mtune-ctrl=$fma_chains"
 config=$(cat <<CONF
 # Written by ./configure.sh; do not edit.
 build --repo_env=TF_HSM_PYTHON=$python
-build --per_file_copt=cc/core/.*,cc/tests/.*@-march=$march
+build --per_file_copt=cc/core/.*,cc/tests/.*@$core_copts
 CONF
 )
 if [ "$config" != "$(cat .tf_hsm.bazelrc 2>/dev/null)" ]; then

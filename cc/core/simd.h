@@ -2,7 +2,8 @@
 // extensions: the compiler emits AVX-512, AVX2 or SSE from the same source depending on
 // -march, which keeps one portable code path. Every output element is produced by the same
 // fixed sequence of operations whatever the blocking around it, so results are identical
-// across thread counts and tilings.
+// across thread counts and tilings. That includes fusing a * b + c into one FMA in every
+// kernel or in none, which configure.sh makes sure of for GCC's AMD Zen tuning.
 #ifndef TF_HSM_CC_CORE_SIMD_H_
 #define TF_HSM_CC_CORE_SIMD_H_
 
@@ -17,6 +18,11 @@
 #if defined(__AVX512F__) && !defined(__CUDACC__)
 #include <immintrin.h>
 #define TF_HSM_MASKED_PARTIALS 1
+#elif defined(__AVX2__) && !defined(__CUDACC__)
+// AVX2 without AVX-512: partial loads and stores are masked moves (vmaskmov, which never
+// touches a masked-out element) rather than library copies, streaming stores vmovntps.
+#include <immintrin.h>
+#define TF_HSM_AVX2_PARTIALS 1
 #endif
 
 // Everything here is compiled for the instruction set of the file that includes it, and
@@ -47,11 +53,22 @@ using int64 = std::int64_t;
 
 template <typename T>
 struct Vec;
+// With AVX-512 a vector is 64 bytes, one register. With AVX2 a float vector is 32 bytes,
+// one register too: GCC lowers comparisons and selects (x > y ? x : y) of 64-byte vectors
+// on AVX2 to scalar code with branches, which made the exp, log and softmax kernels the
+// slowest part of a step (E's backward: 2.7 ms with 64-byte vectors, 1.0-1.3 ms with
+// 32-byte ones, on a Zen 3 EPYC). double vectors stay 64 bytes, 8 lanes, so that a
+// walked node of up to 8 children still fits one vector of either type.
+#if defined(TF_HSM_AVX2_PARTIALS)
+constexpr int kFloatVectorBytes = 32;
+#else
+constexpr int kFloatVectorBytes = 64;
+#endif
 template <>
 struct Vec<float> {
-  typedef float type __attribute__((vector_size(64)));
-  typedef std::int32_t itype __attribute__((vector_size(64)));
-  static constexpr int kWidth = 16;
+  typedef float type __attribute__((vector_size(kFloatVectorBytes)));
+  typedef std::int32_t itype __attribute__((vector_size(kFloatVectorBytes)));
+  static constexpr int kWidth = kFloatVectorBytes / 4;
 };
 template <>
 struct Vec<double> {
@@ -113,7 +130,7 @@ inline void CopyStreaming(T* dst, const T* src, int64 n) {
 }
 
 inline void StreamFence() {
-#ifdef TF_HSM_MASKED_PARTIALS
+#if defined(TF_HSM_MASKED_PARTIALS) || defined(TF_HSM_AVX2_PARTIALS)
   _mm_sfence();
 #endif
 }
@@ -145,6 +162,65 @@ inline void StorePartial<float>(float* p, VecT<float> v, int64 n) {
 template <>
 inline void StorePartial<double>(double* p, VecT<double> v, int64 n) {
   _mm512_mask_storeu_pd(p, static_cast<__mmask8>((1u << n) - 1), reinterpret_cast<__m512d>(v));
+}
+#endif
+
+#ifdef TF_HSM_AVX2_PARTIALS
+namespace internal {
+
+// The two 32-byte halves of a 64-byte vector, and back.
+template <typename H, typename V>
+inline H Half(V v, int which) {
+  H h;
+  std::memcpy(&h, reinterpret_cast<const char*>(&v) + 32 * which, 32);
+  return h;
+}
+template <typename V, typename H>
+inline V Join(H lo, H hi) {
+  V v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+}
+// Lanes i < n of 8 (float) or 4 (double) set, for any n (n <= 0: none).
+inline __m256i FirstLanes32(int64 n) {
+  const int m = static_cast<int>(n < 0 ? 0 : n > 8 ? 8 : n);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline __m256i FirstLanes64(int64 n) {
+  const long long m = n < 0 ? 0 : n > 4 ? 4 : n;
+  return _mm256_cmpgt_epi64(_mm256_set1_epi64x(m), _mm256_setr_epi64x(0, 1, 2, 3));
+}
+
+}  // namespace internal
+
+// float vectors are one AVX register here (kFloatVectorBytes), double ones two.
+template <>
+inline VecT<float> LoadPartial<float>(const float* p, int64 n) {
+  return reinterpret_cast<VecT<float>>(_mm256_maskload_ps(p, internal::FirstLanes32(n)));
+}
+template <>
+inline void StorePartial<float>(float* p, VecT<float> v, int64 n) {
+  _mm256_maskstore_ps(p, internal::FirstLanes32(n), reinterpret_cast<__m256>(v));
+}
+template <>
+inline void StoreStreaming<float>(float* p, VecT<float> v) {
+  _mm256_stream_ps(p, reinterpret_cast<__m256>(v));
+}
+template <>
+inline VecT<double> LoadPartial<double>(const double* p, int64 n) {
+  return internal::Join<VecT<double>>(_mm256_maskload_pd(p, internal::FirstLanes64(n)),
+                                      _mm256_maskload_pd(p + 4, internal::FirstLanes64(n - 4)));
+}
+template <>
+inline void StorePartial<double>(double* p, VecT<double> v, int64 n) {
+  _mm256_maskstore_pd(p, internal::FirstLanes64(n), internal::Half<__m256d>(v, 0));
+  if (n > 4) _mm256_maskstore_pd(p + 4, internal::FirstLanes64(n - 4), internal::Half<__m256d>(v, 1));
+}
+template <>
+inline void StoreStreaming<double>(double* p, VecT<double> v) {
+  _mm256_stream_pd(p, internal::Half<__m256d>(v, 0));
+  _mm256_stream_pd(p + 4, internal::Half<__m256d>(v, 1));
 }
 #endif
 
@@ -463,7 +539,9 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
              int64 ldo) {
   static_assert(kRows * kCols % Vec<T>::kWidth == 0, "the tile must fill whole reductions");
   constexpr int64 w = Vec<T>::kWidth;
-  static_assert(sizeof(VecT<T>) == 64, "a vector is one cache line");
+  // A line is requested per 64 bytes of k: every step with 64-byte vectors, every other
+  // step with 32-byte ones.
+  constexpr int64 kStepsPerLine = sizeof(VecT<T>) >= 64 ? 1 : 64 / sizeof(VecT<T>);
   const int64 full = d - d % w;
   const int64 rest = d - full;
   // Columns outer: each tile of kCols weight rows is read from memory once and then serves
@@ -483,7 +561,7 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
       const bool ask = kCols <= 8 && i0 == 0 && j0 + kCols < nb;
       VecT<T> acc[kRows * kCols] = {};
       for (int64 k = 0; k < full; k += w) {
-        if (ask) {
+        if (ask && (k / w) % kStepsPerLine == 0) {
           for (int64 c = 0; c < kCols; ++c) RequestLine(next[c] + k * sizeof(T));
         }
         VecT<T> av[kRows], bv[kCols];

@@ -680,13 +680,14 @@ void TestLogAndTranspose() {
   // The vectorized float log against std::log from subnormals to the largest float (at
   // most 1 ulp), plus special values; the register transposes on a numbered matrix.
   typedef simd::VecT<float> V;
+  constexpr int fw = simd::Vec<float>::kWidth, dw = simd::Vec<double>::kWidth;
   std::vector<float> x;
   for (float v = 1e-44f; v < 3e38f; v = std::max(v * 1.0013f, std::nextafter(v, INFINITY))) x.push_back(v);
   for (float v = 0.5f; v < 2.5f; v += 1.1e-5f) x.push_back(v);
-  while (x.size() % 16 != 0) x.push_back(1.0f);
-  for (size_t i = 0; i < x.size(); i += 16) {
+  while (x.size() % fw != 0) x.push_back(1.0f);
+  for (size_t i = 0; i < x.size(); i += fw) {
     const V y = simd::LogVec(simd::Load(&x[i]));
-    for (int k = 0; k < 16; ++k) {
+    for (int k = 0; k < fw; ++k) {
       const double want = std::log(static_cast<double>(x[i + k]));
       const double ulp = std::fabs(std::nextafter(static_cast<float>(want), INFINITY) - static_cast<float>(want));
       EXPECT(std::fabs(y[k] - want) <= ulp, "log(%g) = %.9g want %.9g", x[i + k], y[k], want);
@@ -703,10 +704,10 @@ void TestLogAndTranspose() {
   std::vector<float> u = {0.0f, 1e-30f, 1e-8f, 5.9e-8f, 6e-8f, 1.2e-7f, 0.41421354f, 0.41421357f,
                           0.4142136f, 1.0f};
   for (float v = 1e-7f; v < 1.0f; v += 3.7e-6f) u.push_back(v);
-  while (u.size() % 16 != 0) u.push_back(0.5f);
-  for (size_t i = 0; i < u.size(); i += 16) {
+  while (u.size() % fw != 0) u.push_back(0.5f);
+  for (size_t i = 0; i < u.size(); i += fw) {
     const V a = simd::LogOnePlusUnitVec(simd::Load(&u[i]));
-    for (int k = 0; k < 16; ++k) {
+    for (int k = 0; k < fw; ++k) {
       const double want = std::log(static_cast<double>(u[i + k] + 1.0f));
       const double ulp = std::fabs(std::nextafter(static_cast<float>(want), INFINITY) - static_cast<float>(want));
       EXPECT(std::fabs(a[k] - want) <= ulp, "log(1 + %g) = %.9g want %.9g", u[i + k], a[k], want);
@@ -714,19 +715,19 @@ void TestLogAndTranspose() {
   }
   const V nan_in = {NAN, 0.25f};
   EXPECT(std::isnan(simd::LogOnePlusUnitVec(nan_in)[0]), "log(1 + NaN) is not NaN");
-  V m[16];
-  for (int i = 0; i < 16; ++i)
-    for (int j = 0; j < 16; ++j) m[i][j] = static_cast<float>(i * 16 + j);
+  V m[fw];
+  for (int i = 0; i < fw; ++i)
+    for (int j = 0; j < fw; ++j) m[i][j] = static_cast<float>(i * fw + j);
   simd::Transpose<float>(m);
-  simd::VecT<double> d[8];
-  for (int i = 0; i < 8; ++i)
-    for (int j = 0; j < 8; ++j) d[i][j] = i * 8 + j;
+  simd::VecT<double> d[dw];
+  for (int i = 0; i < dw; ++i)
+    for (int j = 0; j < dw; ++j) d[i][j] = i * dw + j;
   simd::Transpose<double>(d);
   bool ok = true;
-  for (int i = 0; i < 16; ++i)
-    for (int j = 0; j < 16; ++j) ok = ok && m[i][j] == j * 16 + i;
-  for (int i = 0; i < 8; ++i)
-    for (int j = 0; j < 8; ++j) ok = ok && d[i][j] == j * 8 + i;
+  for (int i = 0; i < fw; ++i)
+    for (int j = 0; j < fw; ++j) ok = ok && m[i][j] == j * fw + i;
+  for (int i = 0; i < dw; ++i)
+    for (int j = 0; j < dw; ++j) ok = ok && d[i][j] == j * dw + i;
   EXPECT(ok, "Transpose");
 }
 
