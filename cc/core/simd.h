@@ -64,6 +64,14 @@ constexpr int kFloatVectorBytes = 32;
 #else
 constexpr int kFloatVectorBytes = 64;
 #endif
+// The machine's vector registers: how many, and how wide (register-tile sizes).
+#if defined(__AVX512F__)
+constexpr int64 kVectorRegisters = 32, kRegisterBytes = 64;
+#elif defined(__AVX__)
+constexpr int64 kVectorRegisters = 16, kRegisterBytes = 32;
+#else
+constexpr int64 kVectorRegisters = 16, kRegisterBytes = 16;
+#endif
 template <>
 struct Vec<float> {
   typedef float type __attribute__((vector_size(kFloatVectorBytes)));
@@ -446,6 +454,18 @@ inline typename Vec<T>::itype Iota() {
   return iota;
 }
 
+// How many vectors wide (at most max) a register tile of `rows` rows can be while its
+// accumulators stay in registers with 4 to spare for the operands: 4 with AVX-512's 32
+// registers; with AVX2's 16, 2 for 6 rows and 3 for 4 (float), 1 for double, whose vectors
+// take two registers there. The tiles using it sum every output element in the same order
+// whatever their width, so the choice never changes a result.
+template <typename T>
+constexpr int64 TileVectors(int64 rows, int64 max) {
+  const int64 per_vector = (static_cast<int64>(sizeof(VecT<T>)) + kRegisterBytes - 1) / kRegisterBytes;
+  const int64 fit = (kVectorRegisters - 4) / (rows * per_vector);
+  return fit < 1 ? 1 : fit > max ? max : fit;
+}
+
 // out[r] = dot(h[0:d], rows[r][0:d]) for r < kRows: kRows independent accumulator chains
 // over d sharing each load of h, then one ReduceEach, so every sum is ReduceSum's tree
 // whatever kRows is.
@@ -727,7 +747,7 @@ template <typename T>
 void DotRowsPacked(const T* const* a, int64 na, const T* panels, int64 nb, int64 d, T* out,
                    int64 ldo, const T* bias = nullptr) {
   constexpr int64 w = Vec<T>::kWidth;
-  constexpr int64 kPanels = 4;
+  constexpr int64 kPanels = TileVectors<T>(6, 4);
   const int64 num_panels = (nb + w - 1) / w;
   auto tiles = [&](auto panels_tag, int64 p0) {
     constexpr int64 P = decltype(panels_tag)::value;
@@ -812,17 +832,18 @@ template <typename T>
 void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* b, int64 ldb,
                     int64 nb, int64 d) {
   constexpr int64 w = Vec<T>::kWidth;
-  const int64 full_rows = na - na % 4, full_k = d - d % (4 * w);
+  constexpr int64 kVecs = TileVectors<T>(4, 4);
+  const int64 full_rows = na - na % 4, full_k = d - d % (kVecs * w);
   // Groups of four rows, column blocks outer: every row group reads the block's slice of
   // b from L1, unless the rows of b share L1 sets (RowsShareL1Sets): the slices are then
   // first copied next to each other (1.45x faster for 128 rows of 2 KB and 64 rows).
-  constexpr int64 kSlice = 4 * w, kMaxPacked = 128, kLine = 64 / sizeof(T);
+  constexpr int64 kSlice = kVecs * w, kMaxPacked = 128, kLine = 64 / sizeof(T);
   alignas(64) T packed[kMaxPacked * kSlice];
   auto b_row = [&](int64 j) { return b + j * ldb; };
   const bool pack = nb <= kMaxPacked && full_rows >= 12 &&  // fewer groups: the copy does not pay
                     RowsShareL1Sets(nb, b_row);
   for (int64 k = 0; k < full_k; k += kSlice) {
-    if (pack) PackSlices<T, 4>(nb, b_row, k, packed);
+    if (pack) PackSlices<T, kVecs>(nb, b_row, k, packed);
     const T* bk = pack ? packed : b + k;
     const int64 ldk = pack ? kSlice : ldb;
     for (int64 i0 = 0; i0 < full_rows; i0 += 4) {
@@ -835,7 +856,7 @@ void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* 
         for (int64 r = 0; r < 4; ++r)
           for (int64 l = 0; l < kSlice; l += kLine) RequestLine<true>(out[ni + r] + nk + l);
       }
-      internal::AccumulateRowsBlock<T, 4, 4>(out, i0, coef, ldc, bk, ldk, nb, k);
+      internal::AccumulateRowsBlock<T, 4, kVecs>(out, i0, coef, ldc, bk, ldk, nb, k);
     }
   }
   for (int64 i0 = 0; i0 < na; i0 += 4) {
@@ -858,7 +879,7 @@ void AccumulateRows(T* const* out, int64 na, const T* coef, int64 ldc, const T* 
       blocks(std::integral_constant<int64, 1>(), std::integral_constant<int64, 8>());
       blocks(std::integral_constant<int64, 1>(), std::integral_constant<int64, 4>());
     }
-    // The columns left (fewer than four vectors): one block of them all, the last vector
+    // The columns left (fewer than a block's vectors): one block of them all, the last vector
     // partial, so that they too run rows x vectors chains (one vector at a time, the tail
     // of D = 300 took longer than the 256 columns before it).
     if (k == d) continue;
@@ -891,7 +912,7 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
                           const T* const* a, int64 na, int64 d, bool overwrite = false,
                           bool stream = false) {
   constexpr int64 w = Vec<T>::kWidth;
-  constexpr int64 kCols = 4, kVecs = 4;  // 16 independent accumulator chains
+  constexpr int64 kCols = 4, kVecs = TileVectors<T>(kCols, 4);  // independent accumulator chains
   const int64 full_cols = nb - nb % kCols, full_k = d - d % (kVecs * w);
   auto store = [&](T* o, VecT<T> v) {
     if (stream) {
@@ -900,7 +921,7 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
       Store(o, v);
     }
   };
-  // Output rows [j0, j0 + 4) x columns [k, k + 4 kWidth), summed over every a[i]; the
+  // Output rows [j0, j0 + 4) x columns [k, k + kVecs kWidth), summed over every a[i]; the
   // slice of a[i] is read at src(i) (a[i] + k, or its packed copy).
   auto tile = [&](int64 j0, int64 k, auto&& src) {
     VecT<T> acc[kCols][kVecs];
