@@ -95,9 +95,9 @@ inline VecT<T> Load(const T* p) {
   return v;
 }
 
-// Loads n < kWidth elements, the rest zero. With AVX-512 a masked load (the masked-out
-// lanes are never read, so no fault past the end); otherwise a copy, which for a size
-// unknown at compile time is a library call on every tail of every dot product.
+// Loads n < kWidth elements, the rest zero. With AVX-512 or AVX2 a masked load (the
+// masked-out lanes are never read, so no fault past the end); otherwise a copy, which for
+// a size unknown at compile time is a library call on every tail of every dot product.
 template <typename T>
 inline VecT<T> LoadPartial(const T* p, int64 n) {
   VecT<T> v = {};
@@ -115,10 +115,11 @@ inline void StorePartial(T* p, VecT<T> v, int64 n) {
   std::memcpy(p, &v, n * sizeof(T));
 }
 
-// A whole-vector store to a 64-byte aligned p that bypasses the caches: for output written
-// once and not read back soon, whose lines then need no read for ownership (on these
-// machines a sequential stream of them runs at about 3x the bandwidth of ordinary
-// stores). Call StreamFence() before another thread reads what was stored.
+// A whole-vector store that bypasses the caches, to p aligned to the vector's size
+// (callers start their streams at a 64-byte line and store whole vectors from there): for
+// output written once and not read back soon, whose lines then need no read for
+// ownership (on these machines a sequential stream of them runs at about 3x the bandwidth
+// of ordinary stores). Call StreamFence() before another thread reads what was stored.
 template <typename T>
 inline void StoreStreaming(T* p, VecT<T> v) {
   Store(p, v);
