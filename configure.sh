@@ -75,6 +75,8 @@ march="${TF_HSM_MARCH:-native}"
 # for AMD Zen (-mtune=znver*, what -march=native picks there) splits FMAs that form a
 # loop-carried chain of 128- or 256-bit vectors, and only those: whether a product is
 # fused then depends on the loop around it. Turn that off where the compiler knows it.
+# (--per_file_copt splits its options at commas; a backslash keeps one, and reading the rc
+# file takes one backslash away, hence two before each comma inside -mtune-ctrl.)
 core_copts="-march=$march"
 fma_chains=""
 for knob in avoid_fma_chains avoid_fma256_chains avoid_fma512_chains; do
@@ -82,7 +84,7 @@ for knob in avoid_fma_chains avoid_fma256_chains avoid_fma512_chains; do
     fma_chains="${fma_chains:+$fma_chains\\\\,}^$knob"
   fi
 done
-[ -n "$fma_chains" ] && core_copts="$core_copts,-mtune-ctrl=$fma_chains"
+if [ -n "$fma_chains" ]; then core_copts="$core_copts,-mtune-ctrl=$fma_chains"; fi
 config=$(cat <<CONF
 # Written by ./configure.sh; do not edit.
 build --repo_env=TF_HSM_PYTHON=$python
