@@ -560,9 +560,6 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
              int64 ldo) {
   static_assert(kRows * kCols % Vec<T>::kWidth == 0, "the tile must fill whole reductions");
   constexpr int64 w = Vec<T>::kWidth;
-  // A line is requested per 64 bytes of k: every step with 64-byte vectors, every other
-  // step with 32-byte ones.
-  constexpr int64 kStepsPerLine = sizeof(VecT<T>) >= 64 ? 1 : 64 / sizeof(VecT<T>);
   const int64 full = d - d % w;
   const int64 rest = d - full;
   // Columns outer: each tile of kCols weight rows is read from memory once and then serves
@@ -582,7 +579,8 @@ void DotRows(const T* const* a, int64 na, const T* b, int64 ldb, int64 nb, int64
       const bool ask = kCols <= 8 && i0 == 0 && j0 + kCols < nb;
       VecT<T> acc[kRows * kCols] = {};
       for (int64 k = 0; k < full; k += w) {
-        if (ask && (k / w) % kStepsPerLine == 0) {
+        // A line per 64 bytes of k, whatever the vector width.
+        if (ask && k * sizeof(T) % 64 == 0) {
           for (int64 c = 0; c < kCols; ++c) RequestLine(next[c] + k * sizeof(T));
         }
         VecT<T> av[kRows], bv[kCols];
