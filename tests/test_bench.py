@@ -147,3 +147,36 @@ def test_every_optimizer_choice_is_built_and_the_memory_scenario_takes_one():
   assert setup.step_optimizer("mem", "tf_hsm", "sparse_sgd") == "sparse_sgd"
   assert setup.step_optimizer("train", "tf_hsm", "none") == "none"
   assert setup.step_optimizer("train", setup.FUSED_SGD, "lazy_adam") == "sgd"
+
+
+def test_methods_that_do_not_fit_together_are_timed_apart(monkeypatch, tmp_path):
+  # Without the memory probes (--no-memory) all methods share one timing process. When it
+  # runs out of memory, the method dropped from it must still be timed in a process of its
+  # own, and be reported out of memory only if it does not fit alone. Here the fake
+  # children cannot hold tf_hsm's shared table and the fused step's own table together,
+  # and `gather` never fits.
+  from tf_hsm import bench
+  calls = []
+
+  def fake_run_children(specs, *unused_args):
+    ((_, spec, _),) = specs
+    methods = spec["methods"]
+    calls.append(list(methods))
+    if "gather" in methods or {"tf_hsm", setup.FUSED_SGD} <= set(methods):
+      return [{"status": "OOM", "message": "RSS passed the limit"}]
+    return [{"status": "ok", "ceilings": {}, "methods": {m: {"median_ms": 1.0} for m in methods}}]
+
+  monkeypatch.setattr(bench, "run_children", fake_run_children)
+  args = bench.parse_args(["--custom", "300,8,32", "--no-memory", "--methods",
+                           setup.NLL_LOSS, setup.FUSED_SGD, "gather"])
+  opts = bench.options_from_args(args)
+  (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent", opts)
+  case["tree_summary"] = {"num_slots": 299, "max_depth": 9, "max_branching": 2}
+  rows = {name: {"status": "ok"} for name in case["methods"]}
+  bench.time_group(case, case["methods"], rows, str(tmp_path), opts, lambda *a: None)
+
+  for name in ("tf_hsm", setup.NLL_LOSS, setup.FUSED_SGD):
+    assert rows[name] == {"status": "ok", "median_ms": 1.0}, name
+  assert rows["gather"]["status"] == "OOM"
+  assert ["gather"] in calls  # reported out of memory only after failing alone
+  assert "timed apart" in case["timing_note"] and "ran out of memory" in case["timing_note"]

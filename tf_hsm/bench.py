@@ -378,9 +378,24 @@ def plan_timing_groups(case, runnable, rows, opts):
 
 
 def time_group(case, methods, rows, workdir, opts, progress):
-  """Times `methods` in one process; if that process dies (out of memory), drops the
-  hungriest method, records why, and times the rest again."""
-  methods = list(methods)
+  """Times `methods` in one process. If that process runs out of memory, the hungriest
+  method is set aside and the rest are timed again; the methods set aside are then timed
+  in a process of their own (the same way), so that a method is reported out of memory
+  only when it does not fit alone, not when it merely did not fit beside the others
+  (as without the memory probes, which `plan_timing_groups` needs to split the methods)."""
+  set_aside = []
+  _time_methods(case, list(methods), rows, workdir, opts, progress, set_aside)
+  if set_aside:
+    timed_with = [m for m in methods if m not in set_aside]
+    note = (f"{', '.join(set_aside)} timed apart from {', '.join(timed_with)}: the shared "
+            "timing process ran out of memory")
+    case["timing_note"] = f"{case['timing_note']}; {note}" if case.get("timing_note") else note
+    time_group(case, set_aside, rows, workdir, opts, progress)
+
+
+def _time_methods(case, methods, rows, workdir, opts, progress, set_aside):
+  """time_group's shared process: times `methods` (a list it consumes), appending to
+  `set_aside` each method dropped after an out-of-memory failure of the group."""
   while methods:
     timeout = _child_timeout(case, methods, opts, 3 * opts.time_budget_s * len(methods))
     spec = _spec(case, opts, "time", methods)
@@ -418,10 +433,11 @@ def time_group(case, methods, rows, workdir, opts, progress):
       mem = rows[name].get("memory") or {}
       return mem.get("peak_rss") or min_memory_estimate(name, case)
 
-    worst = max(methods, key=hunger)
-    rows[worst].update(status=timing["status"],
-                       message=f"in the shared timing process: {timing.get('message')}")
+    # Of equally hungry methods the last is set aside, so that the reference (tf_hsm, the
+    # first) keeps as many methods beside it as fit.
+    worst = max(reversed(methods), key=hunger)
     methods.remove(worst)
+    set_aside.append(worst)
 
 
 def run_case(case, workdir, opts, progress, available):
