@@ -180,3 +180,23 @@ def test_methods_that_do_not_fit_together_are_timed_apart(monkeypatch, tmp_path)
   assert rows["gather"]["status"] == "OOM"
   assert ["gather"] in calls  # reported out of memory only after failing alone
   assert "timed apart" in case["timing_note"] and "ran out of memory" in case["timing_note"]
+
+
+def test_tables_that_cannot_fit_together_are_split_up_front_without_probes():
+  # With --no-memory the grouping knows only the tables: two 12 GB tables (tf_hsm's shared
+  # one, which nll_loss reads too, and the fused step's own) never share a process under
+  # an 18 GB limit, and nll_loss joins tf_hsm's; small tables stay in one process.
+  from tf_hsm import bench
+  args = bench.parse_args(["--custom", "10000000,300,3200", "--no-memory", "--methods",
+                           setup.NLL_LOSS, setup.FUSED_SGD])
+  opts = bench.options_from_args(args)
+  opts.limit_bytes = 18e9
+  (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent", opts)
+  case["tree_summary"] = {"num_slots": 10_003_163}
+  methods = case["methods"]
+  rows = {name: {"status": "ok"} for name in methods}
+  assert methods == ["tf_hsm", setup.FUSED_SGD, setup.NLL_LOSS]
+  assert bench.plan_timing_groups(case, methods, rows, opts) == [
+      ["tf_hsm", setup.NLL_LOSS], [setup.FUSED_SGD]]
+  case["tree_summary"] = {"num_slots": 1_000}
+  assert bench.plan_timing_groups(case, methods, rows, opts) == [methods]

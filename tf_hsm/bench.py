@@ -343,17 +343,20 @@ def _child_timeout(case, methods, opts, work_s):
 
 
 def plan_timing_groups(case, runnable, rows, opts):
-  """Packs the methods into as few timing processes as fit the memory limit (one, unless
-  the tables are large), keeping the given order.
+  """Packs the methods into few timing processes that fit the memory limit (one, unless
+  the tables are large), keeping the given order within each.
 
   A group's estimate is conservative: the largest set-up RSS of its members' probes, plus
   the tables that set-up did not hold (one per table kind for methods that only read it,
   one per method for methods that update theirs), plus every member's growth over its
-  set-up. Without probes everything goes in one group; the OOM retry splits it if needed.
+  set-up. Without probes (--no-memory) the estimate is the group's tables alone, a lower
+  bound, so only tables that cannot fit together are split up front; `time_group`'s retry
+  splits what else runs out of memory.
   """
   mems = {m: rows[m].get("memory") or {} for m in runnable}
-  if len(runnable) < 2 or any(mem.get("status") != "ok" for mem in mems.values()):
+  if len(runnable) < 2:
     return [runnable] if runnable else []
+  probed = all(mem.get("status") == "ok" for mem in mems.values())
   v, d = case["vocab"], case["dim"]
   s = case["tree_summary"]["num_slots"]
 
@@ -362,18 +365,23 @@ def plan_timing_groups(case, runnable, rows, opts):
     return (by_class, m if setup.mutates_table(m, case["kind"], opts.optimizer) else None)
 
   def estimate(group):
-    largest = max(group, key=lambda m: mems[m]["baseline_rss"])
     tables = {table_key(m): setup.table_bytes(m, v, s, d) for m in group}
+    if not probed:
+      return sum(tables.values())
+    largest = max(group, key=lambda m: mems[m]["baseline_rss"])
     tables.pop(table_key(largest))
     return (mems[largest]["baseline_rss"] + sum(tables.values()) +
             sum(mems[m]["peak_rss"] - mems[m]["baseline_rss"] for m in group))
 
+  # First fit: a method joins the first group it fits beside, so that methods sharing a
+  # table (tf_hsm and nll_loss) are timed side by side wherever the order puts them.
   groups = []
   for m in runnable:
-    if groups and estimate(groups[-1] + [m]) <= opts.limit_bytes:
-      groups[-1].append(m)
-    else:
+    fitting = next((g for g in groups if estimate(g + [m]) <= opts.limit_bytes), None)
+    if fitting is None:
       groups.append([m])
+    else:
+      fitting.append(m)
   return groups
 
 
@@ -381,25 +389,13 @@ def time_group(case, methods, rows, workdir, opts, progress):
   """Times `methods` in one process. If that process runs out of memory, the hungriest
   method is set aside and the rest are timed again; the methods set aside are then timed
   in a process of their own (the same way), so that a method is reported out of memory
-  only when it does not fit alone, not when it merely did not fit beside the others
-  (as without the memory probes, which `plan_timing_groups` needs to split the methods)."""
+  only when it does not fit alone, not when it merely did not fit beside the others."""
+  remaining = list(methods)
   set_aside = []
-  _time_methods(case, list(methods), rows, workdir, opts, progress, set_aside)
-  if set_aside:
-    timed_with = [m for m in methods if m not in set_aside]
-    note = (f"{', '.join(set_aside)} timed apart from {', '.join(timed_with)}: the shared "
-            "timing process ran out of memory")
-    case["timing_note"] = f"{case['timing_note']}; {note}" if case.get("timing_note") else note
-    time_group(case, set_aside, rows, workdir, opts, progress)
-
-
-def _time_methods(case, methods, rows, workdir, opts, progress, set_aside):
-  """time_group's shared process: times `methods` (a list it consumes), appending to
-  `set_aside` each method dropped after an out-of-memory failure of the group."""
-  while methods:
-    timeout = _child_timeout(case, methods, opts, 3 * opts.time_budget_s * len(methods))
-    spec = _spec(case, opts, "time", methods)
-    timing = run_children([("timing " + ",".join(methods), spec, timeout)], workdir,
+  while remaining:
+    timeout = _child_timeout(case, remaining, opts, 3 * opts.time_budget_s * len(remaining))
+    spec = _spec(case, opts, "time", remaining)
+    timing = run_children([("timing " + ",".join(remaining), spec, timeout)], workdir,
                           opts.limit_bytes, timeout, 1, progress, opts.spawn)[0]
     if timing["status"] == "ok":
       if not case.get("ceilings"):
@@ -407,27 +403,27 @@ def _time_methods(case, methods, rows, workdir, opts, progress, set_aside):
       case.setdefault("ceiling_runs", []).extend(timing.get("ceiling_runs") or [])
       case["tf_version"] = timing.get("tf_version")
       case.setdefault("timing_phases", []).append(
-          dict(timing.get("phases") or {}, wall_s=timing.get("wall_s"), methods=methods,
+          dict(timing.get("phases") or {}, wall_s=timing.get("wall_s"), methods=remaining,
                max_rss=timing.get("watchdog_max_rss")))
       for name, res in timing["methods"].items():
         info = dict(rows[name].get("info") or {}, **(res.pop("info", None) or {}))
         rows[name].update(res)
         if info:
           rows[name]["info"] = info
-      return
+      break
 
-    if len(methods) == 1:
-      rows[methods[0]].update(status=timing["status"], message=timing.get("message", ""))
-      return
+    if len(remaining) == 1:
+      rows[remaining[0]].update(status=timing["status"], message=timing.get("message", ""))
+      break
     case.setdefault("timing_failures", []).append(
         {k: timing.get(k) for k in ("status", "message", "log_tail", "traceback")})
     if timing["status"] != "OOM":
       # A crash or time-out of the shared process: give every method a process of its own.
       case["timing_note"] = (f"the shared timing process failed ({timing['status']}: "
                              f"{timing.get('message', '')[:120]}); methods timed one by one")
-      for name in methods:
+      for name in remaining:
         time_group(case, [name], rows, workdir, opts, progress)
-      return
+      break
 
     def hunger(name):
       mem = rows[name].get("memory") or {}
@@ -435,9 +431,16 @@ def _time_methods(case, methods, rows, workdir, opts, progress, set_aside):
 
     # Of equally hungry methods the last is set aside, so that the reference (tf_hsm, the
     # first) keeps as many methods beside it as fit.
-    worst = max(reversed(methods), key=hunger)
-    methods.remove(worst)
+    worst = max(reversed(remaining), key=hunger)
+    remaining.remove(worst)
     set_aside.append(worst)
+
+  if set_aside:
+    timed_with = [m for m in methods if m not in set_aside]
+    note = (f"{', '.join(set_aside)} timed apart from {', '.join(timed_with)}: the shared "
+            "timing process ran out of memory")
+    case["timing_note"] = f"{case['timing_note']}; {note}" if case.get("timing_note") else note
+    time_group(case, set_aside, rows, workdir, opts, progress)
 
 
 def run_case(case, workdir, opts, progress, available):
