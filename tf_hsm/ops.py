@@ -136,7 +136,8 @@ def log_prob(hidden, weights, biases, tree, targets):
     the upstream factor: the logits of the nodes of more than 8 children along the
     batch's paths (one per visit and child), the softmax coefficients of the steps through
     smaller nodes, and each token's gradient with respect to its hidden row (up to 2**25
-    logits and coefficients in all). The gradient then reads no weight row for the hidden
+    logits and coefficients in all, or as many as the weight gradient has values where
+    that is more). The gradient then reads no weight row for the hidden
     gradient, computes no logit of a large node again and walks no path through small
     ones. Without a recording tape the forward skips that work; a gradient taken anyway (a
     `tf.function` called under a tape outside it) recomputes it, with the same bits.

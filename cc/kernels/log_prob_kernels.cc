@@ -54,7 +54,7 @@ class LogProbOp : public OpKernel {
     T* directions = nullptr;
     if (kSaving) {
       const int64 total = SavedLogitsSize(plan, tree);
-      const bool keep = total <= max_saved_;
+      const bool keep = total <= (max_saved_ < 0 ? CoefficientBudget(plan, in.dim) : max_saved_);
       Tensor *saved_out = nullptr, *directions_out = nullptr;
       OP_REQUIRES_OK(ctx, saved_logits_.Allocate(ctx, 1, TensorShape({keep ? total : 0}), &saved_out));
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
@@ -133,7 +133,8 @@ class LogProbGradOp : public OpKernel {
     grads.row_ids = row_ids->flat<int64_t>().data();
     const typename LeasePool<CoefficientStore<T>>::Lease store = stores_.Acquire();
     grads.coefficient_store = store.get();
-    LogProbBackward<T>(plan, tree, params, upstream.flat<T>().data(), CpuParallelFor(ctx), grads);
+    LogProbBackward<T>(plan, tree, params, upstream.flat<T>().data(), CpuParallelFor(ctx), grads,
+                       CoefficientBudget(plan, in.dim));
   }
 
  private:

@@ -97,7 +97,8 @@ class SgdStepOp : public OpKernel {
     grads.log_prob_from_backward = log_prob->flat<T>().data();
     const typename LeasePool<CoefficientStore<T>>::Lease store = stores_.Acquire();
     grads.coefficient_store = store.get();
-    LogProbBackward<T>(plan, tree, params, upstream.data(), parallel_for, grads);
+    LogProbBackward<T>(plan, tree, params, upstream.data(), parallel_for, grads,
+                       CoefficientBudget(plan, in.dim));
   }
 
  private:

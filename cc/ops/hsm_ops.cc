@@ -89,7 +89,7 @@ REGISTER_OP("Hsm>LogProbSavingLogits")
     .Output("log_prob: T")
     .Output("saved_logits: T")
     .Output("saved_directions: T")
-    .Attr("max_saved_logits: int >= 0 = 33554432")
+    .Attr("max_saved_logits: int >= -1 = -1")
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(LogProbShape(c));
       c->set_output(1, c->Vector(c->UnknownDim()));
@@ -104,8 +104,9 @@ through smaller nodes (as many per path step as the most children of such a node
 batch's paths), and each token's direction, the gradient of its log-probability with
 respect to its hidden row. The gradient op then computes none of those logits again,
 walks no path and reads no weight row for the hidden gradient. Both are empty when there
-are more than max_saved_logits values (the gradient recomputes everything). log_prob
-equals Hsm>LogProb's up to rounding.
+are more than max_saved_logits values (the gradient recomputes everything); -1, the
+default, allows 2^25 values, or as many as the weight gradient will have (touched rows x
+D) where that is more. log_prob equals Hsm>LogProb's up to rounding.
 
 log_prob: targets' shape.
 saved_logits: [n], n the number of logits and coefficients kept, or 0.

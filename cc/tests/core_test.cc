@@ -304,6 +304,21 @@ void CheckStreamedRows(std::mt19937_64& rng, int64 D) {
   }
 }
 
+// CoefficientBudget: the default, or the weight gradient's size where that is larger.
+void TestCoefficientBudget() {
+  const Layout t = Balanced(100, 10);
+  const std::vector<int64> targets = {0, 55, 99};
+  VisitPlan plan;
+  BuildVisitPlan(t.view(), targets.data(), 3, &plan);
+  const int64 rows = plan.num_rows();
+  EXPECT(rows == 10 + 3 * 10, "%ld rows", (long)rows);
+  EXPECT(CoefficientBudget(plan, 300) == kDefaultCoefBudget, "budget %ld at D = 300",
+         (long)CoefficientBudget(plan, 300));
+  const int64 wide = kDefaultCoefBudget / rows + 1;
+  EXPECT(CoefficientBudget(plan, wide) == rows * wide, "budget %ld at D = %ld",
+         (long)CoefficientBudget(plan, wide), (long)wide);
+}
+
 void TestStreamedGradientRows() {
   std::mt19937_64 rng(9);
   CheckStreamedRows<float>(rng, 32);
@@ -975,6 +990,7 @@ int main() {
       {"determinism", tf_hsm::TestDeterminism},
       {"streamed_gradient_rows", tf_hsm::TestStreamedGradientRows},
       {"coefficient_store_reused", tf_hsm::TestCoefficientStoreReused},
+      {"coefficient_budget", tf_hsm::TestCoefficientBudget},
       {"weights_changed_between_calls", tf_hsm::TestWeightsChangedBetweenCalls},
       {"nan_stays_in_its_row", tf_hsm::TestNanStaysInItsRow},
       {"in_place_sgd", tf_hsm::TestInPlaceSgd},
