@@ -110,7 +110,8 @@ constexpr int64 kDefaultCoefBudget = int64{1} << 25;
 
 // The budget the ops give LogProbBackward, and the most values log_prob's forward keeps
 // for its gradient by default: kDefaultCoefBudget, or the size of the weight gradient
-// (plan.num_rows() x dim values) where that is larger. Neither then takes more memory than
+// (plan.num_rows() x dim values; a forward plan counts only the grouped nodes' rows, a
+// lower bound) where that is larger. Neither then takes more memory than
 // the gradient it serves (which sgd_step applies without storing), and a large batch keeps
 // its values instead of computing every logit of its large nodes twice: at V=1M, D=300 and
 // 40,000 tokens (one output per step of 400 sequences of 100) the root's coefficients

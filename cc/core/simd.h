@@ -921,15 +921,10 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
       Store(o, v);
     }
   };
-  // Token i's coefficients of output rows [j0, j0 + kCols) are at coef_at(j0) + i *
-  // coef_stride: in coef, or in the panels below.
-  const T* panels_base = nullptr;
-  int64 coef_stride = ldc;
-  auto coef_at = [&](int64 j0) { return panels_base != nullptr ? panels_base + j0 * na : coef + j0; };
   // Output rows [j0, j0 + 4) x columns [k, k + kVecs kWidth), summed over every a[i]; the
-  // slice of a[i] is read at src(i) (a[i] + k, or its packed copy).
-  auto tile = [&](int64 j0, int64 k, auto&& src) {
-    const T* const cj = coef_at(j0);
+  // slice of a[i] is read at src(i) (a[i] + k, or its packed copy), token i's coefficients
+  // of those rows at cj + i * cs (in coef, or in the panels below).
+  auto tile = [&](int64 j0, int64 k, auto&& src, const T* cj, int64 cs) {
     VecT<T> acc[kCols][kVecs];
     for (int64 c = 0; c < kCols; ++c)
       for (int64 v = 0; v < kVecs; ++v)
@@ -938,16 +933,16 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
       VecT<T> av[kVecs];
       const T* ai = src(i);
       for (int64 v = 0; v < kVecs; ++v) av[v] = InRegister(Load(ai + v * w));
-      const T* ci = cj + i * coef_stride;
+      const T* ci = cj + i * cs;
       for (int64 c = 0; c < kCols; ++c)
         for (int64 v = 0; v < kVecs; ++v) acc[c][v] += ci[c] * av[v];
     }
     for (int64 c = 0; c < kCols; ++c)
       for (int64 v = 0; v < kVecs; ++v) store(out + (j0 + c) * ldo + k + v * w, acc[c][v]);
   };
-  // Output rows [j0, j0 + cols), columns from k on, one vector at a time.
-  auto rest = [&](int64 j0, int64 cols, int64 k) {
-    const T* const cj = coef_at(j0);
+  // Output rows [j0, j0 + cols), columns from k on, one vector at a time (coefficients as
+  // for `tile`).
+  auto rest = [&](int64 j0, int64 cols, int64 k, const T* cj, int64 cs) {
     for (; k < d; k += w) {
       const int64 n = d - k < w ? d - k : w;
       VecT<T> acc[kCols];
@@ -957,7 +952,7 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
       }
       for (int64 i = 0; i < na; ++i) {
         const VecT<T> av = n == w ? Load(a[i] + k) : LoadPartial(a[i] + k, n);
-        const T* ci = cj + i * coef_stride;
+        const T* ci = cj + i * cs;
         for (int64 c = 0; c < cols; ++c) acc[c] += ci[c] * av;
       }
       for (int64 c = 0; c < cols; ++c) {
@@ -973,8 +968,10 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
   if (stream) {
     // Each output row written in order (streamed lines then leave one row at a time).
     for (int64 j0 = 0; j0 < full_cols; j0 += kCols) {
-      for (int64 k = 0; k < full_k; k += kVecs * w) tile(j0, k, [&](int64 i) { return a[i] + k; });
-      rest(j0, kCols, full_k);
+      for (int64 k = 0; k < full_k; k += kVecs * w) {
+        tile(j0, k, [&](int64 i) { return a[i] + k; }, coef + j0, ldc);
+      }
+      rest(j0, kCols, full_k, coef + j0, ldc);
     }
   } else {
     // The coefficients of each group of kCols output rows copied next to each other (panel
@@ -990,8 +987,7 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
         for (int64 c = 0; c < kCols; ++c) panels[j0 * na + i * kCols + c] = coef[i * ldc + j0 + c];
       }
     }
-    panels_base = panels.data();
-    coef_stride = kCols;
+    auto panel = [&](int64 j0) { return panels.data() + j0 * na; };
     // Column blocks outer: the a[i] slices of a block are read by every group of output
     // rows, from L1, unless the rows share L1 sets (RowsShareL1Sets): the slices are then
     // first copied next to each other (1.25x faster for 64 rows of 2 KB, 16 output rows).
@@ -1002,16 +998,18 @@ void AccumulateTransposed(T* out, int64 ldo, int64 nb, const T* coef, int64 ldc,
     for (int64 k = 0; k < full_k; k += kSlice) {
       if (pack) {
         PackSlices<T, kVecs>(na, a_row, k, packed);
-        for (int64 j0 = 0; j0 < full_cols; j0 += kCols) tile(j0, k, [&](int64 i) { return packed + i * kSlice; });
+        for (int64 j0 = 0; j0 < full_cols; j0 += kCols) {
+          tile(j0, k, [&](int64 i) { return packed + i * kSlice; }, panel(j0), kCols);
+        }
       } else {
-        for (int64 j0 = 0; j0 < full_cols; j0 += kCols) tile(j0, k, [&](int64 i) { return a[i] + k; });
+        for (int64 j0 = 0; j0 < full_cols; j0 += kCols) {
+          tile(j0, k, [&](int64 i) { return a[i] + k; }, panel(j0), kCols);
+        }
       }
     }
-    for (int64 j0 = 0; j0 < full_cols; j0 += kCols) rest(j0, kCols, full_k);
+    for (int64 j0 = 0; j0 < full_cols; j0 += kCols) rest(j0, kCols, full_k, panel(j0), kCols);
   }
-  panels_base = nullptr;  // the columns past the last whole group are read from coef
-  coef_stride = ldc;
-  if (full_cols < nb) rest(full_cols, nb - full_cols, 0);
+  if (full_cols < nb) rest(full_cols, nb - full_cols, 0, coef + full_cols, ldc);
 }
 
 // The bits of AccumulateTransposed(out, d, nb, coef, ldc, a, na, d, overwrite = true) for
