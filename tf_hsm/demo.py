@@ -468,7 +468,9 @@ def main(argv=None):
         f"  HSM tree: {args.tree}, {tree.num_slots:,} weight rows, depth "
         f"{tree.max_depth}, max branching {tree.max_branching}", flush=True)
 
-  verbose = 0 if args.quiet else 1
+  # Progress bars where a person watches; one line per epoch in logs, where each bar's
+  # redraws would otherwise become hundreds of lines.
+  verbose = 0 if args.quiet else 1 if sys.stdout.isatty() else 2
   histories = []
   keras.utils.set_random_seed(args.seed)
   model = hsm_model(tree, counts, args.hidden, args.seq_len, args.learning_rate)
