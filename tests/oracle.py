@@ -81,6 +81,8 @@ def trees_of_every_kind(rng):
       ("mixed_deep", random_mixed_tree(rng, max_depth=8, max_branching=4, p_internal=0.6)),
       ("mixed_wide", random_mixed_tree(rng, max_depth=3, max_branching=50, p_internal=0.1)),
       ("balanced", Tree.balanced(97, 4)),
+      # Walked nodes of 7 children: a step wider than a float64 vector with AVX2 (4 lanes).
+      ("balanced7", Tree.balanced(60, 7)),
       ("binary", Tree.balanced(64, 2)),
       ("huffman", Tree.huffman(counts)),
       ("huffman3", Tree.huffman(counts, branching=3)),

@@ -167,6 +167,33 @@ void WalkSoftmax(const WalkStep<T>* steps, int64 n, const T* z_rows, bool want_v
   }
 }
 
+// One step wider than a vector (a node of 5 to 8 children in 4-lane double vectors, on
+// AVX2): WalkSoftmax's operations one lane at a time, the max and the sum in row order.
+// Such steps always come here, so a step still gives the same bits alone or in a batch.
+template <typename T>
+void WalkSoftmaxByLane(const WalkStep<T>& st, const T* z_rows, bool want_value, bool grad,
+                       T* total, T* coef_rows) {
+  T z[kWalkMaxBranching], e[kWalkMaxBranching];
+  T m = -std::numeric_limits<T>::infinity();
+  for (int64 q = 0; q < st.k; ++q) {
+    z[q] = z_rows[st.row0 + q] + (st.b != nullptr ? st.b[q] : T(0));
+    m = z[q] > m ? z[q] : m;  // a NaN logit never wins, as in SpanMax
+  }
+  T sum = 0;
+  for (int64 q = 0; q < st.k; ++q) {
+    e[q] = std::exp(z[q] - m);
+    sum += e[q];
+  }
+  if (want_value) *total += z[st.taken] - (m + std::log(sum));
+  if (!grad) return;
+  const T scale = T(-1) / sum;
+  for (int64 q = 0; q < st.k; ++q) {
+    const T c = e[q] * scale + (q == st.taken ? T(1) : T(0));
+    coef_rows[st.row0 + q] = c;
+    if (st.coef != nullptr) st.coef[q] = c;
+  }
+}
+
 // The lanes a step of k rows takes in WalkSoftmax: k rounded up to a power of two.
 constexpr int64 WalkSpan(int64 k) { return k <= 1 ? 1 : k <= 2 ? 2 : k <= 4 ? 4 : 8; }
 static_assert(kWalkMaxBranching <= 8, "WalkSpan covers nodes of up to 8 children");
@@ -181,11 +208,18 @@ void WalkSoftmaxAll(const WalkStep<T>* steps, int64 n, const T* z_rows, bool wan
     int64 count = 1;
     while (s + count < n && (count + 1) * span <= kLanes && WalkSpan(steps[s + count].k) == span) ++count;
     const WalkStep<T>* batch = steps + s;
+    if (span > kLanes) {
+      WalkSoftmaxByLane<T>(*batch, z_rows, want_value, grad, total, coef_rows);
+      s += 1;
+      continue;
+    }
     switch (span) {
       case 1: WalkSoftmax<T, 1>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
       case 2: WalkSoftmax<T, 2>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
       case 4: WalkSoftmax<T, 4>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
-      default: WalkSoftmax<T, 8>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
+      default:
+        if constexpr (kLanes >= 8) WalkSoftmax<T, 8>(batch, count, z_rows, want_value, grad, total, coef_rows);
+        break;
     }
     s += count;
   }

@@ -54,16 +54,18 @@ using int64 = std::int64_t;
 
 template <typename T>
 struct Vec;
-// With AVX-512 a vector is 64 bytes, one register. With AVX2 a float vector is 32 bytes,
-// one register too: GCC lowers comparisons and selects (x > y ? x : y) of 64-byte vectors
-// on AVX2 to scalar code with branches, which made the exp, log and softmax kernels the
-// slowest part of a step (E's backward: 2.7 ms with 64-byte vectors, 1.0-1.3 ms with
-// 32-byte ones, on a Zen 3 EPYC). double vectors stay 64 bytes, 8 lanes, so that a
-// walked node of up to 8 children still fits one vector of either type.
+// With AVX-512 a vector is 64 bytes, one register. With AVX2 it is 32 bytes, one register
+// too, for both types: GCC lowers comparisons and selects (x > y ? x : y) of 64-byte
+// vectors on AVX2 to scalar code with branches, which made the exp, log and softmax kernels
+// the slowest part of a step (E's backward: 2.7 ms with 64-byte vectors, 1.0-1.3 ms with
+// 32-byte ones, on a Zen 3 EPYC), and builds their splats and register tiles through the
+// stack (float64 at B, T=2,560, on an AVX2 build: 525 ms a step with 64-byte vectors).
+// A double vector is then 4 lanes, narrower than a walked node of 5 to 8 children: the
+// walk's softmax takes such steps one lane at a time (WalkSoftmaxAll).
 #if defined(TF_HSM_AVX2_PARTIALS)
-constexpr int kFloatVectorBytes = 32;
+constexpr int kVectorBytes = 32;
 #else
-constexpr int kFloatVectorBytes = 64;
+constexpr int kVectorBytes = 64;
 #endif
 // The machine's vector registers: how many, and how wide (register-tile sizes).
 #if defined(__AVX512F__)
@@ -75,15 +77,15 @@ constexpr int64 kVectorRegisters = 16, kRegisterBytes = 16;
 #endif
 template <>
 struct Vec<float> {
-  typedef float type __attribute__((vector_size(kFloatVectorBytes)));
-  typedef std::int32_t itype __attribute__((vector_size(kFloatVectorBytes)));
-  static constexpr int kWidth = kFloatVectorBytes / 4;
+  typedef float type __attribute__((vector_size(kVectorBytes)));
+  typedef std::int32_t itype __attribute__((vector_size(kVectorBytes)));
+  static constexpr int kWidth = kVectorBytes / 4;
 };
 template <>
 struct Vec<double> {
-  typedef double type __attribute__((vector_size(64)));
-  typedef std::int64_t itype __attribute__((vector_size(64)));
-  static constexpr int kWidth = 8;
+  typedef double type __attribute__((vector_size(kVectorBytes)));
+  typedef std::int64_t itype __attribute__((vector_size(kVectorBytes)));
+  static constexpr int kWidth = kVectorBytes / 8;
 };
 
 template <typename T>
@@ -178,20 +180,6 @@ inline void StorePartial<double>(double* p, VecT<double> v, int64 n) {
 #ifdef TF_HSM_AVX2_PARTIALS
 namespace internal {
 
-// The two 32-byte halves of a 64-byte vector, and back.
-template <typename H, typename V>
-inline H Half(V v, int which) {
-  H h;
-  std::memcpy(&h, reinterpret_cast<const char*>(&v) + 32 * which, 32);
-  return h;
-}
-template <typename V, typename H>
-inline V Join(H lo, H hi) {
-  V v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
-}
 // Lanes i < n of 8 (float) or 4 (double) set, for any n (n <= 0: none).
 inline __m256i FirstLanes32(int64 n) {
   const int m = static_cast<int>(n < 0 ? 0 : n > 8 ? 8 : n);
@@ -204,7 +192,7 @@ inline __m256i FirstLanes64(int64 n) {
 
 }  // namespace internal
 
-// float vectors are one AVX register here (kFloatVectorBytes), double ones two.
+// A vector is one AVX register here (kVectorBytes).
 template <>
 inline VecT<float> LoadPartial<float>(const float* p, int64 n) {
   return reinterpret_cast<VecT<float>>(_mm256_maskload_ps(p, internal::FirstLanes32(n)));
@@ -219,18 +207,15 @@ inline void StoreStreaming<float>(float* p, VecT<float> v) {
 }
 template <>
 inline VecT<double> LoadPartial<double>(const double* p, int64 n) {
-  return internal::Join<VecT<double>>(_mm256_maskload_pd(p, internal::FirstLanes64(n)),
-                                      _mm256_maskload_pd(p + 4, internal::FirstLanes64(n - 4)));
+  return reinterpret_cast<VecT<double>>(_mm256_maskload_pd(p, internal::FirstLanes64(n)));
 }
 template <>
 inline void StorePartial<double>(double* p, VecT<double> v, int64 n) {
-  _mm256_maskstore_pd(p, internal::FirstLanes64(n), internal::Half<__m256d>(v, 0));
-  if (n > 4) _mm256_maskstore_pd(p + 4, internal::FirstLanes64(n - 4), internal::Half<__m256d>(v, 1));
+  _mm256_maskstore_pd(p, internal::FirstLanes64(n), reinterpret_cast<__m256d>(v));
 }
 template <>
 inline void StoreStreaming<double>(double* p, VecT<double> v) {
-  _mm256_stream_pd(p, internal::Half<__m256d>(v, 0));
-  _mm256_stream_pd(p + 4, internal::Half<__m256d>(v, 1));
+  _mm256_stream_pd(p, reinterpret_cast<__m256d>(v));
 }
 #endif
 
@@ -240,8 +225,8 @@ inline void StoreStreaming<double>(double* p, VecT<double> v) {
 // multiply-adds instead of 4, and the loads rather than the multiply-adds set its speed.
 // On the AMD EPYC, one core, data in L2: the dW, dh and 4 x 4 logits tiles went from
 // 72-81, 76-78 and 38-44 to 96-106, 96-100 and 80-95 GFLOP/s (its multiply-add peak is
-// ~114). No effect on the arithmetic: the same operations in the same order. Only where a
-// 64-byte vector is one register (AVX-512); elsewhere it spans several and this is a no-op.
+// ~114). No effect on the arithmetic: the same operations in the same order. Only with
+// AVX-512: with AVX2 vectors (one 32-byte register each) it measured the same.
 template <typename V>
 inline V InRegister(V v) {
 #if defined(TF_HSM_MASKED_PARTIALS) && defined(__GNUC__)
@@ -273,14 +258,20 @@ inline VecT<T> SwapLanes(VecT<T> v) {
     } else {
       return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     }
-  } else {
-    static_assert(Vec<T>::kWidth == 8, "vectors of 8 or 16 lanes");
+  } else if constexpr (Vec<T>::kWidth == 8) {
     if constexpr (kStride == 4) {
       return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
     } else if constexpr (kStride == 2) {
       return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
     } else {
       return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    }
+  } else {
+    static_assert(Vec<T>::kWidth == 4, "vectors of 4, 8 or 16 lanes");
+    if constexpr (kStride == 2) {
+      return __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    } else {
+      return __builtin_shufflevector(v, v, 1, 0, 3, 2);
     }
   }
 }
@@ -329,8 +320,7 @@ inline VecT<T> CombinePair(VecT<T> a, VecT<T> b) {
       return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
              __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     }
-  } else {
-    static_assert(Vec<T>::kWidth == 8, "vectors of 8 or 16 lanes");
+  } else if constexpr (Vec<T>::kWidth == 8) {
     if constexpr (kHalf == 4) {
       return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
              __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
@@ -340,6 +330,13 @@ inline VecT<T> CombinePair(VecT<T> a, VecT<T> b) {
     } else {
       return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
              __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+    }
+  } else {
+    static_assert(Vec<T>::kWidth == 4, "vectors of 4, 8 or 16 lanes");
+    if constexpr (kHalf == 2) {
+      return __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
+    } else {
+      return __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
     }
   }
 }
@@ -403,6 +400,12 @@ inline void TransposeStage(VecT<T>* v) {
     } else if constexpr (w == 16) {
       v[r] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
       v[r + kHalf] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    } else if constexpr (w == 4 && kHalf == 2) {
+      v[r] = __builtin_shufflevector(a, b, 0, 1, 4, 5);
+      v[r + kHalf] = __builtin_shufflevector(a, b, 2, 3, 6, 7);
+    } else if constexpr (w == 4) {
+      v[r] = __builtin_shufflevector(a, b, 0, 4, 2, 6);
+      v[r + kHalf] = __builtin_shufflevector(a, b, 1, 5, 3, 7);
     } else if constexpr (kHalf == 4) {
       v[r] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11);
       v[r + kHalf] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
@@ -420,9 +423,10 @@ inline void TransposeStage(VecT<T>* v) {
 
 template <typename T>
 inline void Transpose(VecT<T>* v) {
-  static_assert(Vec<T>::kWidth == 8 || Vec<T>::kWidth == 16, "vectors of 8 or 16 lanes");
+  static_assert(Vec<T>::kWidth == 4 || Vec<T>::kWidth == 8 || Vec<T>::kWidth == 16,
+                "vectors of 4, 8 or 16 lanes");
   if constexpr (Vec<T>::kWidth == 16) internal::TransposeStage<T, 8>(v);
-  internal::TransposeStage<T, 4>(v);
+  if constexpr (Vec<T>::kWidth >= 8) internal::TransposeStage<T, 4>(v);
   internal::TransposeStage<T, 2>(v);
   internal::TransposeStage<T, 1>(v);
 }
@@ -458,9 +462,8 @@ inline typename Vec<T>::itype Iota() {
 
 // How many vectors wide (at most max) a register tile of `rows` rows can be while its
 // accumulators stay in registers with 4 to spare for the operands: 4 with AVX-512's 32
-// registers; with AVX2's 16, 2 for 6 rows and 3 for 4 (float), 1 for double, whose vectors
-// take two registers there. The tiles using it sum every output element in the same order
-// whatever their width, so the choice never changes a result.
+// registers; with AVX2's 16, 2 for 6 rows and 3 for 4. The tiles using it sum every output
+// element in the same order whatever their width, so the choice never changes a result.
 template <typename T>
 constexpr int64 TileVectors(int64 rows, int64 max) {
   const int64 per_vector = (static_cast<int64>(sizeof(VecT<T>)) + kRegisterBytes - 1) / kRegisterBytes;
@@ -469,8 +472,8 @@ constexpr int64 TileVectors(int64 rows, int64 max) {
 }
 
 // out[r] = dot(h[0:d], rows[r][0:d]) for r < kRows: kRows independent accumulator chains
-// over d sharing each load of h, then one ReduceEach, so every sum is ReduceSum's tree
-// whatever kRows is.
+// over d sharing each load of h, then ReduceEach (per kWidth rows), so every sum is
+// ReduceSum's tree whatever kRows is.
 template <typename T, int kRows>
 inline void DotGroup(const T* h, const T* const* rows, int64 d, T* out) {
   constexpr int64 w = Vec<T>::kWidth;
@@ -489,8 +492,11 @@ inline void DotGroup(const T* h, const T* const* rows, int64 d, T* out) {
     const VecT<T> hv = LoadPartial(h + k, d - k);
     for (int i = 0; i < kRows; ++i) acc[i] += hv * LoadPartial(r[i] + k, d - k);
   }
-  const VecT<T> sums = ReduceEach<T, kRows>(acc);
-  for (int i = 0; i < kRows; ++i) out[i] = sums[i];
+  constexpr int kPerReduce = kRows < w ? kRows : static_cast<int>(w);  // 8 rows, 4 lanes: two
+  for (int g = 0; g < kRows; g += kPerReduce) {
+    const VecT<T> sums = ReduceEach<T, kPerReduce>(acc + g);
+    for (int i = 0; i < kPerReduce; ++i) out[g + i] = sums[i];
+  }
 }
 
 // Calls group(std::integral_constant<int, kRows>{}, r) over rows [0, n) in consecutive
