@@ -96,18 +96,19 @@ def test_full_softmax_matches_op_on_one_level_tree(rng, bias):
     np.testing.assert_allclose(g, r[order], rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("bias", [True, False])
-def test_sampled_softmax_is_finite_with_sparse_table_gradient(rng, bias):
+def test_sampled_softmax_is_finite_with_sparse_table_gradient(rng, bias, dtype):
   num_classes, dim = 500, 8
-  hidden = tf.constant(rng.normal(size=(4, 5, dim)).astype(np.float32))
-  table = tf.Variable((0.1 * rng.normal(size=(num_classes, dim))).astype(np.float32))
-  biases = tf.Variable(np.zeros(num_classes, np.float32)) if bias else None
+  hidden = tf.constant(rng.normal(size=(4, 5, dim)).astype(dtype))
+  table = tf.Variable((0.1 * rng.normal(size=(num_classes, dim))).astype(dtype))
+  biases = tf.Variable(np.zeros(num_classes, dtype)) if bias else None
   targets = rng.integers(0, num_classes, size=(4, 5))
   with tf.GradientTape() as tape:
     loss = baselines.sampled_softmax_loss(hidden, table, biases, targets, num_sampled=16,
                                           seed=3)
     total = tf.reduce_sum(loss)
-  assert loss.shape == (4, 5)
+  assert loss.shape == (4, 5) and loss.dtype == dtype
   assert np.isfinite(loss.numpy()).all() and (loss.numpy() > 0).all()
   grad = tape.gradient(total, table)
   assert isinstance(grad, tf.IndexedSlices)

@@ -308,10 +308,19 @@ def sampled_softmax_loss(hidden, class_weights, class_biases, targets, num_sampl
     raise ValueError("class_weights needs a static number of rows")
   if class_biases is None:
     class_biases = tf.zeros([num_classes], class_weights.dtype)
+  labels = tf.cast(y, tf.int64)[:, tf.newaxis]
+  num_sampled = min(int(num_sampled), num_classes)
+  # The sampler tf.nn.sampled_softmax_loss uses by default, called here so that its
+  # expected counts can take the table's dtype: the loss subtracts their logarithms from
+  # the logits, and the sampler's float32 counts fail against a float64 table.
+  sampled, true_count, sampled_count = tf.random.log_uniform_candidate_sampler(
+      labels, num_true=1, num_sampled=num_sampled, unique=True, range_max=num_classes,
+      seed=seed)
   loss = tf.nn.sampled_softmax_loss(
-      weights=class_weights, biases=class_biases,
-      labels=tf.cast(y, tf.int64)[:, tf.newaxis], inputs=h,
-      num_sampled=min(int(num_sampled), num_classes), num_classes=num_classes, seed=seed)
+      weights=class_weights, biases=class_biases, labels=labels, inputs=h,
+      num_sampled=num_sampled, num_classes=num_classes,
+      sampled_values=(sampled, tf.cast(true_count, class_weights.dtype),
+                      tf.cast(sampled_count, class_weights.dtype)))
   return tf.reshape(loss, shape)
 
 
