@@ -55,6 +55,38 @@ def test_tiny_custom_case_reports_every_method(tmp_path):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_float64_case_computes_and_measures_in_float64(tmp_path):
+  # --dtype float64: every method's inputs, tables and outputs are float64 (the Keras
+  # layer's too), the ceilings are measured in float64, and the report says so.
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tf_hsm import _bench_methods  # pylint: disable=import-outside-toplevel
+  methods = ("tf_hsm", setup.NLL_LOSS, setup.FUSED_SGD, "gather", "full_softmax",
+             "sampled_softmax")
+  _, report, markdown = _bench(
+      tmp_path, "--custom", "300,8,32", "--trees", "huffman", "--repeats", "3",
+      "--time-budget", "10", "--num-sampled", "16", "--no-memory", "--no-plot",
+      "--dtype", "float64", "--methods", *methods)
+  (case,) = report["cases"]
+  assert report["meta"]["dtype"] == case["dtype"] == "float64"
+  assert {name: row["status"] for name, row in case["methods"].items()} == {
+      name: "ok" for name in methods}
+  assert "Huffman-2 · float64" in markdown
+  tree_path = str(tmp_path / "tree.npz")
+  setup.prepare_tree("huffman", 300, tree_path)
+  spec = {"scenario": "custom", "kind": "train", "vocab": 300, "dim": 8, "tokens": 32,
+          "tree": "huffman", "tree_path": tree_path, "seed": 3, "num_sampled": 16,
+          "k": 10, "dtype": "float64"}
+  inputs = _bench_methods.CaseInputs(spec, list(methods) + [setup.KERAS_STEP])
+  assert inputs.hidden.dtype == tf.float64
+  assert inputs.keras_model.layers[-1].kernel.dtype == "float64"
+  for name in methods + (setup.KERAS_STEP,):
+    assert all(v.dtype == tf.float64 for v in inputs.tables(name)), name
+    out = _bench_methods.Method(name, inputs, spec).fwd()
+    assert tf.nest.flatten(out)[0].dtype == tf.float64, name
+  ceilings = _bench_methods.measure_ceilings(quick=True, repeats=1, dtype="float64")
+  assert ceilings["matmul_gflops"] > 0 and ceilings["read_mb"] == 64
+
+
 @pytest.mark.parametrize("spawn", ["fork", "exec"])
 def test_out_of_memory_is_a_result(tmp_path, spawn):
   _, report, markdown = _bench(

@@ -62,8 +62,9 @@ class CaseInputs:
     self.spec = spec
     v, d, t = spec["vocab"], spec["dim"], spec["tokens"]
     seed = spec["seed"]
+    self.dtype = tf.as_dtype(spec.get("dtype", "float32"))
     self.targets = tf.constant(setup.zipf_targets(v, t, seed))
-    self.hidden = tf.random.stateless_normal([t, d], seed=[seed, 1])
+    self.hidden = tf.random.stateless_normal([t, d], seed=[seed, 1], dtype=self.dtype)
     self._tables = {}
     for m in methods:
       if m == setup.KERAS_STEP:
@@ -78,7 +79,8 @@ class CaseInputs:
     key = (by_class, method if mutates_table(method, spec) else None)
     if key not in self._tables:
       rows = spec["vocab"] if by_class else self.tree.num_slots
-      self._tables[key] = self._table(rows, spec["dim"], spec["seed"] + 2 + by_class)
+      self._tables[key] = self._table(rows, spec["dim"], spec["seed"] + 2 + by_class,
+                                      self.dtype)
     return self._tables[key]
 
   def _keras_model(self):
@@ -87,23 +89,23 @@ class CaseInputs:
     compiled by `Method`."""
     import keras  # pylint: disable=import-outside-toplevel
     from tf_hsm.layers import HierarchicalSoftmax  # pylint: disable=import-outside-toplevel
-    hidden = keras.Input((self.spec["dim"],), name="hidden")
+    hidden = keras.Input((self.spec["dim"],), dtype=self.dtype.name, name="hidden")
     targets = keras.Input((), dtype="int64", name="targets")
     layer = HierarchicalSoftmax(self.tree, kernel_initializer=keras.initializers.RandomUniform(
-        0.0, 1.0, seed=self.spec["seed"] + 2))
+        0.0, 1.0, seed=self.spec["seed"] + 2), dtype=self.dtype.name)
     return keras.Model([hidden, targets], layer(hidden, targets))
 
   @staticmethod
-  def _table(rows, dim, seed):
-    """[rows, dim] weights uniform in [0, 1) and zero biases, as variables.
+  def _table(rows, dim, seed, dtype):
+    """[rows, dim] weights uniform in [0, 1) and zero biases, as variables of `dtype`.
 
     One random op straight into the variable: no temporaries of the table's size (scaling
     the values would hold three copies at once), and no sparse op, which would put the
     variable in copy-on-read mode.
     """
     weights = tf.Variable(tf.raw_ops.StatelessRandomUniform(
-        shape=[rows, dim], seed=[seed, 0], dtype=tf.float32))
-    biases = tf.Variable(tf.zeros([rows]))
+        shape=[rows, dim], seed=[seed, 0], dtype=dtype))
+    biases = tf.Variable(tf.zeros([rows], dtype))
     return weights, biases
 
 
@@ -250,7 +252,7 @@ class Method:
     return fn
 
 
-def measure_ceilings(quick=False, repeats=None, max_bytes=None):
+def measure_ceilings(quick=False, repeats=None, max_bytes=None, dtype="float32"):
   """The machine's matmul rate (a large tf.matmul) and memory read bandwidth (a reduce over
   an array far larger than the caches), best of `repeats`, in this process.
 
@@ -258,23 +260,27 @@ def measure_ceilings(quick=False, repeats=None, max_bytes=None):
     quick: smaller sizes and fewer repeats.
     repeats: timed runs of each (default 5; quick 3).
     max_bytes: cap on the reduced array's size (it shares the process's memory limit).
+    dtype: the element type of both (the case's --dtype).
 
   Returns:
     dict(matmul_gflops, read_gbps, matmul_n, read_mb).
   """
   repeats = repeats or (3 if quick else 5)
   n = 1024 if quick else 2048
-  a = tf.random.stateless_uniform([n, n], seed=[1, 2])
-  b = tf.random.stateless_uniform([n, n], seed=[3, 4])
+  dtype = tf.as_dtype(dtype)
+  a = tf.random.stateless_uniform([n, n], seed=[1, 2], dtype=dtype)
+  b = tf.random.stateless_uniform([n, n], seed=[3, 4], dtype=dtype)
   matmul = tf.function(lambda: tf.matmul(a, b))
-  words = (16 if quick else 64) * 2**20
+  size = dtype.size
+  words = (64 if quick else 256) * 2**20 // size
   if max_bytes:
-    words = int(max(2**20, min(words, max_bytes // 4)))
-  x = tf.fill([words], 1.0)  # one buffer; random ops would hold temporaries as large
+    words = int(max(2**22 // size, min(words, max_bytes // size)))
+  # One buffer; random ops would hold temporaries as large.
+  x = tf.fill([words], tf.constant(1.0, dtype))
   reduce = tf.function(lambda: tf.reduce_sum(x))
   force(matmul())
   force(reduce())
   t_mm = min(timed_call(matmul) for _ in range(repeats))
   t_rd = min(timed_call(reduce) for _ in range(repeats))
-  return {"matmul_gflops": 2 * n**3 / t_mm / 1e9, "read_gbps": 4 * words / t_rd / 1e9,
-          "matmul_n": n, "read_mb": 4 * words / 2**20}
+  return {"matmul_gflops": 2 * n**3 / t_mm / 1e9, "read_gbps": size * words / t_rd / 1e9,
+          "matmul_n": n, "read_mb": size * words / 2**20}

@@ -103,6 +103,8 @@ def case_title(case):
   parts = [f"{case['scenario']}", f"V={setup.fmt_count(case['vocab'])}", f"D={case['dim']}",
            f"{'rows' if case['kind'] == 'topk' else 'T'}={case['tokens']}",
            setup.TREE_LABELS.get(case["tree"], case["tree"])]
+  if case.get("dtype", "float32") != "float32":
+    parts.append(case["dtype"])
   return " · ".join(parts)
 
 

@@ -203,6 +203,14 @@ def case_work(tree, num_classes, num_tokens, seed, num_sampled):
   return work
 
 
+DTYPES = {"float32": 4, "float64": 8}  # --dtype choices and their bytes per element
+
+
+def itemsize(case):
+  """Bytes per element of a case's tables and hidden states (its --dtype)."""
+  return DTYPES[case.get("dtype", "float32")]
+
+
 def table_bytes(method, num_classes, num_slots, dim, itemsize=4):
   """Bytes of the parameter table(s) a method trains (weights and biases)."""
   rows = num_classes if method in CLASS_TABLE_METHODS else num_slots
@@ -241,7 +249,7 @@ def method_work(method, case, optimizer):
   """
   d, t, v = case["dim"], case["tokens"], case["vocab"]
   work = case["work"]
-  e = 4
+  e = itemsize(case)
   opt_slots = OPTIMIZER_SLOTS.get(optimizer)
   if method == LOG_PROB_ALL:
     slots = case["tree_summary"]["num_slots"]

@@ -99,7 +99,8 @@ def time_case(spec):
   phases = {}
   clock = time.perf_counter()
   ceiling_bytes = spec.get("memory_limit_bytes", 2**40) / 16
-  ceilings = [bm.measure_ceilings(quick, max_bytes=ceiling_bytes)]
+  dtype = spec.get("dtype", "float32")
+  ceilings = [bm.measure_ceilings(quick, max_bytes=ceiling_bytes, dtype=dtype)]
   gc.collect()
   phases["ceilings_s"] = time.perf_counter() - clock
   inputs = bm.CaseInputs(spec, spec["methods"])
@@ -163,7 +164,7 @@ def time_case(spec):
   phases["timed_loop_s"] = time.perf_counter() - clock
   live = inputs = m = fns = None  # free the tables before the last ceilings
   gc.collect()
-  ceilings.append(bm.measure_ceilings(quick, max_bytes=ceiling_bytes))
+  ceilings.append(bm.measure_ceilings(quick, max_bytes=ceiling_bytes, dtype=dtype))
   best = {key: max(c[key] for c in ceilings) for key in ("matmul_gflops", "read_gbps")}
   return {"status": "ok", "methods": results, "ceilings": best, "ceiling_runs": ceilings,
           "phases": phases,

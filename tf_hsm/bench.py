@@ -242,6 +242,7 @@ class Options:
   jobs: int
   memory: bool
   spawn: str
+  dtype: str = "float32"
 
 
 def min_memory_estimate(method, case):
@@ -250,15 +251,16 @@ def min_memory_estimate(method, case):
   d, t, v = case["dim"], case["tokens"], case["vocab"]
   tree = case["tree_summary"]
   s, depth, branching = tree["num_slots"], tree["max_depth"], tree["max_branching"]
-  table = setup.table_bytes(method, v, s, d)
+  e = setup.itemsize(case)
+  table = setup.table_bytes(method, v, s, d, e)
   if method == "full_softmax":
-    return 2 * table + 2 * 4 * t * v            # table, dense gradient, logits, their grad
+    return 2 * table + 2 * e * t * v            # table, dense gradient, logits, their grad
   if method == "dense_tree":
-    return 2 * table + 2 * 4 * t * s
+    return 2 * table + 2 * e * t * s
   if method in ("gather", "embedding_lookup"):
-    return table + 2 * 4 * t * depth * branching * d   # gathered rows and their gradient
+    return table + 2 * e * t * depth * branching * d   # gathered rows and their gradient
   if method == "dense_top_k":
-    return table + 4 * t * v
+    return table + e * t * v
   return table
 
 
@@ -270,7 +272,7 @@ def expand_cases(scenarios, args, tree_dir, opts):
       for kind in sc.trees:
         tree_path = os.path.join(tree_dir, f"{kind}_{v}.npz")
         base = {"scenario": sc.name, "kind": sc.kind, "vocab": v, "dim": sc.dim,
-                "tree": kind, "tree_path": tree_path, "seed": opts.seed,
+                "tree": kind, "tree_path": tree_path, "seed": opts.seed, "dtype": opts.dtype,
                 "num_sampled": opts.num_sampled, "k": setup.TOPK_K, "note": sc.note}
         methods = list(sc.methods)
         # The fused SGD step and the Keras step are training methods of every training
@@ -324,7 +326,7 @@ def prepare_trees(cases, workdir, opts, progress):
 
 def _spec(case, opts, mode, methods):
   keys = ("scenario", "kind", "vocab", "dim", "tokens", "tree", "tree_path", "seed",
-          "num_sampled", "k")
+          "num_sampled", "k", "dtype")
   spec = {key: case[key] for key in keys}
   spec.update(mode=mode, methods=list(methods), optimizer=opts.optimizer,
               repeats=opts.repeats, time_budget_s=opts.time_budget_s, quick=opts.quick,
@@ -337,7 +339,7 @@ def _child_timeout(case, methods, opts, work_s):
   tables (~10 s per GB or per million classes on this machine kind), at most --timeout."""
   tree = case.get("tree_summary") or {}
   tables = sum(setup.table_bytes(m, case["vocab"], tree.get("num_slots", case["vocab"]),
-                                 case["dim"]) for m in methods)
+                                 case["dim"], setup.itemsize(case)) for m in methods)
   allowance = 60 + 10 * tables / GB + 10 * case["vocab"] / 1e6
   return min(opts.timeout_s, work_s + allowance)
 
@@ -365,7 +367,7 @@ def plan_timing_groups(case, runnable, rows, opts):
     return (by_class, m if setup.mutates_table(m, case["kind"], opts.optimizer) else None)
 
   def estimate(group):
-    tables = {table_key(m): setup.table_bytes(m, v, s, d) for m in group}
+    tables = {table_key(m): setup.table_bytes(m, v, s, d, setup.itemsize(case)) for m in group}
     if not probed:
       return sum(tables.values())
     largest = max(group, key=lambda m: mems[m]["baseline_rss"])
@@ -477,7 +479,8 @@ def run_case(case, workdir, opts, progress, available):
                           opts.jobs, progress, spawn)
     for name, probe in zip(list(runnable), probes):
       probe["table_bytes"] = setup.table_bytes(name, case["vocab"],
-                                               case["tree_summary"]["num_slots"], case["dim"])
+                                               case["tree_summary"]["num_slots"], case["dim"],
+                                               setup.itemsize(case))
       rows[name]["memory"] = probe
       if probe.get("info"):
         rows[name]["info"] = probe["info"]
@@ -541,6 +544,9 @@ def parse_args(argv):
                  help="also apply this optimizer in the timed fwd+bwd step (Keras "
                       "optimizers; sparse_sgd, lazy_adam and sparse_adagrad from "
                       "tf_hsm.optimizers; the _momentum forms with momentum 0.9)")
+  p.add_argument("--dtype", choices=tuple(setup.DTYPES), default="float32",
+                 help="type of the tables and hidden states, and of the matmul and read "
+                      "that measure the machine's ceilings (default float32)")
   p.add_argument("--num-sampled", type=int, default=1024,
                  help="negative classes of sampled softmax (default 1024)")
   p.add_argument("--out", default="bench_results", help="output directory")
@@ -645,7 +651,7 @@ def options_from_args(args):
       limit_bytes=limit_gb * GB, timeout_s=args.timeout or (120 if quick else 1800),
       time_budget_s=args.time_budget or (3 if quick else 300),
       jobs=max(1, args.jobs or (2 if quick else 1)), memory=not args.no_memory,
-      spawn=args.spawn)
+      spawn=args.spawn, dtype=args.dtype)
 
 
 def main(argv=None):
@@ -669,7 +675,7 @@ def main(argv=None):
     report = {"meta": {
         "argv": sys.argv[1:] if argv is None else list(argv), "quick": quick,
         "machine": _machine(), "tf_version": tf.__version__,
-        "optimizer": opts.optimizer, "repeats": opts.repeats,
+        "optimizer": opts.optimizer, "dtype": opts.dtype, "repeats": opts.repeats,
         "num_sampled": opts.num_sampled, "memory_limit_gb": limit_gb,
         "probe_memory_limit_gb": limit_gb / opts.jobs, "time_budget_s": opts.time_budget_s,
         "timeout_s": opts.timeout_s, "available": available,
