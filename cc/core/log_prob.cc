@@ -217,8 +217,10 @@ void WalkSoftmaxAll(const WalkStep<T>* steps, int64 n, const T* z_rows, bool wan
       case 1: WalkSoftmax<T, 1>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
       case 2: WalkSoftmax<T, 2>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
       case 4: WalkSoftmax<T, 4>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
-      default:
-        if constexpr (kLanes >= 8) WalkSoftmax<T, 8>(batch, count, z_rows, want_value, grad, total, coef_rows);
+      default:  // span 8 <= kLanes (wider spans went by lane above)
+        if constexpr (kLanes >= 8) {
+          WalkSoftmax<T, 8>(batch, count, z_rows, want_value, grad, total, coef_rows);
+        }
         break;
     }
     s += count;
