@@ -418,6 +418,9 @@ def test_bad_seed():
     sample(h, w, b, TREE, seed=2**64)
   with pytest.raises(TypeError, match="seed must be int32 or int64"):
     sample(h, w, b, TREE, seed=1.5)
+  for pair in ([1, 2], tf.constant([1, 2])):
+    with pytest.raises(ValueError, match=r"seed must be one integer \(a scalar\)"):
+      sample(h, w, b, TREE, seed=pair)
 
 
 @pytest.mark.parametrize("class_range", [(-1, 3), (3, 2), (0, 21), (1, 2, 3), (0.0, 2)])

@@ -160,8 +160,8 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
 
   Raises:
     TypeError: `tree` is not a Tree, or wrong dtypes.
-    ValueError: a Python `seed` outside the int64 range or a Python `temperature` that
-      is not positive and finite.
+    ValueError: a `seed` that is not a scalar, a Python `seed` outside the int64 range,
+      or a Python `temperature` that is not positive and finite.
     tf.errors.InvalidArgumentError: a tensor temperature that is not positive and
       finite, shape mismatches, malformed tree tensors.
   """
@@ -176,6 +176,8 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
     seed = tf.constant(int(seed), tf.int64)
   else:
     seed = tf.cast(_class_ids(seed, "seed"), tf.int64)
+    if seed.shape.rank not in (None, 0):  # e.g. a [2] pair, as TF's stateless ops take
+      raise ValueError(f"seed must be one integer (a scalar), got shape {seed.shape}")
   if isinstance(temperature, numbers.Real) and not isinstance(temperature, (bool, np.bool_)):
     if not (math.isfinite(temperature) and temperature > 0):
       raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
