@@ -167,8 +167,9 @@ void WalkSoftmax(const WalkStep<T>* steps, int64 n, const T* z_rows, bool want_v
   }
 }
 
-// One step wider than a vector (a node of 5 to 8 children in 4-lane double vectors, on
-// AVX2): WalkSoftmax's operations one lane at a time, the max and the sum in row order.
+// One step wider than a vector (a node of 5 to 8 children in 4-lane vectors: double with
+// AVX or AVX2, float with SSE alone; of 3 to 8 in 2-lane ones, double with SSE alone):
+// WalkSoftmax's operations one lane at a time, the max and the sum in row order.
 // Such steps always come here, so a step still gives the same bits alone or in a batch.
 template <typename T>
 void WalkSoftmaxByLane(const WalkStep<T>& st, const T* z_rows, bool want_value, bool grad,
@@ -216,8 +217,13 @@ void WalkSoftmaxAll(const WalkStep<T>* steps, int64 n, const T* z_rows, bool wan
     switch (span) {
       case 1: WalkSoftmax<T, 1>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
       case 2: WalkSoftmax<T, 2>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
-      case 4: WalkSoftmax<T, 4>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
-      default:  // span 8 <= kLanes (wider spans went by lane above)
+      // Spans wider than a vector went by lane above: only spans that fit are built.
+      case 4:
+        if constexpr (kLanes >= 4) {
+          WalkSoftmax<T, 4>(batch, count, z_rows, want_value, grad, total, coef_rows);
+        }
+        break;
+      default:
         if constexpr (kLanes >= 8) {
           WalkSoftmax<T, 8>(batch, count, z_rows, want_value, grad, total, coef_rows);
         }

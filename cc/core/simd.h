@@ -1,5 +1,5 @@
 // Small dense kernels the hierarchical softmax is built from, written with GCC/Clang vector
-// extensions: the compiler emits AVX-512, AVX2 or SSE from the same source depending on
+// extensions: the compiler emits AVX-512, AVX2, AVX or SSE from the same source depending on
 // -march, which keeps one portable code path. Every output element is produced by the same
 // fixed sequence of operations whatever the blocking around it, so results are identical
 // across thread counts and tilings. That includes fusing a * b + c into one FMA in every
@@ -54,19 +54,6 @@ using int64 = std::int64_t;
 
 template <typename T>
 struct Vec;
-// With AVX-512 a vector is 64 bytes, one register. With AVX2 it is 32 bytes, one register
-// too, for both types: GCC lowers comparisons and selects (x > y ? x : y) of 64-byte
-// vectors on AVX2 to scalar code with branches, which made the exp, log and softmax kernels
-// the slowest part of a step (E's backward: 2.7 ms with 64-byte vectors, 1.0-1.3 ms with
-// 32-byte ones, on a Zen 3 EPYC), and builds their splats and register tiles through the
-// stack (float64 at B, T=2,560, on an AVX2 build: 525 ms a step with 64-byte vectors).
-// A double vector is then 4 lanes, narrower than a walked node of 5 to 8 children: the
-// walk's softmax takes such steps one lane at a time (WalkSoftmaxAll).
-#if defined(TF_HSM_AVX2_PARTIALS)
-constexpr int kVectorBytes = 32;
-#else
-constexpr int kVectorBytes = 64;
-#endif
 // The machine's vector registers: how many, and how wide (register-tile sizes).
 #if defined(__AVX512F__)
 constexpr int64 kVectorRegisters = 32, kRegisterBytes = 64;
@@ -74,6 +61,20 @@ constexpr int64 kVectorRegisters = 32, kRegisterBytes = 64;
 constexpr int64 kVectorRegisters = 16, kRegisterBytes = 32;
 #else
 constexpr int64 kVectorRegisters = 16, kRegisterBytes = 16;
+#endif
+// On x86 a vector is one register: 64 bytes with AVX-512, 32 with AVX or AVX2, 16 with
+// SSE alone. GCC lowers comparisons and selects (x > y ? x : y) of vectors wider than a
+// register to scalar code with branches, which made the exp, log and softmax kernels the
+// slowest part of a step (E's backward: 2.7 ms with 64-byte vectors, 1.0-1.3 ms with
+// 32-byte ones, on a Zen 3 EPYC), and builds their splats and register tiles through the
+// stack (float64 at B, T=2,560, on an AVX2 build: 525 ms a step with 64-byte vectors).
+// A vector can then be narrower than a walked node of up to 8 children: the walk's
+// softmax takes such steps one lane at a time (WalkSoftmaxAll). Elsewhere (no x86 vector
+// extension detected, e.g. another architecture) vectors stay 64 bytes.
+#if defined(__SSE2__)
+constexpr int kVectorBytes = static_cast<int>(kRegisterBytes);
+#else
+constexpr int kVectorBytes = 64;
 #endif
 template <>
 struct Vec<float> {
@@ -266,13 +267,15 @@ inline VecT<T> SwapLanes(VecT<T> v) {
     } else {
       return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
     }
-  } else {
-    static_assert(Vec<T>::kWidth == 4, "vectors of 4, 8 or 16 lanes");
+  } else if constexpr (Vec<T>::kWidth == 4) {
     if constexpr (kStride == 2) {
       return __builtin_shufflevector(v, v, 2, 3, 0, 1);
     } else {
       return __builtin_shufflevector(v, v, 1, 0, 3, 2);
     }
+  } else {
+    static_assert(Vec<T>::kWidth == 2, "vectors of 2, 4, 8 or 16 lanes");
+    return __builtin_shufflevector(v, v, 1, 0);
   }
 }
 
@@ -331,13 +334,15 @@ inline VecT<T> CombinePair(VecT<T> a, VecT<T> b) {
       return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
              __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
     }
-  } else {
-    static_assert(Vec<T>::kWidth == 4, "vectors of 4, 8 or 16 lanes");
+  } else if constexpr (Vec<T>::kWidth == 4) {
     if constexpr (kHalf == 2) {
       return __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
     } else {
       return __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
     }
+  } else {
+    static_assert(Vec<T>::kWidth == 2, "vectors of 2, 4, 8 or 16 lanes");
+    return __builtin_shufflevector(a, b, 0, 2) + __builtin_shufflevector(a, b, 1, 3);
   }
 }
 
@@ -400,6 +405,9 @@ inline void TransposeStage(VecT<T>* v) {
     } else if constexpr (w == 16) {
       v[r] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
       v[r + kHalf] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    } else if constexpr (w == 2) {
+      v[r] = __builtin_shufflevector(a, b, 0, 2);
+      v[r + kHalf] = __builtin_shufflevector(a, b, 1, 3);
     } else if constexpr (w == 4 && kHalf == 2) {
       v[r] = __builtin_shufflevector(a, b, 0, 1, 4, 5);
       v[r + kHalf] = __builtin_shufflevector(a, b, 2, 3, 6, 7);
@@ -423,11 +431,11 @@ inline void TransposeStage(VecT<T>* v) {
 
 template <typename T>
 inline void Transpose(VecT<T>* v) {
-  static_assert(Vec<T>::kWidth == 4 || Vec<T>::kWidth == 8 || Vec<T>::kWidth == 16,
-                "vectors of 4, 8 or 16 lanes");
-  if constexpr (Vec<T>::kWidth == 16) internal::TransposeStage<T, 8>(v);
-  if constexpr (Vec<T>::kWidth >= 8) internal::TransposeStage<T, 4>(v);
-  internal::TransposeStage<T, 2>(v);
+  constexpr int w = Vec<T>::kWidth;
+  static_assert(w == 2 || w == 4 || w == 8 || w == 16, "vectors of 2, 4, 8 or 16 lanes");
+  if constexpr (w >= 16) internal::TransposeStage<T, 8>(v);
+  if constexpr (w >= 8) internal::TransposeStage<T, 4>(v);
+  if constexpr (w >= 4) internal::TransposeStage<T, 2>(v);
   internal::TransposeStage<T, 1>(v);
 }
 
