@@ -108,6 +108,14 @@ rm -f "$build_log"
 if ! cmp -s bazel-bin/cc/_hsm_ops.so tf_hsm/_hsm_ops.so; then
   install -m 0755 bazel-bin/cc/_hsm_ops.so tf_hsm/_hsm_ops.so
 fi
+# The CPU features the core was compiled for (-march=$march), named as in /proc/cpuinfo:
+# tf_hsm/_loader.py checks them before loading the library, which on a machine without
+# them (one built on an AVX-512 machine, run on an AVX2 one) would stop the process with
+# an illegal instruction.
+features=$("${CC:-gcc}" -march="$march" -dM -E -x c /dev/null 2>/dev/null |
+  sed -n -E 's/^#define __(SSE4_2|AVX|AVX2|FMA|F16C|BMI|BMI2|AVX512F|AVX512BW|AVX512DQ|AVX512VL|AVX512CD)__ 1$/\1/p' |
+  tr 'A-Z' 'a-z' | sed 's/^bmi$/bmi1/' | sort | tr '\n' ' ' || true)
+printf 'march=%s\nfeatures=%s\n' "$march" "${features% }" > tf_hsm/_hsm_ops.cpu
 
 # --- CUDA kernels (opt-in) ---------------------------------------------------------------
 # TF_HSM_CUDA=1 also compiles the GPU kernels (cc/core/*.cu, cc/kernels/*_gpu.cc) and

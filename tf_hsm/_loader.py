@@ -13,15 +13,56 @@ _CANDIDATES = (
 )
 
 
+def _cpu_flags(cpuinfo="/proc/cpuinfo"):
+  """This machine's CPU feature flags, or None where they cannot be read (not Linux)."""
+  try:
+    with open(cpuinfo) as f:
+      for line in f:
+        if line.startswith("flags"):
+          return set(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  return None
+
+
+def check_cpu(library, cpuinfo="/proc/cpuinfo"):
+  """Raises ImportError when `library` was compiled for CPU features this machine lacks.
+
+  configure.sh writes them beside the library (`_hsm_ops.cpu`). Loaded anyway, such a
+  library stops the process with an illegal instruction at its first op: one built with
+  the default TF_HSM_MARCH=native on an AVX-512 machine, then run on an AVX2 one that
+  shares the file system, say. Without that file, or without /proc/cpuinfo, nothing is
+  checked.
+  """
+  record = os.path.splitext(library)[0] + ".cpu"
+  if not os.path.exists(record):
+    return
+  with open(record) as f:
+    fields = dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+  have = _cpu_flags(cpuinfo)
+  if have is None:
+    return
+  missing = sorted(set(fields.get("features", "").split()) - have)
+  if missing:
+    raise ImportError(
+        f"{library} was built for CPU features this machine lacks ({', '.join(missing)}): "
+        f"it was configured on another kind of machine (TF_HSM_MARCH="
+        f"{fields.get('march', '?')}). Rebuild it here with ./configure.sh, or, for one "
+        "library shared by several kinds of machines, for the oldest of them, e.g. "
+        "TF_HSM_MARCH=x86-64-v3 ./configure.sh (AVX2 and FMA).")
+
+
 @functools.lru_cache(maxsize=None)
 def ops():
   """Returns the generated op module of the tf_hsm library.
 
   Raises:
-    ImportError: when the library has not been built yet.
+    ImportError: when the library has not been built yet, or was built for CPU features
+      this machine lacks.
   """
   for path in _CANDIDATES:
     if os.path.exists(path):
+      check_cpu(path)
       return tf.load_op_library(path)
   raise ImportError(
       "The tf_hsm op library is not built: none of\n  " + "\n  ".join(_CANDIDATES) +

@@ -1,0 +1,40 @@
+"""The op library's loader: the CPU features it was built for are checked before loading."""
+
+import os
+
+import pytest
+
+from tf_hsm import _loader
+
+
+def _write(path, text):
+  path.write_text(text)
+  return str(path)
+
+
+def test_library_built_for_missing_cpu_features_is_an_import_error(tmp_path):
+  library = str(tmp_path / "_hsm_ops.so")
+  cpuinfo = _write(tmp_path / "cpuinfo", "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+  _write(tmp_path / "_hsm_ops.cpu", "march=native\nfeatures=avx avx2 avx512f avx512bw fma\n")
+  with pytest.raises(ImportError, match=r"lacks \(avx512bw, avx512f\).*TF_HSM_MARCH=native"):
+    _loader.check_cpu(library, cpuinfo)
+  _write(tmp_path / "_hsm_ops.cpu", "march=haswell\nfeatures=avx avx2 fma\n")
+  _loader.check_cpu(library, cpuinfo)  # all present
+  _loader.check_cpu(library, str(tmp_path / "no_cpuinfo"))  # unreadable: not checked
+  os.remove(tmp_path / "_hsm_ops.cpu")
+  _write(tmp_path / "cpuinfo", "flags\t\t: fpu\n")
+  _loader.check_cpu(library, cpuinfo)  # no record: not checked
+
+
+def test_configure_records_the_features_of_this_machine():
+  # The library in the package was built here, so this machine has every feature listed.
+  library = os.path.join(os.path.dirname(_loader.__file__), "_hsm_ops.so")
+  record = os.path.splitext(library)[0] + ".cpu"
+  assert os.path.exists(record), "run ./configure.sh"
+  with open(record) as f:
+    fields = dict(line.rstrip("\n").split("=", 1) for line in f)
+  assert fields["march"]
+  flags = _loader._cpu_flags()  # pylint: disable=protected-access
+  if flags is not None:
+    assert set(fields["features"].split()) <= flags
+    _loader.check_cpu(library)
