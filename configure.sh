@@ -77,7 +77,13 @@ march="${TF_HSM_MARCH:-native}"
 # fused then depends on the loop around it. Turn that off where the compiler knows it.
 # (--per_file_copt splits its options at commas; a backslash keeps one, and reading the rc
 # file takes one backslash away, hence two before each comma inside -mtune-ctrl.)
-core_copts="-march=$march"
+# -march=native names a different instruction set on each kind of machine but the same
+# flag to Bazel, which would reuse objects compiled on another kind (a checkout shared by
+# several machines): a digest of the compiler's target macros joins the flags, so that a
+# new target rebuilds the core. (An unused definition; it changes no code.)
+target=$("${CC:-gcc}" -march="$march" -dM -E -x c /dev/null 2>/dev/null | sort | cksum |
+  cut -d' ' -f1 || true)
+core_copts="-march=$march,-DTF_HSM_TARGET=${target:-unknown}"
 fma_chains=""
 for knob in avoid_fma_chains avoid_fma256_chains avoid_fma512_chains; do
   if echo 'int x;' | "${CC:-gcc}" -mtune-ctrl="^$knob" -x c++ -c - -o /dev/null 2>/dev/null; then
