@@ -25,6 +25,16 @@ def _cpu_flags(cpuinfo="/proc/cpuinfo"):
   return None
 
 
+def build_record(library):
+  """What configure.sh recorded beside `library` (`_hsm_ops.cpu`): {"march": ...,
+  "features": "avx avx2 ..."}, or None without that file."""
+  record = os.path.splitext(library)[0] + ".cpu"
+  if not os.path.exists(record):
+    return None
+  with open(record) as f:
+    return dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+
+
 def check_cpu(library, cpuinfo="/proc/cpuinfo"):
   """Raises ImportError when `library` was compiled for CPU features this machine lacks.
 
@@ -34,13 +44,9 @@ def check_cpu(library, cpuinfo="/proc/cpuinfo"):
   shares the file system, say. Without that file, or without /proc/cpuinfo, nothing is
   checked.
   """
-  record = os.path.splitext(library)[0] + ".cpu"
-  if not os.path.exists(record):
-    return
-  with open(record) as f:
-    fields = dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+  fields = build_record(library)
   have = _cpu_flags(cpuinfo)
-  if have is None:
+  if fields is None or have is None:
     return
   missing = sorted(set(fields.get("features", "").split()) - have)
   if missing:

@@ -195,6 +195,19 @@ void WalkSoftmaxByLane(const WalkStep<T>& st, const T* z_rows, bool want_value, 
   }
 }
 
+// WalkSoftmax where a span of kSpan lanes fits a vector; otherwise each step by lane.
+template <typename T, int kSpan>
+void WalkSoftmaxOfSpan(const WalkStep<T>* steps, int64 n, const T* z_rows, bool want_value,
+                       bool grad, T* total, T* coef_rows) {
+  if constexpr (kSpan <= simd::Vec<T>::kWidth) {
+    WalkSoftmax<T, kSpan>(steps, n, z_rows, want_value, grad, total, coef_rows);
+  } else {
+    for (int64 j = 0; j < n; ++j) {
+      WalkSoftmaxByLane<T>(steps[j], z_rows, want_value, grad, total, coef_rows);
+    }
+  }
+}
+
 // The lanes a step of k rows takes in WalkSoftmax: k rounded up to a power of two.
 constexpr int64 WalkSpan(int64 k) { return k <= 1 ? 1 : k <= 2 ? 2 : k <= 4 ? 4 : 8; }
 static_assert(kWalkMaxBranching <= 8, "WalkSpan covers nodes of up to 8 children");
@@ -209,25 +222,11 @@ void WalkSoftmaxAll(const WalkStep<T>* steps, int64 n, const T* z_rows, bool wan
     int64 count = 1;
     while (s + count < n && (count + 1) * span <= kLanes && WalkSpan(steps[s + count].k) == span) ++count;
     const WalkStep<T>* batch = steps + s;
-    if (span > kLanes) {
-      WalkSoftmaxByLane<T>(*batch, z_rows, want_value, grad, total, coef_rows);
-      s += 1;
-      continue;
-    }
     switch (span) {
-      case 1: WalkSoftmax<T, 1>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
-      case 2: WalkSoftmax<T, 2>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
-      // Spans wider than a vector went by lane above: only spans that fit are built.
-      case 4:
-        if constexpr (kLanes >= 4) {
-          WalkSoftmax<T, 4>(batch, count, z_rows, want_value, grad, total, coef_rows);
-        }
-        break;
-      default:
-        if constexpr (kLanes >= 8) {
-          WalkSoftmax<T, 8>(batch, count, z_rows, want_value, grad, total, coef_rows);
-        }
-        break;
+      case 1: WalkSoftmaxOfSpan<T, 1>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
+      case 2: WalkSoftmaxOfSpan<T, 2>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
+      case 4: WalkSoftmaxOfSpan<T, 4>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
+      default: WalkSoftmaxOfSpan<T, 8>(batch, count, z_rows, want_value, grad, total, coef_rows); break;
     }
     s += count;
   }
