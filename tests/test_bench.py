@@ -232,3 +232,17 @@ def test_tables_that_cannot_fit_together_are_split_up_front_without_probes():
       ["tf_hsm", setup.NLL_LOSS], [setup.FUSED_SGD]]
   case["tree_summary"] = {"num_slots": 1_000}
   assert bench.plan_timing_groups(case, methods, rows, opts) == [methods]
+
+
+def test_heading_shows_the_spread_of_the_read_ceiling_when_runs_disagree():
+  from tf_hsm import _bench_report  # pylint: disable=import-outside-toplevel
+  case = {"scenario": "custom", "vocab": 1000, "dim": 8, "tokens": 32, "tree": "huffman",
+          "kind": "train", "methods": {},
+          "ceilings": {"matmul_gflops": 400.0, "read_gbps": 65.3},
+          "ceiling_runs": [{"matmul_gflops": 390.0, "read_gbps": 41.7},
+                           {"matmul_gflops": 400.0, "read_gbps": 65.3}]}
+  heading = _bench_report.case_markdown(case, "none").splitlines()[1]
+  assert "matmul 400 GFLOP/s, read 65.3 GB/s (the case's 2 reads: 41.7–65.3 GB/s)" in heading
+  case["ceiling_runs"][0]["read_gbps"] = 62.0  # within 10%: the best alone
+  heading = _bench_report.case_markdown(case, "none").splitlines()[1]
+  assert heading.endswith("read 65.3 GB/s")

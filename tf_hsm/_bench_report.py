@@ -108,6 +108,16 @@ def case_title(case):
   return " · ".join(parts)
 
 
+def _ceiling_spread(case):
+  """The range of the read bandwidths measured for the case (before and after each timing
+  process), when they differ by more than 10%, else "": on a shared machine they can
+  differ by half, and a traffic-bound case's roofline % moves with the one it uses."""
+  reads = [r["read_gbps"] for r in case.get("ceiling_runs") or [] if r.get("read_gbps")]
+  if len(reads) < 2 or max(reads) <= 1.1 * min(reads):
+    return ""
+  return f" (the case's {len(reads)} reads: {min(reads):.1f}–{max(reads):.1f} GB/s)"
+
+
 def case_markdown(case, optimizer):
   """A heading with the case's work and ceilings, then one row per method."""
   lines = [f"### {case_title(case)}"]
@@ -123,7 +133,7 @@ def case_markdown(case, optimizer):
   ceilings = case.get("ceilings")
   if ceilings:
     facts.append(f"matmul {ceilings['matmul_gflops']:.0f} GFLOP/s, read "
-                 f"{ceilings['read_gbps']:.1f} GB/s")
+                 f"{ceilings['read_gbps']:.1f} GB/s" + _ceiling_spread(case))
   if case.get("timing_note"):
     facts.append(case["timing_note"])
   if case.get("error"):
