@@ -246,3 +246,23 @@ def test_heading_shows_the_spread_of_the_read_ceiling_when_runs_disagree():
   case["ceiling_runs"][0]["read_gbps"] = 62.0  # within 10%: the best alone
   heading = _bench_report.case_markdown(case, "none").splitlines()[1]
   assert heading.endswith("read 65.3 GB/s")
+
+
+def test_machine_line_tells_cpus_of_one_brand_apart(tmp_path):
+  from tf_hsm import bench  # pylint: disable=import-outside-toplevel
+  meminfo = tmp_path / "meminfo"
+  meminfo.write_text("MemTotal:       25165824 kB\n")
+  entry = ("processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\n"
+           "model\t\t: {model}\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 {flags}\n\n")
+  cpuinfo = tmp_path / "cpuinfo"
+  # Only the first processor's entry is read.
+  cpuinfo.write_text(entry.format(n=0, family=25, model=1, flags="avx avx2 fma") +
+                     entry.format(n=1, family=26, model=2, flags="avx2 avx512f"))
+  line = bench._machine(str(cpuinfo), str(meminfo))  # pylint: disable=protected-access
+  assert line.startswith("AMD EPYC (family 25, model 1; AVX2), ")
+  assert line.endswith(" cores, 24 GiB RAM")
+  cpuinfo.write_text(entry.format(n=0, family=26, model=2, flags="avx2 avx512f"))
+  assert bench._machine(str(cpuinfo), str(meminfo)).startswith(  # pylint: disable=protected-access
+      "AMD EPYC (family 26, model 2; AVX-512), ")
+  assert bench._machine(str(tmp_path / "none"), str(meminfo)).startswith(  # pylint: disable=protected-access
+      "unknown CPU, ")

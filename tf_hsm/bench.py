@@ -615,19 +615,34 @@ def _scenarios(args):
   return out
 
 
-def _machine():
-  model = "unknown CPU"
+def _machine(cpuinfo="/proc/cpuinfo", meminfo="/proc/meminfo"):
+  """The CPU, cores and memory, for the report's first line. Virtual machines often name
+  the CPU only by its brand ("AMD EPYC"), so the family and model numbers and the widest
+  vector extension follow the name: machines of one name but another generation then
+  read apart."""
+  fields = {}
   try:
-    with open("/proc/cpuinfo") as f:
+    with open(cpuinfo) as f:
       for line in f:
-        if line.startswith("model name"):
-          model = line.split(":", 1)[1].strip()
-          break
+        if not line.strip():
+          break  # the first processor's entry is enough
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
   except OSError:
     pass
+  model = fields.get("model name", "unknown CPU")
+  details = []
+  if "cpu family" in fields and "model" in fields:
+    details.append(f"family {fields['cpu family']}, model {fields['model']}")
+  flags = fields.get("flags", "").split()
+  if flags:
+    details.append("AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
+                   else "no AVX2")
+  if details:
+    model += f" ({'; '.join(details)})"
   total = None
   try:
-    with open("/proc/meminfo") as f:
+    with open(meminfo) as f:
       total = int(f.readline().split()[1]) * 1024
   except (OSError, ValueError, IndexError):
     pass
