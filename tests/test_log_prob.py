@@ -230,9 +230,9 @@ def test_reused_gradient_buffer_never_overwrites_a_held_gradient(rng):
 def test_reused_saved_logits_buffer_never_overwrites_held_logits(rng):
   # The logits the forward saves for its gradient reuse a buffer the same way.
   from tf_hsm import _loader
-  from tf_hsm.ops import _tree_tensors
+  from tf_hsm._inputs import tree_tensors
   tree = tf_hsm.Tree.two_level(20_000)
-  t = _tree_tensors(tree)
+  t = tree_tensors(tree)
   tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
   dim = 16
   w = tf.constant(rng.normal(size=(tree.num_slots, dim)).astype(np.float32))
@@ -253,12 +253,12 @@ def test_gradient_from_the_forward_logits_is_the_recomputed_one(rng, dtype):
   the gradient op recomputes them; wrong-sized inputs are refused. The trees: mixed node
   sizes, grouped nodes only, and walked nodes only (binary Huffman, 4-ary balanced)."""
   from tf_hsm import _loader
-  from tf_hsm.ops import _tree_tensors
+  from tf_hsm._inputs import tree_tensors
   ops = _loader.ops()
   huffman = tf_hsm.Tree.huffman(rng.zipf(1.3, size=2000).astype(np.float64))
   for tree in [random_mixed_tree(rng), tf_hsm.Tree.two_level(3000), tf_hsm.Tree.balanced(500, 30),
                huffman, tf_hsm.Tree.balanced(700, 4)]:
-    t = _tree_tensors(tree)
+    t = tree_tensors(tree)
     tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
     hidden, weights, biases, targets = random_inputs(rng, tree, (7, 40), 19, dtype, True)
     h, w, b, y = (tf.constant(v) for v in (hidden, weights, biases, targets))
@@ -319,24 +319,24 @@ def test_large_tree_arrays_are_shared_with_their_tensors(rng, monkeypatch):
   """The ops' tensors of a large tree's arrays use the tree's own buffers (one copy of
   the values, not two); the arrays keep their values and stay read-only, and the op's
   results are those of copied tensors, bit for bit."""
-  from tf_hsm import ops  # pylint: disable=import-outside-toplevel
+  from tf_hsm import _inputs  # pylint: disable=import-outside-toplevel
   num_classes = 200_000  # path arrays of 400K int64 values: over the sharing threshold
   shared, copied = tf_hsm.Tree.two_level(num_classes), tf_hsm.Tree.two_level(num_classes)
   before = {name: getattr(shared, name).copy() for name in ("slot_child", "path_nodes")}
-  tensors = ops._tree_tensors(shared)
+  tensors = _inputs.tree_tensors(shared)
   for name, values in before.items():
     array = getattr(shared, name)
     np.testing.assert_array_equal(array, values)
     assert not array.flags.writeable
-    assert array.ctypes.data % ops._TENSOR_ALIGNMENT == 0
+    assert array.ctypes.data % _inputs.TENSOR_ALIGNMENT == 0
     # Write through a private alias of the buffer: the tensor sees it.
     alias = np.ndarray(array.shape, np.int64, buffer=array.base,
                        offset=array.ctypes.data - array.base.ctypes.data)
     alias[3] += 1
     assert int(tensors[name][3]) == values[3] + 1
     alias[3] -= 1
-  monkeypatch.setattr(ops, "_SHARE_MIN_BYTES", 1 << 62)  # copies for the second tree
-  ops._tree_tensors(copied)
+  monkeypatch.setattr(_inputs, "SHARE_MIN_BYTES", 1 << 62)  # copies for the second tree
+  _inputs.tree_tensors(copied)
   hidden = tf.constant(rng.normal(size=(64, 8)), tf.float32)
   weights = tf.constant(rng.normal(size=(shared.num_slots, 8)), tf.float32)
   targets = tf.constant(rng.integers(0, num_classes, 64))

@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hsm import _loader
-from tf_hsm.ops import _accepts_ragged, _class_ids, _dense_inputs, _tree_tensors
+from tf_hsm import _inputs
 
 __all__ = ["top_k", "log_prob_all", "sample", "log_prob_candidates"]
 
@@ -22,7 +22,7 @@ _INT64_MAX = 2**63 - 1
 
 def _tree_args(tree, slot_child=True):
   """The tree tensors in the order the inference ops take them."""
-  t = _tree_tensors(tree)
+  t = _inputs.tree_tensors(tree)
   args = [t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"]]
   return args + [t["slot_child"]] if slot_child else args
 
@@ -35,7 +35,7 @@ def _cast_back(result, out_dtype):
   return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
 
 
-@_accepts_ragged
+@_inputs.accepts_ragged
 def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
   """The k most probable classes of each row, exactly.
 
@@ -77,7 +77,7 @@ def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
   if not _is_int(k) or not 1 <= k <= tree.num_classes:
     raise ValueError(f"k must be an integer in [1, num_classes] = [1, {tree.num_classes}], "
                      f"got {k!r}")
-  hidden, weights, biases, out_dtype = _dense_inputs(hidden, weights, biases)
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
   log_probs, classes, expanded = _loader.ops().hsm_top_k(hidden, weights, biases, *tree_args,
                                                          k=int(k))
   log_probs = _cast_back(log_probs, out_dtype)
@@ -86,7 +86,7 @@ def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
   return log_probs, classes
 
 
-@_accepts_ragged
+@_inputs.accepts_ragged
 def log_prob_all(hidden, weights, biases, tree, class_range=None):
   """log P(c | hidden) for every class c, or for the classes of a range.
 
@@ -128,13 +128,13 @@ def log_prob_all(hidden, weights, biases, tree, class_range=None):
                        f"num_classes = {c}, got {class_range!r}")
     class_range = tf.constant([int(v) for v in class_range], tf.int64)
   else:
-    class_range = tf.cast(_class_ids(class_range, "class_range"), tf.int64)
-  hidden, weights, biases, out_dtype = _dense_inputs(hidden, weights, biases)
+    class_range = tf.cast(_inputs.class_ids(class_range, "class_range"), tf.int64)
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
   result = _loader.ops().hsm_log_prob_all(hidden, weights, biases, class_range, *tree_args)
   return _cast_back(result, out_dtype)
 
 
-@_accepts_ragged
+@_inputs.accepts_ragged
 def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
   """One class per row, sampled from the hierarchical softmax.
 
@@ -175,7 +175,7 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
       finite, shape mismatches, malformed tree tensors.
   """
   tree_args = _tree_args(tree)
-  hidden, weights, biases, out_dtype = _dense_inputs(hidden, weights, biases)
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
   del out_dtype  # the result is int64
   if seed is None:
     seed = tf.random.uniform([], minval=0, maxval=_INT64_MAX, dtype=tf.int64)
@@ -184,7 +184,7 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
       raise ValueError(f"seed must fit in int64, got {seed}")
     seed = tf.constant(int(seed), tf.int64)
   else:
-    seed = tf.cast(_class_ids(seed, "seed"), tf.int64)
+    seed = tf.cast(_inputs.class_ids(seed, "seed"), tf.int64)
     if seed.shape.rank not in (None, 0):  # e.g. a [2] pair, as TF's stateless ops take
       raise ValueError(f"seed must be one integer (a scalar), got shape {seed.shape}")
   if isinstance(temperature, numbers.Real) and not isinstance(temperature, (bool, np.bool_)):
@@ -194,7 +194,7 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
   return _loader.ops().hsm_sample(hidden, weights, biases, seed, temperature, *tree_args)
 
 
-@_accepts_ragged
+@_inputs.accepts_ragged
 def log_prob_candidates(hidden, weights, biases, tree, candidates):
   """log P(candidate | hidden) for several candidate classes per row (reranking).
 
@@ -221,8 +221,8 @@ def log_prob_candidates(hidden, weights, biases, tree, candidates):
       [0, num_classes), shape mismatches, malformed tree tensors.
   """
   tree_args = _tree_args(tree, slot_child=False)
-  hidden, weights, biases, out_dtype = _dense_inputs(hidden, weights, biases)
-  candidates = _class_ids(candidates, "candidates")
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
+  candidates = _inputs.class_ids(candidates, "candidates")
   result = _loader.ops().hsm_log_prob_candidates(hidden, weights, biases, candidates,
                                                  *tree_args)
   return _cast_back(result, out_dtype)

@@ -4,7 +4,8 @@ import keras
 import tensorflow as tf
 
 from tf_hsm import _loader
-from tf_hsm.ops import _read_table, log_prob
+from tf_hsm import _inputs
+from tf_hsm.ops import log_prob
 from tf_hsm.tree import Tree
 
 # Tables larger than this are initialised one block of rows at a time (see
@@ -274,4 +275,4 @@ def _fill_by_blocks(variable, block):
       stop = min(rows, start + block_rows)
       tf.raw_ops.ResourceStridedSliceAssign(ref=handle, begin=[start, 0], end=[stop, dim],
                                             strides=[1, 1], value=block(stop - start))
-    _read_table(variable)
+    _inputs.read_table(variable)

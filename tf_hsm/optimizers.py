@@ -38,7 +38,7 @@ import tensorflow as tf
 from keras import ops
 
 from tf_hsm import _loader
-from tf_hsm.ops import _in_xla_function, _tf_variable
+from tf_hsm import _inputs
 
 
 def _merge_duplicates(gradient, dtype):
@@ -56,7 +56,7 @@ def _merge_duplicates(gradient, dtype):
 
 def _rows(variable):
   """The tf.Variable behind a Keras variable (scatter ops need it)."""
-  found = _tf_variable(variable)
+  found = _inputs.tf_variable(variable)
   return variable if found is None else found
 
 
@@ -65,7 +65,7 @@ def _fused_ops(variables):
   or float64 on the CPU, outside a function that XLA compiles, such as a Keras step
   compiled with jit_compile=True); None otherwise (the updates then use gathers and
   scatters, which XLA compiles)."""
-  if _in_xla_function():
+  if _inputs.in_xla_function():
     return None
   for variable in variables:
     if variable.dtype not in (tf.float32, tf.float64):
