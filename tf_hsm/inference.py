@@ -11,8 +11,9 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
-from tf_hsm import _loader
+from tf_hsm import _compact
 from tf_hsm import _inputs
+from tf_hsm import _loader
 
 __all__ = ["top_k", "log_prob_all", "sample", "log_prob_candidates"]
 
@@ -25,6 +26,13 @@ def _tree_args(tree, slot_child=True):
   t = _inputs.tree_tensors(tree)
   args = [t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"]]
   return args + [t["slot_child"]] if slot_child else args
+
+
+def _whole(weights, biases):
+  """The tables, a table held in pieces read whole: a search or sweep may visit any row
+  (`log_prob_candidates`, which knows its rows, gathers only those)."""
+  return (_compact.whole_table(weights, "weights"),
+          None if biases is None else _compact.whole_table(biases, "biases"))
 
 
 def _is_int(value):
@@ -77,7 +85,7 @@ def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
   if not _is_int(k) or not 1 <= k <= tree.num_classes:
     raise ValueError(f"k must be an integer in [1, num_classes] = [1, {tree.num_classes}], "
                      f"got {k!r}")
-  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, *_whole(weights, biases))
   log_probs, classes, expanded = _loader.ops().hsm_top_k(hidden, weights, biases, *tree_args,
                                                          k=int(k))
   log_probs = _cast_back(log_probs, out_dtype)
@@ -129,7 +137,7 @@ def log_prob_all(hidden, weights, biases, tree, class_range=None):
     class_range = tf.constant([int(v) for v in class_range], tf.int64)
   else:
     class_range = tf.cast(_inputs.class_ids(class_range, "class_range"), tf.int64)
-  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, *_whole(weights, biases))
   result = _loader.ops().hsm_log_prob_all(hidden, weights, biases, class_range, *tree_args)
   return _cast_back(result, out_dtype)
 
@@ -175,7 +183,7 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
       finite, shape mismatches, malformed tree tensors.
   """
   tree_args = _tree_args(tree)
-  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, *_whole(weights, biases))
   del out_dtype  # the result is int64
   if seed is None:
     seed = tf.random.uniform([], minval=0, maxval=_INT64_MAX, dtype=tf.int64)
@@ -221,8 +229,11 @@ def log_prob_candidates(hidden, weights, biases, tree, candidates):
       [0, num_classes), shape mismatches, malformed tree tensors.
   """
   tree_args = _tree_args(tree, slot_child=False)
-  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
   candidates = _inputs.class_ids(candidates, "candidates")
+  if _compact.is_split(weights, biases):
+    weights, biases, tree_args, candidates = _compact.compact_inputs(
+        tree, _inputs.tree_tensors(tree), weights, biases, candidates, "candidates")
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
   result = _loader.ops().hsm_log_prob_candidates(hidden, weights, biases, candidates,
                                                  *tree_args)
   return _cast_back(result, out_dtype)

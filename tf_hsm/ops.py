@@ -2,8 +2,22 @@
 
 import tensorflow as tf
 
+from tf_hsm import _compact
 from tf_hsm import _inputs
 from tf_hsm import _loader
+
+
+def _table_rows(tree, weights, biases, targets):
+  """(weights, biases, tree_inputs, targets) for the ops: the tree's own tensors and the
+  tables as given, or, where a table is held in pieces (a `ShardedVariable` or a list of
+  row ranges), the compact rows of the batch's paths and the batch tree over them
+  (`tf_hsm._compact`)."""
+  t = _inputs.tree_tensors(tree)
+  targets = _inputs.class_ids(targets, "targets")
+  if _compact.is_split(weights, biases):
+    return _compact.compact_inputs(tree, t, weights, biases, targets, "targets")
+  return (weights, biases, (t["child_begin"], t["path_begin"], t["path_nodes"],
+                            t["path_slots"]), targets)
 
 
 @_inputs.accepts_ragged
@@ -41,10 +55,8 @@ def log_prob(hidden, weights, biases, tree, targets):
     tf.errors.InvalidArgumentError (or ValueError while tracing): targets outside
       [0, num_classes), shape mismatches, malformed tree tensors.
   """
-  t = _inputs.tree_tensors(tree)
+  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets)
   hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
-  targets = _inputs.class_ids(targets, "targets")
-  tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
   if tf.config.list_logical_devices("GPU") or not _inputs.gradient_may_follow():
     # Nothing worth keeping when no tape can record.
     result = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
@@ -156,17 +168,14 @@ def nll_loss(hidden, weights, biases, tree, targets, loss_scale=None):
   Raises:
     as `log_prob`.
   """
-  t = _inputs.tree_tensors(tree)
+  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets)
   hidden, weights, biases, _ = _inputs.dense_inputs(hidden, weights, biases)
-  targets = _inputs.class_ids(targets, "targets")
   scale = _token_weights(loss_scale, targets, weights.dtype)
   if tf.config.list_logical_devices("GPU"):
-    log_probs = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, t["child_begin"],
-                                           t["path_begin"], t["path_nodes"], t["path_slots"])
+    log_probs = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
   else:
-    log_probs = _loader.ops().hsm_log_prob_and_grad(
-        hidden, weights, biases, targets, t["child_begin"], t["path_begin"], t["path_nodes"],
-        t["path_slots"], tf.negative(scale))[0]
+    log_probs = _loader.ops().hsm_log_prob_and_grad(hidden, weights, biases, targets,
+                                                    *tree_inputs, tf.negative(scale))[0]
   # d loss / d log_probs = -scale exactly: the upstream the op was given.
   return tf.negative(tf.reduce_sum(scale * log_probs))
 

@@ -37,8 +37,10 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tf_hsm import _loader
+from tf_hsm import _compact
 from tf_hsm import _inputs
+from tf_hsm import _loader
+from tf_hsm import distribute
 
 
 def _merge_duplicates(gradient, dtype):
@@ -78,8 +80,74 @@ def _fused_ops(variables):
     return None
 
 
+def _by_piece(update, gradient, variable, slots, constants):
+  """Applies `update(gradient, table, slots, constants)` to a table in one piece, or to
+  each piece of a table held in pieces (a `ShardedVariable`) with its own rows of the
+  gradient and its slots' matching pieces, on that piece's device."""
+  parts = distribute.pieces(variable)
+  if parts is None:
+    update(gradient, _rows(variable), [_rows(slot) for slot in slots], constants)
+    return
+  slot_parts = [distribute.pieces(slot) for slot in slots]
+  for slot, found in zip(slots, slot_parts):
+    if found is None or len(found) != len(parts):
+      raise ValueError(
+          f"the optimizer's slot {getattr(slot, 'name', slot)} is not split like its table "
+          f"({len(parts)} pieces): build the optimizer, and its slots, under the strategy "
+          "scope that made the table")
+  offsets = _compact.row_offsets(parts, "variable", tf.TensorShape(parts[0].shape).rank)
+  for index, (rows, values) in enumerate(distribute.split_rows(gradient, offsets)):
+    with tf.device(parts[index].device):
+      update(tf.IndexedSlices(values, rows), parts[index],
+             [found[index] for found in slot_parts], constants)
+
+
+class _SlotsInPieces:
+  """Gives a table held in pieces (a `ShardedVariable`) slots held in the same pieces,
+  slot piece i placed with table piece i, so that each piece's rows are updated where
+  they live. (Keras colocates a slot with its whole variable, which for a
+  `ShardedVariable` makes one slot the size of the whole table on one server.)"""
+
+  def add_variable_from_reference(self, reference_variable, name=None,
+                                  initializer="zeros"):
+    parts = distribute.pieces(reference_variable)
+    if parts is None:
+      return super().add_variable_from_reference(reference_variable, name=name,
+                                                 initializer=initializer)
+    fill = keras.initializers.get(initializer)
+
+    def create_in_pieces(next_creator, **kwargs):
+      kwargs.pop("colocate_with", None)
+      base = kwargs.get("name") or "slot"
+      made = []
+      for index, part in enumerate(parts):
+        shape = tf.TensorShape(part.shape)
+        args = dict(kwargs, shape=shape, name=f"{base}/part_{index}", colocate_with=part,
+                    initial_value=lambda shape=shape, dtype=part.dtype: fill(shape, dtype))
+        made.append(next_creator(**args))
+      return _compact.ShardedVariable(made)
+
+    with tf.variable_creator_scope(create_in_pieces):
+      return super().add_variable_from_reference(reference_variable, name=name,
+                                                 initializer=initializer)
+
+  def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+    # Keras hands each variable to `distribution.extended.update`, which colocates the
+    # update with the variable: a ShardedVariable cannot be colocated with as a whole
+    # ("doesn't support being used as a reference"). Its update places itself, piece by
+    # piece (`_by_piece`); the other variables go the Keras way.
+    whole = []
+    for grad, var in grads_and_vars:
+      if distribute.pieces(var) is None:
+        whole.append((grad, var))
+      else:
+        self.update_step(grad, var, learning_rate)
+    if whole:
+      super()._distributed_tf_update_step(distribution, whole, learning_rate)
+
+
 @keras.saving.register_keras_serializable(package="tf_hsm")
-class LazyAdam(keras.optimizers.Adam):
+class LazyAdam(_SlotsInPieces, keras.optimizers.Adam):
   """Adam that, for a sparse gradient, updates only the touched rows and their moments.
 
   For a dense gradient this is `keras.optimizers.Adam`, bit for bit. For a
@@ -116,14 +184,20 @@ class LazyAdam(keras.optimizers.Adam):
     alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
 
     index = self._get_variable_index(variable)
-    m = _rows(self._momentums[index])
-    v = _rows(self._velocities[index])
-    v_hat = _rows(self._velocity_hats[index]) if self.amsgrad else None
-    one_minus_beta_1 = tf.cast(1 - self.beta_1, dtype)
-    one_minus_beta_2 = tf.cast(1 - self.beta_2, dtype)
-    epsilon = tf.cast(self.epsilon, dtype)
-    table = _rows(variable)
-    fused = _fused_ops([table, m, v] + ([v_hat] if self.amsgrad else []))
+    slots = [self._momentums[index], self._velocities[index]]
+    if self.amsgrad:
+      slots.append(self._velocity_hats[index])
+    constants = (alpha, tf.cast(1 - self.beta_1, dtype), tf.cast(1 - self.beta_2, dtype),
+                 tf.cast(self.epsilon, dtype))
+    _by_piece(self._sparse_rows, gradient, variable, slots, constants)
+
+  def _sparse_rows(self, gradient, table, slots, constants):
+    """The update of one table (or one piece of it) and its slots' rows."""
+    alpha, one_minus_beta_1, one_minus_beta_2, epsilon = constants
+    dtype = table.dtype
+    m, v = slots[0], slots[1]
+    v_hat = slots[2] if self.amsgrad else None
+    fused = _fused_ops([table] + slots)
     if fused is not None:
       # One pass over each touched row, repeated rows summed as _merge_duplicates sums
       # them; the same operations as below, element by element.
@@ -147,7 +221,7 @@ class LazyAdam(keras.optimizers.Adam):
 
 
 @keras.saving.register_keras_serializable(package="tf_hsm")
-class SparseAdagrad(keras.optimizers.Adagrad):
+class SparseAdagrad(_SlotsInPieces, keras.optimizers.Adagrad):
   """Adagrad that, for a sparse gradient, updates only the touched rows and accumulators.
 
   Adagrad leaves a row with zero gradient unchanged anyway, so this is
@@ -168,8 +242,14 @@ class SparseAdagrad(keras.optimizers.Adagrad):
     dtype = variable.dtype
     lr = ops.cast(learning_rate, dtype)
     epsilon = tf.cast(self.epsilon, dtype)
-    acc = _rows(self._accumulators[self._get_variable_index(variable)])
-    table = _rows(variable)
+    acc = self._accumulators[self._get_variable_index(variable)]
+    _by_piece(self._sparse_rows, gradient, variable, [acc], (lr, epsilon))
+
+  def _sparse_rows(self, gradient, table, slots, constants):
+    """The update of one table (or one piece of it) and its accumulator's rows."""
+    lr, epsilon = constants
+    dtype = table.dtype
+    acc = slots[0]
     fused = _fused_ops([table, acc])
     if fused is not None:
       # One pass over each touched row, repeated rows summed as _merge_duplicates sums
@@ -185,7 +265,7 @@ class SparseAdagrad(keras.optimizers.Adagrad):
 
 
 @keras.saving.register_keras_serializable(package="tf_hsm")
-class SparseSGD(keras.optimizers.SGD):
+class SparseSGD(_SlotsInPieces, keras.optimizers.SGD):
   """SGD that, for a sparse gradient, updates only the touched rows (and their momentum).
 
   For a dense gradient this is `keras.optimizers.SGD`, bit for bit. For a
@@ -215,10 +295,16 @@ class SparseSGD(keras.optimizers.SGD):
     dtype = variable.dtype
     lr = ops.cast(learning_rate, dtype)
     momentum = tf.cast(self.momentum, dtype)
-    use_momentum = self.momentum != 0
-    m = _rows(self.momentums[self._get_variable_index(variable)]) if use_momentum else None
-    table = _rows(variable)
-    fused = _fused_ops([table] + ([m] if use_momentum else []))
+    slots = [self.momentums[self._get_variable_index(variable)]] if self.momentum != 0 else []
+    _by_piece(self._sparse_rows, gradient, variable, slots, (lr, momentum))
+
+  def _sparse_rows(self, gradient, table, slots, constants):
+    """The update of one table (or one piece of it) and its momentum's rows."""
+    lr, momentum = constants
+    dtype = table.dtype
+    use_momentum = bool(slots)
+    m = slots[0] if use_momentum else None
+    fused = _fused_ops([table] + slots)
     if fused is not None:
       # One pass over each touched row, repeated rows summed as _merge_duplicates sums
       # them; the same operations as below, element by element.
