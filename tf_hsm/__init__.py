@@ -4,12 +4,13 @@ from tf_hsm.tree import Tree
 from tf_hsm.ops import log_prob, nll_loss, sgd_step
 from tf_hsm.inference import log_prob_all, log_prob_candidates, sample, top_k
 from tf_hsm.layers import HierarchicalSoftmax
-from tf_hsm import baselines, losses, optimizers
+from tf_hsm import baselines, distribute, losses, optimizers
 
 __all__ = [
     "HierarchicalSoftmax",
     "Tree",
     "baselines",
+    "distribute",
     "log_prob",
     "log_prob_all",
     "log_prob_candidates",

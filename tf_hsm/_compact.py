@@ -132,8 +132,16 @@ def batch_tree(tree_tensors, classes):
   compact_slots = tf.gather(compact_begin, compact_node) + slots - tf.gather(first,
                                                                              compact_node)
   compact_path_begin = tf.concat([zero, tf.cumsum(end - begin)], 0)
-  tree_inputs = (compact_begin, compact_path_begin, compact_node, compact_slots)
+  tree_inputs = (_at_least_two(compact_begin), _at_least_two(compact_path_begin),
+                 compact_node, compact_slots)
   return tree_inputs, rows, tf.reshape(class_index, tf.shape(classes))
+
+
+def _at_least_two(offsets):
+  """Offsets of an empty batch ([0]) made those of one empty node or class ([0, 0]): the
+  ops take a tree of at least one node and one class."""
+  missing = tf.maximum(0, 2 - tf.size(offsets))
+  return tf.concat([offsets, tf.fill([missing], offsets[-1])], 0)
 
 
 def check_classes(classes, num_classes, name):

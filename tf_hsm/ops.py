@@ -234,6 +234,10 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
     raise TypeError(f"hidden must be float32 or float64, got {hidden.dtype.name}")
   targets = _inputs.class_ids(targets, "targets")
   loss_scale = _token_weights(loss_scale, targets, hidden.dtype)
+  if _compact.is_split(weights, biases):
+    raise TypeError("sgd_step updates one variable in place; for a table held in pieces "
+                    "(a ShardedVariable or a list of row ranges) use nll_loss with "
+                    "tf_hsm.optimizers.SparseSGD, which updates each piece's touched rows")
   weights_handle = _inputs.variable_handle(weights, "weights")
   biases_handle = weights_handle if biases is None else _inputs.variable_handle(biases, "biases")
   log_probs, hidden_grad = _loader.ops().hsm_sgd_step(
