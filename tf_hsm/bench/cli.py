@@ -1,6 +1,6 @@
 """Benchmark tf_hsm against what TensorFlow users write today.
 
-    python -m tf_hsm.bench                       # scenarios A-E, topk, mem of PERFORMANCE.md
+    python -m tf_hsm.bench                       # scenarios A-E, topk, mem of docs/performance.md
     python -m tf_hsm.bench --quick               # all of them, small, in a few minutes
     python -m tf_hsm.bench --scenario B --methods gather map_fn --repeats 20
     python -m tf_hsm.bench --custom 50000,128,512 --trees two_level huffman
@@ -14,7 +14,7 @@ For every scenario x vocabulary x tree x token count (a "case"):
   noise hits all of them alike: forward and forward+backward (+ optimizer step), median
   and IQR over --repeats runs after warm-up, each call a tf.function whose outputs are
   read on the host (the Keras method's step is `train_on_batch`, as a user calls it);
-  plus tokens/s, achieved GFLOP/s and GB/s by PERFORMANCE.md's formulas, the fraction
+  plus tokens/s, achieved GFLOP/s and GB/s by docs/performance.md's formulas, the fraction
   of the roofline given the matmul rate and memory bandwidth measured in the same
   process, and the speed-up of tf_hsm over every baseline.
 

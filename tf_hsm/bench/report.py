@@ -217,7 +217,7 @@ def markdown(report):
            f"{meta['machine']}; TensorFlow {meta.get('tf_version', '?')}; optimizer "
            f"{meta['optimizer']}; {meta['repeats']} timed runs per method after warm-up, "
            "methods interleaved round-robin; times are medians [IQR]. GFLOP/s and GB/s "
-           "count the useful work of PERFORMANCE.md's formulas (HSM baselines are charged "
+           "count the useful work of docs/performance.md's formulas (HSM baselines are charged "
            "the HSM work); roofline % = floor / median time. Peak RSS: whole process, "
            "from its own subprocess (Δ: above the set-up with TF, inputs and tables); "
            f"memory limit {meta['memory_limit_gb']:.1f} GB per process.", ""]
