@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tf_hsm import _bench_setup as setup
+from tf_hsm.bench import cases
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,8 +28,8 @@ def test_tiny_custom_case_reports_every_method(tmp_path):
   proc, report, markdown = _bench(
       tmp_path, "--custom", "300,8,32", "--trees", "huffman", "--repeats",
       "10", "--time-budget", "10", "--num-sampled", "16", "--methods",
-      *setup.TRAIN_METHODS, setup.KERAS_STEP)
-  methods = setup.TRAIN_METHODS + (setup.KERAS_STEP,)
+      *cases.TRAIN_METHODS, cases.KERAS_STEP)
+  methods = cases.TRAIN_METHODS + (cases.KERAS_STEP,)
   assert [c["tree"] for c in report["cases"]] == ["huffman"]
   for case in report["cases"]:
     assert case["ceilings"]["matmul_gflops"] > 0 and case["ceilings"]["read_gbps"] > 0
@@ -43,7 +43,7 @@ def test_tiny_custom_case_reports_every_method(tmp_path):
       assert row["memory"]["status"] == "ok"
       assert row["memory"]["peak_rss"] >= row["memory"]["baseline_rss"] > 0
       assert row["rates"]["step"]["tokens_per_s"] > 0
-      if name in (setup.NLL_LOSS, setup.KERAS_STEP):  # tf_hsm variants
+      if name in (cases.NLL_LOSS, cases.KERAS_STEP):  # tf_hsm variants
         assert row["faster_than_tf_hsm"]["step"] > 0
       elif name != "tf_hsm":
         assert row["tf_hsm_speedup"]["step"] > 0
@@ -59,8 +59,8 @@ def test_float64_case_computes_and_measures_in_float64(tmp_path):
   # --dtype float64: every method's inputs, tables and outputs are float64 (the Keras
   # layer's too), the ceilings are measured in float64, and the report says so.
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tf_hsm import _bench_methods  # pylint: disable=import-outside-toplevel
-  methods = ("tf_hsm", setup.NLL_LOSS, setup.FUSED_SGD, "gather", "full_softmax",
+  from tf_hsm.bench import methods as bench_methods  # pylint: disable=import-outside-toplevel
+  methods = ("tf_hsm", cases.NLL_LOSS, cases.FUSED_SGD, "gather", "full_softmax",
              "sampled_softmax")
   _, report, markdown = _bench(
       tmp_path, "--custom", "300,8,32", "--trees", "huffman", "--repeats", "3",
@@ -72,18 +72,18 @@ def test_float64_case_computes_and_measures_in_float64(tmp_path):
       name: "ok" for name in methods}
   assert "Huffman-2 · float64" in markdown
   tree_path = str(tmp_path / "tree.npz")
-  setup.prepare_tree("huffman", 300, tree_path)
+  cases.prepare_tree("huffman", 300, tree_path)
   spec = {"scenario": "custom", "kind": "train", "vocab": 300, "dim": 8, "tokens": 32,
           "tree": "huffman", "tree_path": tree_path, "seed": 3, "num_sampled": 16,
           "k": 10, "dtype": "float64"}
-  inputs = _bench_methods.CaseInputs(spec, list(methods) + [setup.KERAS_STEP])
+  inputs = bench_methods.CaseInputs(spec, list(methods) + [cases.KERAS_STEP])
   assert inputs.hidden.dtype == tf.float64
   assert inputs.keras_model.layers[-1].kernel.dtype == "float64"
-  for name in methods + (setup.KERAS_STEP,):
+  for name in methods + (cases.KERAS_STEP,):
     assert all(v.dtype == tf.float64 for v in inputs.tables(name)), name
-    out = _bench_methods.Method(name, inputs, spec).fwd()
+    out = bench_methods.Method(name, inputs, spec).fwd()
     assert tf.nest.flatten(out)[0].dtype == tf.float64, name
-  ceilings = _bench_methods.measure_ceilings(quick=True, repeats=1, dtype="float64")
+  ceilings = bench_methods.measure_ceilings(quick=True, repeats=1, dtype="float64")
   assert ceilings["matmul_gflops"] > 0 and ceilings["read_mb"] == 64
 
 
@@ -111,20 +111,21 @@ def test_methods_named_on_the_command_line_are_run():
   # The fused SGD step and the Keras step are not among a custom scenario's default
   # methods; naming them must add them (with tf_hsm, the reference), not silently drop
   # them.
-  from tf_hsm import bench
+  from tf_hsm.bench import cli, runner  # pylint: disable=import-outside-toplevel
   for named, expected in (
-      ([setup.FUSED_SGD], ["tf_hsm", setup.FUSED_SGD]),
-      ([setup.KERAS_STEP, "gather"], ["tf_hsm", setup.KERAS_STEP, "gather"]),
-      ([setup.KERAS_STEP, setup.FUSED_SGD], ["tf_hsm", setup.FUSED_SGD, setup.KERAS_STEP])):
-    args = bench.parse_args(["--custom", "300,8,32", "--methods", *named])
-    (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent",
-                                 bench.options_from_args(args))
+      ([cases.FUSED_SGD], ["tf_hsm", cases.FUSED_SGD]),
+      ([cases.KERAS_STEP, "gather"], ["tf_hsm", cases.KERAS_STEP, "gather"]),
+      ([cases.KERAS_STEP, cases.FUSED_SGD],
+       ["tf_hsm", cases.FUSED_SGD, cases.KERAS_STEP])):
+    args = cli.parse_args(["--custom", "300,8,32", "--methods", *named])
+    (case,) = runner.expand_cases(cli._scenarios(args), args, "/nonexistent",
+                                  cli.options_from_args(args))
     assert case["methods"] == expected, named
   # Scenario E lists both by default.
-  args = bench.parse_args(["--scenario", "E"])
-  (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent",
-                               bench.options_from_args(args))
-  assert {setup.FUSED_SGD, setup.KERAS_STEP} <= set(case["methods"])
+  args = cli.parse_args(["--scenario", "E"])
+  (case,) = runner.expand_cases(cli._scenarios(args), args, "/nonexistent",
+                                cli.options_from_args(args))
+  assert {cases.FUSED_SGD, cases.KERAS_STEP} <= set(case["methods"])
 
 
 @pytest.mark.parametrize("optimizer", ["none", "lazy_adam"])
@@ -134,14 +135,15 @@ def test_keras_step_trains_the_layer_of_the_case(tmp_path, optimizer):
   # the touched rows of the table change and the loss on the batch falls.
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tf_hsm import _bench_methods, optimizers, ops  # pylint: disable=import-outside-toplevel
+  from tf_hsm import optimizers, ops  # pylint: disable=import-outside-toplevel
+  from tf_hsm.bench import methods as bench_methods  # pylint: disable=import-outside-toplevel
   tree_path = str(tmp_path / "tree.npz")
-  setup.prepare_tree("huffman", 300, tree_path)
+  cases.prepare_tree("huffman", 300, tree_path)
   spec = {"scenario": "custom", "kind": "train", "vocab": 300, "dim": 8, "tokens": 64,
           "tree": "huffman", "tree_path": tree_path, "seed": 3, "num_sampled": 16,
           "k": 10, "optimizer": optimizer}
-  inputs = _bench_methods.CaseInputs(spec, ["tf_hsm", setup.KERAS_STEP])
-  method = _bench_methods.Method(setup.KERAS_STEP, inputs, spec)
+  inputs = bench_methods.CaseInputs(spec, ["tf_hsm", cases.KERAS_STEP])
+  method = bench_methods.Method(cases.KERAS_STEP, inputs, spec)
   expected = {"none": optimizers.SparseSGD, "lazy_adam": optimizers.LazyAdam}[optimizer]
   assert type(method.optimizer) is expected  # pylint: disable=unidiomatic-typecheck
   layer = inputs.keras_model.layers[-1]
@@ -165,20 +167,21 @@ def test_keras_step_trains_the_layer_of_the_case(tmp_path, optimizer):
 
 def test_every_optimizer_choice_is_built_and_the_memory_scenario_takes_one():
   import keras  # pylint: disable=import-outside-toplevel
-  from tf_hsm import _bench_methods, optimizers  # pylint: disable=import-outside-toplevel
+  from tf_hsm import optimizers  # pylint: disable=import-outside-toplevel
+  from tf_hsm.bench import methods as bench_methods  # pylint: disable=import-outside-toplevel
   for choice in ("sgd", "sgd_momentum", "adagrad", "adam", "sparse_sgd",
                  "sparse_sgd_momentum", "lazy_adam", "sparse_adagrad"):
-    assert choice in setup.OPTIMIZER_SLOTS
-    optimizer = _bench_methods.make_optimizer(choice)
+    assert choice in cases.OPTIMIZER_SLOTS
+    optimizer = bench_methods.make_optimizer(choice)
     assert isinstance(optimizer, keras.optimizers.Optimizer), choice
     assert (getattr(optimizer, "momentum", 0) == 0.9) == choice.endswith("_momentum")
-  assert isinstance(_bench_methods.make_optimizer("sparse_sgd"), optimizers.SparseSGD)
+  assert isinstance(bench_methods.make_optimizer("sparse_sgd"), optimizers.SparseSGD)
   # The memory scenario's step applies --optimizer, Keras' SGD when none is named; the
   # fused SGD step always its own SGD.
-  assert setup.step_optimizer("mem", "tf_hsm", "none") == "sgd"
-  assert setup.step_optimizer("mem", "tf_hsm", "sparse_sgd") == "sparse_sgd"
-  assert setup.step_optimizer("train", "tf_hsm", "none") == "none"
-  assert setup.step_optimizer("train", setup.FUSED_SGD, "lazy_adam") == "sgd"
+  assert cases.step_optimizer("mem", "tf_hsm", "none") == "sgd"
+  assert cases.step_optimizer("mem", "tf_hsm", "sparse_sgd") == "sparse_sgd"
+  assert cases.step_optimizer("train", "tf_hsm", "none") == "none"
+  assert cases.step_optimizer("train", cases.FUSED_SGD, "lazy_adam") == "sgd"
 
 
 def test_methods_that_do_not_fit_together_are_timed_apart(monkeypatch, tmp_path):
@@ -187,27 +190,27 @@ def test_methods_that_do_not_fit_together_are_timed_apart(monkeypatch, tmp_path)
   # own, and be reported out of memory only if it does not fit alone. Here the fake
   # children cannot hold tf_hsm's shared table and the fused step's own table together,
   # and `gather` never fits.
-  from tf_hsm import bench
+  from tf_hsm.bench import cli, runner, watchdog  # pylint: disable=import-outside-toplevel
   calls = []
 
   def fake_run_children(specs, *unused_args):
     ((_, spec, _),) = specs
     methods = spec["methods"]
     calls.append(list(methods))
-    if "gather" in methods or {"tf_hsm", setup.FUSED_SGD} <= set(methods):
+    if "gather" in methods or {"tf_hsm", cases.FUSED_SGD} <= set(methods):
       return [{"status": "OOM", "message": "RSS passed the limit"}]
     return [{"status": "ok", "ceilings": {}, "methods": {m: {"median_ms": 1.0} for m in methods}}]
 
-  monkeypatch.setattr(bench, "run_children", fake_run_children)
-  args = bench.parse_args(["--custom", "300,8,32", "--no-memory", "--methods",
-                           setup.NLL_LOSS, setup.FUSED_SGD, "gather"])
-  opts = bench.options_from_args(args)
-  (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent", opts)
+  monkeypatch.setattr(watchdog, "run_children", fake_run_children)
+  args = cli.parse_args(["--custom", "300,8,32", "--no-memory", "--methods",
+                         cases.NLL_LOSS, cases.FUSED_SGD, "gather"])
+  opts = cli.options_from_args(args)
+  (case,) = runner.expand_cases(cli._scenarios(args), args, "/nonexistent", opts)
   case["tree_summary"] = {"num_slots": 299, "max_depth": 9, "max_branching": 2}
   rows = {name: {"status": "ok"} for name in case["methods"]}
-  bench.time_group(case, case["methods"], rows, str(tmp_path), opts, lambda *a: None)
+  runner.time_group(case, case["methods"], rows, str(tmp_path), opts, lambda *a: None)
 
-  for name in ("tf_hsm", setup.NLL_LOSS, setup.FUSED_SGD):
+  for name in ("tf_hsm", cases.NLL_LOSS, cases.FUSED_SGD):
     assert rows[name] == {"status": "ok", "median_ms": 1.0}, name
   assert rows["gather"]["status"] == "OOM"
   assert ["gather"] in calls  # reported out of memory only after failing alone
@@ -218,38 +221,38 @@ def test_tables_that_cannot_fit_together_are_split_up_front_without_probes():
   # With --no-memory the grouping knows only the tables: two 12 GB tables (tf_hsm's shared
   # one, which nll_loss reads too, and the fused step's own) never share a process under
   # an 18 GB limit, and nll_loss joins tf_hsm's; small tables stay in one process.
-  from tf_hsm import bench
-  args = bench.parse_args(["--custom", "10000000,300,3200", "--no-memory", "--methods",
-                           setup.NLL_LOSS, setup.FUSED_SGD])
-  opts = bench.options_from_args(args)
+  from tf_hsm.bench import cli, runner  # pylint: disable=import-outside-toplevel
+  args = cli.parse_args(["--custom", "10000000,300,3200", "--no-memory", "--methods",
+                         cases.NLL_LOSS, cases.FUSED_SGD])
+  opts = cli.options_from_args(args)
   opts.limit_bytes = 18e9
-  (case,) = bench.expand_cases(bench._scenarios(args), args, "/nonexistent", opts)
+  (case,) = runner.expand_cases(cli._scenarios(args), args, "/nonexistent", opts)
   case["tree_summary"] = {"num_slots": 10_003_163}
   methods = case["methods"]
   rows = {name: {"status": "ok"} for name in methods}
-  assert methods == ["tf_hsm", setup.FUSED_SGD, setup.NLL_LOSS]
-  assert bench.plan_timing_groups(case, methods, rows, opts) == [
-      ["tf_hsm", setup.NLL_LOSS], [setup.FUSED_SGD]]
+  assert methods == ["tf_hsm", cases.FUSED_SGD, cases.NLL_LOSS]
+  assert runner.plan_timing_groups(case, methods, rows, opts) == [
+      ["tf_hsm", cases.NLL_LOSS], [cases.FUSED_SGD]]
   case["tree_summary"] = {"num_slots": 1_000}
-  assert bench.plan_timing_groups(case, methods, rows, opts) == [methods]
+  assert runner.plan_timing_groups(case, methods, rows, opts) == [methods]
 
 
 def test_heading_shows_the_spread_of_the_read_ceiling_when_runs_disagree():
-  from tf_hsm import _bench_report  # pylint: disable=import-outside-toplevel
+  from tf_hsm.bench import report  # pylint: disable=import-outside-toplevel
   case = {"scenario": "custom", "vocab": 1000, "dim": 8, "tokens": 32, "tree": "huffman",
           "kind": "train", "methods": {},
           "ceilings": {"matmul_gflops": 400.0, "read_gbps": 65.3},
           "ceiling_runs": [{"matmul_gflops": 390.0, "read_gbps": 41.7},
                            {"matmul_gflops": 400.0, "read_gbps": 65.3}]}
-  heading = _bench_report.case_markdown(case, "none").splitlines()[1]
+  heading = report.case_markdown(case, "none").splitlines()[1]
   assert "matmul 400 GFLOP/s, read 65.3 GB/s (the case's 2 reads: 41.7–65.3 GB/s)" in heading
   case["ceiling_runs"][0]["read_gbps"] = 62.0  # within 10%: the best alone
-  heading = _bench_report.case_markdown(case, "none").splitlines()[1]
+  heading = report.case_markdown(case, "none").splitlines()[1]
   assert heading.endswith("read 65.3 GB/s")
 
 
 def test_machine_line_tells_cpus_of_one_brand_apart(tmp_path):
-  from tf_hsm import bench  # pylint: disable=import-outside-toplevel
+  from tf_hsm.bench import cli  # pylint: disable=import-outside-toplevel
   meminfo = tmp_path / "meminfo"
   meminfo.write_text("MemTotal:       25165824 kB\n")
   entry = ("processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\n"
@@ -258,11 +261,11 @@ def test_machine_line_tells_cpus_of_one_brand_apart(tmp_path):
   # Only the first processor's entry is read.
   cpuinfo.write_text(entry.format(n=0, family=25, model=1, flags="avx avx2 fma") +
                      entry.format(n=1, family=26, model=2, flags="avx2 avx512f"))
-  line = bench._machine(str(cpuinfo), str(meminfo))  # pylint: disable=protected-access
+  line = cli._machine(str(cpuinfo), str(meminfo))  # pylint: disable=protected-access
   assert line.startswith("AMD EPYC (family 25, model 1; AVX2), ")
   assert line.endswith(" cores, 24 GiB RAM")
   cpuinfo.write_text(entry.format(n=0, family=26, model=2, flags="avx2 avx512f"))
-  assert bench._machine(str(cpuinfo), str(meminfo)).startswith(  # pylint: disable=protected-access
+  assert cli._machine(str(cpuinfo), str(meminfo)).startswith(  # pylint: disable=protected-access
       "AMD EPYC (family 26, model 2; AVX-512), ")
-  assert bench._machine(str(tmp_path / "none"), str(meminfo)).startswith(  # pylint: disable=protected-access
+  assert cli._machine(str(tmp_path / "none"), str(meminfo)).startswith(  # pylint: disable=protected-access
       "unknown CPU, ")

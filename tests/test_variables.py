@@ -24,13 +24,13 @@ import json
 import numpy as np
 import tensorflow as tf
 import tf_hsm
-from tf_hsm._bench_worker import _reset_peak_rss, _status_kb
+from tf_hsm.bench.worker import reset_peak_rss, status_bytes
 
 def mb(field="VmRSS"):
-  return _status_kb(field) / 2**20
+  return status_bytes(field) / 2**20
 
 def reset_peak():
-  assert _reset_peak_rss(), "the kernel refused to reset the peak RSS"
+  assert reset_peak_rss(), "the kernel refused to reset the peak RSS"
 """
 
 

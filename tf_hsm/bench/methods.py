@@ -6,7 +6,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tf_hsm import _bench_setup as setup
+from tf_hsm.bench import cases
 from tf_hsm import baselines
 from tf_hsm.ops import log_prob, nll_loss
 from tf_hsm.tree import Tree
@@ -41,8 +41,8 @@ def timed_call(fn):
 
 
 def mutates_table(method, spec):
-  """setup.mutates_table for a worker's case spec."""
-  return setup.mutates_table(method, spec["kind"], spec.get("optimizer", "none"))
+  """cases.mutates_table for a worker's case spec."""
+  return cases.mutates_table(method, spec["kind"], spec.get("optimizer", "none"))
 
 
 class CaseInputs:
@@ -57,17 +57,17 @@ class CaseInputs:
   """
 
   def __init__(self, spec, methods):
-    needs_tree = any(m not in setup.CLASS_TABLE_METHODS for m in methods)
+    needs_tree = any(m not in cases.CLASS_TABLE_METHODS for m in methods)
     self.tree = Tree.load(spec["tree_path"]) if needs_tree else None
     self.spec = spec
     v, d, t = spec["vocab"], spec["dim"], spec["tokens"]
     seed = spec["seed"]
     self.dtype = tf.as_dtype(spec.get("dtype", "float32"))
-    self.targets = tf.constant(setup.zipf_targets(v, t, seed))
+    self.targets = tf.constant(cases.zipf_targets(v, t, seed))
     self.hidden = tf.random.stateless_normal([t, d], seed=[seed, 1], dtype=self.dtype)
     self._tables = {}
     for m in methods:
-      if m == setup.KERAS_STEP:
+      if m == cases.KERAS_STEP:
         self.keras_model = self._keras_model()
       else:
         self.tables(m)
@@ -75,7 +75,7 @@ class CaseInputs:
   def tables(self, method):
     """(weights, biases) variables for `method`, created on first use."""
     spec = self.spec
-    by_class = method in setup.CLASS_TABLE_METHODS
+    by_class = method in cases.CLASS_TABLE_METHODS
     key = (by_class, method if mutates_table(method, spec) else None)
     if key not in self._tables:
       rows = spec["vocab"] if by_class else self.tree.num_slots
@@ -164,21 +164,21 @@ class Method:
     self.name = name
     self.info = {}
     tree, y, h = inputs.tree, inputs.targets, inputs.hidden
-    optimizer = setup.step_optimizer(spec["kind"], name, spec.get("optimizer", "none"))
+    optimizer = cases.step_optimizer(spec["kind"], name, spec.get("optimizer", "none"))
     self.step = None
-    if name in setup.TOPK_METHODS:
+    if name in cases.TOPK_METHODS:
       self.fwd = self._top_k_fn(name, inputs, spec)
       return
-    if name == setup.KERAS_STEP:
+    if name == cases.KERAS_STEP:
       self._keras_fns(inputs, optimizer)
       return
     w, b = inputs.tables(name)
-    if name == setup.FUSED_SGD:
+    if name == cases.FUSED_SGD:
       from tf_hsm import ops  # pylint: disable=import-outside-toplevel
       self.fwd = tf.function(lambda: log_prob(h, w, b, tree, y))
       self.step = tf.function(lambda: ops.sgd_step(h, w, b, tree, y, 1e-3))
       return
-    if name == setup.NLL_LOSS:
+    if name == cases.NLL_LOSS:
       # Its forward is log_prob's; the timed step takes the loss's gradient.
       fwd = lambda: log_prob(h, w, b, tree, y)
       loss_fn = lambda: nll_loss(h, w, b, tree, y)
@@ -225,7 +225,7 @@ class Method:
     self.step = lambda: model.train_on_batch([h, y], y)
 
   def _top_k_fn(self, name, inputs, spec):
-    h, k = inputs.hidden, spec.get("k", setup.TOPK_K)
+    h, k = inputs.hidden, spec.get("k", cases.TOPK_K)
     w, b = inputs.tables(name)
     if name == "dense_top_k":
 
@@ -235,7 +235,7 @@ class Method:
         return values - tf.reduce_logsumexp(logits, axis=-1, keepdims=True), classes
 
       return tf.function(dense)
-    if name == setup.LOG_PROB_ALL:
+    if name == cases.LOG_PROB_ALL:
       from tf_hsm import inference  # pylint: disable=import-outside-toplevel
       tree = inputs.tree
       # One column leaves the function: copying [rows, C] to the host would time the copy.

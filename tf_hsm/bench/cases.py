@@ -62,7 +62,7 @@ class Scenario:
   note: str = ""
 
 
-# PERFORMANCE.md, "Benchmark scenarios", plus the inference and memory scenarios.
+# docs/performance.md, "Benchmark scenarios", plus the inference and memory scenarios.
 FULL_SCENARIOS = {
     "A": Scenario("A", "train", (10_000,), 256, (1_120,), ("huffman", "two_level"),
                   note="PTB-like, 32x35 tokens"),
@@ -152,7 +152,7 @@ def build_tree(kind, num_classes):
 
 
 def work_counts(tree, targets):
-  """Exact work of one HSM step over `targets` (PERFORMANCE.md roofline terms).
+  """Exact work of one HSM step over `targets` (docs/performance.md roofline terms).
 
   Returns:
     dict with sum_k (sum over tokens and path nodes of the node's number of children),
@@ -234,7 +234,7 @@ def roofline_floor(flops, nbytes, gflops_rate, gbps_rate):
 
 
 def method_work(method, case, optimizer):
-  """(flops, bytes) of one method's forward and of its timed step, from PERFORMANCE.md.
+  """(flops, bytes) of one method's forward and of its timed step, from docs/performance.md.
 
   HSM methods (tf_hsm and the exact baselines) are all charged the useful HSM work:
   forward 2*D*sum_k FLOPs, backward about twice that; bytes 4*D*|R| read forward, again

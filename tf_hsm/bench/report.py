@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from tf_hsm import _bench_setup as setup
+from tf_hsm.bench import cases
 
 GIB = 2**30
 
@@ -28,7 +28,7 @@ def summarize_method(case, method, row, optimizer):
   row["step_loop"] = time_stats(row.get("step_loop_times"))
   if "work" not in case:
     return row
-  work = setup.method_work(method, case, optimizer)
+  work = cases.method_work(method, case, optimizer)
   row["work"] = work
   rates = {}
   for kind, stats in (("fwd", fwd), ("step", step)):
@@ -40,7 +40,7 @@ def summarize_method(case, method, row, optimizer):
       flops = nbytes = None
     entry = {"tokens_per_s": case["tokens"] / seconds}
     if flops is not None:
-      floor = setup.roofline_floor(flops, nbytes, ceilings.get("matmul_gflops"),
+      floor = cases.roofline_floor(flops, nbytes, ceilings.get("matmul_gflops"),
                                    ceilings.get("read_gbps"))
       entry.update(gflops=flops / seconds / 1e9, gbps=nbytes / seconds / 1e9,
                    floor_s=floor, roofline=None if floor is None else floor / seconds)
@@ -59,7 +59,7 @@ def add_speedups(case):
   for name, row in methods.items():
     if name == ref_name:
       continue
-    if name in (setup.FUSED_SGD, setup.NLL_LOSS, setup.KERAS_STEP):  # tf_hsm variants
+    if name in (cases.FUSED_SGD, cases.NLL_LOSS, cases.KERAS_STEP):  # tf_hsm variants
       row["faster_than_tf_hsm"] = {
           kind: ref[kind]["median"] / row[kind]["median"] for kind in ("fwd", "step")
           if ref.get(kind) and row.get(kind)}
@@ -100,9 +100,9 @@ def _status(row):
 
 
 def case_title(case):
-  parts = [f"{case['scenario']}", f"V={setup.fmt_count(case['vocab'])}", f"D={case['dim']}",
+  parts = [f"{case['scenario']}", f"V={cases.fmt_count(case['vocab'])}", f"D={case['dim']}",
            f"{'rows' if case['kind'] == 'topk' else 'T'}={case['tokens']}",
-           setup.TREE_LABELS.get(case["tree"], case["tree"])]
+           cases.TREE_LABELS.get(case["tree"], case["tree"])]
   if case.get("dtype", "float32") != "float32":
     parts.append(case["dtype"])
   return " · ".join(parts)
@@ -141,7 +141,7 @@ def case_markdown(case, optimizer):
   if facts:
     lines.append("; ".join(facts))
   lines.append("")
-  optimizer = setup.step_optimizer(case["kind"], None, optimizer)
+  optimizer = cases.step_optimizer(case["kind"], None, optimizer)
   step_name = "fwd+bwd" + ("" if optimizer == "none" else f"+{optimizer}")
   topk = case["kind"] == "topk"
   header = ["method", "status", "fwd ms [IQR]", "" if topk else f"{step_name} ms [IQR]",
@@ -166,8 +166,8 @@ def case_markdown(case, optimizer):
     speed = row.get("tf_hsm_speedup") or {}
     speed_cell = " / ".join(f"{k} ×{v:.3g}" for k, v in speed.items()) or "–"
     faster = row.get("faster_than_tf_hsm", {}).get("step")
-    if faster and name == setup.KERAS_STEP:
-      speed_cell = (f"train_on_batch (+{setup.step_optimizer(case['kind'], name, optimizer)}"
+    if faster and name == cases.KERAS_STEP:
+      speed_cell = (f"train_on_batch (+{cases.step_optimizer(case['kind'], name, optimizer)}"
                     f") {1 / faster:.3g}× tf_hsm's time")
     elif faster:
       speed_cell = f"fused step ×{faster:.3g} faster than tf_hsm"
@@ -217,7 +217,7 @@ def markdown(report):
            f"{meta['machine']}; TensorFlow {meta.get('tf_version', '?')}; optimizer "
            f"{meta['optimizer']}; {meta['repeats']} timed runs per method after warm-up, "
            "methods interleaved round-robin; times are medians [IQR]. GFLOP/s and GB/s "
-           "count the useful work of PERFORMANCE.md's formulas (HSM baselines are charged "
+           "count the useful work of docs/performance.md's formulas (HSM baselines are charged "
            "the HSM work); roofline % = floor / median time. Peak RSS: whole process, "
            "from its own subprocess (Δ: above the set-up with TF, inputs and tables); "
            f"memory limit {meta['memory_limit_gb']:.1f} GB per process.", ""]
@@ -251,7 +251,7 @@ def plot(report, path):
         points.setdefault(name, {}).setdefault(case["vocab"], []).append(
             step["median"] / case["tokens"])
   fig, ax = plt.subplots(figsize=(7.5, 5))
-  for name in setup.ALL_METHODS:
+  for name in cases.ALL_METHODS:
     if name not in points:
       continue
     xs = sorted(points[name])

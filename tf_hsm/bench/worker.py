@@ -1,4 +1,4 @@
-"""One bench job in its own process: `python -m tf_hsm._bench_worker SPEC.json`.
+"""One bench job in its own process: `python -m tf_hsm.bench.worker SPEC.json`.
 
 Modes (spec["mode"]):
 * "prepare": build a large tree, save it, count the case's work.
@@ -21,7 +21,8 @@ import time
 import traceback
 
 
-def _status_kb(field):
+def status_bytes(field):
+  """A field of /proc/self/status ("VmRSS", "VmHWM") in bytes; None if it is absent."""
   with open("/proc/self/status") as f:
     for line in f:
       if line.startswith(field + ":"):
@@ -29,7 +30,7 @@ def _status_kb(field):
   return None
 
 
-def _reset_peak_rss():
+def reset_peak_rss():
   """Resets VmHWM (and ru_maxrss) to the current RSS; False where the kernel refuses."""
   try:
     with open("/proc/self/clear_refs", "w") as f:
@@ -40,7 +41,7 @@ def _reset_peak_rss():
 
 
 def _peak_rss():
-  hwm = _status_kb("VmHWM")
+  hwm = status_bytes("VmHWM")
   return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -64,21 +65,21 @@ def _error_result(error):
 
 
 def prepare(spec):
-  from tf_hsm import _bench_setup as setup  # pylint: disable=import-outside-toplevel
-  tree, summary = setup.prepare_tree(spec["tree"], spec["vocab"], spec["tree_path"])
-  cases = {str(t): setup.case_work(tree, spec["vocab"], t, spec["seed"], spec["num_sampled"])
-           for t in spec["token_counts"]}
-  return {"status": "ok", "tree_summary": summary, "work": cases}
+  from tf_hsm.bench import cases  # pylint: disable=import-outside-toplevel
+  tree, summary = cases.prepare_tree(spec["tree"], spec["vocab"], spec["tree_path"])
+  work = {str(t): cases.case_work(tree, spec["vocab"], t, spec["seed"], spec["num_sampled"])
+          for t in spec["token_counts"]}
+  return {"status": "ok", "tree_summary": summary, "work": work}
 
 
 def probe(spec):
-  from tf_hsm import _bench_methods as bm  # pylint: disable=import-outside-toplevel
+  from tf_hsm.bench import methods as bm  # pylint: disable=import-outside-toplevel
   method = spec["methods"][0]
   inputs = bm.CaseInputs(spec, [method])
   gc.collect()
   setup_peak = _peak_rss()
-  reset = _reset_peak_rss()
-  baseline = _status_kb("VmRSS")
+  reset = reset_peak_rss()
+  baseline = status_bytes("VmRSS")
   start = time.perf_counter()
   m = bm.Method(method, inputs, spec)
   seconds = bm.timed_call(m.step or m.fwd)
@@ -94,7 +95,7 @@ def probe(spec):
 
 def time_case(spec):
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tf_hsm import _bench_methods as bm  # pylint: disable=import-outside-toplevel
+  from tf_hsm.bench import methods as bm  # pylint: disable=import-outside-toplevel
   repeats, budget, quick = spec["repeats"], spec["time_budget_s"], spec["quick"]
   phases = {}
   clock = time.perf_counter()
