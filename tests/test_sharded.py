@@ -170,3 +170,67 @@ def test_pieces_in_a_function_and_an_empty_batch(rng):
                                 tf_hsm.nll_loss(hidden, weights, None, tree, targets).numpy())
   empty = tf_hsm.log_prob(hidden[:0], pieces, None, tree, targets[:0])
   assert empty.shape == (0,)
+
+
+@pytest.mark.parametrize("as_list", [True, False])
+def test_a_table_stored_in_a_row_layout_gives_the_same_bits(rng, as_list):
+  counts = rng.zipf(1.2, 500).astype(np.float64)
+  tree = tf_hsm.Tree.huffman(counts, branching=4)
+  layout = tf_hsm.distribute.balanced_layout(tree, 3, 64, counts=counts)
+  hidden, weights, biases, targets = random_inputs(rng, tree, (64,), 5, np.float64)
+  offsets = [int(o) for o in np.linspace(0, tree.num_slots, 4).astype(int)]
+  w_parts = _split(layout.stored(weights), offsets, as_list)
+  b_parts = _split(layout.stored(biases), offsets, as_list)
+  pieces = list(w_parts) if as_list else w_parts.variables
+  whole_w = tf.Variable(weights)
+  hidden = tf.constant(hidden)
+  for op in (tf_hsm.log_prob, tf_hsm.nll_loss):
+    with tf.GradientTape(persistent=True) as tape:
+      expected = op(hidden, whole_w, biases, tree, targets)
+      got = op(hidden, layout.table(w_parts), layout.table(b_parts), tree, targets)
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    ref = _dense(tape.gradient(expected, whole_w), weights.shape)
+    grads = tape.gradient(got, pieces)
+    stored = np.concatenate([_dense(g, p.shape) for g, p in zip(grads, pieces)])
+    np.testing.assert_array_equal(stored[layout.slot_rows], ref)
+  for whole, split in [
+      (tf_hsm.log_prob_all(hidden, weights, biases, tree),
+       tf_hsm.log_prob_all(hidden, layout.table(w_parts), layout.table(b_parts), tree)),
+      (tf_hsm.top_k(hidden, weights, biases, tree, 3)[1],
+       tf_hsm.top_k(hidden, layout.table(w_parts), layout.table(b_parts), tree, 3)[1])]:
+    np.testing.assert_array_equal(split.numpy(), whole.numpy())
+
+
+@pytest.mark.parametrize("builder", ["two_level_counts", "two_level", "huffman16"])
+def test_balanced_layout_evens_out_the_rows_each_shard_serves(rng, builder):
+  num_classes, tokens, shards = 40_000, 1_000, 4
+  counts = 1.0 / np.arange(1, num_classes + 1)
+  tree = {"two_level_counts": lambda: tf_hsm.Tree.two_level(num_classes, counts=counts),
+          "two_level": lambda: tf_hsm.Tree.two_level(num_classes),
+          "huffman16": lambda: tf_hsm.Tree.huffman(counts, branching=16)}[builder]()
+  layout = tf_hsm.distribute.balanced_layout(tree, shards, tokens, counts=counts)
+  assert sorted(layout.slot_rows.tolist()) == list(range(tree.num_slots))
+  # Each node's children stay one run of rows.
+  for node in rng.integers(0, tree.num_nodes, 20):
+    begin, end = tree.child_range(int(node))
+    rows = layout.slot_rows[begin:end]
+    np.testing.assert_array_equal(rows, rows[0] + np.arange(end - begin))
+  batches = [rng.choice(num_classes, tokens, p=counts / counts.sum()) for _ in range(4)]
+  naive = np.mean([tf_hsm.distribute.rows_per_shard(tree, b, shards) for b in batches], 0)
+  balanced = np.mean([tf_hsm.distribute.rows_per_shard(tree, b, shards, layout)
+                      for b in batches], 0)
+  assert balanced.max() / balanced.mean() <= 1.15
+  assert balanced.max() / balanced.mean() < naive.max() / naive.mean()
+
+
+def test_row_layout_checks_its_input(rng):
+  tree = tf_hsm.Tree.balanced(20, 3)
+  with pytest.raises(ValueError, match="num_shards"):
+    tf_hsm.distribute.balanced_layout(tree, 0, 10)
+  with pytest.raises(ValueError, match="tokens_per_step"):
+    tf_hsm.distribute.balanced_layout(tree, 2, 0)
+  with pytest.raises(ValueError, match="counts must have one entry per class"):
+    tf_hsm.distribute.balanced_layout(tree, 2, 10, counts=np.ones(3))
+  with pytest.raises(ValueError, match="permutation"):
+    tf_hsm.distribute.RowLayout(tree, np.zeros(tree.num_slots), 2).table(
+        tf.zeros([tree.num_slots, 2]))

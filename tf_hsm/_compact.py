@@ -12,6 +12,7 @@ back through the gathers: each piece receives a `tf.IndexedSlices` of its own to
 rows; no piece is read whole and no dense gradient of a piece is built.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tf_hsm import _inputs
@@ -22,13 +23,32 @@ except ImportError:  # pragma: no cover
   ShardedVariable = ()
 
 
+class RowOrdered:
+  """A table whose rows are stored in a row layout: slot s is row `slot_rows[s]` of
+  `table` (a variable, a tensor, a `ShardedVariable` or a list of row ranges). Made by
+  `tf_hsm.distribute.RowLayout.table`."""
+
+  def __init__(self, table, slot_rows):
+    slot_rows = np.asarray(slot_rows)
+    if slot_rows.ndim != 1 or not np.array_equal(np.sort(slot_rows),
+                                                 np.arange(slot_rows.size)):
+      raise ValueError("slot_rows must be a permutation of 0..num_slots-1")
+    self.table = table
+    self.slot_rows = slot_rows.astype(np.int64)
+    with tf.init_scope(), tf.device("/cpu:0"):
+      self.slot_rows_tensor = tf.constant(self.slot_rows)
+
+
 def pieces(table, name):
   """The variables of a table held in pieces, or None for a table in one piece.
 
   Accepts a `ShardedVariable`, a Keras variable holding one (what `add_weight` gives
   under a `ParameterServerStrategy` with a `variable_partitioner`), or a list or tuple of
-  row ranges (variables or tensors) in order.
+  row ranges (variables or tensors) in order; and any of those, or a table in one piece,
+  stored in a row layout (`RowOrdered`).
   """
+  if isinstance(table, RowOrdered):
+    return pieces(table.table, name) or [table.table]
   if isinstance(table, (list, tuple)):
     if not table:
       raise ValueError(f"{name} is an empty list: give the table's row ranges in order")
@@ -85,7 +105,16 @@ def _one_piece(part):
 
 
 def gather_table(table, name, num_rows, rank, rows):
-  """The compact table: `table[rows]` whether it is in pieces or whole."""
+  """The compact table: `table[rows]` whether it is in pieces or whole, and whether its
+  rows are stored in slot order or in a row layout."""
+  if isinstance(table, RowOrdered):
+    if table.slot_rows.shape != (num_rows,):
+      raise ValueError(f"{name}'s row layout has {table.slot_rows.size} rows; the tree has "
+                       f"{num_rows} slots")
+    stored = tf.gather(table.slot_rows_tensor, rows)
+    order = tf.argsort(stored)
+    gathered = gather_table(table.table, name, num_rows, rank, tf.gather(stored, order))
+    return tf.gather(gathered, tf.math.invert_permutation(order))
   parts = pieces(table, name)
   if parts is None:
     parts = [table]
@@ -173,7 +202,11 @@ def compact_inputs(tree, tree_tensors, weights, biases, classes, name):
 
 
 def whole_table(table, name):
-  """A table in pieces read whole (for the inference ops that may visit every row)."""
+  """A table in pieces read whole (for the inference ops that may visit every row), in
+  slot order."""
+  if isinstance(table, RowOrdered):
+    return tf.gather(tf.convert_to_tensor(whole_table(table.table, name)),
+                     table.slot_rows_tensor)
   parts = pieces(table, name)
   if parts is None:
     return table

@@ -34,11 +34,13 @@ A custom training loop with `tf.distribute.experimental.coordinator.ClusterCoord
     coordinator.schedule(step, args=(per_worker_iterator,))
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tf_hsm import _compact
+from tf_hsm import _shard_layout
 
-__all__ = ["gradients", "pieces"]
+__all__ = ["RowLayout", "balanced_layout", "gradients", "pieces", "rows_per_shard"]
 
 
 def pieces(variable):
@@ -124,3 +126,78 @@ def split_rows(gradient, offsets):
   index_parts = tf.dynamic_partition(indices, owner, count)
   value_parts = tf.dynamic_partition(gradient.values, owner, count)
   return [(index_parts[i] - offsets[i], value_parts[i]) for i in range(count)]
+
+
+class RowLayout:
+  """Where each slot's row is stored in a table split into equal row ranges.
+
+  `balanced_layout` makes one whose ranges carry about equal expected traffic. Store the
+  table in it (`stored`, or initialise the variable in any way: the order of random
+  initial rows does not matter) and hand the ops `layout.table(variable)`; the ops read
+  and update slot s at row `slot_rows[s]`, and the probabilities are the tree's.
+
+  Attributes:
+    slot_rows: int64 [num_slots], a permutation: slot s is stored at row slot_rows[s].
+    num_shards: the number of equal row ranges it was made for.
+  """
+
+  def __init__(self, tree, slot_rows, num_shards):
+    self.tree = tree
+    self.slot_rows = np.asarray(slot_rows, np.int64)
+    self.num_shards = int(num_shards)
+    self._tables = {}
+
+  def stored(self, values):
+    """`values` ([num_slots, ...] in slot order, a NumPy array) in this layout's rows."""
+    values = np.asarray(values)
+    out = np.empty_like(values)
+    out[self.slot_rows] = values
+    return out
+
+  def table(self, table):
+    """`table` (a variable, `ShardedVariable`, list of row ranges or tensor whose rows are
+    stored in this layout) as the ops take it."""
+    return _compact.RowOrdered(table, self.slot_rows)
+
+
+def balanced_layout(tree, num_shards, tokens_per_step, counts=None):
+  """A row layout in which `num_shards` equal row ranges (as TensorFlow's partitioners
+  cut a table, `FixedShardsPartitioner(num_shards)`) each serve about the same number of
+  distinct rows a step: the rows each parameter server gathers and sends, and the
+  gradient rows it receives and updates.
+
+  Node blocks (a node's children) stay contiguous; the blocks, heaviest expected traffic
+  first, go to the range with the least traffic so far that has room (see
+  `tf_hsm/_shard_layout.py`). At V=1M, 4 shards, 3,200 Zipf(1) tokens a step, the
+  busiest shard serves 1.02-1.05x the mean, against 1.42-2.31x in the tree's own order
+  (`rows_per_shard`; docs/distributed.md).
+
+  Args:
+    tree: a `tf_hsm.Tree`.
+    num_shards: the number of equal row ranges the table will be split into.
+    tokens_per_step: tokens in a training step (the batch's targets).
+    counts: class frequencies [num_classes] (uniform if None).
+
+  Returns:
+    A `RowLayout`.
+  """
+  return RowLayout(tree, _shard_layout.balanced_slot_rows(tree, counts, num_shards,
+                                                          tokens_per_step), num_shards)
+
+
+def rows_per_shard(tree, targets, num_shards, layout=None):
+  """The distinct rows each of `num_shards` equal row ranges serves for one step on
+  `targets`: it gathers and sends them, then receives their gradient rows and updates
+  them (the same rows: every child of a node on the batch's paths gets a gradient).
+
+  Args:
+    tree: a `tf_hsm.Tree`.
+    targets: the step's class ids (array-like).
+    num_shards: number of equal row ranges.
+    layout: a `RowLayout`, or None for the tree's own slot order.
+
+  Returns:
+    int64 array [num_shards].
+  """
+  slot_rows = None if layout is None else layout.slot_rows
+  return _shard_layout.rows_touched_per_shard(tree, slot_rows, num_shards, targets)
