@@ -234,3 +234,12 @@ def test_row_layout_checks_its_input(rng):
   with pytest.raises(ValueError, match="permutation"):
     tf_hsm.distribute.RowLayout(tree, np.zeros(tree.num_slots), 2).table(
         tf.zeros([tree.num_slots, 2]))
+
+
+def test_shards_bench_reports_both_layouts(capsys):
+  from tf_hsm.bench import shards  # pylint: disable=import-outside-toplevel
+  assert shards.main(["--classes", "20000", "--shards", "3", "--tokens", "500",
+                      "--branching", "8", "--batches", "2"]) == 0
+  out = capsys.readouterr().out
+  for tree in ("two_level_counts", "two_level", "huffman8"):
+    assert f"| {tree} | tree order |" in out and f"| {tree} | balanced |" in out
