@@ -34,13 +34,15 @@ A custom training loop with `tf.distribute.experimental.coordinator.ClusterCoord
     coordinator.schedule(step, args=(per_worker_iterator,))
 """
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_hsm import _compact
 from tf_hsm import _shard_layout
 
-__all__ = ["RowLayout", "balanced_layout", "gradients", "pieces", "rows_per_shard"]
+__all__ = ["RowLayout", "balanced_layout", "checkpoint", "gradients", "pieces",
+           "rows_per_shard"]
 
 
 def pieces(variable):
@@ -201,3 +203,38 @@ def rows_per_shard(tree, targets, num_shards, layout=None):
   """
   slot_rows = None if layout is None else layout.slot_rows
   return _shard_layout.rows_touched_per_shard(tree, slot_rows, num_shards, targets)
+
+
+def checkpoint(**objects):
+  """A `tf.train.Checkpoint` of Keras variables, layers, models and optimizers, some of
+  whose variables may be held in pieces (`ShardedVariable`s).
+
+  `tf.train.Checkpoint(model=..., optimizer=...)` cannot save a Keras variable holding a
+  `ShardedVariable` ("'ShardedVariable' object has no attribute 'device'": the Keras
+  wrapper hides the pieces' own saving). This one tracks the TensorFlow variables under
+  them, each object's variables in order, so a checkpoint written with the table in N
+  pieces restores into M pieces, or into one, with the same values (TensorFlow saves a
+  `ShardedVariable` as slices of one variable).
+
+  Args:
+    **objects: name -> a Keras variable, or anything with a `variables` list (a layer,
+      a model, an optimizer). Restore into the same structure built again, under any
+      partitioning.
+
+  Returns:
+    A `tf.train.Checkpoint`; use its `write`/`read` (or `save`/`restore`).
+  """
+  def underlying(variable):
+    inner = getattr(variable, "value", None)
+    return inner if isinstance(inner, (tf.Variable, _compact.ShardedVariable)) else variable
+
+  tracked = {}
+  for name, obj in objects.items():
+    if isinstance(obj, (keras.Variable, tf.Variable, _compact.ShardedVariable)):
+      tracked[name] = underlying(obj)
+    elif hasattr(obj, "variables"):
+      tracked[name] = [underlying(variable) for variable in obj.variables]
+    else:
+      raise TypeError(f"{name}: expected a variable, or an object with `variables` (a "
+                      f"layer, model or optimizer), got {type(obj).__name__}")
+  return tf.train.Checkpoint(**tracked)
