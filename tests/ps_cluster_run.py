@@ -158,6 +158,24 @@ def plain_ops_run(strategy, coordinator, problem):
   return type(table.value).__name__, losses
 
 
+def layer_init(strategy):
+  """A HierarchicalSoftmax built under the strategy with a random initializer: each
+  piece drawn where it lives, from the whole table's distribution."""
+  tree = tf_hsm.Tree.two_level(20_000)
+  with strategy.scope():
+    layer = tf_hsm.HierarchicalSoftmax(
+        tree, kernel_initializer=keras.initializers.GlorotUniform(seed=4),
+        bias_initializer=keras.initializers.Constant(0.5))
+    layer.build((None, 32))
+  pieces = [part.numpy() for part in tf_hsm.distribute.pieces(layer.kernel)]
+  bias = np.concatenate([part.numpy() for part in tf_hsm.distribute.pieces(layer.bias)])
+  limit = float(np.sqrt(6.0 / (tree.num_slots + 32)))
+  return {"limit": limit, "max_abs": [float(np.abs(p).max()) for p in pieces],
+          "std": [float(p.std()) for p in pieces],
+          "first_rows_equal": bool(np.array_equal(pieces[0][:5], pieces[1][:5])),
+          "bias": [float(bias.min()), float(bias.max())]}
+
+
 def main():
   problem = make_problem()
   report = {"local": {}, "cluster": {}}
@@ -177,6 +195,7 @@ def main():
                                "bias": bias.tolist(), "placement": placement}
   kind, losses = plain_ops_run(strategy, coordinator, problem)
   report["plain_ops"] = {"table_type": kind, "losses": losses}
+  report["layer_init"] = layer_init(strategy)
   json.dump(report, sys.stdout)
   sys.stdout.flush()
   del servers

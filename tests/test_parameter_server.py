@@ -57,3 +57,14 @@ def test_plain_ops_train_a_sharded_variable(report):
   assert report["plain_ops"]["table_type"] == "ShardedVariable"
   losses = report["plain_ops"]["losses"]
   assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_layer_draws_each_piece_of_its_table_where_it_lives(report):
+  init = report["layer_init"]
+  limit = init["limit"]
+  for max_abs, std in zip(init["max_abs"], init["std"]):
+    assert max_abs <= limit
+    np.testing.assert_allclose(std, limit / np.sqrt(3.0), rtol=0.02)
+  assert not init["first_rows_equal"]
+  assert init["bias"] == [0.5, 0.5]

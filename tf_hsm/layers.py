@@ -1,6 +1,9 @@
 """`HierarchicalSoftmax`, the Keras 3 layer over `tf_hsm.log_prob`."""
 
+import contextlib
+
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_hsm import _loader
@@ -105,18 +108,21 @@ class HierarchicalSoftmax(keras.layers.Layer):
     block = _block_initializer(self.kernel_initializer, shape, self.variable_dtype)
     # autocast=False: under mixed precision the op reads the float32 table directly;
     # Keras' autocast would copy the whole table to float16/bfloat16 on every call.
-    self.kernel = self.add_weight(
-        name="kernel", shape=shape,
-        initializer="zeros" if block else self.kernel_initializer,
-        regularizer=self.kernel_regularizer, constraint=self.kernel_constraint,
-        autocast=False)
+    with _initialized_in_pieces(self.kernel_initializer, shape, self.variable_dtype):
+      self.kernel = self.add_weight(
+          name="kernel", shape=shape,
+          initializer="zeros" if block else self.kernel_initializer,
+          regularizer=self.kernel_regularizer, constraint=self.kernel_constraint,
+          autocast=False)
     if block:
       _fill_by_blocks(self.kernel, block)
     if self.use_bias:
-      self.bias = self.add_weight(
-          name="bias", shape=(self.tree.num_slots,), initializer=self.bias_initializer,
-          regularizer=self.bias_regularizer, constraint=self.bias_constraint,
-          autocast=False)
+      with _initialized_in_pieces(self.bias_initializer, (self.tree.num_slots,),
+                                  self.variable_dtype):
+        self.bias = self.add_weight(
+            name="bias", shape=(self.tree.num_slots,), initializer=self.bias_initializer,
+            regularizer=self.bias_regularizer, constraint=self.bias_constraint,
+            autocast=False)
     else:
       self.bias = None
 
@@ -248,6 +254,86 @@ def _block_initializer(initializer, shape, dtype):
   else:
     block_init = init.TruncatedNormal(initializer.mean, initializer.stddev, seed=seed)
   return lambda block_rows: block_init((block_rows, dim), dtype=dtype)
+
+
+def _partitioning_strategy():
+  """Whether the strategy in scope creates variables in pieces (a ParameterServerStrategy
+  with a `variable_partitioner`; the attribute is not public API)."""
+  if not tf.distribute.has_strategy():
+    return False
+  extended = tf.distribute.get_strategy().extended
+  return getattr(extended, "_variable_partitioner", None) is not None
+
+
+def _piece_sampler(initializer, shape, dtype):
+  """`draw(partition_shape, partition_offset)`: the rows at `partition_offset` of the
+  table `initializer` fills, from the distribution it gives the whole `shape` (its fans
+  are the table's), drawn by a stateless generator keyed by the initializer's seed and
+  the piece's first row. None for initializers whose values are not drawn independently
+  (Orthogonal, Identity, custom callables)."""
+  init = keras.initializers
+  dtype = tf.as_dtype(dtype)
+  kind = type(initializer).__call__
+  if isinstance(initializer, init.Constant) or kind is init.Zeros.__call__ or \
+      kind is init.Ones.__call__:
+    value = {init.Zeros.__call__: 0.0, init.Ones.__call__: 1.0}.get(
+        kind, getattr(initializer, "value", None))
+    if value is None or np.ndim(value) != 0:
+      return None
+    return lambda piece_shape, offset: tf.fill(piece_shape, tf.cast(value, dtype))
+  seed = initializer.seed if isinstance(getattr(initializer, "seed", None), int) else \
+      int(np.random.randint(0, 2**31 - 1))
+
+  def keyed(offset):
+    return tf.constant([seed, offset], tf.int64)
+
+  if kind is init.VarianceScaling.__call__ and len(shape) == 2 and \
+      initializer.input_axes is None and initializer.output_axes is None:
+    scale = initializer.scale / _fan_divisor(initializer.mode, shape[0], shape[1])
+    distribution = initializer.distribution
+    if distribution == "truncated_normal":
+      stddev = np.sqrt(scale) / 0.87962566103423978
+      return lambda s, o: tf.random.stateless_truncated_normal(s, keyed(o), stddev=stddev,
+                                                               dtype=dtype)
+    if distribution == "untruncated_normal":
+      return lambda s, o: tf.random.stateless_normal(s, keyed(o), stddev=np.sqrt(scale),
+                                                     dtype=dtype)
+    limit = np.sqrt(3.0 * scale)
+    return lambda s, o: tf.random.stateless_uniform(s, keyed(o), -limit, limit, dtype=dtype)
+  if kind is init.RandomUniform.__call__:
+    return lambda s, o: tf.random.stateless_uniform(
+        s, keyed(o), initializer.minval, initializer.maxval, dtype=dtype)
+  if kind is init.RandomNormal.__call__:
+    return lambda s, o: tf.random.stateless_normal(
+        s, keyed(o), initializer.mean, initializer.stddev, dtype=dtype)
+  if kind is init.TruncatedNormal.__call__:
+    return lambda s, o: tf.random.stateless_truncated_normal(
+        s, keyed(o), initializer.mean, initializer.stddev, dtype=dtype)
+  return None
+
+
+@contextlib.contextmanager
+def _initialized_in_pieces(initializer, shape, dtype):
+  """Under a strategy that creates variables in pieces, makes the variable created here
+  draw its initial value piece by piece, each on its own parameter server. (Given a
+  Keras initializer, TensorFlow computes the whole table on every server and slices it:
+  a table-sized temporary each, 12 GB at 10M x 300.) Elsewhere, nothing changes."""
+  sampler = _piece_sampler(initializer, shape, dtype) if _partitioning_strategy() else None
+  if sampler is None:
+    yield
+    return
+
+  def draw(partition_shape=None, partition_offset=None):
+    piece = tuple(partition_shape) if partition_shape is not None else tuple(shape)
+    offset = int(partition_offset[0]) if partition_offset is not None else 0
+    return sampler(piece, offset)
+
+  def creator(next_creator, **kwargs):
+    kwargs.update(initial_value=draw, shape=shape, dtype=tf.as_dtype(dtype))
+    return next_creator(**kwargs)
+
+  with tf.variable_creator_scope(creator):
+    yield
 
 
 def _in_stateless_scope():
