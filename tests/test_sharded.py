@@ -232,8 +232,7 @@ def test_row_layout_checks_its_input(rng):
   with pytest.raises(ValueError, match="counts must have one entry per class"):
     tf_hsm.distribute.balanced_layout(tree, 2, 10, counts=np.ones(3))
   with pytest.raises(ValueError, match="permutation"):
-    tf_hsm.distribute.RowLayout(tree, np.zeros(tree.num_slots), 2).table(
-        tf.zeros([tree.num_slots, 2]))
+    tf_hsm.distribute.RowLayout(tree, np.zeros(tree.num_slots), 2)
 
 
 def test_shards_bench_reports_both_layouts(capsys):
@@ -243,3 +242,30 @@ def test_shards_bench_reports_both_layouts(capsys):
   out = capsys.readouterr().out
   for tree in ("two_level_counts", "two_level", "huffman8"):
     assert f"| {tree} | tree order |" in out and f"| {tree} | balanced |" in out
+
+
+def test_layer_with_a_row_layout(rng):
+  counts = rng.zipf(1.2, 300).astype(np.float64)
+  tree = tf_hsm.Tree.huffman(counts, branching=4)
+  layout = tf_hsm.distribute.balanced_layout(tree, 2, 32, counts=counts)
+  plain = tf_hsm.HierarchicalSoftmax(tree)
+  laid = tf_hsm.HierarchicalSoftmax(tree, row_layout=layout)
+  hidden = tf.constant(rng.normal(size=(16, 6)), tf.float32)
+  targets = rng.integers(0, tree.num_classes, 16)
+  plain.build(hidden.shape)
+  laid.build(hidden.shape)
+  laid.kernel.assign(layout.stored(plain.kernel.numpy()))
+  laid.bias.assign(layout.stored(rng.normal(size=tree.num_slots).astype(np.float32)))
+  plain.bias.assign(laid.bias.numpy()[layout.slot_rows])
+  with tf.GradientTape(persistent=True) as tape:
+    expected, got = plain(hidden, targets), laid(hidden, targets)
+  np.testing.assert_array_equal(got.numpy(), expected.numpy())
+  ref = tf.convert_to_tensor(tape.gradient(expected, plain.kernel)).numpy()
+  grad = tf.convert_to_tensor(tape.gradient(got, laid.kernel)).numpy()
+  np.testing.assert_array_equal(grad[layout.slot_rows], ref)
+  np.testing.assert_array_equal(laid.top_k(hidden, 3)[1].numpy(),
+                                plain.top_k(hidden, 3)[1].numpy())
+  again = tf_hsm.HierarchicalSoftmax.from_config(laid.get_config())
+  np.testing.assert_array_equal(again.row_layout.slot_rows, layout.slot_rows)
+  with pytest.raises(TypeError, match="row_layout"):
+    tf_hsm.HierarchicalSoftmax(tree, row_layout=[1, 2])

@@ -12,7 +12,6 @@ back through the gathers: each piece receives a `tf.IndexedSlices` of its own to
 rows; no piece is read whole and no dense gradient of a piece is built.
 """
 
-import numpy as np
 import tensorflow as tf
 
 from tf_hsm import _inputs
@@ -26,17 +25,11 @@ except ImportError:  # pragma: no cover
 class RowOrdered:
   """A table whose rows are stored in a row layout: slot s is row `slot_rows[s]` of
   `table` (a variable, a tensor, a `ShardedVariable` or a list of row ranges). Made by
-  `tf_hsm.distribute.RowLayout.table`."""
+  `tf_hsm.distribute.RowLayout.table`, which checks and holds `slot_rows_tensor`."""
 
-  def __init__(self, table, slot_rows):
-    slot_rows = np.asarray(slot_rows)
-    if slot_rows.ndim != 1 or not np.array_equal(np.sort(slot_rows),
-                                                 np.arange(slot_rows.size)):
-      raise ValueError("slot_rows must be a permutation of 0..num_slots-1")
+  def __init__(self, table, slot_rows_tensor):
     self.table = table
-    self.slot_rows = slot_rows.astype(np.int64)
-    with tf.init_scope(), tf.device("/cpu:0"):
-      self.slot_rows_tensor = tf.constant(self.slot_rows)
+    self.slot_rows_tensor = slot_rows_tensor
 
 
 def pieces(table, name):
@@ -108,9 +101,9 @@ def gather_table(table, name, num_rows, rank, rows):
   """The compact table: `table[rows]` whether it is in pieces or whole, and whether its
   rows are stored in slot order or in a row layout."""
   if isinstance(table, RowOrdered):
-    if table.slot_rows.shape != (num_rows,):
-      raise ValueError(f"{name}'s row layout has {table.slot_rows.size} rows; the tree has "
-                       f"{num_rows} slots")
+    if table.slot_rows_tensor.shape[0] != num_rows:
+      raise ValueError(f"{name}'s row layout has {table.slot_rows_tensor.shape[0]} rows; "
+                       f"the tree has {num_rows} slots")
     stored = tf.gather(table.slot_rows_tensor, rows)
     order = tf.argsort(stored)
     gathered = gather_table(table.table, name, num_rows, rank, tf.gather(stored, order))

@@ -144,10 +144,18 @@ class RowLayout:
   """
 
   def __init__(self, tree, slot_rows, num_shards):
+    slot_rows = np.asarray(slot_rows)
+    if slot_rows.shape != (tree.num_slots,) or not np.array_equal(
+        np.sort(slot_rows), np.arange(tree.num_slots)):
+      raise ValueError(f"slot_rows must be a permutation of 0..{tree.num_slots - 1} (one "
+                       "row per slot of the tree)")
     self.tree = tree
-    self.slot_rows = np.asarray(slot_rows, np.int64)
+    self.slot_rows = slot_rows.astype(np.int64)
     self.num_shards = int(num_shards)
-    self._tables = {}
+    self._slot_rows_tensor = None
+
+  def get_config(self):
+    return {"slot_rows": self.slot_rows.tolist(), "num_shards": self.num_shards}
 
   def stored(self, values):
     """`values` ([num_slots, ...] in slot order, a NumPy array) in this layout's rows."""
@@ -159,7 +167,12 @@ class RowLayout:
   def table(self, table):
     """`table` (a variable, `ShardedVariable`, list of row ranges or tensor whose rows are
     stored in this layout) as the ops take it."""
-    return _compact.RowOrdered(table, self.slot_rows)
+    if self._slot_rows_tensor is None:
+      # Made once, outside any function being traced, so that functions capture it
+      # instead of embedding it as a constant.
+      with tf.init_scope(), tf.device("/cpu:0"):
+        self._slot_rows_tensor = tf.constant(self.slot_rows)
+    return _compact.RowOrdered(table, self._slot_rows_tensor)
 
 
 def balanced_layout(tree, num_shards, tokens_per_step, counts=None):

@@ -6,8 +6,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_hsm import _loader
 from tf_hsm import _inputs
+from tf_hsm import _loader
+from tf_hsm import distribute
 from tf_hsm.ops import log_prob
 from tf_hsm.tree import Tree
 
@@ -63,6 +64,11 @@ class HierarchicalSoftmax(keras.layers.Layer):
     bias_initializer, kernel_regularizer, bias_regularizer, kernel_constraint,
       bias_constraint: as in `keras.layers.Dense`. A regularizer or constraint acts on
       the whole table and makes its gradient (or update) dense.
+    row_layout: a `tf_hsm.distribute.RowLayout` (or its `get_config()` dict): the table
+      and biases store slot s in row `slot_rows[s]`, for example so that the equal row
+      ranges of a table split over parameter servers carry equal traffic
+      (`tf_hsm.distribute.balanced_layout`). Each call then gathers the rows of its
+      batch's paths (the path a table in pieces always takes).
     **kwargs: base `keras.layers.Layer` arguments (name, dtype, trainable, ...).
 
   Call arguments:
@@ -76,13 +82,22 @@ class HierarchicalSoftmax(keras.layers.Layer):
 
   def __init__(self, tree, use_bias=True, kernel_initializer="glorot_uniform",
                bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
-               kernel_constraint=None, bias_constraint=None, **kwargs):
+               kernel_constraint=None, bias_constraint=None, row_layout=None, **kwargs):
     super().__init__(**kwargs)
     if isinstance(tree, dict):
       tree = Tree.from_config(tree)
     if not isinstance(tree, Tree):
       raise TypeError(f"tree must be a tf_hsm.Tree, got {type(tree).__name__}")
     self.tree = tree
+    if isinstance(row_layout, dict):
+      row_layout = distribute.RowLayout(tree, **row_layout)
+    if row_layout is not None and not isinstance(row_layout, distribute.RowLayout):
+      raise TypeError("row_layout must be a tf_hsm.distribute.RowLayout or None, got "
+                      f"{type(row_layout).__name__}")
+    if row_layout is not None and row_layout.slot_rows.size != tree.num_slots:
+      raise ValueError(f"row_layout has {row_layout.slot_rows.size} rows; the tree has "
+                       f"{tree.num_slots} slots")
+    self.row_layout = row_layout
     self.use_bias = bool(use_bias)
     self.kernel_initializer = keras.initializers.get(kernel_initializer)
     self.bias_initializer = keras.initializers.get(bias_initializer)
@@ -132,6 +147,13 @@ class HierarchicalSoftmax(keras.layers.Layer):
     dtype = tf.as_dtype(self.kernel.dtype)
     return hidden if hidden.dtype == dtype else tf.cast(hidden, dtype)
 
+  def _tables(self):
+    """(kernel, bias) as the ops take them: in the row layout, when there is one."""
+    if self.row_layout is None:
+      return self.kernel, self.bias
+    return (self.row_layout.table(self.kernel),
+            None if self.bias is None else self.row_layout.table(self.bias))
+
   def _check_built(self, what):
     if not self.built:
       raise ValueError(f"HierarchicalSoftmax.{what} needs a built layer: call it on data "
@@ -146,7 +168,7 @@ class HierarchicalSoftmax(keras.layers.Layer):
       if extra is not None:
         valid = tf.logical_and(valid, tf.cast(extra, tf.bool))
     safe_targets = tf.where(valid, targets, tf.zeros_like(targets))
-    out = log_prob(self._hidden(hidden), self.kernel, self.bias, self.tree, safe_targets)
+    out = log_prob(self._hidden(hidden), *self._tables(), self.tree, safe_targets)
     out = tf.where(valid, out, tf.zeros_like(out))
     out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
     return out
@@ -163,7 +185,7 @@ class HierarchicalSoftmax(keras.layers.Layer):
     """
     from tf_hsm import inference  # pylint: disable=g-import-not-at-top
     self._check_built("top_k")
-    return inference.top_k(self._hidden(hidden), self.kernel, self.bias, self.tree, k)
+    return inference.top_k(self._hidden(hidden), *self._tables(), self.tree, k)
 
   def log_prob_all(self, hidden, **kwargs):
     """log P(c | hidden) for every class c: `[..., num_classes]`.
@@ -172,14 +194,14 @@ class HierarchicalSoftmax(keras.layers.Layer):
     """
     from tf_hsm import inference  # pylint: disable=g-import-not-at-top
     self._check_built("log_prob_all")
-    return inference.log_prob_all(self._hidden(hidden), self.kernel, self.bias, self.tree,
+    return inference.log_prob_all(self._hidden(hidden), *self._tables(), self.tree,
                                   **kwargs)
 
   def sample(self, hidden, seed=None, temperature=1.0):
     """Draws one class per hidden state: `tf_hsm.inference.sample` with these weights."""
     from tf_hsm import inference  # pylint: disable=g-import-not-at-top
     self._check_built("sample")
-    return inference.sample(self._hidden(hidden), self.kernel, self.bias, self.tree,
+    return inference.sample(self._hidden(hidden), *self._tables(), self.tree,
                             seed=seed, temperature=temperature)
 
   def get_config(self):
@@ -193,6 +215,7 @@ class HierarchicalSoftmax(keras.layers.Layer):
         "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
         "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
         "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+        "row_layout": None if self.row_layout is None else self.row_layout.get_config(),
     })
     return config
 
