@@ -32,8 +32,10 @@ def test_matches_sgd_on_the_sparse_gradient(rng, bias, dtype, tol):
     tf.keras.optimizers.SGD(lr).apply_gradients(zip(grads[1:], variables))
 
     w, b = tf.Variable(w0), tf.Variable(b0)
-    lp, dh = tf_hsm.sgd_step(hidden, w, b if bias else None, tree, targets, lr,
-                             loss_scale=scale)
+    # Keras keeps its learning rate in float32 whatever the variables' dtype; a Python
+    # float would be used in float64 here.
+    lp, dh = tf_hsm.sgd_step(hidden, w, b if bias else None, tree, targets,
+                             np.float32(lr), loss_scale=scale)
     # log_prob from the update's own logsumexps (exponentials summed in other tiles).
     np.testing.assert_allclose(lp.numpy(), lp_ref.numpy(), rtol=tol, atol=tol)
     np.testing.assert_array_equal(dh.numpy(), grads[0].numpy())

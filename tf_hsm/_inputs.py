@@ -212,3 +212,39 @@ def variable_handle(variable, name):
     raise TypeError(f"{name} must be a tf.Variable or keras.Variable, got "
                     f"{type(variable).__name__}")
   return found.handle
+
+
+def _is_bool(value):
+  return isinstance(value, (bool, np.bool_)) or (
+      isinstance(value, (tf.Tensor, tf.Variable, np.ndarray)) and value.dtype in (
+          tf.bool, np.bool_))
+
+
+def number_arg(value, dtype, name, scalar=True):
+  """A numeric argument (learning_rate, temperature, loss_scale) in the computation's
+  dtype.
+
+  A Python or NumPy number becomes a constant of `dtype` directly, so a float64
+  computation uses the float64 value (0.1 is not rounded to float32 on the way, and
+  5e-324 stays positive); in float16/bfloat16 it is rounded as TensorFlow's own ops
+  round it. A tensor is cast. Booleans, strings and other non-numbers are a TypeError
+  naming the argument; with `scalar`, a value of known rank > 0 is a ValueError.
+  """
+  dtype = tf.as_dtype(dtype)
+  if _is_bool(value):
+    raise TypeError(f"{name} must be a number, got a bool ({value!r})")
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    return tf.constant(value, dtype)
+  if isinstance(value, (str, bytes)):
+    raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+  try:
+    tensor = value if isinstance(value, (tf.Tensor, tf.Variable)) else \
+        tf.convert_to_tensor(value, dtype_hint=dtype)
+  except (TypeError, ValueError) as error:
+    raise TypeError(f"{name} must be a number or a numeric tensor, got "
+                    f"{type(value).__name__}: {error}") from None
+  if not (tensor.dtype.is_floating or tensor.dtype.is_integer):
+    raise TypeError(f"{name} must be numeric, got a {tensor.dtype.name} tensor")
+  if scalar and tensor.shape.rank not in (None, 0):
+    raise ValueError(f"{name} must be a scalar, got shape {tensor.shape}")
+  return tf.cast(tensor, dtype)

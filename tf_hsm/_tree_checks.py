@@ -32,6 +32,8 @@ def check_int(value, name, minimum=None):
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
     if minimum is not None and result < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {result}")
+    if not -2**63 <= result < 2**63:
+        raise ValueError(f"{name} must fit in int64, got {result}")
     return result
 
 

@@ -214,6 +214,8 @@ def from_nested(nested):
                     entry, (bool, np.bool_)):
                 if entry < 0:
                     raise ValueError(f"class {entry} is negative")
+                if entry >= 2**63:
+                    raise ValueError(f"class {entry} does not fit in int64")
                 codes.append(int(entry))
             else:
                 raise ValueError(

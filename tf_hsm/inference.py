@@ -198,7 +198,12 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
   if isinstance(temperature, numbers.Real) and not isinstance(temperature, (bool, np.bool_)):
     if not (math.isfinite(temperature) and temperature > 0):
       raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
-  temperature = tf.cast(temperature, weights.dtype)
+    tiny = float(np.finfo(weights.dtype.as_numpy_dtype).tiny)
+    if temperature < tiny:
+      raise ValueError(
+          f"temperature {temperature!r} is below the smallest normal {weights.dtype.name} "
+          f"({tiny:g}): TensorFlow's CPU kernels read subnormal numbers as 0")
+  temperature = _inputs.number_arg(temperature, weights.dtype, "temperature")
   return _loader.ops().hsm_sample(hidden, weights, biases, seed, temperature, *tree_args)
 
 

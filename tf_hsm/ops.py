@@ -133,7 +133,16 @@ def _token_weights(loss_scale, targets, dtype):
   if loss_scale is None:
     count = tf.cast(tf.size(targets), dtype)
     return tf.fill(tf.shape(targets), 1.0 / tf.maximum(count, 1.0))
-  return tf.broadcast_to(tf.cast(loss_scale, dtype), tf.shape(targets))
+  scale = _inputs.number_arg(loss_scale, dtype, "loss_scale", scalar=False)
+  try:
+    fits = tf.broadcast_static_shape(scale.shape, targets.shape).is_compatible_with(
+        targets.shape)
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ValueError(f"loss_scale of shape {scale.shape} does not broadcast to targets' "
+                     f"shape {targets.shape}")
+  return tf.broadcast_to(scale, tf.shape(targets))
 
 
 @_inputs.accepts_ragged
@@ -242,7 +251,8 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
   biases_handle = weights_handle if biases is None else _inputs.variable_handle(biases, "biases")
   log_probs, hidden_grad = _loader.ops().hsm_sgd_step(
       hidden, weights_handle, biases_handle, targets, t["child_begin"], t["path_begin"],
-      t["path_nodes"], t["path_slots"], loss_scale, tf.cast(learning_rate, hidden.dtype),
+      t["path_nodes"], t["path_slots"], loss_scale,
+      _inputs.number_arg(learning_rate, hidden.dtype, "learning_rate"),
       use_bias=biases is not None)
   return log_probs, _first_order_only(hidden_grad)
 
