@@ -68,3 +68,19 @@ def test_keras_variables_and_errors(rng):
   with pytest.raises(TypeError, match="tf.Variable"):
     tf_hsm.sgd_step(np.ones((2, 5), np.float32), np.zeros((tree.num_slots, 5)), None, tree,
                     [0, 1], 0.1)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_hidden_size_of_zero_updates_only_the_biases(rng, bias):
+  tree = tf_hsm.Tree.huffman(rng.integers(1, 50, 30), branching=3)
+  targets = rng.integers(0, tree.num_classes, 7)
+  b0 = rng.normal(size=tree.num_slots).astype(np.float32)
+  weights = tf.Variable(np.zeros((tree.num_slots, 0), np.float32))
+  biases = tf.Variable(b0)
+  hidden = tf.zeros([7, 0])
+  lp, dh = tf_hsm.sgd_step(hidden, weights, biases if bias else None, tree, targets, 0.5)
+  expected = tf_hsm.log_prob(hidden, weights, b0 if bias else None, tree, targets)
+  np.testing.assert_allclose(lp.numpy(), expected.numpy(), rtol=1e-6)
+  assert dh.shape == (7, 0)
+  assert weights.shape == (tree.num_slots, 0)
+  assert (not np.array_equal(biases.numpy(), b0)) == bias

@@ -628,7 +628,7 @@ void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T
   };
   // The weight-gradient rows [k0, k0 + kb) of group g go either to the output rows or,
   // for in-place SGD, to a per-thread scratch block applied to the table when complete.
-  const bool sgd = grads.sgd_weights != nullptr;
+  const bool sgd = grads.sgd_update;
   struct RowBlock {
     T* dw;
     T* db;

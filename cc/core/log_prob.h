@@ -75,12 +75,15 @@ struct LogProbGrads {
   T* bias_rows = nullptr;    // [num_rows], or nullptr when there is no bias
   int64* row_ids = nullptr;  // [num_rows]
 
-  // In-place SGD instead of sparse gradient rows: when sgd_weights is set, every visited
-  // weight row is updated as W[s] -= sgd_learning_rate * dW[s] (biases likewise when
-  // sgd_biases is set) and weight_rows / bias_rows / row_ids are not written. sgd_weights
+  // In-place SGD instead of sparse gradient rows: when sgd_update is set, every visited
+  // weight row of sgd_weights is updated as W[s] -= sgd_learning_rate * dW[s] (biases
+  // likewise when sgd_biases is set) and weight_rows / bias_rows / row_ids are not
+  // written. A flag rather than a test of sgd_weights, which is null for an empty table
+  // (a hidden size of 0) as well as when no update is asked for. sgd_weights
   // may alias SoftmaxParams::weights: a row is only updated after its last read. No
   // gradient tensor is ever materialised, so a training step needs no memory beyond the
   // table, the batch and a bounded scratch.
+  bool sgd_update = false;
   T* sgd_weights = nullptr;
   T* sgd_biases = nullptr;
   T sgd_learning_rate = 0;

@@ -89,6 +89,7 @@ class SgdStepOp : public OpKernel {
     for (int64 i = 0; i < in.num_tokens; ++i) upstream[i] = -s[i];
     LogProbGrads<T> grads;
     grads.hidden = hidden_grad->flat<T>().data();
+    grads.sgd_update = true;
     grads.sgd_weights = w;
     grads.sgd_biases = b;
     grads.sgd_learning_rate = learning_rate.scalar<T>()();

@@ -379,6 +379,7 @@ void TestInPlaceSgd() {
       LogProbGrads<double> g;
       g.log_prob_from_backward = lp.data();
       g.hidden = dh.data();
+      g.sgd_update = true;
       g.sgd_weights = w_sgd.data();
       g.sgd_biases = b_sgd.data();
       g.sgd_learning_rate = lr;
