@@ -350,3 +350,23 @@ def test_large_tree_arrays_are_shared_with_their_tensors(rng, monkeypatch):
   for a, b in zip(*results):
     np.testing.assert_array_equal(a, b)
   assert shared == copied
+
+
+def test_saved_logits_are_the_same_bits_on_every_call(rng):
+  """Every value of the forward's saved_logits output is written (a walked step through
+  a node smaller than the widest walked one used to leave part of its stride as whatever
+  the buffer held)."""
+  from tf_hsm import _loader  # pylint: disable=import-outside-toplevel
+  from tf_hsm._inputs import tree_tensors  # pylint: disable=import-outside-toplevel
+  counts = rng.zipf(1.3, 500).astype(np.float64)
+  for tree in (tf_hsm.Tree.huffman(counts, branching=16), tf_hsm.Tree.balanced(300, 12)):
+    t = tree_tensors(tree)
+    tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
+    hidden, weights, biases, targets = random_inputs(rng, tree, (200,), 17, np.float32)
+    first = _loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
+                                                      *tree_inputs)[1].numpy()
+    for _ in range(3):
+      tf.fill([first.size + 7], np.float32(np.nan))  # leaves NaNs in freed buffers
+      again = _loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
+                                                        *tree_inputs)[1].numpy()
+      np.testing.assert_array_equal(again.view(np.uint32), first.view(np.uint32))

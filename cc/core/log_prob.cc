@@ -1010,6 +1010,12 @@ void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
                     const ParallelFor& parallel_for, T* log_prob, T* saved_logits,
                     T* saved_directions) {
   if (saved_logits != nullptr) {
+    // The walked steps' coefficients take max_walked_branching values a path step; a step
+    // through a smaller node, or a grouped one, leaves the rest of its stride unwritten.
+    // Zeros there make the output the same bits on every call (the backward never reads
+    // them): a few values a token, against the grouped logits' one per visit and child.
+    const int64 walked_begin = SavedLogitOffsets(plan, tree).back();
+    std::fill(saved_logits + walked_begin, saved_logits + SavedLogitsSize(plan, tree), T(0));
     // Everything as the backward computes it, up to the upstream gradient.
     LogProbGrads<T> grads;
     grads.hidden = saved_directions;
