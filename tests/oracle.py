@@ -99,7 +99,8 @@ def log_prob_reference(hidden, weights, biases, tree, targets):
 
   Returns (log_prob [N], d_hidden [N, D], d_weights [S, D], d_biases [S]).
   """
-  h = np.asarray(hidden, np.float64).reshape(-1, np.shape(hidden)[-1])
+  shape = np.shape(hidden)
+  h = np.asarray(hidden, np.float64).reshape(int(np.prod(shape[:-1])), shape[-1])
   w = np.asarray(weights, np.float64)
   b = np.zeros(len(w)) if biases is None else np.asarray(biases, np.float64)
   y = np.asarray(targets).reshape(-1)
