@@ -891,7 +891,7 @@ void CheckDotRowsPacked(std::mt19937_64& rng, int64 na, int64 nb, int64 D, const
   for (int64 i = 0; i < na; ++i) {
     simd::DotRowsPacked<T>(a_ptr.data() + i, 1, panels.data(), nb, D, alone.data(), nb);
     for (int64 j = 0; j < nb; ++j) {
-      close = close && DotCloseToReference(out[i * nb + j], &a_rows[i * D], &b_rows[j * D], D, tol);
+      close = close && DotCloseToReference(out[i * nb + j], a_rows.data() + i * D, b_rows.data() + j * D, D, tol);
       // With the biases: the bits of adding them to the finished sums.
       same = same && out[i * nb + j] == alone[j] && out[i * nb + j] + bias[j] == out_wide[i * wide + j];
     }
