@@ -4,6 +4,7 @@ from tf_hsm.tree import Tree
 from tf_hsm.ops import log_prob, nll_loss, sgd_step
 from tf_hsm.inference import log_prob_all, log_prob_candidates, sample, top_k
 from tf_hsm.layers import HierarchicalSoftmax
+from tf_hsm.planner import plan
 from tf_hsm import baselines, distribute, losses, optimizers
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "losses",
     "nll_loss",
     "optimizers",
+    "plan",
     "sample",
     "sgd_step",
     "top_k",

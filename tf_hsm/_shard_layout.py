@@ -42,9 +42,16 @@ def block_touch_probabilities(tree, counts, tokens_per_step):
   """The probability that a step of `tokens_per_step` tokens touches each node's block."""
   if not isinstance(tokens_per_step, (int, np.integer)) or tokens_per_step < 1:
     raise ValueError(f"tokens_per_step must be a positive int, got {tokens_per_step!r}")
-  p = np.clip(node_probabilities(tree, class_probabilities(tree.num_classes, counts)),
-              0.0, 1.0)
-  return -np.expm1(tokens_per_step * np.log1p(-np.minimum(p, 1.0 - 1e-16)))
+  return touch_probability(
+      node_probabilities(tree, class_probabilities(tree.num_classes, counts)),
+      tokens_per_step)
+
+
+def touch_probability(p, draws):
+  """1 - (1 - p)^draws, elementwise: the probability that an event of probability p
+  happens at least once in `draws` independent draws."""
+  p = np.clip(p, 0.0, 1.0 - 1e-16)
+  return -np.expm1(draws * np.log1p(-p))
 
 
 def equal_ranges(num_rows, num_shards):

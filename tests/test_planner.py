@@ -1,0 +1,92 @@
+"""tf_hsm.plan: the arithmetic against hand-computed values, rows touched against a
+sampled batch, the recommendation, and the command line."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tf_hsm
+from tf_hsm import distribute, planner
+
+MACHINE = {"matmul_flops": 200e9, "read_bytes": 20e9, "call_seconds": 100e-6}
+
+
+def _row(report, prefix):
+  return next(r for r in report.rows if r["method"].startswith(prefix))
+
+
+def test_the_questions_24_gb():
+  """10M classes x 300 in float32: 12 GB of table, 24 GB with a dense gradient (the
+  biases add one column)."""
+  report = tf_hsm.plan(10_000_000, 300, 256, machine=MACHINE, trees=())
+  full = _row(report, "full softmax")
+  assert full["param_bytes"] == 10_000_000 * 301 * 4
+  assert full["param_bytes"] + full["grad_bytes"] == pytest.approx(24e9, rel=0.004)
+  assert full["flops"] == 6 * 256 * 10_000_000 * 300
+  # Adam's two slots: 36 GB with the table and a dense gradient... plus 12 more.
+  adam = _row(tf_hsm.plan(10_000_000, 300, 256, optimizer="adam", machine=MACHINE,
+                          trees=()), "full softmax")
+  assert adam["slot_bytes"] == 2 * adam["param_bytes"]
+
+
+def test_hierarchical_rows_are_sparse_and_measured_rows_agree(rng):
+  num_classes, tokens = 50_000, 800
+  counts = 1.0 / np.arange(1, num_classes + 1)
+  report = tf_hsm.plan(num_classes, 64, tokens, counts=counts, optimizer="lazy_adam",
+                       machine=MACHINE, trees=("two_level", "huffman8"))
+  batches = [rng.choice(num_classes, tokens, p=counts / counts.sum()) for _ in range(6)]
+  for prefix, tree in (("HierarchicalSoftmax two_level",
+                        tf_hsm.Tree.two_level(num_classes, counts=counts)),
+                       ("HierarchicalSoftmax huffman(8)",
+                        tf_hsm.Tree.huffman(counts, branching=8))):
+    row = _row(report, prefix)
+    measured = np.mean([distribute.rows_per_shard(tree, b, 1).sum() for b in batches])
+    assert row["rows_touched"] == pytest.approx(measured, rel=0.05)
+    assert row["grad_bytes"] == pytest.approx(row["rows_touched"] * 65 * 4)
+    assert row["slot_bytes"] == 2 * row["param_bytes"]
+  full = _row(report, "full softmax")
+  assert report.recommended.startswith("HierarchicalSoftmax")
+  best = _row(report, report.recommended)
+  assert best["step_seconds"] < full["step_seconds"]
+  assert "Recommended: " in report.to_markdown()
+  assert report.to_dict()["recommended"] == report.recommended
+
+
+def test_a_budget_that_nothing_fits_says_so():
+  report = tf_hsm.plan(100_000, 128, 64, memory_budget=10 << 20, machine=MACHINE,
+                       trees=("huffman2",))
+  assert not any(r["fits"] for r in report.rows if r["exact"])
+  assert "nothing exact fits" in report.reason
+  sharded = tf_hsm.plan(100_000, 128, 64, memory_budget=60 << 20, num_shards=4,
+                        machine=MACHINE, trees=("huffman2",))
+  assert _row(sharded, "HierarchicalSoftmax")["fits"]
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="num_classes"):
+    tf_hsm.plan(0, 10, 10, machine=MACHINE)
+  with pytest.raises(ValueError, match="optimizer"):
+    tf_hsm.plan(100, 10, 10, optimizer="rmsprop", machine=MACHINE)
+  with pytest.raises(ValueError, match="unknown tree"):
+    tf_hsm.plan(100, 10, 10, machine=MACHINE, trees=("oak",))
+
+
+def test_human_sizes():
+  assert planner.parse_count("10M") == 10_000_000
+  assert planner.parse_count("3200") == 3200
+  assert planner.parse_bytes("24GiB") == 24 * 2**30
+  assert planner.parse_bytes("12GB") == 12 * 10**9
+  with pytest.raises(ValueError):
+    planner.parse_bytes("lots")
+
+
+def test_command_line():
+  result = subprocess.run(
+      [sys.executable, "-m", "tf_hsm.plan", "--classes", "20K", "--hidden", "64",
+       "--tokens", "500", "--optimizer", "lazy_adam", "--memory", "1GiB", "--zipf", "1.0",
+       "--machine", '{"matmul_flops": 2e11, "read_bytes": 2e10, "call_seconds": 1e-4}'],
+      capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "| full softmax |" in result.stdout and "Recommended:" in result.stdout

@@ -1,0 +1,339 @@
+"""Sizing an output layer before training: memory, FLOPs, rows touched and step time of
+each candidate (full softmax, sampled softmax, hierarchical softmax over several trees),
+and the one to use.
+
+    report = tf_hsm.plan(10_000_000, 300, 3200, counts=counts, optimizer="lazy_adam",
+                         memory_budget=24 * 2**30)
+    print(report.to_markdown())
+
+    python -m tf_hsm.plan --classes 10M --hidden 300 --tokens 3200 --optimizer lazy_adam \\
+        --memory 24GiB --zipf 1.0
+
+The figures are expected values for a step of `tokens_per_step` tokens drawn from
+`counts`, computed from the trees themselves: a node's children are read (and get a
+gradient row) when at least one token visits the node, which a step of T tokens does with
+probability 1 - (1 - p)^T, p the node's probability. Step time is a roofline:
+max(FLOPs / matmul rate, bytes / read bandwidth) plus a per-call overhead, with the
+machine's rates measured once and cached (or given, to plan for another machine).
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+
+import numpy as np
+
+from tf_hsm import _shard_layout
+from tf_hsm.tree import Tree
+
+# Optimizer slots per table element, and whether its sparse update is lazy (touched rows
+# only) with tf_hsm's optimizers.
+OPTIMIZERS = {"sgd": 0, "momentum": 1, "adagrad": 1, "adam": 2, "lazy_adam": 2}
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+SAMPLED = 1024  # tf.nn.sampled_softmax_loss's samples in the sampled-softmax row
+CALLS_PER_STEP = 3  # forward+backward op, optimizer update, the step's own function
+
+
+@dataclasses.dataclass
+class Machine:
+  """Rates used for step time: matmul FLOP/s, streaming read bytes/s, seconds per call."""
+  matmul_flops: float
+  read_bytes: float
+  call_seconds: float
+  source: str = "given"
+
+  @classmethod
+  def measure(cls):
+    """Measures this machine (a few seconds): a float32 matmul, a large reduction, and
+    an empty tf.function call."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    def best(fn, repeats):
+      fn()
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+      return min(times)
+
+    a = tf.random.normal([1024, 1024])
+    matmul = tf.function(lambda: tf.matmul(a, a))
+    seconds = best(lambda: matmul().numpy(), 10)
+    big = tf.random.normal([64 << 20])  # 256 MiB
+    read = tf.function(lambda: tf.reduce_sum(big))
+    read_seconds = best(lambda: read().numpy(), 5)
+    empty = tf.function(lambda: tf.constant(0))
+    call = best(lambda: empty(), 50)
+    return cls(2 * 1024**3 / seconds, big.shape[0] * 4 / read_seconds, call, "measured")
+
+  @classmethod
+  def cached(cls, path=None):
+    """The measured machine, from `path` (default: the user's cache directory) if it was
+    measured there before for this CPU, else measured now and saved."""
+    path = path or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tf_hsm",
+        "machine.json")
+    key = _cpu_key()
+    try:
+      with open(path) as f:
+        saved = json.load(f)
+      if saved.get("cpu") == key:
+        return cls(saved["matmul_flops"], saved["read_bytes"], saved["call_seconds"],
+                   "cached")
+    except (OSError, ValueError, KeyError):
+      pass
+    machine = cls.measure()
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      with open(path, "w") as f:
+        json.dump(dict(dataclasses.asdict(machine), cpu=key), f)
+    except OSError:
+      pass
+    return machine
+
+
+def _cpu_key():
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = re.search(r"model name\s*:\s*(.*)", f.read())
+    return f"{model.group(1) if model else 'unknown'} x{os.cpu_count()}"
+  except OSError:
+    return f"unknown x{os.cpu_count()}"
+
+
+@dataclasses.dataclass
+class Report:
+  """The plan: `rows` (one dict per candidate), `recommended` (a row's `method`) and
+  `reason` (one line)."""
+  rows: list
+  recommended: str
+  reason: str
+  settings: dict
+
+  def to_dict(self):
+    return {"rows": self.rows, "recommended": self.recommended, "reason": self.reason,
+            "settings": self.settings}
+
+  def to_markdown(self):
+    s = self.settings
+    lines = [
+        f"V={s['num_classes']:,}, D={s['hidden']}, T={s['tokens_per_step']:,} tokens a "
+        f"step, {s['optimizer']}, {s['dtype']}"
+        + (f", {s['num_shards']} shards" if s["num_shards"] > 1 else "")
+        + (f", budget {_size(s['memory_budget'])}" if s["memory_budget"] else ""),
+        "",
+        "| method | params | grad | slots | peak | per shard | rows touched | GFLOP | "
+        "MB moved | step | fits |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in self.rows:
+      lines.append(
+          f"| {row['method']} | {_size(row['param_bytes'])} | {_size(row['grad_bytes'])} | "
+          f"{_size(row['slot_bytes'])} | {_size(row['peak_bytes'])} | "
+          f"{_size(row['per_shard_bytes'])} | {row['rows_touched']:,.0f} | "
+          f"{row['flops'] / 1e9:,.2f} | {row['bytes_moved'] / 1e6:,.0f} | "
+          f"{_seconds(row['step_seconds'])} | {'yes' if row['fits'] else 'no'} |")
+    lines += ["", f"Recommended: {self.recommended}: {self.reason}"]
+    return "\n".join(lines)
+
+
+def _size(value):
+  if value is None:
+    return "-"
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if value >= scale:
+      return f"{value / scale:.2f} {unit}"
+  return f"{value:.0f} B"
+
+
+def _seconds(value):
+  return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _probabilities(num_classes, counts):
+  return _shard_layout.class_probabilities(num_classes, counts)
+
+
+TREES = ("two_level", "three_level", "huffman2", "huffman8", "huffman32")
+
+
+def _candidate_trees(num_classes, counts, names):
+  """(name, tree) for the hierarchical-softmax rows."""
+  trees = []
+  huffman_counts = counts if counts is not None else np.ones(num_classes)
+  for name in names:
+    if name == "two_level":
+      trees.append(("two_level(counts)" if counts is not None else "two_level",
+                    Tree.two_level(num_classes, counts=counts)))
+    elif name == "three_level":
+      branching = max(2, math.ceil(num_classes ** (1 / 3)))
+      trees.append((f"balanced({branching}), three levels",
+                    Tree.balanced(num_classes, branching)))
+    elif re.fullmatch(r"huffman\d+", name):
+      k = int(name[len("huffman"):])
+      if 2 <= k < num_classes:
+        trees.append((f"huffman({k})", Tree.huffman(huffman_counts, branching=k)))
+    else:
+      raise ValueError(f"unknown tree {name!r}; known: {', '.join(TREES)} (huffmanK for "
+                       "any K)")
+  return trees
+
+
+def _tree_costs(tree, probs, tokens):
+  """(expected children scored per token, expected distinct rows a step)."""
+  node_p = _shard_layout.node_probabilities(tree, probs)
+  sizes = np.diff(tree.child_begin)
+  per_token = float(np.dot(node_p, sizes))  # sum over path nodes of their children
+  rows = float(np.dot(sizes, _shard_layout.touch_probability(node_p, tokens)))
+  return per_token, rows
+
+
+def _distinct(probs, draws):
+  """Expected distinct classes among `draws` samples of `probs`."""
+  return float(np.sum(_shard_layout.touch_probability(probs, draws)))
+
+
+def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
+         dtype="float32", memory_budget=None, num_shards=1, machine=None, trees=TREES):
+  """Plans the output layer of a model: one row per candidate and a recommendation.
+
+  Args:
+    num_classes: V.
+    hidden: D, the hidden size.
+    tokens_per_step: T, tokens (outputs) in a training step.
+    counts: class frequencies [V] (uniform if None).
+    optimizer: one of "sgd", "momentum", "adagrad", "adam", "lazy_adam" (the table's
+      optimizer; tf_hsm's sparse ones update touched rows only).
+    dtype: "float32", "float64", "bfloat16" or "float16" (the table's).
+    memory_budget: bytes available per device (per parameter server with num_shards),
+      or None.
+    num_shards: parameter servers the table and slots are split over.
+    machine: a `Machine` (default: measured once and cached), or a dict of its fields.
+    trees: the trees of the hierarchical-softmax rows: "two_level" (equal-mass clusters
+      with counts), "three_level" (balanced, branching V^(1/3)), "huffmanK" (K-ary
+      Huffman on the counts). Building them is most of the planner's time at 10M classes.
+
+  Returns:
+    A `Report`.
+  """
+  for name, value in (("num_classes", num_classes), ("hidden", hidden),
+                      ("tokens_per_step", tokens_per_step), ("num_shards", num_shards)):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if num_classes < 2:
+    raise ValueError("num_classes must be at least 2")
+  if optimizer not in OPTIMIZERS:
+    raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+  if dtype not in DTYPE_BYTES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+  if isinstance(machine, dict):
+    machine = Machine(**machine)
+  machine = machine or Machine.cached()
+  b = DTYPE_BYTES[dtype]
+  slots = OPTIMIZERS[optimizer]
+  lazy = optimizer in ("sgd", "adagrad", "lazy_adam")
+  V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
+  probs = _probabilities(V, counts)
+
+  def row(method, table_rows, rows_touched, flops, activation_bytes, dense_grad):
+    param = table_rows * (D + 1) * b
+    grad = (table_rows if dense_grad else rows_touched) * (D + 1) * b
+    slot = slots * param
+    peak = param + grad + slot + activation_bytes
+    # Per step: the touched rows read by the forward and the backward, their gradient
+    # written, and the optimizer's read-modify-write of rows and slots (every row when
+    # the update is dense), plus the hidden states and their gradient.
+    updated = rows_touched if (lazy and not dense_grad) else table_rows
+    moved = (2 * rows_touched + (table_rows if dense_grad else rows_touched)) * D * b + \
+        2 * updated * (1 + slots) * D * b + 2 * T * D * b
+    seconds = max(flops / machine.matmul_flops, moved / machine.read_bytes) + \
+        CALLS_PER_STEP * machine.call_seconds
+    per_shard = (param + slot) / num_shards + (grad if num_shards == 1 else 0) + (
+        activation_bytes if num_shards == 1 else 0)
+    budget_bytes = per_shard if num_shards > 1 else peak
+    return {"method": method, "param_bytes": param, "grad_bytes": grad, "slot_bytes": slot,
+            "activation_bytes": activation_bytes, "peak_bytes": peak,
+            "per_shard_bytes": per_shard, "rows_touched": rows_touched, "flops": flops,
+            "bytes_moved": moved, "step_seconds": seconds,
+            "fits": memory_budget is None or budget_bytes <= memory_budget,
+            "exact": method != "sampled softmax"}
+
+  rows = [row("full softmax", V, V, 6.0 * T * V * D, 3 * T * V * b + 2 * T * D * b, True)]
+  sampled_rows = _distinct(probs, T) + SAMPLED
+  rows.append(row("sampled softmax", V, sampled_rows, 6.0 * T * (SAMPLED + 1) * D,
+                  3 * T * (SAMPLED + 1) * b + 2 * T * D * b, False))
+  for name, tree in _candidate_trees(V, counts, trees):
+    per_token, touched = _tree_costs(tree, probs, T)
+    # The op keeps the logits of its large nodes for the gradient: one per visit and child.
+    rows.append(row(f"HierarchicalSoftmax {name}", tree.num_slots, touched,
+                    6.0 * T * D * per_token, T * per_token * b + 3 * T * D * b, False))
+  exact = [r for r in rows if r["exact"] and r["fits"]]
+  if exact:
+    best = min(exact, key=lambda r: r["step_seconds"])
+    full = rows[0]
+    reason = (f"the fastest exact layer that fits: {_seconds(best['step_seconds'])} a step "
+              f"({full['step_seconds'] / best['step_seconds']:.0f}x full softmax), "
+              f"{best['rows_touched']:,.0f} rows touched, peak {_size(best['peak_bytes'])}")
+    recommended = best["method"]
+  else:
+    smallest = min(rows, key=lambda r: r["per_shard_bytes"])
+    recommended = smallest["method"]
+    reason = (f"nothing exact fits {_size(memory_budget)}; this one needs the least "
+              f"({_size(smallest['per_shard_bytes'])}): add shards or memory")
+  settings = {"num_classes": V, "hidden": D, "tokens_per_step": T, "optimizer": optimizer,
+              "dtype": dtype, "memory_budget": memory_budget, "num_shards": num_shards,
+              "machine": dataclasses.asdict(machine)}
+  return Report(rows, recommended, reason, settings)
+
+
+def parse_count(text):
+  """'10M' -> 10000000, '3200' -> 3200, '1.5K' -> 1500."""
+  match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)\s*", str(text), re.IGNORECASE)
+  if not match:
+    raise ValueError(f"not a count: {text!r}")
+  return int(float(match.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9,
+                                       "T": 10**12}[match.group(2).upper()])
+
+
+def parse_bytes(text):
+  """'24GiB' -> 24 * 2**30, '12GB' -> 12e9, '512MiB', '1000' (bytes)."""
+  match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+  if not match:
+    raise ValueError(f"not a size: {text!r}")
+  power = " KMGT".index(match.group(2).upper() or " ")
+  base = 1024 if match.group(3) else 1000
+  return int(float(match.group(1)) * base**power)
+
+
+def main(argv=None):
+  import argparse  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser(prog="python -m tf_hsm.plan",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--classes", type=parse_count, required=True)
+  parser.add_argument("--hidden", type=parse_count, required=True)
+  parser.add_argument("--tokens", type=parse_count, required=True)
+  parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
+  parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
+  parser.add_argument("--memory", type=parse_bytes, default=None,
+                      help="budget per device (per shard with --shards), e.g. 24GiB")
+  group = parser.add_mutually_exclusive_group()
+  group.add_argument("--counts", help="a .npy or text file of class counts")
+  group.add_argument("--zipf", type=float, help="counts ~ 1 / rank^s")
+  parser.add_argument("--shards", type=int, default=1)
+  parser.add_argument("--machine", help="JSON with matmul_flops, read_bytes, call_seconds")
+  parser.add_argument("--json", action="store_true", help="print the report as JSON")
+  args = parser.parse_args(argv)
+  counts = None
+  if args.counts:
+    counts = np.load(args.counts) if args.counts.endswith(".npy") else np.loadtxt(args.counts)
+  elif args.zipf is not None:
+    counts = 1.0 / np.arange(1, args.classes + 1) ** args.zipf
+  machine = json.loads(args.machine) if args.machine else None
+  report = plan(args.classes, args.hidden, args.tokens, counts=counts,
+                optimizer=args.optimizer, dtype=args.dtype, memory_budget=args.memory,
+                num_shards=args.shards, machine=machine)
+  print(json.dumps(report.to_dict(), indent=1) if args.json else report.to_markdown())
+  return 0
