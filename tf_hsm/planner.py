@@ -71,9 +71,10 @@ class Machine:
     return cls(2 * 1024**3 / seconds, big.shape[0] * 4 / read_seconds, call, "measured")
 
   @classmethod
-  def cached(cls, path=None):
+  def cached(cls, path=None, refresh=False):
     """The measured machine, from `path` (default: the user's cache directory) if it was
-    measured there before for this CPU, else measured now and saved."""
+    measured there before for this CPU (and not `refresh`), else measured now and saved.
+    Measure on a quiet machine: other jobs lower the rates."""
     path = path or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tf_hsm",
         "machine.json")
@@ -81,7 +82,7 @@ class Machine:
     try:
       with open(path) as f:
         saved = json.load(f)
-      if saved.get("cpu") == key:
+      if saved.get("cpu") == key and not refresh:
         return cls(saved["matmul_flops"], saved["read_bytes"], saved["call_seconds"],
                    "cached")
     except (OSError, ValueError, KeyError):
@@ -324,6 +325,8 @@ def main(argv=None):
   group.add_argument("--zipf", type=float, help="counts ~ 1 / rank^s")
   parser.add_argument("--shards", type=int, default=1)
   parser.add_argument("--machine", help="JSON with matmul_flops, read_bytes, call_seconds")
+  parser.add_argument("--remeasure", action="store_true",
+                      help="measure this machine again instead of using the cached rates")
   parser.add_argument("--json", action="store_true", help="print the report as JSON")
   args = parser.parse_args(argv)
   counts = None
@@ -331,7 +334,8 @@ def main(argv=None):
     counts = np.load(args.counts) if args.counts.endswith(".npy") else np.loadtxt(args.counts)
   elif args.zipf is not None:
     counts = 1.0 / np.arange(1, args.classes + 1) ** args.zipf
-  machine = json.loads(args.machine) if args.machine else None
+  machine = json.loads(args.machine) if args.machine else (
+      Machine.cached(refresh=True) if args.remeasure else None)
   report = plan(args.classes, args.hidden, args.tokens, counts=counts,
                 optimizer=args.optimizer, dtype=args.dtype, memory_budget=args.memory,
                 num_shards=args.shards, machine=machine)
