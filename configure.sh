@@ -20,6 +20,17 @@ root=$(pwd)
 
 say() { printf '[configure] %s\n' "$*"; }
 
+# ./configure.sh --wheel: the same set-up, a library built for a portable x86-64 level
+# (TF_HSM_MARCH, default x86-64-v3: AVX2 and FMA), then dist/tf_hsm-*.whl. A later plain
+# ./configure.sh rebuilds the library for this machine again.
+wheel=0
+for arg in "$@"; do
+  case "$arg" in
+    --wheel) wheel=1 ;;
+    *) say "unknown argument '$arg' (the only one is --wheel)"; exit 2 ;;
+  esac
+done
+
 as_root() {
   if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
     say "need root to run: $*"; exit 1; fi
@@ -68,7 +79,7 @@ if ! command -v bazel >/dev/null; then
 fi
 
 # --- Bazel configuration ----------------------------------------------------------------
-march="${TF_HSM_MARCH:-native}"
+if [ "$wheel" = 1 ]; then march="${TF_HSM_MARCH:-x86-64-v3}"; else march="${TF_HSM_MARCH:-native}"; fi
 # The kernels promise the same bits whichever of them computes a value (a dot product by
 # one row or in a tile, a token's walk or the weight gradient's recomputation), which
 # needs the compiler to fuse a * b + c into one FMA everywhere or nowhere. GCC's tuning
@@ -121,7 +132,10 @@ fi
 features=$("${CC:-gcc}" -march="$march" -dM -E -x c /dev/null 2>/dev/null |
   sed -n -E 's/^#define __(SSE4_2|AVX|AVX2|FMA|F16C|BMI|BMI2|AVX512F|AVX512BW|AVX512DQ|AVX512VL|AVX512CD)__ 1$/\1/p' |
   tr 'A-Z' 'a-z' | sed 's/^bmi$/bmi1/' | sort | tr '\n' ' ' || true)
-printf 'march=%s\nfeatures=%s\n' "$march" "${features% }" > tf_hsm/_hsm_ops.cpu
+# The TensorFlow it was built against: its ABI, which the loader checks as well.
+tf_version=$("$python" -c 'import tensorflow as tf; print(tf.__version__)' 2>/dev/null)
+printf 'march=%s\nfeatures=%s\ntensorflow=%s\n' "$march" "${features% }" "$tf_version" \
+  > tf_hsm/_hsm_ops.cpu
 
 # --- CUDA kernels (opt-in) ---------------------------------------------------------------
 # TF_HSM_CUDA=1 also compiles the GPU kernels (cc/core/*.cu, cc/kernels/*_gpu.cc) and
@@ -169,3 +183,12 @@ fi
 (cd / && "$python" -c "import tf_hsm, tf_hsm._loader as l; l.ops()") 2>/dev/null \
   && say "ready: $python -c 'import tf_hsm'" \
   || { say "the library was built but does not load"; "$python" -c "import tf_hsm._loader as l; l.ops()"; exit 1; }
+
+# --- The wheel (--wheel) -----------------------------------------------------------------
+if [ "$wheel" = 1 ]; then
+  say "building the wheel (library for -march=$march)"
+  rm -rf build/lib build/bdist.*
+  "$python" -m pip wheel -q --no-deps --no-build-isolation -w dist . \
+    || { say "the wheel build failed (pip wheel . )"; exit 1; }
+  say "wrote $(ls -t dist/tf_hsm-*.whl | head -n 1)"
+fi

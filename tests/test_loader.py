@@ -36,3 +36,19 @@ def test_configure_records_the_features_of_this_machine():
   if flags is not None:
     assert set(fields["features"].split()) <= flags
     _loader.check_cpu(library)
+
+
+def test_library_built_against_another_tensorflow_is_an_import_error(tmp_path):
+  library = str(tmp_path / "_hsm_ops.so")
+  _write(tmp_path / "_hsm_ops.cpu", "march=x86-64-v3\nfeatures=avx2\ntensorflow=2.21.0\n")
+  with pytest.raises(ImportError, match=r"TensorFlow 2\.21\.0.*2\.22\.1.*tensorflow==2\.21\.\*"):
+    _loader.check_tensorflow(library, "2.22.1")
+  _loader.check_tensorflow(library, "2.21.3")  # the same release: ABI compatible
+  _write(tmp_path / "_hsm_ops.cpu", "march=native\nfeatures=avx2\n")
+  _loader.check_tensorflow(library, "2.22.1")  # an older record: not checked
+
+
+def test_configure_records_the_tensorflow_it_built_against():
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  library = os.path.join(os.path.dirname(_loader.__file__), "_hsm_ops.so")
+  assert _loader.build_record(library)["tensorflow"] == tf.__version__

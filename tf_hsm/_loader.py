@@ -58,16 +58,32 @@ def check_cpu(library, cpuinfo="/proc/cpuinfo"):
         "TF_HSM_MARCH=x86-64-v3 ./configure.sh (AVX2 and FMA).")
 
 
+def check_tensorflow(library, version=None):
+  """Raises ImportError when `library` was built against another TensorFlow release than
+  the one running (a custom op library is tied to the ABI of the TensorFlow it was
+  compiled against; loaded into another it fails with undefined symbols, or worse)."""
+  fields = build_record(library)
+  built = (fields or {}).get("tensorflow", "")
+  running = version or tf.__version__
+  if built and built.split(".")[:2] != running.split(".")[:2]:
+    raise ImportError(
+        f"{library} was built against TensorFlow {built}, but TensorFlow {running} is "
+        f"running: install tensorflow=={'.'.join(built.split('.')[:2])}.* (as the tf_hsm "
+        "wheel requires), or rebuild the library against this TensorFlow with "
+        "./configure.sh.")
+
+
 @functools.lru_cache(maxsize=None)
 def ops():
   """Returns the generated op module of the tf_hsm library.
 
   Raises:
-    ImportError: when the library has not been built yet, or was built for CPU features
-      this machine lacks.
+    ImportError: when the library has not been built yet, was built for CPU features
+      this machine lacks, or against another TensorFlow release.
   """
   for path in _CANDIDATES:
     if os.path.exists(path):
+      check_tensorflow(path)
       check_cpu(path)
       return tf.load_op_library(path)
   raise ImportError(
