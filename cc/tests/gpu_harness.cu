@@ -27,8 +27,8 @@
 // shuffled and a reversed thread schedule and must match bit for bit (a missing barrier
 // shows up there); --time there only smoke-tests the timing code on shrunk scenarios.
 //
-// Timing (--time, GPU only): the benchmark scenarios of the README's Performance
-// section and the inference kernels (log_prob_all, top_k, sample) at the topk
+// Timing (--time, GPU only): the benchmark scenarios of docs/performance.md and the
+// inference kernels (log_prob_all, top_k, sample) at the topk
 // scenario's sizes, each call timed with cudaEvents (median of repeats after warm-up)
 // against its roofline, using ceilings measured
 // in the same run: an FMA-throughput kernel (and cuBLAS SGEMM when built with it) for
@@ -1316,7 +1316,7 @@ Case TimingCase(const std::string& name, HostTree tree, int64 tokens, int64 dim,
   return c;
 }
 
-// The scenarios of the README's Performance section; `shrink` > 1 divides V, T and D.
+// The scenarios of docs/performance.md; `shrink` > 1 divides V, T and D.
 std::vector<Case> TimingCases(std::mt19937_64& rng, int64 shrink) {
   std::vector<Case> cases;
   auto add = [&](const std::string& name, HostTree tree, int64 tokens, int64 dim) {
@@ -1385,7 +1385,7 @@ void TimeCase(const Case& c, std::mt19937_64& rng, const Options& opt, const Cei
     Compare(c.name + " d_hidden", gpu.d_hidden, ref.d_hidden, 1e-3);
     Compare(c.name + " weight_rows", gpu.d_rows, ref.d_rows, 1e-3);
   }
-  // Roofline counts as in the README's Performance section.
+  // Roofline counts as in docs/performance.md.
   double visits_k = 0;  // sum over visits of the node's branching
   for (int64 g = 0; g < plan.num_groups(); ++g) {
     const int64 n = plan.group_node[g];

@@ -1,6 +1,6 @@
 """What a PyTorch user would run instead of tf_hsm's CUDA kernels, timed on the same GPU.
 
-For the benchmark scenarios B, C and D (README, Performance) this times one training step's
+For the benchmark scenarios B, C and D (docs/performance.md) this times one training step's
 output layer (forward + backward, float32) of
   - full softmax: logits = h @ W^T + b, cross-entropy, backward (OOM is a result);
   - a gather-based HSM: the children rows of every path node gathered into
