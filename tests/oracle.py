@@ -88,6 +88,8 @@ def trees_of_every_kind(rng):
       ("huffman3", Tree.huffman(counts, branching=3)),
       ("two_level", Tree.two_level(200)),
       ("two_level_counts", Tree.two_level(300, counts=counts)),
+      ("vectors", Tree.from_vectors(rng.standard_normal((300, 6)), counts=counts,
+                                    branching=[7, 3])),
       ("chains", chain_tree(7, 4)),
       ("one_level", Tree.from_nested(list(range(13)))),
       ("single_class", Tree.from_nested([0])),

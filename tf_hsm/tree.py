@@ -34,6 +34,7 @@ import numpy as np
 from tf_hsm import _tree_builders
 from tf_hsm import _tree_convert
 from tf_hsm import _tree_io
+from tf_hsm import _tree_vectors
 from tf_hsm._tree_checks import check_int
 from tf_hsm._tree_layout import derive_layout
 
@@ -233,6 +234,38 @@ class Tree:
             internal node has no children.
         """
         return cls._from_layout(*_tree_convert.from_parents(parents, num_classes))
+
+    @classmethod
+    def from_vectors(cls, vectors, counts=None, branching=2, seed=0):
+        """A tree whose nodes split the classes by the similarity of their vectors.
+
+        Each node takes the classes holding at least 1/k of its mass as leaf children
+        (as a Huffman tree puts frequent classes high) and splits the rest into its
+        other child slots by recursive bisection along 2-means directions, cutting
+        where the mass splits evenly: similar classes share nodes, and paths stay
+        about as short as a Huffman tree's for the same branching
+        (`tf_hsm/_tree_vectors.py`). Deterministic for a seed.
+
+        Args:
+          vectors: [num_classes, dim] array (a NumPy memmap is read in chunks, never
+            copied whole): class embeddings, output-layer rows, anything whose
+            distances say which classes are alike.
+          counts: optional class frequencies [num_classes] (uniform if None).
+          branching: children per node, an int >= 2, or a list of ints per level (the
+            last one for every deeper level).
+          seed: seed of the samples the 2-means directions are fitted on.
+
+        Returns:
+          A Tree.
+
+        Raises:
+          ValueError: malformed vectors (not 2-D, empty, not finite), counts of the
+            wrong length or not finite and non-negative, branching < 2.
+        """
+        vectors, counts, branching, seed = _tree_vectors.checked_arguments(
+            vectors, counts, branching, seed)
+        parents = _tree_vectors.parents_from_vectors(vectors, counts, branching, seed)
+        return cls.from_parents(parents, num_classes=vectors.shape[0])
 
     @classmethod
     def from_paths(cls, paths):
