@@ -69,23 +69,29 @@ def test_tiny_run_writes_table_plot_and_json(tmp_path, capsys):
   out = tmp_path / "results"
   results = demo.main(["--corpus", str(corpus), "--max-tokens", "400", "--epochs", "1",
                        "--vocab", "12", "--hidden", "8", "--seq-len", "5", "--batch", "4",
-                       "--tree", "huffman", "--out", str(out)])
+                       "--tree", "huffman", "--models", "hsm,full,sampled,adaptive",
+                       "--out", str(out)])
   printed = capsys.readouterr().out
-  assert "HSM (huffman)" in printed and "full softmax" in printed
+  for name in ("hsm-huffman", "full", "sampled-12", "adaptive"):
+    assert f"== {name}:" in printed
   assert "val_loss:" in printed  # the Keras progress bar
   for name in ("results.json", "results.md", "perplexity.png"):
     assert (out / name).stat().st_size > 0
   with open(out / "results.json") as f:
     saved = json.load(f)
   assert saved["vocab_size"] == results["vocab_size"] <= 12
-  assert [m["name"] for m in saved["models"]] == ["HSM (huffman)", "full softmax"]
+  assert [m["name"] for m in saved["models"]] == ["hsm-huffman", "full", "sampled-12",
+                                                  "adaptive"]
   for model in saved["models"]:
     assert len(model["held_out_perplexity"]) == 2 and len(model["train_seconds"]) == 1
     assert all(np.isfinite(model["held_out_perplexity"]))
-    # Both start from the same unigram model.
+    if model["name"] == "adaptive":  # tails without biases start uniform within a cluster
+      assert model["held_out_perplexity"][0] < results["vocab_size"]
+      continue
+    # The others start from the same unigram model.
     assert model["held_out_perplexity"][0] == pytest.approx(
         saved["models"][0]["held_out_perplexity"][0], rel=0.05)
-  assert len((out / "results.md").read_text().strip().split("\n")) == 4  # head, rule, 2 rows
+  assert len((out / "results.md").read_text().strip().split("\n")) == 6  # head, rule, 4 rows
 
 
 def test_command_line_help():

@@ -1,14 +1,19 @@
-"""Hierarchical vs full softmax on a word-level language model: `python -m tf_hsm.demo`.
+"""Output layers compared on a word-level language model: `python -m tf_hsm.demo`.
 
-Trains the same Keras model (Embedding -> LSTM -> output layer) twice on the same data:
-once with `tf_hsm.HierarchicalSoftmax` over a tree built from the training word counts,
-once with a full softmax (`Dense(vocab)` + sparse categorical cross-entropy). Both use
+Trains the same Keras model (Embedding -> LSTM -> output layer) on the same data once
+per output layer (--models): `tf_hsm.HierarchicalSoftmax` over a tree built from the
+training word counts (`hsm-<tree>`), a full softmax (`Dense(vocab)` + sparse categorical
+cross-entropy, `full`), TensorFlow's own `tf.nn.sampled_softmax_loss` with 1,024
+log-uniform candidates (`sampled-1024`; the question every HSM user meets: why not that?)
+and, on request, `tf_hsm.AdaptiveSoftmax` (`adaptive`). All use
 `tf_hsm.optimizers.LazyAdam` (plain Adam on dense gradients), the same seed and the same
-number of epochs, and both output layers start from the unigram distribution of the
-training words (biases only; see `tree_unigram_biases`), so that neither gets a head
-start. For each epoch it reports the held-out perplexity and the training speed, then a
-final table. Results go to --out: `results.json`, `results.md` (the table) and
-`perplexity.png` (held-out perplexity against training wall-clock time).
+number of epochs, and all start from the unigram distribution of the training words
+(biases only; see `tree_unigram_biases`; the adaptive softmax's tails have no biases, so
+it starts uniform within each cluster). Held-out perplexity is exact for every model (the
+sampled softmax is evaluated on its full logits). For each epoch it reports the held-out
+perplexity and the training wall and CPU time, then a final table with each model's best
+epoch. Results go to --out: `results.json`, `results.md` (the table) and `perplexity.png`
+(held-out perplexity against training wall-clock time).
 
 The default corpus needs no download: the docstrings and comments of the Python standard
 library installed with the running interpreter (tests left out), plus the language
@@ -23,14 +28,15 @@ document. Documents are shuffled with a fixed seed, cut to --max-tokens, and spl
 blocks of 1,000 tokens (fewer in corpora under 50,000 tokens), every 10th of which is
 held out. The vocabulary is `<unk>` plus the (at most --vocab - 1) most frequent training
 words seen at least --min-count times, so `<unk>` occurs in training too. Perplexity is
-exp(mean negative log-likelihood per held-out token), exact for both models (the HSM's
-probabilities are normalised), with `<unk>` scored like any other word.
+exp(mean negative log-likelihood per held-out token), exact for every model (the HSM's and
+the adaptive softmax's probabilities are normalised), with `<unk>` scored like any other
+word.
 
 Defaults and what they give: the vocabulary comes out at about 6,200 words (every word
 seen twice in 270K training tokens; --vocab 10000 is a cap), the largest this corpus
 supports honestly within a run of a few minutes on 2 CPU cores. `--max-tokens 0` (the
 whole corpus, ~670K training tokens) fills the 10,000-word cap and widens the speed gap
-between the two models, at about six times the run time (8.5 minutes measured).
+between the models, at about six times the run time.
 """
 
 import argparse
@@ -59,7 +65,10 @@ DEFAULTS = {
     "learning_rate": 6e-3,
     "seed": 0,
     "out": "demo_results",
+    "models": ("hsm", "full", "sampled"),
+    "num_sampled": 1024,
 }
+MODELS = ("hsm", "full", "sampled", "adaptive")
 UNK, EOS = "<unk>", "<eos>"
 _HELD_OUT_BLOCK, _HELD_OUT_EVERY = 1000, 10
 _WORD = re.compile(r"[a-z0-9_]+(?:'[a-z]+)?|[^\sa-z0-9_]")
@@ -275,6 +284,76 @@ def full_softmax_model(counts, hidden, seq_len, learning_rate):
   return model
 
 
+def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled):
+  """[tokens, targets] -> per-token log-probabilities, trained with TensorFlow's own
+  `tf.nn.sampled_softmax_loss` (log-uniform candidates, as TF's word2vec and language
+  model tutorials use) and evaluated exactly: in training the output is minus the
+  sampled loss, in evaluation the exact log-softmax of the full logits at the target,
+  so held-out perplexity is comparable with the other models'."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_hsm import losses, optimizers  # pylint: disable=g-import-not-at-top
+
+  class SampledSoftmax(keras.layers.Layer):
+
+    def build(self, hidden_shape, targets_shape=None):
+      self.kernel = self.add_weight(name="kernel", shape=(len(counts), hidden_shape[-1]),
+                                    initializer="glorot_uniform")
+      self.bias = self.add_weight(
+          name="bias", shape=(len(counts),),
+          initializer=keras.initializers.Constant(unigram_log_probs(counts)))
+
+    def call(self, hidden, targets, training=None):
+      flat = tf.reshape(hidden, [-1, hidden.shape[-1]])
+      labels = tf.cast(tf.reshape(targets, [-1, 1]), tf.int64)
+      if training:
+        # Each candidate id is drawn log-uniformly: the classes are in decreasing
+        # frequency order (build_vocab), as this sampler assumes.
+        out = -tf.nn.sampled_softmax_loss(self.kernel, self.bias, labels, flat,
+                                          num_sampled, len(counts))
+      else:
+        logits = tf.matmul(flat, self.kernel, transpose_b=True) + self.bias
+        out = -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels[:, 0],
+                                                              logits=logits)
+      return tf.reshape(out, tf.shape(targets))
+
+  tokens, x = _body(keras, len(counts), hidden, seq_len)
+  targets = keras.Input((seq_len,), dtype="int32", name="targets")
+  log_probs = SampledSoftmax(name="sampled_softmax")(x, targets)
+  model = keras.Model([tokens, targets], log_probs, name="sampled_softmax_lm")
+  model.compile(optimizer=optimizers.LazyAdam(learning_rate), loss=losses.nll)
+  return model
+
+
+def adaptive_cutoffs(vocab_size):
+  """Head of the most frequent 1/8 of the vocabulary, then clusters up to 1/2 and the
+  rest (the proportions of Grave et al.'s text8 setting)."""
+  cutoffs = sorted({max(1, vocab_size // 8), max(2, vocab_size // 2)})
+  return [c for c in cutoffs if c < vocab_size]
+
+
+def adaptive_model(counts, hidden, seq_len, learning_rate):
+  """[tokens, targets] -> log P(targets) with `tf_hsm.AdaptiveSoftmax` (flat tails, div
+  value 2); the head's biases start at the unigram masses of its words and clusters."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tf_hsm import losses, optimizers  # pylint: disable=g-import-not-at-top
+  from tf_hsm.adaptive import AdaptiveSoftmax  # pylint: disable=g-import-not-at-top
+  cutoffs = adaptive_cutoffs(len(counts))
+  log_p = unigram_log_probs(counts)
+  bounds = cutoffs + [len(counts)]
+  head = list(log_p[:cutoffs[0]]) + [np.logaddexp.reduce(log_p[lo:hi])
+                                     for lo, hi in zip(bounds[:-1], bounds[1:])]
+  tokens, x = _body(keras, len(counts), hidden, seq_len)
+  targets = keras.Input((seq_len,), dtype="int32", name="targets")
+  layer = AdaptiveSoftmax(len(counts), cutoffs, div_value=2.0, head_bias=True,
+                          name="adaptive")
+  log_probs = layer(x, targets)
+  layer.head_bias_weight.assign(np.asarray(head, np.float32))
+  model = keras.Model([tokens, targets], log_probs, name="adaptive_lm")
+  model.compile(optimizer=optimizers.LazyAdam(learning_rate), loss=losses.nll)
+  return model
+
+
 def _epoch_timer(keras):
   """A callback that times the training part of each epoch (held-out evaluation excluded).
 
@@ -347,20 +426,23 @@ def _exp(loss):
 # ---------------------------------------------------------------------------------------
 
 def table(histories):
-  """The final comparison as a Markdown table (one row per model; the last is the base)."""
-  base = histories[-1]
+  """The final comparison as a Markdown table, one row per model, against the full
+  softmax (or the last model when there is none)."""
+  base = next((h for h in histories if h["name"] == "full"), histories[-1])
   rows = ["| model | params | s/epoch | CPU s/epoch | tokens/s | speed-up (wall, CPU) | "
-          "held-out ppl per epoch | final ppl | vs full |",
+          "held-out ppl per epoch | best ppl (epoch) | vs full's best |",
           "|---|---|---|---|---|---|---|---|---|"]
   base_wall, base_cpu = _per_epoch(base, "train_seconds"), _per_epoch(base, "train_cpu_seconds")
   for h in histories:
     wall, cpu = _per_epoch(h, "train_seconds"), _per_epoch(h, "train_cpu_seconds")
     ppls = ", ".join(f"{p:.1f}" for p in h["held_out_perplexity"][1:])
-    final = h["held_out_perplexity"][-1]
+    best = min(h["held_out_perplexity"][1:])
+    best_epoch = h["held_out_perplexity"][1:].index(best) + 1
+    base_best = min(base["held_out_perplexity"][1:])
     rows.append(
         f"| {h['name']} | {h['params']:,} | {wall:.1f} | {cpu:.1f} | "
         f"{h['train_tokens'] / wall:,.0f} | {base_wall / wall:.1f}x, {base_cpu / cpu:.1f}x | "
-        f"{ppls} | {final:.1f} | {100 * (final / base['held_out_perplexity'][-1] - 1):+.1f}% |")
+        f"{ppls} | {best:.1f} ({best_epoch}) | {100 * (best / base_best - 1):+.1f}% |")
   return "\n".join(rows)
 
 
@@ -381,7 +463,7 @@ def plot(histories, path):
   ax.set_yscale("log")
   ax.set_xlabel("training wall-clock time (s)")
   ax.set_ylabel("held-out perplexity")
-  ax.set_title("Word-level LSTM language model: hierarchical vs full softmax")
+  ax.set_title("Word-level LSTM language model: output layers compared")
   ax.grid(True, which="both", alpha=0.3)
   ax.legend()
   fig.tight_layout()
@@ -428,11 +510,23 @@ def parse_args(argv=None):
   p.add_argument("--out", default=DEFAULTS["out"],
                  help="directory for results.json, results.md and perplexity.png "
                       "(default: %(default)s)")
+  p.add_argument("--models", default=",".join(DEFAULTS["models"]),
+                 help="output layers to train, in order, of " + ", ".join(MODELS) +
+                      " (sampled: tf.nn.sampled_softmax_loss with --num-sampled "
+                      "candidates; adaptive: tf_hsm.AdaptiveSoftmax). Default: "
+                      "%(default)s")
+  p.add_argument("--num-sampled", type=int, default=DEFAULTS["num_sampled"],
+                 help="sampled softmax candidates per batch (default: %(default)s)")
   p.add_argument("--skip-full", action="store_true",
-                 help="train only the HSM model (no comparison)")
+                 help="train only the HSM model (the same as --models hsm)")
   p.add_argument("--quiet", action="store_true", help="no Keras progress bars")
   args = p.parse_args(argv)
-  for name in ("vocab", "min_count", "epochs", "hidden", "seq_len", "batch"):
+  args.models = ["hsm"] if args.skip_full else [m for m in args.models.split(",") if m]
+  unknown = [m for m in args.models if m not in MODELS]
+  if unknown or not args.models:
+    p.error(f"--models takes a comma-separated list of {', '.join(MODELS)}; got "
+            f"{unknown or 'none'}")
+  for name in ("vocab", "min_count", "epochs", "hidden", "seq_len", "batch", "num_sampled"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be positive")
   if args.vocab < 2:
@@ -472,15 +566,27 @@ def main(argv=None):
   # redraws would otherwise become hundreds of lines.
   verbose = 0 if args.quiet else 1 if sys.stdout.isatty() else 2
   histories = []
-  keras.utils.set_random_seed(args.seed)
-  model = hsm_model(tree, counts, args.hidden, args.seq_len, args.learning_rate)
-  histories.append(train(f"HSM ({args.tree})", model, ([x, y], y), ([hx, hy], hy),
-                         args.epochs, args.batch, verbose))
-  if not args.skip_full:
+  for kind in args.models:
     keras.utils.set_random_seed(args.seed)
-    model = full_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate)
-    histories.append(train("full softmax", model, (x, y), (hx, hy), args.epochs, args.batch,
-                           verbose))
+    if kind == "hsm":
+      name = f"hsm-{args.tree}"
+      model = hsm_model(tree, counts, args.hidden, args.seq_len, args.learning_rate)
+      data, held_out = ([x, y], y), ([hx, hy], hy)
+    elif kind == "full":
+      name = "full"
+      model = full_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate)
+      data, held_out = (x, y), (hx, hy)
+    elif kind == "sampled":
+      num_sampled = min(args.num_sampled, len(words))
+      name = f"sampled-{num_sampled}"
+      model = sampled_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate,
+                                    num_sampled)
+      data, held_out = ([x, y], y), ([hx, hy], hy)
+    else:
+      name = "adaptive"
+      model = adaptive_model(counts, args.hidden, args.seq_len, args.learning_rate)
+      data, held_out = ([x, y], y), ([hx, hy], hy)
+    histories.append(train(name, model, data, held_out, args.epochs, args.batch, verbose))
 
   report = table(histories)
   os.makedirs(args.out, exist_ok=True)
