@@ -6,13 +6,14 @@ from tf_hsm.inference import log_prob_all, log_prob_candidates, sample, top_k
 from tf_hsm.layers import HierarchicalSoftmax
 from tf_hsm.adaptive import AdaptiveSoftmax
 from tf_hsm.planner import plan
-from tf_hsm import baselines, distribute, losses, optimizers
+from tf_hsm import baselines, callbacks, distribute, losses, optimizers
 
 __all__ = [
     "AdaptiveSoftmax",
     "HierarchicalSoftmax",
     "Tree",
     "baselines",
+    "callbacks",
     "distribute",
     "log_prob",
     "log_prob_all",
