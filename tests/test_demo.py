@@ -94,6 +94,38 @@ def test_tiny_run_writes_table_plot_and_json(tmp_path, capsys):
   assert len((out / "results.md").read_text().strip().split("\n")) == 6  # head, rule, 4 rows
 
 
+def test_learned_tree_is_rebuilt_after_the_first_epoch(tmp_path, monkeypatch):
+  corpus = tmp_path / "corpus.txt"
+  words = [f"w{i}" for i in range(30)]
+  corpus.write_text("\n\n".join(" ".join(words[(i * j) % 30] for j in range(12))
+                                  for i in range(40)))
+  rebuilt = []
+  original = demo.learned_tree_callback
+
+  def spy(model, counts):
+    callback = original(model, counts)
+    rebuild = callback.on_epoch_end
+
+    def on_epoch_end(epoch, logs=None):
+      rebuild(epoch, logs)
+      rebuilt.append((epoch, model.get_layer("hsm").tree))
+    callback.on_epoch_end = on_epoch_end
+    return callback
+
+  monkeypatch.setattr(demo, "learned_tree_callback", spy)
+  results = demo.main(["--corpus", str(corpus), "--max-tokens", "480", "--epochs", "2",
+                       "--vocab", "20", "--hidden", "8", "--seq-len", "5", "--batch", "4",
+                       "--tree", "learned", "--models", "hsm", "--quiet",
+                       "--out", str(tmp_path / "out")])
+  start = demo.make_tree("two_level", demo.build_vocab(
+      demo.split_corpus(demo.file_documents(str(corpus)), 480)[0], 20, 2)[1])
+  assert [epoch for epoch, _ in rebuilt] == [0, 1]
+  assert rebuilt[0][1] != start and rebuilt[1][1] == rebuilt[0][1]  # once, after epoch 1
+  model = results["models"][0]
+  assert model["name"] == "hsm-learned"
+  assert all(np.isfinite(model["held_out_perplexity"]))
+
+
 def test_command_line_help():
   result = subprocess.run([sys.executable, "-m", "tf_hsm.demo", "--help"], cwd=_REPO,
                           capture_output=True, text=True, timeout=60, check=False)

@@ -212,7 +212,11 @@ def sequences(ids, seq_len):
 # ---------------------------------------------------------------------------------------
 
 def make_tree(kind, counts):
+  """The HSM's tree. "learned" starts from the two-level tree and is rebuilt from the
+  model's input embeddings after the first epoch (`learned_tree_callback`)."""
   from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
+  if kind == "learned":
+    kind = "two_level"
   if kind == "huffman":
     return Tree.huffman(counts)
   if kind == "two_level":
@@ -220,6 +224,16 @@ def make_tree(kind, counts):
   if kind == "balanced":
     return Tree.balanced(len(counts), max(2, math.ceil(math.sqrt(len(counts)))))
   raise ValueError(f"unknown tree kind {kind!r}")
+
+
+def learned_tree_callback(model, counts):
+  """Rebuilds the HSM's tree after epoch 1 from the trained input embeddings (which put
+  words used alike near each other), as a tree of about sqrt(V) children per node whose
+  siblings are similar words (`Tree.from_vectors`), and trains on with it."""
+  from tf_hsm.callbacks import RebuildTree  # pylint: disable=g-import-not-at-top
+  width = max(2, math.ceil(math.sqrt(len(counts))))
+  return RebuildTree(model.get_layer("hsm"), after_epoch=1, branching=[width, width],
+                     counts=counts, vectors=model.get_layer("embedding"))
 
 
 def unigram_log_probs(counts):
@@ -383,7 +397,7 @@ def _epoch_timer(keras):
   return EpochTimer()
 
 
-def train(name, model, train_data, held_out_data, epochs, batch, verbose=1):
+def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, callbacks=()):
   """Fits the model, timing each epoch and evaluating held-out perplexity after it.
 
   Args:
@@ -403,7 +417,7 @@ def train(name, model, train_data, held_out_data, epochs, batch, verbose=1):
   timer = _epoch_timer(keras)
   fit = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=verbose,
                   validation_data=(hx, hy), validation_batch_size=4 * batch,
-                  callbacks=[timer])
+                  callbacks=[timer, *callbacks])
   history = {"name": name, "train_tokens": int(tokens), "held_out_tokens": int(hy.size),
              "params": int(model.count_params()), "train_seconds": timer.seconds,
              "train_cpu_seconds": timer.cpu_seconds,
@@ -480,11 +494,13 @@ def parse_args(argv=None):
       prog="python -m tf_hsm.demo",
       description="Train a word-level LSTM language model with a hierarchical softmax "
                   "and with a full softmax, and compare held-out perplexity and speed.")
-  p.add_argument("--tree", choices=("huffman", "two_level", "balanced"),
+  p.add_argument("--tree", choices=("huffman", "two_level", "balanced", "learned"),
                  default=DEFAULTS["tree"],
                  help="HSM tree: two_level (~sqrt(V) clusters of equal training-count "
                       "mass), huffman (binary Huffman tree of the training counts) or "
-                      "balanced (~sqrt(V) equal-size clusters of frequency-ranked words). "
+                      "balanced (~sqrt(V) equal-size clusters of frequency-ranked words) "
+                      "or learned (two_level, rebuilt after epoch 1 from the trained "
+                      "input embeddings with Tree.from_vectors). "
                       "Default: %(default)s")
   p.add_argument("--vocab", type=int, default=DEFAULTS["vocab"],
                  help="largest vocabulary size, <unk> included (default: %(default)s)")
@@ -568,10 +584,13 @@ def main(argv=None):
   histories = []
   for kind in args.models:
     keras.utils.set_random_seed(args.seed)
+    extra = []
     if kind == "hsm":
       name = f"hsm-{args.tree}"
       model = hsm_model(tree, counts, args.hidden, args.seq_len, args.learning_rate)
       data, held_out = ([x, y], y), ([hx, hy], hy)
+      if args.tree == "learned":
+        extra = [learned_tree_callback(model, counts)]
     elif kind == "full":
       name = "full"
       model = full_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate)
@@ -586,7 +605,8 @@ def main(argv=None):
       name = "adaptive"
       model = adaptive_model(counts, args.hidden, args.seq_len, args.learning_rate)
       data, held_out = ([x, y], y), ([hx, hy], hy)
-    histories.append(train(name, model, data, held_out, args.epochs, args.batch, verbose))
+    histories.append(train(name, model, data, held_out, args.epochs, args.batch, verbose,
+                           extra))
 
   report = table(histories)
   os.makedirs(args.out, exist_ok=True)
