@@ -35,11 +35,12 @@ The model prices speed only. Left alone it trades accuracy it cannot see for tim
 cheapest head holds a handful of classes (every token pays the head's full width D,
 while a cluster's tokens pay D / div_value), and its cheapest layout spends clusters on
 a class or two each so that the bulk of the vocabulary lands in the last, narrowest
-cluster (a width of 1 or 2). Two bounds, not priced, keep the choice near what the
+cluster (a width of 1 or 2). Three bounds, not priced, keep the choice near what the
 adaptive softmax is for: the head covers at least `min_head_mass` of the counts (half,
-by default: the full-width head scores most tokens), and no cluster is narrower than
-`min_width` (4, the narrowest tier of PyTorch's usual [2000, 20000, 200000] at D=300),
-which caps the number of clusters.
+by default: the full-width head scores most tokens), each cluster holds at least as
+many classes as the tier before it, and no cluster is narrower than `min_width` (4,
+the narrowest tier of PyTorch's usual [2000, 20000, 200000] at D=300), which caps the
+number of clusters.
 
 The search runs a dynamic program over a grid of candidate cut points (about
 `points_per_decade` a decade, at two significant figures) for each number of clusters
@@ -242,7 +243,9 @@ def choose_cutoffs(counts, dim, tokens_per_step, div_value=4.0, tail="flat", mac
     points_per_decade: density of the grid of candidate cut points (`candidate_cuts`).
 
   Returns:
-    The cutoffs, a list of increasing ints: the cheapest on the grid for the cost model.
+    The cutoffs, a list of increasing ints: the cheapest on the grid for the cost model
+    among those whose head covers `min_head_mass`, whose clusters are no narrower than
+    `min_width`, and whose tiers each hold at least as many classes as the one before.
     Deterministic for given arguments and machine.
 
   Raises:
