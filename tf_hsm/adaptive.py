@@ -27,11 +27,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_hsm import _adaptive_cutoffs
 from tf_hsm import inference
+from tf_hsm._adaptive_cutoffs import choose_cutoffs, step_cost  # noqa: F401 (public here)
 from tf_hsm.ops import log_prob
 from tf_hsm.tree import Tree
 
 TAILS = ("flat", "two_level")
+# Tokens a step assumed by cutoffs=None when tokens_per_step is not given.
+DEFAULT_TOKENS_PER_STEP = 1024
 
 
 def _checked_cutoffs(cutoffs, num_classes):
@@ -73,14 +77,21 @@ class AdaptiveSoftmax(keras.layers.Layer):
     num_classes: number of classes V.
     cutoffs: increasing ints in (0, V): the head holds classes [0, cutoffs[0]), cluster i
       the classes [cutoffs[i], cutoffs[i + 1]) (the last one up to V). Class ids should
-      be sorted by decreasing frequency.
+      be sorted by decreasing frequency. None (with `counts`): chosen when the layer is
+      built (D is known then) by `choose_cutoffs` for `tokens_per_step` tokens a step on
+      `machine`, and recorded in `cutoffs` (so `get_config` and saving carry them).
     div_value: cluster i works at width int(D // div_value ** (i + 1)).
     head_bias: whether the head has biases (PyTorch's default: no).
     tail: "flat" (an exact softmax within each cluster, as PyTorch) or "two_level" (each
       cluster is a `Tree.two_level` over its classes, with per-edge biases).
     counts: optional class frequencies `[num_classes]`: the two-level tail trees group
-      classes into clusters of about equal mass.
+      classes into clusters of about equal mass; with cutoffs=None, they must be
+      non-increasing, and choose the cutoffs.
     kernel_initializer: initializer of every table and projection.
+    tokens_per_step: with cutoffs=None, the tokens (targets) a training step holds
+      (default `DEFAULT_TOKENS_PER_STEP`); otherwise unused.
+    machine: with cutoffs=None, the `tf_hsm.planner.Machine` (or a dict of its fields)
+      to choose for (default: this machine, measured once and cached); otherwise unused.
     **kwargs: base `keras.layers.Layer` arguments; `tail_trees` (the trees' configs) is
       how `get_config` carries the trees.
 
@@ -89,16 +100,19 @@ class AdaptiveSoftmax(keras.layers.Layer):
     shape; < 0 marks padding. mask: optional boolean mask with `targets`' shape.
   """
 
-  def __init__(self, num_classes, cutoffs, div_value=4.0, head_bias=False, tail="flat",
-               counts=None, kernel_initializer="glorot_uniform", tail_trees=None,
-               **kwargs):
+  def __init__(self, num_classes, cutoffs=None, div_value=4.0, head_bias=False,
+               tail="flat", counts=None, kernel_initializer="glorot_uniform",
+               tail_trees=None, tokens_per_step=None, machine=None, **kwargs):
     super().__init__(**kwargs)
     if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
       raise TypeError(f"num_classes must be an int, got {num_classes!r}")
     if num_classes < 2:
       raise ValueError(f"num_classes must be >= 2, got {num_classes}")
     self.num_classes = int(num_classes)
-    self.cutoffs = _checked_cutoffs(cutoffs, self.num_classes)
+    if cutoffs is None and counts is None:
+      raise ValueError("AdaptiveSoftmax needs cutoffs, or counts to choose them from: "
+                       "give cutoffs=[...] (the head's size, then each cluster's first "
+                       "class), or counts=[one frequency per class] with cutoffs=None")
     if (isinstance(div_value, bool) or not isinstance(div_value, numbers.Real) or
         not math.isfinite(div_value) or div_value <= 0):
       raise ValueError(f"div_value must be a positive finite number, got {div_value!r}")
@@ -108,30 +122,74 @@ class AdaptiveSoftmax(keras.layers.Layer):
       raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
     self.tail = tail
     self.kernel_initializer = keras.initializers.get(kernel_initializer)
-    bounds = self.cutoffs + [self.num_classes]
-    self.cluster_ranges = [(bounds[i], bounds[i + 1]) for i in range(len(self.cutoffs))]
-    self.tail_trees = None
-    if tail == "two_level":
-      if tail_trees is not None:
-        trees = [t if isinstance(t, Tree) else Tree.from_config(t) for t in tail_trees]
-        if [t.num_classes for t in trees] != [hi - lo for lo, hi in self.cluster_ranges]:
-          raise ValueError("tail_trees do not match the clusters' sizes")
-      else:
-        if counts is not None:
-          counts = np.asarray(counts, np.float64)
-          if counts.shape != (self.num_classes,):
-            raise ValueError(f"counts must have shape [{self.num_classes}], got "
-                             f"{counts.shape}")
-        trees = [Tree.two_level(hi - lo, counts=None if counts is None else counts[lo:hi])
-                 for lo, hi in self.cluster_ranges]
-      self.tail_trees = trees
-    elif tail_trees is not None:
+    if tail_trees is not None and tail != "two_level":
       raise ValueError('tail_trees is only for tail="two_level"')
+    self.cutoffs = self.cluster_ranges = self.tail_trees = None
+    self._pending = None
+    if cutoffs is None:
+      if tail_trees is not None:
+        raise ValueError("tail_trees needs the cutoffs they were built for: give cutoffs")
+      if tokens_per_step is None:
+        tokens_per_step = DEFAULT_TOKENS_PER_STEP
+      if (isinstance(tokens_per_step, bool) or
+          not isinstance(tokens_per_step, numbers.Integral) or tokens_per_step < 1):
+        raise ValueError(f"tokens_per_step must be a positive int, got {tokens_per_step!r}")
+      counts = _adaptive_cutoffs.checked_counts(counts, self.num_classes)
+      # Chosen in build, where D is known.
+      self._pending = dict(counts=counts, tokens_per_step=int(tokens_per_step),
+                           machine=machine)
+    else:
+      self._set_cutoffs(_checked_cutoffs(cutoffs, self.num_classes), counts, tail_trees)
     self.supports_masking = True
     self.supports_jit = False  # the tree tails' ops have no XLA kernel
 
+  def _set_cutoffs(self, cutoffs, counts, tail_trees):
+    self.cutoffs = cutoffs
+    bounds = self.cutoffs + [self.num_classes]
+    self.cluster_ranges = [(bounds[i], bounds[i + 1]) for i in range(len(self.cutoffs))]
+    if self.tail != "two_level":
+      return
+    if tail_trees is not None:
+      trees = [t if isinstance(t, Tree) else Tree.from_config(t) for t in tail_trees]
+      if [t.num_classes for t in trees] != [hi - lo for lo, hi in self.cluster_ranges]:
+        raise ValueError("tail_trees do not match the clusters' sizes")
+    else:
+      if counts is not None:
+        counts = np.asarray(counts, np.float64)
+        if counts.shape != (self.num_classes,):
+          raise ValueError(f"counts must have shape [{self.num_classes}], got "
+                           f"{counts.shape}")
+      trees = [Tree.two_level(hi - lo, counts=None if counts is None else counts[lo:hi])
+               for lo, hi in self.cluster_ranges]
+    self.tail_trees = trees
+
+  @staticmethod
+  def choose_cutoffs(counts, dim, tokens_per_step, div_value=4.0, tail="flat",
+                     machine=None, **kwargs):
+    """The cutoffs a layer with cutoffs=None would choose: `tf_hsm.adaptive.choose_cutoffs`
+    (the cost model, its arguments and bounds are described there and in
+    docs/adaptive.md).
+
+    Args:
+      counts: class frequencies `[num_classes]`, non-increasing.
+      dim: D, the hidden size.
+      tokens_per_step: T, tokens (targets) a training step.
+      div_value: the layer's div_value.
+      tail: the layer's tail, "flat" or "two_level".
+      machine: a `tf_hsm.planner.Machine` (or a dict of its fields); default: this
+        machine, measured once and cached.
+      **kwargs: `max_clusters`, `min_head_mass`, `min_width`, `points_per_decade`.
+
+    Returns:
+      The cutoffs, a list of increasing ints.
+    """
+    return choose_cutoffs(counts, dim, tokens_per_step, div_value=div_value, tail=tail,
+                          machine=machine, **kwargs)
+
   @property
   def head_size(self):
+    if self.cutoffs is None:
+      raise ValueError("AdaptiveSoftmax chooses its cutoffs when built: build it first")
     return self.cutoffs[0] + len(self.cluster_ranges)
 
   def build(self, hidden_shape, targets_shape=None):
@@ -139,6 +197,13 @@ class AdaptiveSoftmax(keras.layers.Layer):
     if dim is None:
       raise ValueError("AdaptiveSoftmax needs a known last dimension of `hidden`, got "
                        f"shape {hidden_shape}")
+    if self.cutoffs is None:
+      pending = self._pending
+      cutoffs = choose_cutoffs(pending["counts"], int(dim), pending["tokens_per_step"],
+                               div_value=self.div_value, tail=self.tail,
+                               machine=pending["machine"])
+      self._set_cutoffs(cutoffs, pending["counts"], None)
+      self._pending = None
     widths = tail_widths(dim, len(self.cluster_ranges), self.div_value)
     if min(widths) < 1:
       i = widths.index(min(widths))
@@ -370,6 +435,9 @@ class AdaptiveSoftmax(keras.layers.Layer):
     return layer
 
   def get_config(self):
+    if self.cutoffs is None:
+      raise ValueError("AdaptiveSoftmax with cutoffs=None has no config before it is "
+                       "built: its cutoffs are chosen in build, when D is known")
     config = super().get_config()
     config.update({
         "num_classes": self.num_classes,
