@@ -12,7 +12,7 @@ from tf_hsm.bench import cases
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _bench(tmp_path, *args, timeout=150):
+def _bench(tmp_path, *args, timeout=600):
   env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
   proc = subprocess.run(
       [sys.executable, "-m", "tf_hsm.bench", "--out", str(tmp_path), *args],
