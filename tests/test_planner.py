@@ -1,6 +1,8 @@
 """tf_hsm.plan: the arithmetic against hand-computed values, rows touched against a
-sampled batch, the recommendation, the adaptive softmax rows and the command line."""
+sampled batch, the recommendation, the adaptive softmax rows, the command line, and
+`--verify`'s predictions against the bench's measurements of a small case."""
 
+import json
 import subprocess
 import sys
 
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 import tf_hsm
-from tf_hsm import distribute, planner
+from tf_hsm import distribute, planner, planner_verify
 
 MACHINE = {"matmul_flops": 200e9, "read_bytes": 20e9, "call_seconds": 100e-6}
 
@@ -127,3 +129,41 @@ def test_adaptive_cutoffs_rule():
     tf_hsm.plan(1000, 16, 8, machine=MACHINE, adaptive=("deep",))
   with pytest.raises(ValueError, match="cutoffs"):
     planner.adaptive_cost(100, 16, 4, [40, 10])
+
+
+def test_verify_rows_are_the_planners_rows_of_the_bench_tree():
+  case = planner_verify.Case("t", 20_000, 32, 64, "huffman")
+  rows = planner_verify.predict(case, MACHINE)
+  full = rows["full_softmax"]
+  assert full["param_bytes"] == full["grad_bytes"] == 20_000 * 33 * 4
+  assert full["activation_bytes"] == (64 * 20_000 + 2 * 64 * 32) * 4
+  tree = tf_hsm.Tree.huffman(1.0 / np.arange(1, 20_001))
+  assert rows["tf_hsm"]["param_bytes"] == tree.num_slots * 33 * 4
+  with pytest.raises(ValueError, match="repeats"):
+    planner_verify.run(["quick"], quick=True, repeats=0)
+  with pytest.raises(ValueError, match="unknown case"):
+    planner_verify.run(["Z"])
+
+
+@pytest.mark.slow
+def test_verify_quick_measures_near_the_prediction():
+  """The bench's measurements of a small case against the planner's prediction, within
+  bounds wide enough for a loaded 2-core machine (step times there move by 2x), narrow
+  enough to catch a model that is badly wrong."""
+  result = subprocess.run(
+      [sys.executable, "-m", "tf_hsm.plan", "--verify", "--quick", "--json"],
+      capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout)
+  rows = {r["method"]: r for r in report["results"]}
+  assert set(rows) == {"tf_hsm", "full_softmax"}
+  for method, row in rows.items():
+    assert row["status"] == "ok", row
+    assert 1 / 4 < row["time_ratio"] < 4, (method, row["time_ratio"])
+  # Full softmax's peak is its table, gradient and logits (0.15 GB): within 2x.
+  assert 0.5 < rows["full_softmax"]["peak_ratio"] < 2
+  # tf_hsm's 30 MB are within TensorFlow's own allocations: within 100 MB.
+  tf_hsm_row = rows["tf_hsm"]
+  assert abs(tf_hsm_row["measured_peak"] - tf_hsm_row["predicted_peak"]) < 100e6
+  assert "| quick: V=50,000 D=128 T=512 two_level | full_softmax |" in \
+      planner_verify.markdown(report)

@@ -504,6 +504,11 @@ def parse_bytes(text):
 
 def main(argv=None):
   import argparse  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--verify" in argv:
+    from tf_hsm import planner_verify  # pylint: disable=import-outside-toplevel
+    return planner_verify.main([a for a in argv if a != "--verify"])
   parser = argparse.ArgumentParser(prog="python -m tf_hsm.plan",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--classes", type=parse_count, required=True)
@@ -521,6 +526,9 @@ def main(argv=None):
   parser.add_argument("--remeasure", action="store_true",
                       help="measure this machine again instead of using the cached rates")
   parser.add_argument("--json", action="store_true", help="print the report as JSON")
+  parser.add_argument("--verify", action="store_true",
+                      help="run the bench's cases and print predicted beside measured "
+                           "figures (python -m tf_hsm.plan --verify --help)")
   args = parser.parse_args(argv)
   counts = None
   if args.counts:
