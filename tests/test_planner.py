@@ -1,6 +1,8 @@
 """tf_hsm.plan: the arithmetic against hand-computed values, rows touched against a
-sampled batch, the recommendation, and the command line."""
+sampled batch, the recommendation, the adaptive softmax rows, the command line, and
+`--verify`'s predictions against the bench's measurements of a small case."""
 
+import json
 import subprocess
 import sys
 
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 import tf_hsm
-from tf_hsm import distribute, planner
+from tf_hsm import distribute, planner, planner_verify
 
 MACHINE = {"matmul_flops": 200e9, "read_bytes": 20e9, "call_seconds": 100e-6}
 
@@ -55,12 +57,13 @@ def test_hierarchical_rows_are_sparse_and_measured_rows_agree(rng):
 
 
 def test_a_budget_that_nothing_fits_says_so():
+  # Without the adaptive rows: their narrow tails fit 10 MiB here (5.9 MB of weights).
   report = tf_hsm.plan(100_000, 128, 64, memory_budget=10 << 20, machine=MACHINE,
-                       trees=("huffman2",))
+                       trees=("huffman2",), adaptive=())
   assert not any(r["fits"] for r in report.rows if r["exact"])
   assert "nothing exact fits" in report.reason
   sharded = tf_hsm.plan(100_000, 128, 64, memory_budget=60 << 20, num_shards=4,
-                        machine=MACHINE, trees=("huffman2",))
+                        machine=MACHINE, trees=("huffman2",), adaptive=())
   assert _row(sharded, "HierarchicalSoftmax")["fits"]
 
 
@@ -90,3 +93,77 @@ def test_command_line():
       capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "| full softmax |" in result.stdout and "Recommended:" in result.stdout
+
+
+def test_adaptive_rows_from_the_layers_structure():
+  """V=100, D=16, cutoffs [10, 40], div 2, uniform classes: a head of 10 + 2 classes at
+  width 16; cluster 0 (30 classes, q=0.3) at width 8, cluster 1 (60, q=0.6) at width 4."""
+  T = 4
+  cost = planner.adaptive_cost(100, 16, T, [10, 40], div_value=2.0, tail="flat")
+  elements = 12 * 16 + (16 * 8 + 30 * 8) + (16 * 4 + 60 * 4)
+  assert sum(p.elements for p in cost.parts) == elements == 864
+  assert cost.flops == pytest.approx(6 * T * (12 * 16 + 0.3 * (16 * 8 + 30 * 8) +
+                                              0.6 * (16 * 4 + 60 * 4)))
+  assert cost.rows_touched == pytest.approx(12 + (1 - 0.7**T) * 30 + (1 - 0.4**T) * 60)
+  assert cost.softmax_logits == pytest.approx(T * 12 + T * 0.3 * 30 + T * 0.6 * 60)
+  report = tf_hsm.plan(100, 16, T, machine=MACHINE, trees=(), cutoffs=[10, 40],
+                       div_value=2.0)
+  flat = _row(report, "AdaptiveSoftmax flat")
+  assert flat["param_bytes"] == flat["grad_bytes"] == 864 * 4  # every gradient dense
+  assert "cutoffs [10, 40], div 2 (tail widths 8, 4)" in flat["method"]
+  tree = _row(report, "AdaptiveSoftmax two_level")
+  # Tree tails: per-edge biases, a gradient over the touched rows only.
+  assert tree["grad_bytes"] < tree["param_bytes"]
+  assert tree["flops"] < flat["flops"]
+
+
+def test_adaptive_cutoffs_rule():
+  assert planner.adaptive_cutoffs(100_000, 512) == [2000, 20000]
+  assert planner.adaptive_cutoffs(1_000_000, 300) == [2000, 20000, 200000]
+  assert planner.adaptive_cutoffs(10_000_000, 300) == [2000, 20000, 200000, 2000000]
+  assert planner.adaptive_cutoffs(1_000_000, 16) == [2000, 20000]  # 16 // 4**3 == 0
+  assert planner.adaptive_cutoffs(1000, 64) == [125, 500]
+  with pytest.raises(ValueError, match="div_value"):
+    tf_hsm.plan(1000, 16, 8, machine=MACHINE, div_value="4")
+  with pytest.raises(ValueError, match="adaptive"):
+    tf_hsm.plan(1000, 16, 8, machine=MACHINE, adaptive=("deep",))
+  with pytest.raises(ValueError, match="cutoffs"):
+    planner.adaptive_cost(100, 16, 4, [40, 10])
+
+
+def test_verify_rows_are_the_planners_rows_of_the_bench_tree():
+  case = planner_verify.Case("t", 20_000, 32, 64, "huffman")
+  rows = planner_verify.predict(case, MACHINE)
+  full = rows["full_softmax"]
+  assert full["param_bytes"] == full["grad_bytes"] == 20_000 * 33 * 4
+  assert full["activation_bytes"] == (64 * 20_000 + 2 * 64 * 32) * 4
+  tree = tf_hsm.Tree.huffman(1.0 / np.arange(1, 20_001))
+  assert rows["tf_hsm"]["param_bytes"] == tree.num_slots * 33 * 4
+  with pytest.raises(ValueError, match="repeats"):
+    planner_verify.run(["quick"], quick=True, repeats=0)
+  with pytest.raises(ValueError, match="unknown case"):
+    planner_verify.run(["Z"])
+
+
+@pytest.mark.slow
+def test_verify_quick_measures_near_the_prediction():
+  """The bench's measurements of a small case against the planner's prediction, within
+  bounds wide enough for a loaded 2-core machine (step times there move by 2x), narrow
+  enough to catch a model that is badly wrong."""
+  result = subprocess.run(
+      [sys.executable, "-m", "tf_hsm.plan", "--verify", "--quick", "--json"],
+      capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout)
+  rows = {r["method"]: r for r in report["results"]}
+  assert set(rows) == {"tf_hsm", "full_softmax"}
+  for method, row in rows.items():
+    assert row["status"] == "ok", row
+    assert 1 / 4 < row["time_ratio"] < 4, (method, row["time_ratio"])
+  # Full softmax's peak is its table, gradient and logits (0.15 GB): within 2x.
+  assert 0.5 < rows["full_softmax"]["peak_ratio"] < 2
+  # tf_hsm's 30 MB are within TensorFlow's own allocations: within 100 MB.
+  tf_hsm_row = rows["tf_hsm"]
+  assert abs(tf_hsm_row["measured_peak"] - tf_hsm_row["predicted_peak"]) < 100e6
+  assert "| quick: V=50,000 D=128 T=512 two_level | full_softmax |" in \
+      planner_verify.markdown(report)

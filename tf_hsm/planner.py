@@ -27,6 +27,8 @@ import time
 import numpy as np
 
 from tf_hsm import _shard_layout
+from tf_hsm.adaptive import TAILS as ADAPTIVE_TAILS
+from tf_hsm.adaptive import tail_widths
 from tf_hsm.tree import Tree
 
 # Optimizer slots per table element, and whether its sparse update is lazy (touched rows
@@ -35,15 +37,20 @@ OPTIMIZERS = {"sgd": 0, "momentum": 1, "adagrad": 1, "adam": 2, "lazy_adam": 2}
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 SAMPLED = 1024  # tf.nn.sampled_softmax_loss's samples in the sampled-softmax row
 CALLS_PER_STEP = 3  # forward+backward op, optimizer update, the step's own function
+DIV_VALUE = 4.0  # the adaptive rows' div_value: PyTorch's default, docs/adaptive.md's cases
 
 
 @dataclasses.dataclass
 class Machine:
-  """Rates used for step time: matmul FLOP/s, streaming read bytes/s, seconds per call."""
+  """Rates used for step time: matmul FLOP/s, streaming read bytes/s, seconds per call,
+  and seconds per logit of TensorFlow's softmax cross-entropy (forward and backward: its
+  exponentials and divisions, which the matmul and read rates do not bound; 0 for a
+  machine given by its datasheet rates only)."""
   matmul_flops: float
   read_bytes: float
   call_seconds: float
   source: str = "given"
+  softmax_seconds: float = 0.0
 
   @classmethod
   def measure(cls):
@@ -68,7 +75,20 @@ class Machine:
     read_seconds = best(lambda: read().numpy(), 5)
     empty = tf.function(lambda: tf.constant(0))
     call = best(lambda: empty(), 50)
-    return cls(2 * 1024**3 / seconds, big.shape[0] * 4 / read_seconds, call, "measured")
+    logits = tf.random.normal([256, 32768])
+    labels = tf.zeros([256], tf.int64)
+
+    @tf.function
+    def softmax():
+      with tf.GradientTape() as tape:
+        tape.watch(logits)
+        loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits))
+      return tape.gradient(loss, logits)[:1, :1]
+
+    softmax_seconds = best(lambda: softmax().numpy(), 5) / (256 * 32768)
+    return cls(2 * 1024**3 / seconds, big.shape[0] * 4 / read_seconds, call, "measured",
+               softmax_seconds)
 
   @classmethod
   def cached(cls, path=None, refresh=False):
@@ -84,7 +104,7 @@ class Machine:
         saved = json.load(f)
       if saved.get("cpu") == key and not refresh:
         return cls(saved["matmul_flops"], saved["read_bytes"], saved["call_seconds"],
-                   "cached")
+                   "cached", saved["softmax_seconds"])
     except (OSError, ValueError, KeyError):
       pass
     machine = cls.measure()
@@ -197,15 +217,195 @@ def _distinct(probs, draws):
   return float(np.sum(_shard_layout.touch_probability(probs, draws)))
 
 
+@dataclasses.dataclass
+class Part:
+  """One trained tensor of an output layer: its elements (weights and biases), the
+  elements a step is expected to read (and, for a sparse gradient, to get a gradient
+  for), and whether its gradient is dense (every element, every step)."""
+  name: str
+  elements: float
+  touched: float
+  dense_grad: bool
+
+
+@dataclasses.dataclass
+class Cost:
+  """The work of one training step of an output layer, independent of the element size,
+  the optimizer and the machine: its trained tensors (`parts`), the table rows it touches
+  (all parts together, for the report), its FLOPs (forward and backward), the elements
+  it holds for the backward (logits, their gradient, hidden states), and the logits that
+  go through TensorFlow's softmax cross-entropy (tf_hsm's op does its own)."""
+  parts: list
+  rows_touched: float
+  flops: float
+  activations: float
+  softmax_logits: float = 0.0
+
+
+def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32",
+          machine=None, memory_budget=None, num_shards=1, exact=True):
+  """A planner row (a dict of bytes, FLOPs and seconds) for one layer's `Cost`.
+
+  Per step: the touched elements read by the forward and the backward, their gradient
+  written, the optimizer's read-modify-write of the elements and their slots (every
+  element of a part whose update is dense), plus the hidden states and their gradient.
+  Step time: max(FLOPs / matmul rate, bytes / read bandwidth) + the softmax
+  cross-entropy's time per logit + CALLS_PER_STEP calls.
+  """
+  if optimizer not in OPTIMIZERS:
+    raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+  if dtype not in DTYPE_BYTES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+  if isinstance(machine, dict):
+    machine = Machine(**machine)
+  machine = machine or Machine.cached()
+  b = DTYPE_BYTES[dtype]
+  slots = OPTIMIZERS[optimizer]
+  lazy = optimizer in ("sgd", "adagrad", "lazy_adam")
+  D, T = int(hidden), int(tokens_per_step)
+  elements = sum(p.elements for p in cost.parts)
+  grad_elements = sum(p.elements if p.dense_grad else p.touched for p in cost.parts)
+  updated = sum(p.touched if (lazy and not p.dense_grad) else p.elements
+                for p in cost.parts)
+  read = sum(p.touched for p in cost.parts)
+  param, grad = elements * b, grad_elements * b
+  slot = slots * param
+  activation_bytes = cost.activations * b
+  peak = param + grad + slot + activation_bytes
+  moved = (2 * read + grad_elements + 2 * updated * (1 + slots)) * b + 2 * T * D * b
+  seconds = max(cost.flops / machine.matmul_flops, moved / machine.read_bytes) + \
+      cost.softmax_logits * machine.softmax_seconds + CALLS_PER_STEP * machine.call_seconds
+  per_shard = (param + slot) / num_shards + (
+      grad + activation_bytes if num_shards == 1 else 0)
+  budget_bytes = per_shard if num_shards > 1 else peak
+  return {"method": method, "param_bytes": param, "grad_bytes": grad, "slot_bytes": slot,
+          "activation_bytes": activation_bytes, "peak_bytes": peak,
+          "per_shard_bytes": per_shard, "rows_touched": cost.rows_touched,
+          "flops": cost.flops, "bytes_moved": moved, "softmax_logits": cost.softmax_logits,
+          "step_seconds": seconds,
+          "fits": memory_budget is None or budget_bytes <= memory_budget, "exact": exact}
+
+
+def full_softmax_cost(num_classes, hidden, tokens_per_step):
+  """A [V, D+1] table, every row read, a dense gradient, and [T, V] logits: once at the
+  peak, as TensorFlow's fused softmax cross-entropy writes their gradient over them and
+  the table's gradient is made from it."""
+  V, D, T = num_classes, hidden, tokens_per_step
+  return Cost([Part("table", V * (D + 1), V * (D + 1), True)], V, 6.0 * T * V * D,
+              T * V + 2 * T * D, T * V)
+
+
+def sampled_softmax_cost(num_classes, hidden, tokens_per_step, probs,
+                         num_sampled=SAMPLED):
+  """The true classes' and the sampled classes' rows, a sparse gradient."""
+  V, D, T = num_classes, hidden, tokens_per_step
+  rows = min(V, _distinct(probs, T) + num_sampled)
+  return Cost([Part("table", V * (D + 1), rows * (D + 1), False)], rows,
+              6.0 * T * (num_sampled + 1) * D, T * (num_sampled + 1) + 2 * T * D,
+              T * (num_sampled + 1))
+
+
+def tree_cost(tree, hidden, tokens_per_step, probs):
+  """A hierarchical softmax over `tree`: the children of every visited node are read and
+  get a gradient row (sparse); the op keeps the logits of its large nodes for the
+  gradient, one per visit and child."""
+  D, T = hidden, tokens_per_step
+  per_token, touched = _tree_costs(tree, probs, T)
+  return Cost([Part("table", tree.num_slots * (D + 1), touched * (D + 1), False)], touched,
+              6.0 * T * D * per_token, T * per_token + 3 * T * D)
+
+
+def adaptive_cutoffs(num_classes, hidden, div_value=DIV_VALUE):
+  """The adaptive rows' cutoffs: 2,000 x 10^i below V (a 2,000-class head, then clusters
+  ten times larger each), as docs/adaptive.md's measured cases use them ([2000, 20000]
+  at V=100K, [2000, 20000, 200000] at V=1M); clusters whose width
+  int(D // div_value^(i+1)) would be 0 are merged into the one before. Below 2,001
+  classes, the demo's [V/8, V/2]. [] when V is too small for a tail."""
+  cutoffs = []
+  cutoff = 2000
+  while cutoff < num_classes:
+    cutoffs.append(cutoff)
+    cutoff *= 10
+  if not cutoffs:
+    cutoffs = sorted({c for c in (num_classes // 8, num_classes // 2) if 0 < c})
+  widths = tail_widths(hidden, len(cutoffs), div_value)
+  return [c for c, w in zip(cutoffs, widths) if w >= 1]
+
+
+def _short_list(values):
+  return "[" + ", ".join(f"{v:,}" for v in values) + "]"
+
+
+def adaptive_cost(num_classes, hidden, tokens_per_step, cutoffs, div_value=DIV_VALUE,
+                  tail="flat", counts=None, head_bias=False):
+  """The `Cost` of a step of `AdaptiveSoftmax(num_classes, cutoffs, div_value, tail)`.
+
+  The head scores cutoffs[0] + n_clusters classes at width D for every token (dense);
+  cluster i ([cutoffs[i], cutoffs[i+1]), q_i of the probability mass) projects its
+  tokens to d_i = int(D // div_value^(i+1)) through a dense [D, d_i] projection and
+  scores them against its [n_i, d_i] table: every row (flat, a dense gradient) or the
+  path of a `Tree.two_level` over its classes (two_level: per-edge biases, sparse
+  gradient). A cluster's tensors are read when at least one of the step's T tokens falls
+  in it, with probability 1 - (1 - q_i)^T; its FLOPs count its expected T q_i tokens.
+
+  This is the function to minimise when choosing cutoffs.
+  """
+  if tail not in ADAPTIVE_TAILS:
+    raise ValueError(f"tail must be one of {ADAPTIVE_TAILS}, got {tail!r}")
+  V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
+  cutoffs = [int(c) for c in cutoffs]
+  if not cutoffs or cutoffs != sorted(set(cutoffs)) or cutoffs[0] <= 0 or cutoffs[-1] >= V:
+    raise ValueError(f"cutoffs must be increasing ints in (0, {V}), got {cutoffs}")
+  probs = _probabilities(V, counts)
+  counts = None if counts is None else np.asarray(counts, np.float64)
+  widths = tail_widths(D, len(cutoffs), div_value)
+  if min(widths) < 1:
+    raise ValueError(f"div_value {div_value:g} leaves a cluster of width 0 at D={D}")
+  head = cutoffs[0] + len(cutoffs)
+  parts = [Part("head", head * (D + head_bias), head * (D + head_bias), True)]
+  rows = float(head)
+  macs = float(T * head * D)
+  activations = 1.0 * T * head + 2 * T * D  # logits once, as full_softmax_cost
+  softmax_logits = float(T * head)
+  bounds = cutoffs + [V]
+  for i, width in enumerate(widths):
+    lo, hi = bounds[i], bounds[i + 1]
+    q = float(probs[lo:hi].sum())
+    seen = float(_shard_layout.touch_probability(np.array([q]), T)[0])
+    tokens = T * q
+    parts.append(Part(f"projection {i}", D * width, seen * D * width, True))
+    macs += tokens * D * width
+    if tail == "flat":
+      n = hi - lo
+      parts.append(Part(f"tail {i}", n * width, seen * n * width, True))
+      rows += seen * n
+      macs += tokens * n * width
+      # The cluster's logits (their gradient written over them); its tokens' hidden
+      # states gathered, projected, and the projection's gradient.
+      activations += tokens * (n + D + 2 * width)
+      softmax_logits += tokens * n
+    else:
+      tree = Tree.two_level(hi - lo, counts=None if counts is None else counts[lo:hi])
+      per_token, touched = _tree_costs(tree, probs[lo:hi], T)  # per_token counts q_i
+      parts.append(Part(f"tail {i}", tree.num_slots * (width + 1),
+                        touched * (width + 1), False))
+      rows += touched
+      macs += per_token * T * width
+      activations += T * per_token + tokens * (D + 2 * width)
+  return Cost(parts, rows, 6.0 * macs, activations, softmax_logits)
+
+
 def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
-         dtype="float32", memory_budget=None, num_shards=1, machine=None, trees=TREES):
+         dtype="float32", memory_budget=None, num_shards=1, machine=None, trees=TREES,
+         adaptive=ADAPTIVE_TAILS, cutoffs=None, div_value=DIV_VALUE):
   """Plans the output layer of a model: one row per candidate and a recommendation.
 
   Args:
     num_classes: V.
     hidden: D, the hidden size.
     tokens_per_step: T, tokens (outputs) in a training step.
-    counts: class frequencies [V] (uniform if None).
+    counts: class frequencies [V] (uniform if None); class ids by decreasing frequency
+      for the adaptive rows, whose head holds the first classes.
     optimizer: one of "sgd", "momentum", "adagrad", "adam", "lazy_adam" (the table's
       optimizer; tf_hsm's sparse ones update touched rows only).
     dtype: "float32", "float64", "bfloat16" or "float16" (the table's).
@@ -216,6 +416,10 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
     trees: the trees of the hierarchical-softmax rows: "two_level" (equal-mass clusters
       with counts), "three_level" (balanced, branching V^(1/3)), "huffmanK" (K-ary
       Huffman on the counts). Building them is most of the planner's time at 10M classes.
+    adaptive: the tails of the `AdaptiveSoftmax` rows, of "flat" and "two_level" (() for
+      none).
+    cutoffs: the adaptive rows' cutoffs (default: `adaptive_cutoffs`' rule).
+    div_value: the adaptive rows' div_value.
 
   Returns:
     A `Report`.
@@ -230,47 +434,36 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
     raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
   if dtype not in DTYPE_BYTES:
     raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+  if (isinstance(div_value, bool) or not isinstance(div_value, (int, float, np.number)) or
+      not math.isfinite(div_value) or div_value <= 0):
+    raise ValueError(f"div_value must be a positive number, got {div_value!r}")
+  if isinstance(adaptive, str):
+    raise TypeError(f"adaptive must be a list of tails, got {adaptive!r}")
+  for tail in adaptive:
+    if tail not in ADAPTIVE_TAILS:
+      raise ValueError(f"adaptive tails must be of {ADAPTIVE_TAILS}, got {tail!r}")
   if isinstance(machine, dict):
     machine = Machine(**machine)
   machine = machine or Machine.cached()
-  b = DTYPE_BYTES[dtype]
-  slots = OPTIMIZERS[optimizer]
-  lazy = optimizer in ("sgd", "adagrad", "lazy_adam")
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   probs = _probabilities(V, counts)
 
-  def row(method, table_rows, rows_touched, flops, activation_bytes, dense_grad):
-    param = table_rows * (D + 1) * b
-    grad = (table_rows if dense_grad else rows_touched) * (D + 1) * b
-    slot = slots * param
-    peak = param + grad + slot + activation_bytes
-    # Per step: the touched rows read by the forward and the backward, their gradient
-    # written, and the optimizer's read-modify-write of rows and slots (every row when
-    # the update is dense), plus the hidden states and their gradient.
-    updated = rows_touched if (lazy and not dense_grad) else table_rows
-    moved = (2 * rows_touched + (table_rows if dense_grad else rows_touched)) * D * b + \
-        2 * updated * (1 + slots) * D * b + 2 * T * D * b
-    seconds = max(flops / machine.matmul_flops, moved / machine.read_bytes) + \
-        CALLS_PER_STEP * machine.call_seconds
-    per_shard = (param + slot) / num_shards + (grad if num_shards == 1 else 0) + (
-        activation_bytes if num_shards == 1 else 0)
-    budget_bytes = per_shard if num_shards > 1 else peak
-    return {"method": method, "param_bytes": param, "grad_bytes": grad, "slot_bytes": slot,
-            "activation_bytes": activation_bytes, "peak_bytes": peak,
-            "per_shard_bytes": per_shard, "rows_touched": rows_touched, "flops": flops,
-            "bytes_moved": moved, "step_seconds": seconds,
-            "fits": memory_budget is None or budget_bytes <= memory_budget,
-            "exact": method != "sampled softmax"}
+  def row(method, cost, exact=True):
+    return price(method, cost, D, T, optimizer, dtype, machine, memory_budget, num_shards,
+                 exact)
 
-  rows = [row("full softmax", V, V, 6.0 * T * V * D, 3 * T * V * b + 2 * T * D * b, True)]
-  sampled_rows = _distinct(probs, T) + SAMPLED
-  rows.append(row("sampled softmax", V, sampled_rows, 6.0 * T * (SAMPLED + 1) * D,
-                  3 * T * (SAMPLED + 1) * b + 2 * T * D * b, False))
+  rows = [row("full softmax", full_softmax_cost(V, D, T)),
+          row("sampled softmax", sampled_softmax_cost(V, D, T, probs), exact=False)]
   for name, tree in _candidate_trees(V, counts, trees):
-    per_token, touched = _tree_costs(tree, probs, T)
-    # The op keeps the logits of its large nodes for the gradient: one per visit and child.
-    rows.append(row(f"HierarchicalSoftmax {name}", tree.num_slots, touched,
-                    6.0 * T * D * per_token, T * per_token * b + 3 * T * D * b, False))
+    rows.append(row(f"HierarchicalSoftmax {name}", tree_cost(tree, D, T, probs)))
+  if adaptive:
+    chosen = adaptive_cutoffs(V, D, div_value) if cutoffs is None else list(cutoffs)
+    if chosen:
+      for tail in adaptive:
+        rows.append(row(f"AdaptiveSoftmax {tail}, cutoffs {_short_list(chosen)}, div "
+                        f"{div_value:g} (tail widths "
+                        f"{', '.join(map(str, tail_widths(D, len(chosen), div_value)))})",
+                        adaptive_cost(V, D, T, chosen, div_value, tail, counts)))
   exact = [r for r in rows if r["exact"] and r["fits"]]
   if exact:
     best = min(exact, key=lambda r: r["step_seconds"])
@@ -311,6 +504,11 @@ def parse_bytes(text):
 
 def main(argv=None):
   import argparse  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--verify" in argv:
+    from tf_hsm import planner_verify  # pylint: disable=import-outside-toplevel
+    return planner_verify.main([a for a in argv if a != "--verify"])
   parser = argparse.ArgumentParser(prog="python -m tf_hsm.plan",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--classes", type=parse_count, required=True)
@@ -328,6 +526,9 @@ def main(argv=None):
   parser.add_argument("--remeasure", action="store_true",
                       help="measure this machine again instead of using the cached rates")
   parser.add_argument("--json", action="store_true", help="print the report as JSON")
+  parser.add_argument("--verify", action="store_true",
+                      help="run the bench's cases and print predicted beside measured "
+                           "figures (python -m tf_hsm.plan --verify --help)")
   args = parser.parse_args(argv)
   counts = None
   if args.counts:

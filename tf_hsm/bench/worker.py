@@ -3,7 +3,8 @@
 Modes (spec["mode"]):
 * "prepare": build a large tree, save it, count the case's work.
 * "probe": run one method's step once and report its peak RSS (VmHWM, reset after set-up
-  so the set-up's transient peak does not hide the method's).
+  so the set-up's transient peak does not hide the method's), with the RSS before the
+  set-up (start_rss) and after it (baseline_rss).
 * "time": time every given method, interleaved round-robin, plus the machine ceilings.
 
 The result is written as JSON to spec["result_path"]. An out-of-memory error inside
@@ -75,6 +76,9 @@ def prepare(spec):
 def probe(spec):
   from tf_hsm.bench import methods as bm  # pylint: disable=import-outside-toplevel
   method = spec["methods"][0]
+  # The process before the case's tree, inputs and tables (TensorFlow imported): what
+  # the case adds to a process is peak_rss - start_rss.
+  start_rss = status_bytes("VmRSS")
   inputs = bm.CaseInputs(spec, [method])
   gc.collect()
   setup_peak = _peak_rss()
@@ -88,8 +92,9 @@ def probe(spec):
     # The steady state differs from the first step: a sparse update switches the table
     # to copy-on-read, so the second step's plain reads (the baselines') copy it.
     result["second_call_s"] = bm.timed_call(m.step)
-  result.update(status="ok", baseline_rss=baseline, peak_rss=_peak_rss(),
-                setup_peak_rss=setup_peak, peak_reset=reset, info=m.info)
+  result.update(status="ok", start_rss=start_rss, baseline_rss=baseline,
+                peak_rss=_peak_rss(), setup_peak_rss=setup_peak, peak_reset=reset,
+                info=m.info)
   return result
 
 
