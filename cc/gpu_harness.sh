@@ -8,7 +8,7 @@
 #   cc/gpu_harness.sh --time           ... and time the benchmark scenarios
 #   cc/gpu_harness.sh --compile-only   build only (works without a GPU)
 #   cc/gpu_harness.sh --emulate        build with the host compiler and the CUDA emulator
-#                                      (cc/core/gpu_emulation.cuh) and run the same kernels
+#                                      (cc/tests/gpu_emulation.cuh) and run the same kernels
 #                                      on the CPU: correctness, small cases (with --time, a
 #                                      smoke run of the timing code on shrunk scenarios)
 #   cc/gpu_harness.sh --emulate --asan the same under AddressSanitizer and UBSan (catches
@@ -51,7 +51,7 @@ out="${TF_HSM_HARNESS_DIR:-build/gpu_harness}"
 march="${TF_HSM_MARCH:-native}"
 core_cc=(cc/core/*.cc)
 cuda_src=(cc/core/*.cu cc/tests/gpu_harness.cu)
-headers=(cc/core/*.h cc/core/*.cuh)
+headers=(cc/core/*.h cc/core/*.cuh cc/tests/gpu_emulation.cuh)
 
 if [ "$emulate" = 1 ]; then
   cxx="${CXX:-g++}"
@@ -69,7 +69,7 @@ if [ "$emulate" = 1 ]; then
   fi
   objdir="$out/$mode"
   cc_cmd() { "$cxx" "${flags[@]}" -c "$1" -o "$2"; }
-  cu_cmd() { "$cxx" "${flags[@]}" -x c++ -c "$1" -o "$2"; }
+  cu_cmd() { "$cxx" "${flags[@]}" -include cc/tests/gpu_emulation.cuh -x c++ -c "$1" -o "$2"; }
   link_cmd() { "$cxx" "${link_flags[@]}" -o "$1" "${@:2}" -lpthread; }
 else
   nvcc="${TF_HSM_NVCC:-}"

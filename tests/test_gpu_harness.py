@@ -4,7 +4,7 @@ host emulator, so the GPU code is compiled and executed on machines without a GP
 - test_harness_compiles: nvcc builds the kernels (SM 80 and 90), the harness and the CPU
   core it compares against; skipped when nvcc is missing.
 - test_kernels_in_emulator: the same kernel source built by the host compiler with
-  cc/core/gpu_emulation.cuh (every CUDA thread a fiber) and checked against the CPU core
+  cc/tests/gpu_emulation.cuh (every CUDA thread a fiber) and checked against the CPU core
   on the quick cases, under three thread schedules; needs only g++.
 - test_host_plans_without_gpu: --plan-only, the host side of a call timed at full size.
 - test_timing_code_in_emulator: --time-only on shrunk scenarios, training and inference.

@@ -1,5 +1,5 @@
 // The few CUDA constructs the tf_hsm GPU kernels use, behind names that also compile for
-// the host emulator (cc/core/gpu_emulation.cuh, selected by -DTF_HSM_GPU_EMULATE).
+// the host emulator (cc/tests/gpu_emulation.cuh, selected by -DTF_HSM_GPU_EMULATE).
 //
 // The kernels never spell threadIdx, __syncthreads, __shfl_* or <<<>>> directly; they use
 // ThreadX(), SyncThreads(), ShflXor() and Launch() from here. Built by nvcc these are the
@@ -13,7 +13,11 @@
 #include <cstdint>
 
 #ifdef TF_HSM_GPU_EMULATE
-#include "cc/core/gpu_emulation.cuh"
+// The emulator is test code: the harness's build includes it before each CUDA source
+// (-include), so that the library's sources never name a file of the tests.
+#ifndef TF_HSM_CC_TESTS_GPU_EMULATION_CUH_
+#error "TF_HSM_GPU_EMULATE needs -include cc/tests/gpu_emulation.cuh (cc/gpu_harness.sh --emulate)"
+#endif
 #define TF_HSM_GLOBAL
 #define TF_HSM_DEVICE inline
 #define TF_HSM_HOST_DEVICE inline

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cc/core/gpu_common.cuh"
 #include "cc/core/gpu_compat.cuh"
 #include "cc/core/gpu_tile.cuh"
 
@@ -18,13 +19,7 @@ namespace gpu {
 namespace {
 
 constexpr int kThreads = 256;  // every kernel of this file; a power of two
-#ifdef TF_HSM_GPU_EMULATE
-constexpr int64 kMaxBlocks = 5;  // so that the emulator exercises the grid-stride loops
-#else
-constexpr int64 kMaxBlocks = int64{1} << 20;
-#endif
 constexpr int64 kMaxSampleBlocks = kMaxBlocks < 4096 ? kMaxBlocks : 4096;
-constexpr int64 kAlign = 256;  // workspace sub-buffer alignment (bytes)
 constexpr int kWarpsPerBlock = kThreads / kWarpSize;
 // The logits tiles: 16, 32 or 64 rows (the fewest that hold the wave's) x 64 slots.
 using NarrowTile = TileConfig<16, 64, 16, 1, 4>;
@@ -81,15 +76,6 @@ struct Args {
   T* zvalues;      // [wave rows, num_zslots]: the logits
   T* scratch;      // Sample: [blocks, max_branching]
 };
-
-// z = w . h (+ b): one fma chain over d in order, then the bias.
-template <typename T>
-TF_HSM_DEVICE T ChainDot(const T* h, const T* w, int64 dim, const T* bias) {
-  T s = T(0);
-  for (int64 d = 0; d < dim; ++d) s = Fma(h[d], w[d], s);
-  if (bias != nullptr) s += *bias;
-  return s;
-}
 
 // Folds z into a running (max, sum of exp(z - max)). NaN makes the sum NaN (the max ignores
 // it); -inf adds nothing; +inf makes the sum NaN, as in the CPU core.
@@ -487,17 +473,6 @@ TF_HSM_GLOBAL void TopKSelectKernel(const T* all, int64 C, int64 k, int64 num_no
 
 // ---- Host side ---------------------------------------------------------------------------
 
-std::string CudaMessage(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return "";
-  return std::string("CUDA error in ") + what + ": " + cudaGetErrorString(err);
-}
-
-#define TF_HSM_RETURN_IF_CUDA_ERROR(call, what)           \
-  do {                                                    \
-    const std::string message_ = CudaMessage(call, what); \
-    if (!message_.empty()) return message_;               \
-  } while (0)
-
 // Checks the whole tree (every node's non-empty slot range, every child code, each class
 // and each non-root node the child of exactly one node, child nodes numbered after their
 // parent) and returns each node's parent (-1 for the root) and each class's node.
@@ -539,12 +514,6 @@ std::string CheckTree(const TreeView& t, std::vector<int64>* parent, std::vector
     if ((*parent)[m] < 0) return Message("malformed tree: node ", m, " is no node's child");
   }
   return "";
-}
-
-int64 Reserve(int64* cursor, int64 bytes) {
-  const int64 at = *cursor;
-  *cursor += (bytes + kAlign - 1) / kAlign * kAlign;
-  return at;
 }
 
 // The tables ChildTablesKernel builds.
@@ -660,19 +629,11 @@ std::string PrepareCommon(const TreeView& tree, int64 num_rows, int64 dim, bool 
 
 std::string CheckCall(const GpuInferencePlan& plan, GpuInferencePlan::Mode mode,
                       int64 value_bytes, int64 dim, bool has_bias, const void* workspace) {
-  if (plan.mode != mode) {
-    static const char* kNeeds[] = {"LogProbAllGpu needs a plan from PrepareLogProbAllGpu",
-                                   "SampleGpu needs a plan from PrepareSampleGpu",
-                                   "TopKGpu needs a plan from PrepareTopKGpu"};
-    return kNeeds[static_cast<int>(mode)];
-  }
-  if (plan.value_bytes != value_bytes) return "the plan was prepared for another value type";
-  if (plan.dim != dim) return "the plan was prepared for another hidden size";
-  if (plan.has_bias != has_bias) return "the plan was prepared with a different bias setting";
-  if (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 16 != 0) {
-    return "the workspace must be a 16-byte aligned device buffer";
-  }
-  return "";
+  static const char* kNeeds[] = {"LogProbAllGpu needs a plan from PrepareLogProbAllGpu",
+                                 "SampleGpu needs a plan from PrepareSampleGpu",
+                                 "TopKGpu needs a plan from PrepareTopKGpu"};
+  return CheckPlanCall(plan, mode, kNeeds[static_cast<int>(mode)], value_bytes, dim, has_bias,
+                       workspace, true);
 }
 
 template <typename T>
@@ -704,21 +665,13 @@ Args<T> MakeArgs(const GpuInferencePlan& plan, const SoftmaxParams<T>& p, void* 
   return a;
 }
 
-std::string Upload(const GpuInferencePlan& plan, void* workspace, cudaStream_t stream) {
-  TF_HSM_RETURN_IF_CUDA_ERROR(
-      cudaMemcpyAsync(workspace, plan.staging.data(), plan.staging.size() * sizeof(int64),
-                      cudaMemcpyHostToDevice, stream),
-      "uploading the tree");
-  return "";
-}
-
 // The workspace's class and node tables (ChildTablesKernel), once per call.
 std::string BuildChildTables(const GpuInferencePlan& plan, void* workspace, cudaStream_t stream) {
   char* base = static_cast<char*>(workspace);
   auto at = [base](int64 offset) { return reinterpret_cast<int64*>(base + offset); };
   TF_HSM_RETURN_IF_CUDA_ERROR(
-      Launch(&ChildTablesKernel, Min64(CeilDiv(plan.num_zslots, kThreads), kMaxBlocks), kThreads,
-             stream, static_cast<const int64*>(at(plan.child_begin)),
+      Launch(&ChildTablesKernel, Blocks(plan.num_zslots, kThreads), kThreads, stream,
+             static_cast<const int64*>(at(plan.child_begin)),
              static_cast<const int64*>(at(plan.slot_child)),
              static_cast<const int64*>(at(plan.nodes)), static_cast<const int64*>(at(plan.zbegin)),
              static_cast<const int64*>(at(plan.position)), plan.num_zslots, plan.num_positions,
@@ -733,9 +686,9 @@ template <typename T, class C>
 std::string LaunchSlotLogits(const GpuInferencePlan& plan, const Args<T>& a, int64 r0, int64 nr,
                              cudaStream_t stream) {
   const int64 tiles = CeilDiv(nr, C::BM) * CeilDiv(plan.num_zslots, C::BN);
-  TF_HSM_RETURN_IF_CUDA_ERROR(Launch(&SlotLogitsKernel<T, C>, Min64(tiles, kMaxBlocks), kThreads,
-                                     stream, a, r0, nr),
-                              "SlotLogitsKernel");
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      Launch(&SlotLogitsKernel<T, C>, Blocks(tiles, 1), kThreads, stream, a, r0, nr),
+      "SlotLogitsKernel");
   return "";
 }
 
@@ -767,14 +720,14 @@ std::string RunLogProbAllWave(const GpuInferencePlan& plan, const Args<T>& a, in
     const int lanes = plan.segment_lanes[r];
     const int64 warps = CeilDiv(size * nr, kWarpSize / lanes);
     TF_HSM_RETURN_IF_CUDA_ERROR(
-        Launch(&NormalizeNodesKernel<T>, Min64(CeilDiv(warps, kWarpsPerBlock), kMaxBlocks),
-               kThreads, stream, a, plan.segment_begin[r], size, lanes, nr),
+        Launch(&NormalizeNodesKernel<T>, Blocks(warps, kWarpsPerBlock), kThreads, stream, a,
+               plan.segment_begin[r], size, lanes, nr),
         "NormalizeNodesKernel");
   }
   const int64 width = plan.class_end - plan.class_begin;
   TF_HSM_RETURN_IF_CUDA_ERROR(
-      Launch(&ClassValuesKernel<T>, Min64(CeilDiv(nr * width, kThreads), kMaxBlocks), kThreads,
-             stream, a, nr, out, out_ld),
+      Launch(&ClassValuesKernel<T>, Blocks(nr * width, kThreads), kThreads, stream, a, nr,
+             out, out_ld),
       "ClassValuesKernel");
   return "";
 }
@@ -810,7 +763,7 @@ std::string LogProbAllGpu(const GpuInferencePlan& plan, const SoftmaxParams<T>& 
   if (!err.empty()) return err;
   const int64 width = plan.class_end - plan.class_begin;
   if (plan.num_rows == 0 || width == 0) return "";
-  err = Upload(plan, workspace, stream);
+  err = UploadStaging(plan.staging, workspace, stream, "uploading the tree");
   if (err.empty()) err = BuildChildTables(plan, workspace, stream);
   if (!err.empty()) return err;
   const Args<T> a = MakeArgs(plan, p, workspace);
@@ -847,7 +800,7 @@ std::string SampleGpu(const GpuInferencePlan& plan, const SoftmaxParams<T>& p,
   std::string err = CheckCall(plan, GpuInferencePlan::kSample, sizeof(T), p.dim,
                               p.biases != nullptr, workspace);
   if (!err.empty() || plan.num_rows == 0) return err;
-  err = Upload(plan, workspace, stream);
+  err = UploadStaging(plan.staging, workspace, stream, "uploading the tree");
   if (!err.empty()) return err;
   const Args<T> a = MakeArgs(plan, p, workspace);
   TF_HSM_RETURN_IF_CUDA_ERROR(Launch(&SampleKernel<T>, plan.sample_blocks, kThreads, stream, a,
@@ -898,7 +851,7 @@ std::string TopKGpu(const GpuInferencePlan& plan, const SoftmaxParams<T>& p, T* 
   std::string err = CheckCall(plan, GpuInferencePlan::kTopK, sizeof(T), p.dim,
                               p.biases != nullptr, workspace);
   if (!err.empty() || plan.num_rows == 0) return err;
-  err = Upload(plan, workspace, stream);
+  err = UploadStaging(plan.staging, workspace, stream, "uploading the tree");
   if (err.empty()) err = BuildChildTables(plan, workspace, stream);
   if (!err.empty()) return err;
   const Args<T> a = MakeArgs(plan, p, workspace);
@@ -910,7 +863,7 @@ std::string TopKGpu(const GpuInferencePlan& plan, const SoftmaxParams<T>& p, T* 
     err = RunLogProbAllWave<T>(plan, a, r0, nr, all, C, stream);
     if (!err.empty()) return err;
     if (k > kMaxChunkedK) {
-      TF_HSM_RETURN_IF_CUDA_ERROR(Launch(&TopKSelectKernel<T>, Min64(nr, kMaxBlocks), kThreads,
+      TF_HSM_RETURN_IF_CUDA_ERROR(Launch(&TopKSelectKernel<T>, Blocks(nr, 1), kThreads,
                                          stream, static_cast<const T*>(all), C, k,
                                          plan.num_nodes, r0, nr, log_probs, classes,
                                          num_expanded),
@@ -925,7 +878,7 @@ std::string TopKGpu(const GpuInferencePlan& plan, const SoftmaxParams<T>& p, T* 
       const int64 chunks = CeilDiv(n, kSelectChunk);
       if (chunks == 1) {
         TF_HSM_RETURN_IF_CUDA_ERROR(
-            Launch(&TopKChunkKernel<T>, Min64(nr, kMaxBlocks), kThreads, stream, in_values,
+            Launch(&TopKChunkKernel<T>, Blocks(nr, 1), kThreads, stream, in_values,
                    in_ids, n, n, nr, k, log_probs + r0 * k,
                    classes + r0 * k, k, num_expanded + r0, plan.num_nodes),
             "TopKChunkKernel");
@@ -934,7 +887,7 @@ std::string TopKGpu(const GpuInferencePlan& plan, const SoftmaxParams<T>& p, T* 
       T* out_values = reinterpret_cast<T*>(base + plan.candidate_values[step % 2]);
       int64* out_ids = reinterpret_cast<int64*>(base + plan.candidate_ids[step % 2]);
       TF_HSM_RETURN_IF_CUDA_ERROR(
-          Launch(&TopKChunkKernel<T>, Min64(nr * chunks, kMaxBlocks), kThreads, stream,
+          Launch(&TopKChunkKernel<T>, Blocks(nr * chunks, 1), kThreads, stream,
                  in_values, in_ids, n, n, nr, k, out_values, out_ids,
                  chunks * k, static_cast<int64*>(nullptr), plan.num_nodes),
           "TopKChunkKernel");

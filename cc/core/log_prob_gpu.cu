@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cc/core/gpu_common.cuh"
 #include "cc/core/gpu_compat.cuh"
 #include "cc/core/gpu_tile.cuh"
 
@@ -34,12 +35,6 @@ constexpr int64 kNarrowTokens = 16;
 constexpr int64 kWarpGradTokens = 16;
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / kWarpSize;
-#ifdef TF_HSM_GPU_EMULATE
-constexpr int64 kMaxBlocks = 5;  // so that the emulator exercises the grid-stride loops
-#else
-constexpr int64 kMaxBlocks = int64{1} << 20;  // grid-stride loops beyond this
-#endif
-constexpr int64 kAlign = 256;                 // workspace sub-buffer alignment (bytes)
 // Blocks per SM the tiled kernels are compiled for. In float32, tiles of at most 16 x 64
 // outputs get four (at most 64 registers a thread): they stream weight rows for few tokens,
 // and only more blocks keep enough loads in flight; 64 x 64 tiles get two (128 registers).
@@ -225,16 +220,6 @@ TF_HSM_DEVICE T WarpDot(const T* h, const T* w, int64 dim, const T* bias, int la
   T s = T(0);
   for (int64 d = lane; d < dim; d += kWarpSize) s = Fma(h[d], w[d], s);
   s = GroupSum<kWarpSize>(s);
-  if (bias != nullptr) s += *bias;
-  return s;
-}
-
-// z = w . h (+ b) for a tiled node's child, as the tile product computes it: one chain
-// over d in order from zero, then the bias.
-template <typename T>
-TF_HSM_DEVICE T ChainDot(const T* h, const T* w, int64 dim, const T* bias) {
-  T s = T(0);
-  for (int64 d = 0; d < dim; ++d) s = Fma(h[d], w[d], s);
   if (bias != nullptr) s += *bias;
   return s;
 }
@@ -537,21 +522,6 @@ TF_HSM_GLOBAL void RowIdsKernel(const int64* group_row, const int64* group_first
 
 // ---- Host side ---------------------------------------------------------------------------
 
-int64 Blocks(int64 work, int64 per_block) {
-  return Min64(CeilDiv(work, per_block), kMaxBlocks);
-}
-
-std::string CudaMessage(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return "";
-  return std::string("CUDA error in ") + what + ": " + cudaGetErrorString(err);
-}
-
-#define TF_HSM_RETURN_IF_CUDA_ERROR(call, what)          \
-  do {                                                   \
-    const std::string message_ = CudaMessage(call, what); \
-    if (!message_.empty()) return message_;              \
-  } while (0)
-
 template <typename T>
 Args<T> MakeArgs(const GpuLogProbPlan& plan, const SoftmaxParams<T>& p, void* workspace) {
   char* base = static_cast<char*>(workspace);
@@ -584,31 +554,12 @@ Args<T> MakeArgs(const GpuLogProbPlan& plan, const SoftmaxParams<T>& p, void* wo
 
 std::string CheckCall(const GpuLogProbPlan& plan, GpuLogProbPlan::Mode mode, int64 value_bytes,
                       int64 dim, bool has_bias, const void* workspace) {
-  if (plan.mode != mode) {
-    static const char* kNeeds[] = {
-        "LogProbForwardGpu needs a plan from PrepareLogProbGpu with backward = false",
-        "LogProbBackwardGpu needs a plan from PrepareLogProbGpu with backward = true",
-        "LogProbCandidatesGpu needs a plan from PrepareLogProbCandidatesGpu"};
-    return kNeeds[static_cast<int>(mode)];
-  }
-  if (plan.value_bytes != value_bytes) return "the plan was prepared for another value type";
-  if (plan.dim != dim) return "the plan was prepared for another hidden size";
-  if (plan.has_bias != has_bias) return "the plan was prepared with a different bias setting";
-  if (plan.num_tokens > 0 &&
-      (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 16 != 0)) {
-    return "the workspace must be a 16-byte aligned device buffer";
-  }
-  return "";
-}
-
-std::string Upload(const GpuLogProbPlan& plan, void* workspace, cudaStream_t stream) {
-  // From pageable memory: the call returns once the data is staged, so the plan may be
-  // destroyed right after.
-  TF_HSM_RETURN_IF_CUDA_ERROR(
-      cudaMemcpyAsync(workspace, plan.staging.data(), plan.staging.size() * sizeof(int64),
-                      cudaMemcpyHostToDevice, stream),
-      "uploading the work lists");
-  return "";
+  static const char* kNeeds[] = {
+      "LogProbForwardGpu needs a plan from PrepareLogProbGpu with backward = false",
+      "LogProbBackwardGpu needs a plan from PrepareLogProbGpu with backward = true",
+      "LogProbCandidatesGpu needs a plan from PrepareLogProbCandidatesGpu"};
+  return CheckPlanCall(plan, mode, kNeeds[static_cast<int>(mode)], value_bytes, dim, has_bias,
+                       workspace, plan.num_tokens > 0);
 }
 
 template <typename T, bool kStore>
@@ -823,11 +774,7 @@ std::string BuildWork(const VisitPlan& plan, const TreeView& tree, int64 dim, bo
 
   // Workspace layout: the uploaded arrays first, then the device-only scratch.
   int64 cursor = 0;
-  auto reserve = [&cursor](int64 bytes) {
-    const int64 at = cursor;
-    cursor += (bytes + kAlign - 1) / kAlign * kAlign;
-    return at;
-  };
+  auto reserve = [&cursor](int64 bytes) { return Reserve(&cursor, bytes); };
   const int64 w = sizeof(int64);
   gp.slices = reserve(gp.num_slices * kSliceWords * w);
   gp.items = reserve(static_cast<int64>(items.size()) * kItemWords * w);
@@ -913,7 +860,7 @@ std::string LogProbCandidatesGpu(const GpuLogProbPlan& plan, const SoftmaxParams
   std::string err = CheckCall(plan, GpuLogProbPlan::kCandidates, sizeof(T), p.dim,
                               p.biases != nullptr, workspace);
   if (!err.empty() || plan.num_tokens == 0) return err;
-  err = Upload(plan, workspace, stream);
+  err = UploadStaging(plan.staging, workspace, stream, "uploading the work lists");
   if (!err.empty()) return err;
   Args<T> a = MakeArgs(plan, p, workspace);
   a.log_prob = out;
@@ -935,7 +882,7 @@ std::string LogProbForwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T>
   std::string err =
       CheckCall(plan, GpuLogProbPlan::kForward, sizeof(T), p.dim, p.biases != nullptr, workspace);
   if (!err.empty() || plan.num_tokens == 0) return err;
-  err = Upload(plan, workspace, stream);
+  err = UploadStaging(plan.staging, workspace, stream, "uploading the work lists");
   if (!err.empty()) return err;
   Args<T> a = MakeArgs(plan, p, workspace);
   a.log_prob = log_prob;
@@ -961,7 +908,7 @@ std::string LogProbBackwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T
   if ((grads.bias_rows != nullptr) != plan.has_bias) {
     return "bias_rows must be given exactly when there are biases";
   }
-  err = Upload(plan, workspace, stream);
+  err = UploadStaging(plan.staging, workspace, stream, "uploading the work lists");
   if (!err.empty()) return err;
   Args<T> a = MakeArgs(plan, p, workspace);
   a.upstream = upstream;

@@ -19,7 +19,17 @@
 #include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/util/work_sharder.h"
 
+namespace Eigen {
+struct GpuDevice;
+}  // namespace Eigen
+
 namespace tf_hsm {
+
+// The devices the kernels are templated on, as TensorFlow names them. GpuDevice is only
+// declared here: its definition needs EIGEN_USE_GPU and the CUDA headers, and a kernel
+// needs no more than its name to be templated on it.
+using CPUDevice = ::Eigen::ThreadPoolDevice;
+using GPUDevice = ::Eigen::GpuDevice;
 
 // The dense softmax inputs (hidden, weights, biases at inputs 0..2) after validation.
 struct SoftmaxInputs {

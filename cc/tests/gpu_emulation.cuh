@@ -1,7 +1,7 @@
 // A host emulator for the subset of CUDA that tf_hsm's kernels use, so that the kernels
 // (the same source nvcc compiles) can be executed and checked on a machine without a GPU.
-// Included by gpu_compat.cuh when TF_HSM_GPU_EMULATE is defined; never part of the op
-// library.
+// Test code, never part of the op library: cc/gpu_harness.sh --emulate puts it before
+// every CUDA source (-include), and cc/core/gpu_compat.cuh maps the kernels' names onto it.
 //
 // Model: blocks run one after another on the calling thread; inside a block every CUDA
 // thread is a fiber with its own stack (started with makecontext/setcontext, then switched
@@ -20,8 +20,8 @@
 //
 // Also provides the runtime API calls the kernels' host code and the harness use
 // (cudaMalloc on the host heap, synchronous copies, events on a steady clock).
-#ifndef TF_HSM_CC_CORE_GPU_EMULATION_CUH_
-#define TF_HSM_CC_CORE_GPU_EMULATION_CUH_
+#ifndef TF_HSM_CC_TESTS_GPU_EMULATION_CUH_
+#define TF_HSM_CC_TESTS_GPU_EMULATION_CUH_
 
 #if defined(_FORTIFY_SOURCE) && _FORTIFY_SOURCE > 0 && defined(__OPTIMIZE__)
 #error "build the emulator with -U_FORTIFY_SOURCE: its fibers longjmp between stacks"
@@ -351,4 +351,4 @@ inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_
   return cudaSuccess;
 }
 
-#endif  // TF_HSM_CC_CORE_GPU_EMULATION_CUH_
+#endif  // TF_HSM_CC_TESTS_GPU_EMULATION_CUH_
