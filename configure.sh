@@ -138,8 +138,9 @@ printf 'march=%s\nfeatures=%s\ntensorflow=%s\n' "$march" "${features% }" "$tf_ve
   > tf_hsm/_hsm_ops.cpu
 
 # --- CUDA kernels (opt-in) ---------------------------------------------------------------
-# TF_HSM_CUDA=1 also compiles the GPU kernels (cc/core/*.cu, cc/kernels/*_gpu.cc) and
-# installs the CPU+GPU library //cc:_hsm_ops_gpu.so as tf_hsm/_hsm_ops.so. Unset or 0: the
+# TF_HSM_CUDA=1 also compiles the CUDA core (cc/core/*.cu) and every kernel file with
+# GOOGLE_CUDA (the GPU functors in cc/kernels/*_gpu.cc, the GPU registrations), and installs
+# the CPU+GPU library //cc:_hsm_ops_gpu.so as tf_hsm/_hsm_ops.so. Unset or 0: the
 # CPU-only library above. Opt-in because the GPU kernels can only be run where a GPU and a
 # GPU TensorFlow are (this project's build machines have neither; the CUDA core is checked
 # there with cc/gpu_harness.sh --emulate and on GPU machines with cc/gpu_harness.sh).
