@@ -117,12 +117,12 @@ def test_adaptive_rows_from_the_layers_structure():
   assert tree["flops"] < flat["flops"]
 
 
-def test_adaptive_cutoffs_rule():
-  assert planner.adaptive_cutoffs(100_000, 512) == [2000, 20000]
-  assert planner.adaptive_cutoffs(1_000_000, 300) == [2000, 20000, 200000]
-  assert planner.adaptive_cutoffs(10_000_000, 300) == [2000, 20000, 200000, 2000000]
-  assert planner.adaptive_cutoffs(1_000_000, 16) == [2000, 20000]  # 16 // 4**3 == 0
-  assert planner.adaptive_cutoffs(1000, 64) == [125, 500]
+def test_pytorch_cutoffs_rule():
+  assert planner.pytorch_cutoffs(100_000, 512) == [2000, 20000]
+  assert planner.pytorch_cutoffs(1_000_000, 300) == [2000, 20000, 200000]
+  assert planner.pytorch_cutoffs(10_000_000, 300) == [2000, 20000, 200000, 2000000]
+  assert planner.pytorch_cutoffs(1_000_000, 16) == [2000, 20000]  # 16 // 4**3 == 0
+  assert planner.pytorch_cutoffs(1000, 64) == [125, 500]
   with pytest.raises(ValueError, match="div_value"):
     tf_hsm.plan(1000, 16, 8, machine=MACHINE, div_value="4")
   with pytest.raises(ValueError, match="adaptive"):
@@ -167,3 +167,20 @@ def test_verify_quick_measures_near_the_prediction():
   assert abs(tf_hsm_row["measured_peak"] - tf_hsm_row["predicted_peak"]) < 100e6
   assert "| quick: V=50,000 D=128 T=512 two_level | full_softmax |" in \
       planner_verify.markdown(report)
+
+
+def test_adaptive_rows_at_the_chosen_cutoffs():
+  """Without cutoffs=, each tail's row is at the cutoffs choose_cutoffs picks for the
+  plan's step, optimizer and machine, and a flat row at PyTorch-style cutoffs, on the
+  search's grid, is no faster than the chosen flat one."""
+  counts = 1.0 / np.arange(1, 100_001)
+  report = tf_hsm.plan(100_000, 300, 640, counts=counts, optimizer="lazy_adam",
+                       machine=MACHINE, trees=())
+  for tail in ("flat", "two_level"):
+    chosen = tf_hsm.AdaptiveSoftmax.choose_cutoffs(counts, 300, 640, tail=tail,
+                                                   machine=MACHINE, optimizer="lazy_adam")
+    row = _row(report, f"AdaptiveSoftmax {tail}, chosen cutoffs")
+    assert row["method"].startswith(
+        f"AdaptiveSoftmax {tail}, chosen cutoffs [{', '.join(f'{c:,}' for c in chosen)}]")
+  fixed = _row(report, "AdaptiveSoftmax flat, PyTorch-style fixed cutoffs [2,000, 20,000]")
+  assert _row(report, "AdaptiveSoftmax flat, chosen")["step_seconds"] <= fixed["step_seconds"]

@@ -1,35 +1,25 @@
-"""Cutoffs for `AdaptiveSoftmax` that minimise a cost model of the training step, as
-Grave et al. ("Efficient softmax approximation for GPUs") choose them with a dynamic
-program, here with the rates of the machine the step runs on (`tf_hsm.planner.Machine`).
+"""Cutoffs for `AdaptiveSoftmax` that minimise the step time `tf_hsm.planner` gives the
+layer, as Grave et al. ("Efficient softmax approximation for GPUs") choose them with a
+dynamic program, here with the rates of the machine the step runs on
+(`tf_hsm.planner.Machine`).
 
-The step is the layer's forward and backward pass over T tokens whose targets follow the
-class frequencies `counts`. Each tier (the head, then cluster i) costs
+The step is the one `tf_hsm.planner.adaptive_cost` describes and `tf_hsm.planner.price`
+times: the layer's forward and backward pass over T tokens whose targets follow the
+class frequencies `counts`, and the optimizer's update. Its time is
 
-    FLOPs / matmul rate + bytes / read bandwidth + one call overhead
+    max(F, B) + S
 
-and the step costs the sum over tiers (a tier's matmuls and its cross-entropy run one
-after the other, so their times add). With p the normalised counts, cluster i holding
-the classes [a, b) at width d_i = int(D // div_value**(i + 1)) and t_i = T * p[a:b].sum()
-expected tokens (the head sees all T and scores h = cutoffs[0] classes plus one token
-per cluster at width D):
-
-    head:       FLOPs 6 T (h + k) D
-                bytes 4 [3 (h + k) D  +  4 T (h + k)]
-    flat tail:  FLOPs 6 t D d  +  6 t n d                      (n = b - a)
-                bytes 4 [3 D d  +  3 n d  +  4 t n]
-    tree tail:  FLOPs 6 t D d  +  6 t (2 sqrt n) d
-                bytes 4 [3 D d  +  3 r (d + 1)  +  4 t (2 sqrt n)]
-
-6 = 2 FLOPs a multiply-add times three matmuls (the logits, their gradient with respect
-to the input, and with respect to the weights). A table is read by the forward, read
-again by the backward and its gradient written (3 passes); dense for the head and flat
-tails, only the r touched rows for tree tails, where r = K + n (1 - (1 - 1/K)^t) for the
-K = sqrt(n) equal-mass clusters of `Tree.two_level` (its K root rows are always read; a
-cluster's rows when one of the t tokens falls in it). Logits are written, read by the
-cross-entropy, their gradient written and read by the backward matmuls (4 passes). A
-tree tail scores about 2 sqrt(n) rows a token (K at the root, n / K in the cluster),
-which K = sqrt(n) minimises; that is `Tree.two_level`'s branching, so only the cutoffs
-are searched.
+with F the FLOPs over the matmul rate, B the bytes moved over the read bandwidth and S
+the softmax cross-entropy's and the calls' seconds, each a sum over the tiers (the head,
+then each cluster; `tf_hsm.planner.step_terms` of `adaptive_head_cost` and
+`adaptive_cluster_cost`). A sum over tiers is what a dynamic program minimises; the max
+is not. So the search minimises lambda F + (1 - lambda) B + S, which is a sum over tiers
+and never more than the step time, exactly for each lambda, and moves lambda by
+bisection towards the one whose cheapest layout has F = B: the cheapest layout for
+lambda = 1 whose F is at least its B (or for lambda = 0 whose B is at least its F, or
+any whose F = B) is the least step time there is. When no lambda gives such a layout
+the answer is the fastest of the layouts the lambdas gave, which can miss a layout that
+no weighting makes cheapest.
 
 The model prices speed only. Left alone it trades accuracy it cannot see for time: its
 cheapest head holds a handful of classes (every token pays the head's full width D,
@@ -42,10 +32,9 @@ many classes as the tier before it, and no cluster is narrower than `min_width` 
 the narrowest tier of PyTorch's usual [2000, 20000, 200000] at D=300), which caps the
 number of clusters.
 
-The search runs a dynamic program over a grid of candidate cut points (about
-`points_per_decade` a decade, at two significant figures) for each number of clusters
-from 1 to `max_clusters`, and keeps the cheapest; for a number of clusters it is exact
-on the grid. Ties go to the smaller cut points, then to fewer clusters.
+The dynamic program runs over a grid of candidate cut points (about `points_per_decade`
+a decade, at two significant figures) for each number of clusters from 1 to
+`max_clusters`. Ties go to fewer clusters, then to the smaller cut points.
 """
 
 import math
@@ -53,11 +42,9 @@ import numbers
 
 import numpy as np
 
-BYTES = 4  # float32 tables, activations and gradients
-TABLE_PASSES = 3  # read by the forward, read by the backward, gradient written
-LOGIT_PASSES = 4  # written, read by the cross-entropy, gradient written, read back
-MATMULS = 3  # forward, gradient of the input, gradient of the weights
 TAILS = ("flat", "two_level")
+# Halvings of the weight of FLOPs against bytes: it ends within 2^-20 of the balance.
+BISECTIONS = 20
 
 
 def checked_counts(counts, num_classes=None):
@@ -97,7 +84,15 @@ def _positive_int(name, value):
   return int(value)
 
 
-def _checked(dim, tokens_per_step, div_value, tail, machine):
+def _planner():
+  # tf_hsm.planner imports tf_hsm.adaptive, which imports this module: the planner is
+  # imported when first needed, after both are loaded.
+  from tf_hsm import planner  # pylint: disable=import-outside-toplevel
+  return planner
+
+
+def _checked(dim, tokens_per_step, div_value, tail, machine, optimizer, dtype):
+  planner = _planner()
   dim = _positive_int("dim", dim)
   tokens = _positive_int("tokens_per_step", tokens_per_step)
   if (isinstance(div_value, bool) or not isinstance(div_value, numbers.Real) or
@@ -105,59 +100,26 @@ def _checked(dim, tokens_per_step, div_value, tail, machine):
     raise ValueError(f"div_value must be a positive finite number, got {div_value!r}")
   if tail not in TAILS:
     raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
-  from tf_hsm.planner import Machine  # pylint: disable=import-outside-toplevel
+  if optimizer not in planner.OPTIMIZERS:
+    raise ValueError(f"optimizer must be one of {sorted(planner.OPTIMIZERS)}, got "
+                     f"{optimizer!r}")
+  if dtype not in planner.DTYPE_BYTES:
+    raise ValueError(f"dtype must be one of {sorted(planner.DTYPE_BYTES)}, got {dtype!r}")
   if isinstance(machine, dict):
-    machine = Machine(**machine)
+    machine = planner.Machine(**machine)
   if machine is None:
-    machine = Machine.cached()
-  if not isinstance(machine, Machine):
+    machine = planner.Machine.cached()
+  if not isinstance(machine, planner.Machine):
     raise TypeError(f"machine must be a tf_hsm.planner.Machine or a dict of its fields, "
                     f"got {type(machine).__name__}")
   return dim, tokens, float(div_value), machine
 
 
-def _widths(dim, count, div_value):
-  return [int(dim // (div_value ** (i + 1))) for i in range(count)]
-
-
-def _seconds(flops, moved, calls, machine):
-  return flops / machine.matmul_flops + moved / machine.read_bytes + \
-      calls * machine.call_seconds
-
-
-def _head(classes, dim, tokens):
-  """(FLOPs, bytes) of the head: `classes` rows at width `dim`, every token."""
-  flops = 2.0 * MATMULS * tokens * classes * dim
-  moved = BYTES * (TABLE_PASSES * classes * dim + LOGIT_PASSES * tokens * classes)
-  return flops, moved
-
-
-def _tail(size, tokens, dim, width, tail):
-  """(FLOPs, bytes) of a cluster of `size` classes reached by `tokens` expected tokens
-  (NumPy arrays broadcast)."""
-  size = np.asarray(size, np.float64)
-  tokens = np.asarray(tokens, np.float64)
-  projection_flops = 2.0 * MATMULS * tokens * dim * width
-  projection_bytes = BYTES * TABLE_PASSES * dim * width
-  if tail == "flat":
-    flops = projection_flops + 2.0 * MATMULS * tokens * size * width
-    moved = projection_bytes + BYTES * (TABLE_PASSES * size * width +
-                                        LOGIT_PASSES * tokens * size)
-    return flops, moved
-  groups = np.sqrt(size)
-  scored = 2.0 * groups  # rows a token scores: the root's groups, then its group's classes
-  touched = groups + size * -np.expm1(tokens * np.log1p(-np.minimum(1.0 / groups,
-                                                                   1.0 - 1e-16)))
-  touched = np.minimum(touched, groups + size)
-  flops = projection_flops + 2.0 * MATMULS * tokens * scored * width
-  moved = projection_bytes + BYTES * (TABLE_PASSES * touched * (width + 1) +
-                                      LOGIT_PASSES * tokens * scored)
-  return flops, moved
-
-
 def step_cost(counts, cutoffs, dim, tokens_per_step, div_value=4.0, tail="flat",
-              machine=None):
-  """The cost model's figures for one forward+backward step of an `AdaptiveSoftmax`.
+              machine=None, optimizer="sgd", dtype="float32", head_bias=False):
+  """The planner's row for one training step of an `AdaptiveSoftmax` at `cutoffs`:
+  `tf_hsm.planner.price` of `tf_hsm.planner.adaptive_cost`, the figures `choose_cutoffs`
+  minimises (`step_seconds`).
 
   Args:
     counts: class frequencies `[num_classes]`, non-increasing (class ids sorted by
@@ -169,45 +131,23 @@ def step_cost(counts, cutoffs, dim, tokens_per_step, div_value=4.0, tail="flat",
     tail: "flat" or "two_level".
     machine: a `tf_hsm.planner.Machine` (or a dict of its fields); default: this
       machine's rates, measured once and cached.
+    optimizer, dtype: the table's, as `tf_hsm.plan` takes them.
+    head_bias: whether the head has a bias.
 
   Returns:
-    A dict: `seconds`, `flops`, `bytes` for the step and `tiers`, one dict per tier
-    (head first) with `classes`, `width`, `tokens`, `flops`, `bytes`, `seconds`.
+    A dict, a planner row: `step_seconds`, `flops`, `bytes_moved`, `peak_bytes`, ...
 
   Raises:
     ValueError: for invalid arguments; the message names the argument.
   """
   counts = checked_counts(counts)
   dim, tokens, div_value, machine = _checked(dim, tokens_per_step, div_value, tail,
-                                             machine)
-  num_classes = counts.size
-  cutoffs = [int(c) for c in cutoffs]
-  if (not cutoffs or cutoffs != sorted(set(cutoffs)) or cutoffs[0] <= 0 or
-      cutoffs[-1] >= num_classes):
-    raise ValueError(f"cutoffs must be unique increasing ints in (0, {num_classes}), got "
-                     f"{cutoffs}")
-  widths = _widths(dim, len(cutoffs), div_value)
-  if min(widths) < 1:
-    raise ValueError(f"cutoffs: {len(cutoffs)} clusters leave a width of 0 at D={dim}, "
-                     f"div_value={div_value:g}")
-  bounds = cutoffs + [num_classes]
-  mass = dict(zip([0] + bounds, [0.0] + list(_mass_before(counts, bounds))))
-  tiers = []
-  head_classes = cutoffs[0] + len(cutoffs)
-  flops, moved = _head(head_classes, dim, tokens)
-  tiers.append({"classes": head_classes, "width": dim, "tokens": float(tokens),
-                "flops": float(flops), "bytes": float(moved)})
-  for i, width in enumerate(widths):
-    lo, hi = bounds[i], bounds[i + 1]
-    reach = tokens * (mass[hi] - mass[lo])
-    flops, moved = _tail(hi - lo, reach, dim, width, tail)
-    tiers.append({"classes": hi - lo, "width": width, "tokens": float(reach),
-                  "flops": float(flops), "bytes": float(moved)})
-  for tier in tiers:
-    tier["seconds"] = _seconds(tier["flops"], tier["bytes"], 1, machine)
-  return {"seconds": sum(t["seconds"] for t in tiers),
-          "flops": sum(t["flops"] for t in tiers),
-          "bytes": sum(t["bytes"] for t in tiers), "tiers": tiers}
+                                             machine, optimizer, dtype)
+  planner = _planner()
+  cost = planner.adaptive_cost(counts.size, dim, tokens, cutoffs, div_value, tail, counts,
+                               head_bias)
+  return planner.price(f"AdaptiveSoftmax {tail}", cost, dim, tokens, optimizer, dtype,
+                       machine)
 
 
 def candidate_cuts(num_classes, points_per_decade=24):
@@ -222,8 +162,9 @@ def candidate_cuts(num_classes, points_per_decade=24):
 
 
 def choose_cutoffs(counts, dim, tokens_per_step, div_value=4.0, tail="flat", machine=None,
-                   max_clusters=4, min_head_mass=0.5, min_width=4, points_per_decade=24):
-  """The cutoffs (and so the number of clusters) that minimise `step_cost`.
+                   max_clusters=4, min_head_mass=0.5, min_width=4, points_per_decade=24,
+                   optimizer="sgd", dtype="float32", head_bias=False):
+  """The cutoffs (and so the number of clusters) that minimise `step_cost`'s step time.
 
   Args:
     counts: class frequencies `[num_classes]`, non-increasing (class ids sorted by
@@ -241,19 +182,24 @@ def choose_cutoffs(counts, dim, tokens_per_step, div_value=4.0, tail="flat", mac
     min_width: the narrowest cluster allowed (a positive int); 1 lets the cost model
       alone pick the number of clusters.
     points_per_decade: density of the grid of candidate cut points (`candidate_cuts`).
+    optimizer, dtype: the table's, as `tf_hsm.plan` takes them (the update of a flat
+      tail's dense table is part of the step).
+    head_bias: whether the head has a bias.
 
   Returns:
-    The cutoffs, a list of increasing ints: the cheapest on the grid for the cost model
-    among those whose head covers `min_head_mass`, whose clusters are no narrower than
-    `min_width`, and whose tiers each hold at least as many classes as the one before.
-    Deterministic for given arguments and machine.
+    The cutoffs, a list of increasing ints: the fastest on the grid (see the module's
+    doc for when the search can miss it) among those whose head covers
+    `min_head_mass`, whose clusters are no narrower than `min_width`, and whose tiers
+    each hold at least as many classes as the one before. Deterministic for given
+    arguments and machine.
 
   Raises:
     ValueError: for invalid arguments; the message names the argument.
   """
   counts = checked_counts(counts)
   dim, tokens, div_value, machine = _checked(dim, tokens_per_step, div_value, tail,
-                                             machine)
+                                             machine, optimizer, dtype)
+  planner = _planner()
   max_clusters = _positive_int("max_clusters", max_clusters)
   min_width = _positive_int("min_width", min_width)
   if (isinstance(min_head_mass, bool) or not isinstance(min_head_mass, numbers.Real) or
@@ -263,9 +209,9 @@ def choose_cutoffs(counts, dim, tokens_per_step, div_value=4.0, tail="flat", mac
   cuts = candidate_cuts(num_classes, points_per_decade)
   ends = np.append(cuts, num_classes)  # a cluster ends at a later cut or at V
   mass = _mass_before(counts, ends)  # mass[k]: the fraction below ends[k]
-  widths = _widths(dim, max_clusters, div_value)
+  widths = [w for w in planner.tail_widths(dim, max_clusters, div_value) if w >= min_width]
   size = ends[None, :] - cuts[:, None]  # [j, k]: the cluster [cuts[j], ends[k])
-  reach = tokens * np.maximum(mass[None, :] - mass[:cuts.size, None], 0.0)
+  share = np.maximum(mass[None, :] - mass[:cuts.size, None], 0.0)
   # Tiers grow: a cluster holds at least as many classes as the tier before it. After
   # the cluster [cuts[j], cuts[k]) the next one ends at ends[l] with l >= follow[j, k].
   follow = np.searchsorted(ends, 2 * cuts[None, :] - cuts[:, None])
@@ -275,43 +221,90 @@ def choose_cutoffs(counts, dim, tokens_per_step, div_value=4.0, tail="flat", mac
   head_first = np.searchsorted(ends, 2 * cuts)  # cluster 0 ends at ends[head_first[j]]..
   head_valid = (head_first < ends.size) & (mass[:cuts.size] >= min_head_mass - 1e-12)
   head_first = np.minimum(head_first, ends.size - 1)
-  best = None
-  for clusters in range(1, max_clusters + 1):
-    if widths[clusters - 1] < min_width:
-      break
-    # after[j, k]: the cheapest cost of clusters i.. with cluster i = [cuts[j], ends[k]);
-    # then[i][j, k]: where cluster i + 1 ends in that case.
-    then = [None] * clusters
-    after = None
-    for i in reversed(range(clusters)):
-      flops, moved = _tail(np.maximum(size, 1), reach, dim, widths[i], tail)
-      cost = np.where(size > 0, _seconds(flops, moved, 1, machine), np.inf)
-      if i == clusters - 1:
-        cost[:, :-1] = np.inf  # only the last cluster ends at V
-      else:
-        low, low_at = _suffix_min(after)
-        cost[:, :-1] += np.where(follows, low[starts, follow], np.inf)
-        cost[:, -1] = np.inf
-        then[i] = low_at[starts, follow]
-      after = cost
-    low, low_at = _suffix_min(after)
-    head_flops, head_moved = _head(cuts + clusters, dim, tokens)
-    total = _seconds(head_flops, head_moved, 1, machine) + low[np.arange(cuts.size),
-                                                               head_first]
-    total = np.where(head_valid, total, np.inf)
-    j = int(np.argmin(total))
-    if not np.isfinite(total[j]) or (best is not None and total[j] >= best[0]):
-      continue
-    best = (float(total[j]), [int(cuts[j])])
-    k = int(low_at[j, head_first[j]])
-    for i in range(clusters - 1):
-      best[1].append(int(cuts[k]))
-      j, k = k, int(then[i][j, k])
-  if best is None:
+  if not widths or not head_valid.any():
     raise ValueError(f"no cutoffs possible: dim={dim} with div_value={div_value:g} leaves "
                      f"no cluster a width of min_width={min_width} or more, or no cut point "
                      f"leaves the head min_head_mass={min_head_mass} and a larger cluster")
-  return best[1]
+
+  def terms(cost):
+    return np.stack(np.broadcast_arrays(*planner.step_terms(cost, optimizer, dtype,
+                                                            machine)))
+
+  hidden_seconds, call_seconds = planner.fixed_step_terms(dim, tokens, dtype, machine)
+  # [3, j, k]: cluster i = [cuts[j], ends[k])'s (F, B, S); [3, j]: the head's with
+  # cutoffs[0] = cuts[j] and c clusters, the hidden states' bytes with it.
+  tiers = [np.where(size > 0, terms(planner.adaptive_cluster_cost(
+      np.maximum(size, 1), share, dim, tokens, width, tail)), np.inf) for width in widths]
+  heads = [terms(planner.adaptive_head_cost(cuts + c, dim, tokens, head_bias)) +
+           np.array([0.0, hidden_seconds, call_seconds])[:, None]
+           for c in range(1, len(widths) + 1)]
+
+  def layouts(weight):
+    """For each number of clusters, the cutoffs that minimise weight F + (1 - weight) B
+    + S, and their (F, B, S)."""
+    mix = np.array([weight, 1.0 - weight, 1.0])
+    found = []
+    for clusters in range(1, len(widths) + 1):
+      # after[j, k]: the least cost of clusters i.. with cluster i = [cuts[j], ends[k]);
+      # then[i][j, k]: where cluster i + 1 ends in that case.
+      then = [None] * clusters
+      after = None
+      for i in reversed(range(clusters)):
+        with np.errstate(invalid="ignore"):  # 0 x inf where a cluster is empty
+          cost = np.where(size > 0, np.tensordot(mix, tiers[i], 1), np.inf)
+        if i == clusters - 1:
+          cost[:, :-1] = np.inf  # only the last cluster ends at V
+        else:
+          low, low_at = _suffix_min(after)
+          cost[:, :-1] += np.where(follows, low[starts, follow], np.inf)
+          cost[:, -1] = np.inf
+          then[i] = low_at[starts, follow]
+        after = cost
+      low, low_at = _suffix_min(after)
+      total = mix @ heads[clusters - 1] + low[np.arange(cuts.size), head_first]
+      total = np.where(head_valid, total, np.inf)
+      j = int(np.argmin(total))
+      if not np.isfinite(total[j]):
+        continue
+      path = [(j, int(low_at[j, head_first[j]]))]  # (start, end) of each cluster
+      for i in range(clusters - 1):
+        j, k = path[-1]
+        path.append((k, int(then[i][j, k])))
+      spent = heads[clusters - 1][:, path[0][0]] + sum(
+          tiers[i][:, j, k] for i, (j, k) in enumerate(path))
+      found.append(([int(cuts[j]) for j, _ in path], spent))
+    return found
+
+  seconds = {}  # the step time of every layout found, by its cutoffs
+
+  def slope(weight):
+    """F - B of the layout that minimises the weighted sum: the slope, in the weight, of
+    that minimum (a lower bound on the step time, greatest where the slope is 0)."""
+    found = layouts(weight)
+    for cutoffs, spent in found:
+      seconds[tuple(cutoffs)] = max(spent[0], spent[1]) + spent[2]
+    if not found:
+      return 0.0
+    mix = np.array([weight, 1.0 - weight, 1.0])
+    _, spent = min(found, key=lambda f: (float(mix @ f[1]), len(f[0]), f[0]))
+    return spent[0] - spent[1]
+
+  low, high = 0.0, 1.0
+  if slope(1.0) < 0 and slope(0.0) > 0:
+    for _ in range(BISECTIONS):
+      middle = 0.5 * (low + high)
+      step = slope(middle)
+      if step == 0:
+        break
+      if step > 0:
+        low = middle
+      else:
+        high = middle
+  if not seconds:
+    raise ValueError(f"no cutoffs possible: dim={dim} with div_value={div_value:g} leaves "
+                     f"no cluster a width of min_width={min_width} or more, or no cut point "
+                     f"leaves the head min_head_mass={min_head_mass} and a larger cluster")
+  return list(min(seconds, key=lambda c: (seconds[c], len(c), c)))
 
 
 def _suffix_min(cost):

@@ -28,7 +28,7 @@ import numpy as np
 
 from tf_hsm import _shard_layout
 from tf_hsm.adaptive import TAILS as ADAPTIVE_TAILS
-from tf_hsm.adaptive import tail_widths
+from tf_hsm.adaptive import choose_cutoffs, tail_widths
 from tf_hsm.tree import Tree
 
 # Optimizer slots per table element, and whether its sparse update is lazy (touched rows
@@ -233,13 +233,50 @@ class Cost:
   """The work of one training step of an output layer, independent of the element size,
   the optimizer and the machine: its trained tensors (`parts`), the table rows it touches
   (all parts together, for the report), its FLOPs (forward and backward), the elements
-  it holds for the backward (logits, their gradient, hidden states), and the logits that
-  go through TensorFlow's softmax cross-entropy (tf_hsm's op does its own)."""
+  it holds for the backward (logits, their gradient, hidden states), the logits that go
+  through TensorFlow's softmax cross-entropy (tf_hsm's op does its own), and the calls it
+  makes beyond `CALLS_PER_STEP` (an adaptive softmax runs each tier's kernels apart)."""
   parts: list
   rows_touched: float
   flops: float
   activations: float
   softmax_logits: float = 0.0
+  calls: float = 0.0
+
+
+def moved_elements(part, optimizer):
+  """Elements a step moves for one `Part` (NumPy arrays broadcast): those read, read
+  again by the backward, the gradient written, and the optimizer's read-modify-write of
+  the elements it updates and their slots (all of them for a dense gradient or an
+  optimizer that is not lazy)."""
+  slots = OPTIMIZERS[optimizer]
+  lazy = optimizer in ("sgd", "adagrad", "lazy_adam")
+  grad = part.elements if part.dense_grad else part.touched
+  updated = part.touched if (lazy and not part.dense_grad) else part.elements
+  return 2 * part.touched + grad + 2 * updated * (1 + slots)
+
+
+def step_terms(cost, optimizer, dtype, machine):
+  """The parts of a step's time that add over the pieces of a layer (NumPy arrays
+  broadcast): (FLOPs / matmul rate, bytes moved / read bandwidth, softmax and call
+  seconds). A step takes max(first, second + hidden states) + third + CALLS_PER_STEP
+  calls (`price`); a search over layouts adds them up tier by tier."""
+  moved = sum(moved_elements(p, optimizer) for p in cost.parts) * DTYPE_BYTES[dtype]
+  return (cost.flops / machine.matmul_flops, moved / machine.read_bytes,
+          cost.softmax_logits * machine.softmax_seconds + cost.calls * machine.call_seconds)
+
+
+def fixed_step_terms(hidden, tokens_per_step, dtype, machine):
+  """What every layer's step adds to `step_terms`: the hidden states and their gradient
+  (bytes seconds), and CALLS_PER_STEP calls."""
+  moved = 2 * int(tokens_per_step) * int(hidden) * DTYPE_BYTES[dtype]
+  return moved / machine.read_bytes, CALLS_PER_STEP * machine.call_seconds
+
+
+def _machine(machine):
+  if isinstance(machine, dict):
+    machine = Machine(**machine)
+  return machine or Machine.cached()
 
 
 def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32",
@@ -250,31 +287,26 @@ def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32
   written, the optimizer's read-modify-write of the elements and their slots (every
   element of a part whose update is dense), plus the hidden states and their gradient.
   Step time: max(FLOPs / matmul rate, bytes / read bandwidth) + the softmax
-  cross-entropy's time per logit + CALLS_PER_STEP calls.
+  cross-entropy's time per logit + CALLS_PER_STEP calls (and the layer's own).
   """
   if optimizer not in OPTIMIZERS:
     raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
   if dtype not in DTYPE_BYTES:
     raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-  if isinstance(machine, dict):
-    machine = Machine(**machine)
-  machine = machine or Machine.cached()
+  machine = _machine(machine)
   b = DTYPE_BYTES[dtype]
   slots = OPTIMIZERS[optimizer]
-  lazy = optimizer in ("sgd", "adagrad", "lazy_adam")
-  D, T = int(hidden), int(tokens_per_step)
   elements = sum(p.elements for p in cost.parts)
   grad_elements = sum(p.elements if p.dense_grad else p.touched for p in cost.parts)
-  updated = sum(p.touched if (lazy and not p.dense_grad) else p.elements
-                for p in cost.parts)
-  read = sum(p.touched for p in cost.parts)
   param, grad = elements * b, grad_elements * b
   slot = slots * param
   activation_bytes = cost.activations * b
   peak = param + grad + slot + activation_bytes
-  moved = (2 * read + grad_elements + 2 * updated * (1 + slots)) * b + 2 * T * D * b
-  seconds = max(cost.flops / machine.matmul_flops, moved / machine.read_bytes) + \
-      cost.softmax_logits * machine.softmax_seconds + CALLS_PER_STEP * machine.call_seconds
+  moved = (sum(moved_elements(p, optimizer) for p in cost.parts) +
+           2 * int(tokens_per_step) * int(hidden)) * b
+  flop_seconds, byte_seconds, other_seconds = step_terms(cost, optimizer, dtype, machine)
+  hidden_seconds, call_seconds = fixed_step_terms(hidden, tokens_per_step, dtype, machine)
+  seconds = max(flop_seconds, byte_seconds + hidden_seconds) + other_seconds + call_seconds
   per_shard = (param + slot) / num_shards + (
       grad + activation_bytes if num_shards == 1 else 0)
   budget_bytes = per_shard if num_shards > 1 else peak
@@ -315,12 +347,13 @@ def tree_cost(tree, hidden, tokens_per_step, probs):
               6.0 * T * D * per_token, T * per_token + 3 * T * D)
 
 
-def adaptive_cutoffs(num_classes, hidden, div_value=DIV_VALUE):
-  """The adaptive rows' cutoffs: 2,000 x 10^i below V (a 2,000-class head, then clusters
-  ten times larger each), as docs/adaptive.md's measured cases use them ([2000, 20000]
-  at V=100K, [2000, 20000, 200000] at V=1M); clusters whose width
-  int(D // div_value^(i+1)) would be 0 are merged into the one before. Below 2,001
-  classes, the demo's [V/8, V/2]. [] when V is too small for a tail."""
+def pytorch_cutoffs(num_classes, hidden, div_value=DIV_VALUE):
+  """PyTorch-style fixed cutoffs, for comparison with the chosen ones: 2,000 x 10^i below
+  V (a 2,000-class head, then clusters ten times larger each), as docs/adaptive.md's
+  measured cases use them ([2000, 20000] at V=100K, [2000, 20000, 200000] at V=1M);
+  clusters whose width int(D // div_value^(i+1)) would be 0 are merged into the one
+  before. Below 2,001 classes, the demo's [V/8, V/2]. [] when V is too small for a
+  tail."""
   cutoffs = []
   cutoff = 2000
   while cutoff < num_classes:
@@ -336,20 +369,72 @@ def _short_list(values):
   return "[" + ", ".join(f"{v:,}" for v in values) + "]"
 
 
+def adaptive_head_cost(head_classes, hidden, tokens_per_step, head_bias=False):
+  """The `Cost` of an adaptive softmax's head (NumPy arrays of `head_classes` broadcast):
+  H = cutoffs[0] + n_clusters rows at width D score every token, a dense gradient, the
+  [T, H] logits through the cross-entropy (once at the peak, as `full_softmax_cost`),
+  the hidden states, one call."""
+  H = np.asarray(head_classes, np.float64)
+  D, T = int(hidden), int(tokens_per_step)
+  elements = H * (D + bool(head_bias))
+  return Cost([Part("head", elements, elements, True)], H, 6.0 * T * H * D,
+              T * H + 2.0 * T * D, T * H, 1.0)
+
+
+def adaptive_cluster_cost(size, mass, hidden, tokens_per_step, width, tail, index=0):
+  """The `Cost` of one tail cluster of `size` classes holding `mass` of the probability,
+  at `width` (NumPy arrays of `size` and `mass` broadcast, so that the cutoff search
+  prices every candidate cluster at once).
+
+  Its tokens (T mass of them, expected) are projected to the width through a dense
+  [D, width] projection and scored against the cluster's table: every row (flat, a dense
+  gradient) or the path of a `Tree.two_level` over its classes (two_level: per-edge
+  biases, a sparse gradient). The tensors are read when one of the step's T tokens
+  falls in the cluster, with probability 1 - (1 - mass)^T. The two-level tree is taken
+  in closed form, as `Tree.two_level` builds it: K = ceil(sqrt(n)) groups of equal mass,
+  so a token scores K + n / K rows, the root's K rows are read with the cluster and a
+  group's rows when a token falls in it (probability 1 - (1 - mass / K)^T). One call.
+  """
+  n = np.asarray(size, np.float64)
+  q = np.asarray(mass, np.float64)
+  D, T, d = int(hidden), int(tokens_per_step), int(width)
+  seen = _shard_layout.touch_probability(q, T)
+  tokens = T * q
+  projection = Part(f"projection {index}", np.full_like(seen, D * d), seen * D * d, True)
+  macs = tokens * D * d
+  # Its tokens' hidden states gathered, projected, and the projection's gradient.
+  activations = tokens * (D + 2 * d)
+  if tail == "flat":
+    table = Part(f"tail {index}", n * d, seen * n * d, True)
+    rows = seen * n
+    macs = macs + tokens * n * d
+    activations = activations + tokens * n  # its logits, their gradient written over them
+    logits = tokens * n
+  else:
+    groups = np.ceil(np.sqrt(n))
+    scored = groups + n / groups
+    rows = groups * seen + n * _shard_layout.touch_probability(q / groups, T)
+    table = Part(f"tail {index}", (groups + n) * (d + 1), rows * (d + 1), False)
+    macs = macs + tokens * scored * d
+    activations = activations + tokens * scored
+    logits = np.zeros_like(seen)
+  return Cost([projection, table], rows, 6.0 * macs, activations, logits, 1.0)
+
+
+def _total(costs):
+  return Cost([Part(p.name, float(p.elements), float(p.touched), p.dense_grad)
+               for c in costs for p in c.parts],
+              *(float(sum(getattr(c, f) for c in costs))
+                for f in ("rows_touched", "flops", "activations", "softmax_logits",
+                          "calls")))
+
+
 def adaptive_cost(num_classes, hidden, tokens_per_step, cutoffs, div_value=DIV_VALUE,
                   tail="flat", counts=None, head_bias=False):
-  """The `Cost` of a step of `AdaptiveSoftmax(num_classes, cutoffs, div_value, tail)`.
-
-  The head scores cutoffs[0] + n_clusters classes at width D for every token (dense);
-  cluster i ([cutoffs[i], cutoffs[i+1]), q_i of the probability mass) projects its
-  tokens to d_i = int(D // div_value^(i+1)) through a dense [D, d_i] projection and
-  scores them against its [n_i, d_i] table: every row (flat, a dense gradient) or the
-  path of a `Tree.two_level` over its classes (two_level: per-edge biases, sparse
-  gradient). A cluster's tensors are read when at least one of the step's T tokens falls
-  in it, with probability 1 - (1 - q_i)^T; its FLOPs count its expected T q_i tokens.
-
-  This is the function to minimise when choosing cutoffs.
-  """
+  """The `Cost` of a step of `AdaptiveSoftmax(num_classes, cutoffs, div_value, tail)`:
+  its head (`adaptive_head_cost`) and each cluster (`adaptive_cluster_cost`), cluster i
+  holding the classes [cutoffs[i], cutoffs[i+1]) at width int(D // div_value^(i+1)).
+  `tf_hsm.adaptive.choose_cutoffs` minimises the step time `price` gives for it."""
   if tail not in ADAPTIVE_TAILS:
     raise ValueError(f"tail must be one of {ADAPTIVE_TAILS}, got {tail!r}")
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
@@ -357,42 +442,37 @@ def adaptive_cost(num_classes, hidden, tokens_per_step, cutoffs, div_value=DIV_V
   if not cutoffs or cutoffs != sorted(set(cutoffs)) or cutoffs[0] <= 0 or cutoffs[-1] >= V:
     raise ValueError(f"cutoffs must be increasing ints in (0, {V}), got {cutoffs}")
   probs = _probabilities(V, counts)
-  counts = None if counts is None else np.asarray(counts, np.float64)
   widths = tail_widths(D, len(cutoffs), div_value)
   if min(widths) < 1:
     raise ValueError(f"div_value {div_value:g} leaves a cluster of width 0 at D={D}")
-  head = cutoffs[0] + len(cutoffs)
-  parts = [Part("head", head * (D + head_bias), head * (D + head_bias), True)]
-  rows = float(head)
-  macs = float(T * head * D)
-  activations = 1.0 * T * head + 2 * T * D  # logits once, as full_softmax_cost
-  softmax_logits = float(T * head)
   bounds = cutoffs + [V]
+  mass = np.add.reduceat(probs, bounds[:-1])
+  costs = [adaptive_head_cost(cutoffs[0] + len(cutoffs), D, T, head_bias)]
   for i, width in enumerate(widths):
-    lo, hi = bounds[i], bounds[i + 1]
-    q = float(probs[lo:hi].sum())
-    seen = float(_shard_layout.touch_probability(np.array([q]), T)[0])
-    tokens = T * q
-    parts.append(Part(f"projection {i}", D * width, seen * D * width, True))
-    macs += tokens * D * width
-    if tail == "flat":
-      n = hi - lo
-      parts.append(Part(f"tail {i}", n * width, seen * n * width, True))
-      rows += seen * n
-      macs += tokens * n * width
-      # The cluster's logits (their gradient written over them); its tokens' hidden
-      # states gathered, projected, and the projection's gradient.
-      activations += tokens * (n + D + 2 * width)
-      softmax_logits += tokens * n
-    else:
-      tree = Tree.two_level(hi - lo, counts=None if counts is None else counts[lo:hi])
-      per_token, touched = _tree_costs(tree, probs[lo:hi], T)  # per_token counts q_i
-      parts.append(Part(f"tail {i}", tree.num_slots * (width + 1),
-                        touched * (width + 1), False))
-      rows += touched
-      macs += per_token * T * width
-      activations += T * per_token + tokens * (D + 2 * width)
-  return Cost(parts, rows, 6.0 * macs, activations, softmax_logits)
+    costs.append(adaptive_cluster_cost(bounds[i + 1] - bounds[i], mass[i], D, T, width,
+                                       tail, i))
+  return _total(costs)
+
+
+def _adaptive_layouts(V, D, T, probs, optimizer, dtype, machine, tails, cutoffs,
+                      div_value):
+  """(method, cutoffs, tail) of the adaptive rows: the given cutoffs for each tail, or
+  the cutoffs `choose_cutoffs` picks for each tail and, to compare with, flat tails at
+  PyTorch-style fixed cutoffs."""
+  if cutoffs is not None:
+    return [(f"AdaptiveSoftmax {tail}, cutoffs", list(cutoffs), tail) for tail in tails]
+  layouts = []
+  for tail in tails:
+    try:
+      chosen = choose_cutoffs(probs, D, T, div_value, tail, machine, optimizer=optimizer,
+                              dtype=dtype)
+    except ValueError:  # D too narrow for a cluster of min_width, or V too small
+      continue
+    layouts.append((f"AdaptiveSoftmax {tail}, chosen cutoffs", chosen, tail))
+  fixed = pytorch_cutoffs(V, D, div_value)
+  if fixed and "flat" in tails:
+    layouts.append(("AdaptiveSoftmax flat, PyTorch-style fixed cutoffs", fixed, "flat"))
+  return layouts
 
 
 def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
@@ -418,7 +498,9 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
       Huffman on the counts). Building them is most of the planner's time at 10M classes.
     adaptive: the tails of the `AdaptiveSoftmax` rows, of "flat" and "two_level" (() for
       none).
-    cutoffs: the adaptive rows' cutoffs (default: `adaptive_cutoffs`' rule).
+    cutoffs: the adaptive rows' cutoffs (default: for each tail those
+      `tf_hsm.adaptive.choose_cutoffs` picks for this step, optimizer and machine, and
+      one flat row at `pytorch_cutoffs`).
     div_value: the adaptive rows' div_value.
 
   Returns:
@@ -442,9 +524,7 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
   for tail in adaptive:
     if tail not in ADAPTIVE_TAILS:
       raise ValueError(f"adaptive tails must be of {ADAPTIVE_TAILS}, got {tail!r}")
-  if isinstance(machine, dict):
-    machine = Machine(**machine)
-  machine = machine or Machine.cached()
+  machine = _machine(machine)
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   probs = _probabilities(V, counts)
 
@@ -456,14 +536,11 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
           row("sampled softmax", sampled_softmax_cost(V, D, T, probs), exact=False)]
   for name, tree in _candidate_trees(V, counts, trees):
     rows.append(row(f"HierarchicalSoftmax {name}", tree_cost(tree, D, T, probs)))
-  if adaptive:
-    chosen = adaptive_cutoffs(V, D, div_value) if cutoffs is None else list(cutoffs)
-    if chosen:
-      for tail in adaptive:
-        rows.append(row(f"AdaptiveSoftmax {tail}, cutoffs {_short_list(chosen)}, div "
-                        f"{div_value:g} (tail widths "
-                        f"{', '.join(map(str, tail_widths(D, len(chosen), div_value)))})",
-                        adaptive_cost(V, D, T, chosen, div_value, tail, counts)))
+  for method, chosen, tail in _adaptive_layouts(V, D, T, probs, optimizer, dtype, machine,
+                                                adaptive, cutoffs, div_value):
+    widths = ", ".join(map(str, tail_widths(D, len(chosen), div_value)))
+    rows.append(row(f"{method} {_short_list(chosen)}, div {div_value:g} (tail widths "
+                    f"{widths})", adaptive_cost(V, D, T, chosen, div_value, tail, counts)))
   exact = [r for r in rows if r["exact"] and r["fits"]]
   if exact:
     best = min(exact, key=lambda r: r["step_seconds"])

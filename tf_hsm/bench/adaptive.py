@@ -124,7 +124,7 @@ def compare_cutoffs(case, machine, tails=("flat", "two_level"), rounds=15, seed=
     for source, cutoffs in (("model", chosen), ("PyTorch's", case_cutoffs),
                             ("other", OTHER_CUTOFFS[case])):
       predicted = step_cost(counts, cutoffs, dim, tokens, DIV_VALUE, tail, machine)
-      configs.append((tail, source, cutoffs, 1e3 * predicted["seconds"]))
+      configs.append((tail, source, cutoffs, 1e3 * predicted["step_seconds"]))
   steps = {i: _adaptive_step(num_classes, dim, cutoffs, tail, counts)
            for i, (tail, _, cutoffs, _) in enumerate(configs)}
   medians = _interleaved(steps, hidden, targets, rounds)
