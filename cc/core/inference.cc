@@ -49,7 +49,6 @@ std::string Message(const Args&... args) {
   return s.str();
 }
 
-
 // The splitmix64 finaliser: a bijection of 64-bit words that mixes every input bit.
 inline std::uint64_t Mix64(std::uint64_t z) {
   z += 0x9e3779b97f4a7c15ULL;
@@ -233,27 +232,17 @@ void RowPanelDots(const T* hp, int64 nr, const T* b, int64 ldb, int64 nb, int64 
 
 // z[r * ld + j] = weights[first + j] . rows[r] + biases[first + j] for r < nr, j < kb.
 // `packed` is nullptr or the rows packed by PackRows (see PackedRows), for the row-panel
-// kernel (worth it from about kPackMinRows rows); otherwise a dot-product kernel shaped
-// for the tile. The dot-product kernels give identical bits whatever the tile; the
-// row-panel one rounds differently, so every caller chooses it from quantities that do
-// not depend on threading.
+// kernel (worth it from about kPackMinRows rows); otherwise simd::DotBlock, whose kernels
+// give identical bits whatever the tile. The row-panel kernel rounds differently, so
+// every caller chooses it from quantities that do not depend on threading.
 template <typename T>
 void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64 first, int64 kb,
             const T* packed, T* z, int64 ld) {
   const T* w = p.weights + first * p.dim;
   if (packed != nullptr) {
     RowPanelDots(packed, nr, w, p.dim, kb, p.dim, z, ld);
-  } else if (kb < 8) {
-    simd::DotEach<T>(rows, nr, w, p.dim, kb, p.dim, z, ld);
-  } else if (nr < 4) {
-    // A 4 x 4 register tile would be mostly padding. Streaming the block once for all the
-    // rows, one dot product at a time, beat the wider tiles tried (1 x 16, 2 x 8): at small
-    // d their reductions cost as much as the products, and their strided loads stream
-    // slower than consecutive rows (D = 64, 1000 rows from memory, 1 or 2 rows: 12 and
-    // 17 us against 31 and 34 us).
-    simd::DotColumns<T>(rows, nr, w, p.dim, kb, p.dim, z, ld);
   } else {
-    simd::DotRows<T>(rows, nr, w, p.dim, kb, p.dim, z, ld);
+    simd::DotBlock<T>(rows, nr, w, p.dim, kb, p.dim, z, ld);
   }
   if (p.biases != nullptr) {
     const T* b = p.biases + first;
