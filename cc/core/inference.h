@@ -82,7 +82,7 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
 class SweepPlanCache {
  public:
   static constexpr int64 kMaxCachedPlanBytes = int64{512} << 20;
-  struct Entry;  // inference.cc
+  struct Entry;  // inference_sweep_plan.h
 
   SweepPlanCache();
   ~SweepPlanCache();
