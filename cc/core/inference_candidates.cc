@@ -83,12 +83,7 @@ std::string LogProbCandidates(const TreeView& tree, const SoftmaxParams<T>& p,
       const T** rows = Grow(&s.rows, it.count);
       for (int64 r = 0; r < it.count; ++r) rows[r] = p.hidden + urow[u0 + r] * p.dim;
       T* tile = Grow(&s.z, it.count * kSlotTile);
-      T* row_max = Grow(&s.row_max, it.count);
-      T* row_sum = Grow(&s.row_sum, it.count);
-      for (int64 r = 0; r < it.count; ++r) {
-        row_max[r] = -std::numeric_limits<T>::infinity();
-        row_sum[r] = 0;
-      }
+      T* lse = Grow(&s.lse, it.count);
       // This item's entries by slot, so each tile hands out its taken logits in one sweep.
       std::vector<std::pair<int64, int64>>& taken = s.taken;  // (slot, entry)
       taken.clear();
@@ -98,20 +93,17 @@ std::string LogProbCandidates(const TreeView& tree, const SoftmaxParams<T>& p,
       std::sort(taken.begin(), taken.end());
       size_t next = 0;
       const T* hp = PackedRows(rows, it.count, p.dim, it.count >= kPackMinRows);
-      for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
-        const int64 kb = std::min(kSlotTile, K - k0);
-        Logits(p, rows, it.count, first + k0, kb, hp, tile, kb);
+      TiledLogSumExp(p, rows, it.count, first, K, hp, /*keep_all=*/false, tile, lse,
+                     [&](const T* z, int64 ld, int64 k0, int64 kb) {
         for (; next < taken.size() && taken[next].first < first + k0 + kb; ++next) {
           const int64 e = taken[next].second;
           const int64 r = std::upper_bound(urow_entry.begin() + u0, urow_entry.begin() + u0 + it.count, e) -
                           (urow_entry.begin() + u0) - 1;
-          entry_value[e] = tile[r * kb + taken[next].first - first - k0];
+          entry_value[e] = z[r * ld + taken[next].first - first - k0];
         }
-        for (int64 r = 0; r < it.count; ++r) FoldLogSumExp(tile + r * kb, kb, &row_max[r], &row_sum[r]);
-      }
+      });
       for (int64 r = 0; r < it.count; ++r) {
-        const T lse = row_max[r] + std::log(row_sum[r]);
-        for (int64 e = urow_entry[u0 + r]; e < urow_entry[u0 + r + 1]; ++e) entry_value[e] -= lse;
+        for (int64 e = urow_entry[u0 + r]; e < urow_entry[u0 + r + 1]; ++e) entry_value[e] -= lse[r];
       }
     }
   });

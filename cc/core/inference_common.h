@@ -269,18 +269,17 @@ const T* PackedRows(const T* const* rows, int64 nr, int64 d, bool pack) {
   return hp;
 }
 
-// All K logits of one node for nr rows, z[r * K + j], and (when lse != nullptr) their
-// logsumexp per row, folded tile by tile.
-template <typename T>
-void NodeLogits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64 first,
-                int64 K, bool packed, T* z, T* lse) {
+// The logits of node slots [first, first + K) for nr rows (packed: as for Logits), in
+// tiles of kSlotTile slots, each folded into its rows' running logsumexp (FoldLogSumExp)
+// as soon as it is computed; then lse[r] = the logsumexp of row r's K logits (lse ==
+// nullptr: logits only). With keep_all, z holds every logit, row r's at z + r * K;
+// otherwise one tile at a time, nr * kSlotTile values, a tile of kb slots at ld = kb.
+// on_tile(tile, ld, k0, kb) sees each tile (slots first + k0, ..., first + k0 + kb - 1)
+// before the next is computed.
+template <typename T, typename OnTile>
+void TiledLogSumExp(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64 first,
+                    int64 K, const T* packed, bool keep_all, T* z, T* lse, OnTile&& on_tile) {
   Scratch<T>& s = ThreadScratch<T>();
-  const T* hp = PackedRows(rows, nr, p.dim, packed);
-  if (K <= simd::Vec<T>::kWidth) {
-    Logits(p, rows, nr, first, K, hp, z, K);
-    if (lse != nullptr) SmallNodeLogSumExp(z, nr, K, K, Grow(&s.exps, nr * K), lse);
-    return;
-  }
   T* row_max = Grow(&s.row_max, nr);
   T* row_sum = Grow(&s.row_sum, nr);
   for (int64 r = 0; r < nr; ++r) {
@@ -289,12 +288,32 @@ void NodeLogits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64
   }
   for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
     const int64 kb = std::min(kSlotTile, K - k0);
-    Logits(p, rows, nr, first + k0, kb, hp, z + k0, K);
-    if (lse == nullptr) continue;
-    for (int64 r = 0; r < nr; ++r) FoldLogSumExp(z + r * K + k0, kb, &row_max[r], &row_sum[r]);
+    T* tile = keep_all ? z + k0 : z;
+    const int64 ld = keep_all ? K : kb;
+    Logits(p, rows, nr, first + k0, kb, packed, tile, ld);
+    if (lse != nullptr) {
+      for (int64 r = 0; r < nr; ++r) FoldLogSumExp(tile + r * ld, kb, &row_max[r], &row_sum[r]);
+    }
+    on_tile(tile, ld, k0, kb);
   }
   if (lse == nullptr) return;
   for (int64 r = 0; r < nr; ++r) lse[r] = row_max[r] + std::log(row_sum[r]);
+}
+
+// All K logits of one node for nr rows, z[r * K + j], and (when lse != nullptr) their
+// logsumexp per row: SmallNodeLogSumExp for nodes of at most kWidth children, otherwise
+// TiledLogSumExp. packed: the row-panel kernel (rows packed here, in scratch).
+template <typename T>
+void NodeLogits(const SoftmaxParams<T>& p, const T* const* rows, int64 nr, int64 first,
+                int64 K, bool packed, T* z, T* lse) {
+  const T* hp = PackedRows(rows, nr, p.dim, packed);
+  if (K <= simd::Vec<T>::kWidth) {
+    Logits(p, rows, nr, first, K, hp, z, K);
+    if (lse != nullptr) SmallNodeLogSumExp(z, nr, K, K, Grow(&ThreadScratch<T>().exps, nr * K), lse);
+    return;
+  }
+  TiledLogSumExp(p, rows, nr, first, K, hp, /*keep_all=*/true, z, lse,
+                 [](const T*, int64, int64, int64) {});
 }
 
 // ---------------------------------------------------------------------------------------

@@ -35,6 +35,28 @@ constexpr int64 kStageColumns = 256;
 constexpr int64 kGatherMinClasses = 64;
 constexpr int64 kChunkWork = int64{1} << 15;  // slots x (D + 4) per item
 
+// Folds the logits zg[j * ld] (j < kb) of one row group into its running max m and sum of
+// exp(z - m), lane by lane, given their max tile_max (of the non-NaN logits: -inf when
+// there are none; a NaN logit reaches the sum): a larger max first rescales the sum.
+// first: m and sum start here, which gives the bits of a fold into a max of -inf and a
+// sum of +0 (whose rescale multiplies +0 by 0 or 1).
+template <typename T>
+inline void FoldLanes(const T* zg, int64 kb, int64 ld, simd::VecT<T> tile_max, bool first,
+                      simd::VecT<T>* m, simd::VecT<T>* sum) {
+  typedef simd::VecT<T> V;
+  const V new_max = first ? tile_max : tile_max > *m ? tile_max : *m;
+  V exps = {};
+  for (int64 j = 0; j < kb; ++j) exps += simd::ExpVec(simd::Load(zg + j * ld) - new_max);
+  if (first) {
+    *sum = exps;
+  } else {
+    const V scale = tile_max > *m ? simd::ExpVec(*m - new_max) : simd::Splat<T>(1);
+    *sum = *sum * scale;
+    *sum += exps;
+  }
+  *m = new_max;
+}
+
 struct SweepItem {
   int64 first;  // positions [first, last)
   int64 last;
@@ -53,10 +75,6 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
   Scratch<T>& s = ThreadScratch<T>();
   const int64 nt = it.rows;
   const T* const* rows = block_rows + it.row;
-  const T* hp = nullptr;  // the unpacked kernels
-  T* exps = Grow(&s.exps, std::max(kSlotTile, nt * simd::Vec<T>::kWidth));
-  T* row_max = Grow(&s.row_max, nt);
-  T* row_sum = Grow(&s.row_sum, nt);
   T* lse = Grow(&s.lse, nt);
   // Where the value of child `code` goes for row i of the item, or nullptr when the sweep
   // does not need it (a class outside the range, a node off every needed path).
@@ -76,40 +94,27 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
     const int64* codes = t.slot_child + first;
     const int64 run = plan.run[q];
     const T* parent = values + plan.value_row[q] * stride + it.row;
-    for (int64 i = 0; i < nt; ++i) {
-      row_max[i] = -std::numeric_limits<T>::infinity();
-      row_sum[i] = 0;
-    }
     // When they fit, all the node's logits stay in scratch (ld = K); otherwise each tile's
     // raw logits are parked at their destinations and finished once the logsumexp is known.
     const bool kept = nt * K <= kKeepLogits;
     T* zs = kept ? Grow(&s.z, nt * K) : Grow(&s.z, nt * kSlotTile);
-    const bool small = K <= simd::Vec<T>::kWidth;
-    if (small) {
-      Logits(p, rows, nt, first, K, hp, zs, K);
-      SmallNodeLogSumExp(zs, nt, K, K, exps, lse);
-    }
-    for (int64 k0 = 0; k0 < K && !small; k0 += kSlotTile) {
-      const int64 kb = std::min(kSlotTile, K - k0);
-      T* tile = kept ? zs + k0 : zs;
-      const int64 ld = kept ? K : kb;
-      Logits(p, rows, nt, first + k0, kb, hp, tile, ld);
-      for (int64 i = 0; i < nt; ++i) FoldLogSumExp(tile + i * ld, kb, &row_max[i], &row_sum[i]);
-      if (kept) continue;
-      for (int64 i = 0; i < nt; ++i) {
-        const T* zi = tile + i * kb;
-        if (run >= 0) {
-          std::memcpy(out + (it.row + i) * width + run + k0, zi, kb * sizeof(T));
-          continue;
+    if (kept) {
+      NodeLogits(p, rows, nt, first, K, /*packed=*/false, zs, lse);
+    } else {
+      TiledLogSumExp(p, rows, nt, first, K, static_cast<const T*>(nullptr), /*keep_all=*/false,
+                     zs, lse, [&](const T* tile, int64 ld, int64 k0, int64 kb) {
+        for (int64 i = 0; i < nt; ++i) {
+          const T* zi = tile + i * ld;
+          if (run >= 0) {
+            std::memcpy(out + (it.row + i) * width + run + k0, zi, kb * sizeof(T));
+            continue;
+          }
+          for (int64 j = 0; j < kb; ++j) {
+            T* o = target(codes[k0 + j], i);
+            if (o != nullptr) *o = zi[j];
+          }
         }
-        for (int64 j = 0; j < kb; ++j) {
-          T* o = target(codes[k0 + j], i);
-          if (o != nullptr) *o = zi[j];
-        }
-      }
-    }
-    if (!small) {
-      for (int64 i = 0; i < nt; ++i) lse[i] = row_max[i] + std::log(row_sum[i]);
+      });
     }
     for (int64 i = 0; i < nt; ++i) {
       const T a = parent[i], l = lse[i];
@@ -401,14 +406,12 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
         const T* zn = zs + (b - first) * ld;
         start(q, &node);
         for (int64 g = 0; g < groups; ++g) {
-          V mg = simd::Splat<T>(ninf), sg = {};
+          V mg = simd::Splat<T>(ninf);
           for (int64 j = 0; j < k; ++j) {
             const V z = simd::Load(zn + j * ld + g * w);
             mg = z > mg ? z : mg;
           }
-          for (int64 j = 0; j < k; ++j) sg += simd::ExpVec(simd::Load(zn + j * ld + g * w) - mg);
-          m[g] = mg;
-          sum[g] = sg;
+          FoldLanes<T>(zn + g * w, k, ld, mg, /*first=*/true, &m[g], &sum[g]);
         }
         set_lse(&node, m, sum);
         emit(node, zn, 0, k, kLogits);
@@ -416,10 +419,6 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       continue;
     }
     start(q, &node);
-    for (int64 g = 0; g < groups; ++g) {
-      m[g] = simd::Splat<T>(ninf);
-      sum[g] = V{};
-    }
     // With every logit kept, each value is written once, finished; otherwise each tile's
     // raw logits are parked at their destinations and finished there at the end.
     const bool kept = K * ld <= kKeepLogits;
@@ -431,14 +430,7 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       for (int64 g = 0; g < groups; ++g) tile_max[g] = simd::Splat<T>(ninf);
       logits(first + k0, kb, zt, tile_max);
       for (int64 g = 0; g < groups; ++g) {
-        const T* zg = zt + g * w;
-        const V new_max = tile_max[g] > m[g] ? tile_max[g] : m[g];
-        const V scale = tile_max[g] > m[g] ? simd::ExpVec(m[g] - new_max) : simd::Splat<T>(1);
-        V exps = {};
-        for (int64 j = 0; j < kb; ++j) exps += simd::ExpVec(simd::Load(zg + j * ld) - new_max);
-        sum[g] = sum[g] * scale;
-        sum[g] += exps;
-        m[g] = new_max;
+        FoldLanes<T>(zt + g * w, kb, ld, tile_max[g], /*first=*/k0 == 0, &m[g], &sum[g]);
       }
       if (!kept) emit(node, zt, k0, kb, kParked);
     }
