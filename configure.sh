@@ -80,28 +80,10 @@ fi
 
 # --- Bazel configuration ----------------------------------------------------------------
 if [ "$wheel" = 1 ]; then march="${TF_HSM_MARCH:-x86-64-v3}"; else march="${TF_HSM_MARCH:-native}"; fi
-# The kernels promise the same bits whichever of them computes a value (a dot product by
-# one row or in a tile, a token's walk or the weight gradient's recomputation), which
-# needs the compiler to fuse a * b + c into one FMA everywhere or nowhere. GCC's tuning
-# for AMD Zen (-mtune=znver*, what -march=native picks there) splits FMAs that form a
-# loop-carried chain of 128- or 256-bit vectors, and only those: whether a product is
-# fused then depends on the loop around it. Turn that off where the compiler knows it.
-# (--per_file_copt splits its options at commas; a backslash keeps one, and reading the rc
-# file takes one backslash away, hence two before each comma inside -mtune-ctrl.)
-# -march=native names a different instruction set on each kind of machine but the same
-# flag to Bazel, which would reuse objects compiled on another kind (a checkout shared by
-# several machines): a digest of the compiler's target macros joins the flags, so that a
-# new target rebuilds the core. (An unused definition; it changes no code.)
-target=$("${CC:-gcc}" -march="$march" -dM -E -x c /dev/null 2>/dev/null | sort | cksum |
-  cut -d' ' -f1 || true)
-core_copts="-march=$march,-DTF_HSM_TARGET=${target:-unknown}"
-fma_chains=""
-for knob in avoid_fma_chains avoid_fma256_chains avoid_fma512_chains; do
-  if echo 'int x;' | "${CC:-gcc}" -mtune-ctrl="^$knob" -x c++ -c - -o /dev/null 2>/dev/null; then
-    fma_chains="${fma_chains:+$fma_chains\\\\,}^$knob"
-  fi
-done
-if [ -n "$fma_chains" ]; then core_copts="$core_copts,-mtune-ctrl=$fma_chains"; fi
+# The core's flags (cc/core_flags.sh says why each): --per_file_copt splits its options at
+# commas; a backslash keeps one, and reading the rc file takes one backslash away, hence
+# two before each comma inside an option (-mtune-ctrl's list).
+core_copts=$(cc/core_flags.sh "$march" | sed 's/,/\\\\,/g' | paste -sd, -)
 config=$(cat <<CONF
 # Written by ./configure.sh; do not edit.
 build --repo_env=TF_HSM_PYTHON=$python

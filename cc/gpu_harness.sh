@@ -21,7 +21,8 @@
 #   TF_HSM_NVCC         nvcc to use (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)
 #   TF_HSM_CUDA_ARCHS   SM versions to build SASS for (default "80 90": A100, H100/H200;
 #                       PTX of the last one is embedded too)
-#   TF_HSM_MARCH        -march for the CPU core (default native)
+#   TF_HSM_MARCH        -march for the CPU core (default native; the core gets the op
+#                       library's flags for it, cc/core_flags.sh, and -O3)
 #   TF_HSM_NVCC_FLAGS   extra nvcc flags for the CUDA sources, e.g. the tuning knobs
 #                       -DTF_HSM_GPU_CHUNK_SLOTS=256 -DTF_HSM_GPU_SMALL_TILE_BLOCKS=2 of
 #                       cc/core/log_prob_gpu.cu, -DTF_HSM_GPU_SELECT_PER_THREAD=32 of
@@ -47,8 +48,22 @@ done
 
 say() { printf '[gpu_harness] %s\n' "$*" >&2; }
 
+# The flags a core source gets beyond the core's (cc/BUILD's sparse_rows library: the
+# optimizers' row updates round each product on its own).
+core_extra() {
+  case "$1" in
+    cc/core/sparse_rows.cc) echo "-fno-math-errno -ffp-contract=off" ;;
+  esac
+}
+
 out="${TF_HSM_HARNESS_DIR:-build/gpu_harness}"
 march="${TF_HSM_MARCH:-native}"
+# The CPU core is compiled as for the op library (cc/BUILD, .tf_hsm.bazelrc): its -march,
+# FMA and tuning flags and -O3, and sparse_rows.cc with the flags of its own library. It
+# is the code the CPU op runs only then: fusing a * b + c into one FMA or not depends on
+# those flags, and so do the bits the harness compares with.
+mapfile -t core_flags < <(CC="${CXX:-g++}" cc/core_flags.sh "$march")
+core_opt=-O3
 core_cc=(cc/core/*.cc)
 cuda_src=(cc/core/*.cu cc/tests/gpu_harness.cu)
 headers=(cc/core/*.h cc/core/*.cuh cc/tests/gpu_emulation.cuh)
@@ -62,13 +77,14 @@ if [ "$emulate" = 1 ]; then
   if [ "$asan" = 1 ]; then
     mode="emulate_asan"
     flags+=(-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer)
+    core_opt=-O1  # as the sanitizers want it
     link_flags=(-fsanitize=address,undefined)
     # Fibers switch stacks behind ASan's back; these keep it quiet and correct.
     export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_stack_use_after_return=0:detect_leaks=0}"
     export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
   fi
   objdir="$out/$mode"
-  cc_cmd() { "$cxx" "${flags[@]}" -c "$1" -o "$2"; }
+  cc_cmd() { "$cxx" "${flags[@]}" "${core_flags[@]}" "$core_opt" $(core_extra "$1") -c "$1" -o "$2"; }
   cu_cmd() { "$cxx" "${flags[@]}" -include cc/tests/gpu_emulation.cuh -x c++ -c "$1" -o "$2"; }
   link_cmd() { "$cxx" "${link_flags[@]}" -o "$1" "${@:2}" -lpthread; }
 else
@@ -100,7 +116,9 @@ else
     say "TF_HSM_CUBLAS=1 but cuBLAS was not found next to $nvcc"; exit 2
   fi
   flags=(-std=c++17 -O3 -I. -lineinfo "${cublas[@]}" ${TF_HSM_NVCC_FLAGS:-})
-  cc_cmd() { "$nvcc" -std=c++17 -O2 -I. -Xcompiler "-march=$march" -x c++ -c "$1" -o "$2"; }
+  # The CPU core with the host compiler itself: nvcc's -Xcompiler would split
+  # -mtune-ctrl's list at its commas.
+  cc_cmd() { "${CXX:-g++}" -std=c++17 "$core_opt" -I. "${core_flags[@]}" $(core_extra "$1") -c "$1" -o "$2"; }
   cu_cmd() { "$nvcc" "${flags[@]}" "${gencode[@]}" -c "$1" -o "$2"; }
   link_cmd() { "$nvcc" "${gencode[@]}" -o "$1" "${@:2}" "${link_extra[@]}"; }
   say "nvcc: $nvcc ($("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')), SM ${archs[*]}"
@@ -109,7 +127,7 @@ fi
 mkdir -p "$objdir"
 # Rebuild an object when its source, any core header, this script or the flags changed.
 stamp="$objdir/flags"
-flag_text="$mode ${flags[*]} ${gencode[*]:-} $march"
+flag_text="$mode ${flags[*]} ${gencode[*]:-} ${core_flags[*]} $core_opt"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$flag_text" ]; then
   rm -f "$objdir"/*.o
   printf '%s' "$flag_text" > "$stamp"

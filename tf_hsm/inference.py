@@ -1,7 +1,7 @@
 """Inference with a hierarchical softmax: exact top-k, every class's log-probability,
 ancestral sampling, and scoring of candidate classes.
 
-All four run the C++ kernels of cc/core/inference.cc on the CPU. They have no gradient
+All four run the C++ kernels of cc/core/inference_*.cc on the CPU. They have no gradient
 (`tf.no_gradient` is registered for each op); use `tf_hsm.log_prob` to train.
 """
 

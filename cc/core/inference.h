@@ -10,7 +10,7 @@
 // (true of the BFS layout), which makes every walk finite.
 //
 // A node's log-softmax is computed as by LogProbForward: logits in tiles of the node's
-// contiguous weight rows (simd::DotRows for a few rows, a row-panel kernel for 16 or more
+// contiguous weight rows (simd::DotBlock for a few rows, a row-panel kernel for 16 or more
 // rows sharing the node; the bias added after), an online logsumexp over the tiles with
 // simd::ExpInPlace, and a class's log-probability summed root first. The two logits
 // kernels round differently, so values agree with LogProbForward and with each other to
@@ -82,7 +82,7 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
 class SweepPlanCache {
  public:
   static constexpr int64 kMaxCachedPlanBytes = int64{512} << 20;
-  struct Entry;  // inference.cc
+  struct Entry;  // inference_sweep_plan.h
 
   SweepPlanCache();
   ~SweepPlanCache();

@@ -66,7 +66,6 @@ Scratch<T>& ThreadScratch() {
   return scratch;
 }
 
-
 // The weight block of one node.
 template <typename T>
 struct NodeBlock {
@@ -313,6 +312,7 @@ const T* BlockPanels(const SoftmaxParams<T>& p, const NodeBlock<T>& blk, std::ui
 // tile[r * ld + j] = z_{first_slot + j}(h_r) for r < nt, j < kb. With enough tokens to
 // amortise it, the weight rows are first packed into panels for the outer-product kernel;
 // the choice depends only on nt, which the plan fixes, so results never depend on threads.
+// Otherwise simd::DotBlock, whose kernels all give the same bits.
 // k0 is a multiple of kWidth whenever nt >= kPackMinTokens (tiles of kSlotTile or
 // dW chunks of a multiple of 16 slots), so a tile's panels are a slice of the block's.
 // With `saved` (the first entry's logits as LogProbForward saved them, saved[r * size + j]
@@ -329,23 +329,14 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
   const int64 first_slot = blk.first_slot + k0;
   const T* w = p.weights + first_slot * p.dim;
   const T* biases = p.biases == nullptr ? nullptr : p.biases + first_slot;
-  if (nt < 4 && kb >= 16) {
-    // Clusters that got one to three tokens stream their rows from memory: one pass over
-    // them for all the tokens (DotEach's bits; DotEach itself reads the rows once per
-    // token). On AMD EPYC, 1000 rows from memory, D = 300 and 512, one to three tokens:
-    // 61-140 us against 108-195 us for the 1 x 16, 2 x 8 and 4 x 4 register tiles.
-    simd::DotColumns<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
-  } else if (nt < 4 || blk.size < 4) {
-    // A 4 x 4 register tile would be mostly padding.
-    simd::DotEach<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
-  } else if (nt >= kPackMinTokens) {
+  static_assert(kPackMinTokens >= 4, "the packed kernel for blocks of four rows or more");
+  if (nt >= kPackMinTokens && blk.size >= 4) {
     constexpr int64 lanes = simd::Vec<T>::kWidth;
     const T* panels = BlockPanels(p, blk, call) + k0 / lanes * lanes * p.dim;
     simd::DotRowsPacked<T>(rows, nt, panels, kb, p.dim, tile, ld, biases);  // adds them
     return;
-  } else {
-    simd::DotRows<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
   }
+  simd::DotBlock<T>(rows, nt, w, p.dim, kb, p.dim, tile, ld);
   if (biases != nullptr) {
     for (int64 r = 0; r < nt; ++r)
       for (int64 j = 0; j < kb; ++j) tile[r * ld + j] += biases[j];

@@ -11,7 +11,7 @@
 #include "cc/core/tree_view.h"
 
 namespace tf_hsm {
-// Per instruction set, like simd.h (see there).
+// Per instruction set, like simd.h (see simd_isa.h).
 inline namespace TF_HSM_SIMD_ISA {
 
 // Weight rows per logits tile of a large node, in the training and the inference ops: a
