@@ -184,3 +184,49 @@ def test_adaptive_rows_at_the_chosen_cutoffs():
         f"AdaptiveSoftmax {tail}, chosen cutoffs [{', '.join(f'{c:,}' for c in chosen)}]")
   fixed = _row(report, "AdaptiveSoftmax flat, PyTorch-style fixed cutoffs [2,000, 20,000]")
   assert _row(report, "AdaptiveSoftmax flat, chosen")["step_seconds"] <= fixed["step_seconds"]
+
+
+def test_tree_step_fit_recovers_its_coefficients():
+  """The non-negative least squares behind the fitted tree step: exact data gives the
+  coefficients back; a term the data make negative is dropped, not kept negative."""
+  from tf_hsm import _tree_step_fit
+  truth = (2e-11, 9e-11, 3e-10, 4e-7, 2e-8, 5e-4)
+  amounts = [(1e6, 0, 1e5, 1e3, 1e4), (1e9, 0, 1e8, 2e3, 1e6), (0, 5e8, 4e8, 1e4, 3e5),
+             (7e7, 1e6, 3e7, 4e4, 5e5), (2e9, 0, 1e7, 5e2, 2e6), (0, 4e6, 3e6, 2e4, 5e4),
+             (3e8, 2e7, 5e6, 9e3, 8e5)]
+  rows = [a + (float(np.dot(truth, a + (1.0,))),) for a in amounts]
+  assert _tree_step_fit.fit(rows) == pytest.approx(truth, rel=1e-6)
+  # Time falling with bytes: the bytes term goes to 0 and the rest are refitted.
+  falling = [a + (1e-3 + 1e-11 * a[0] + 1e-10 * a[1] - 1e-12 * a[2],) for a in amounts]
+  fitted = _tree_step_fit.fit(falling)
+  assert fitted[2] == 0 and min(fitted) >= 0
+
+
+def test_tree_rows_use_the_fitted_step_and_hold_the_tree():
+  counts = 1.0 / np.arange(1, 30_001)
+  tree = tf_hsm.Tree.huffman(counts, branching=2)
+  coefficients = (2e-11, 9e-11, 3e-10, 4e-7, 2e-8, 5e-4)
+  fitted = dict(MACHINE, tree_step=coefficients)
+  roofline = _row(tf_hsm.plan(30_000, 64, 512, counts=counts, machine=MACHINE,
+                              trees=("huffman2",), adaptive=()), "HierarchicalSoftmax")
+  row = _row(tf_hsm.plan(30_000, 64, 512, counts=counts, machine=fitted,
+                         trees=("huffman2",), adaptive=()), "HierarchicalSoftmax")
+  probs = counts / counts.sum()
+  depth = np.diff(tree.path_begin)
+  assert row["node_visits"] == pytest.approx(512 * np.dot(probs, depth))
+  # A binary tree: two children a node, every node walked (at most 8 children).
+  assert row["children_scored"] == pytest.approx(2 * row["node_visits"])
+  assert row["small_node_flops"] == pytest.approx(row["flops"])
+  assert row["flops"] == pytest.approx(6 * 64 * row["children_scored"])
+  expected = np.dot(coefficients, (0.0, row["flops"], row["bytes_moved"],
+                                   row["node_visits"], row["children_scored"], 1.0))
+  assert row["step_seconds"] == pytest.approx(expected)
+  assert roofline["step_seconds"] != pytest.approx(expected)
+  # The tree's int64 index arrays are part of the peak, beside the tensors.
+  arrays = sum(a.nbytes for a in (tree.child_begin, tree.slot_child, tree.slot_node,
+                                  tree.node_slot, tree.class_slot, tree.node_depth,
+                                  tree.path_begin, tree.path_nodes, tree.path_slots))
+  assert arrays < row["tree_bytes"] <= arrays + 8 * 30_000
+  assert row["peak_bytes"] == pytest.approx(
+      row["param_bytes"] + row["grad_bytes"] + row["slot_bytes"] + row["activation_bytes"]
+      + row["tree_bytes"])

@@ -14,7 +14,9 @@ The figures are expected values for a step of `tokens_per_step` tokens drawn fro
 gradient row) when at least one token visits the node, which a step of T tokens does with
 probability 1 - (1 - p)^T, p the node's probability. Step time is a roofline:
 max(FLOPs / matmul rate, bytes / read bandwidth) plus a per-call overhead, with the
-machine's rates measured once and cached (or given, to plan for another machine).
+machine's rates measured once and cached (or given, to plan for another machine); the
+hierarchical-softmax rows use a linear model of FLOPs, bytes and node visits fitted to
+tf_hsm's own training steps, measured with the rates (`tf_hsm._tree_step_fit`).
 """
 
 import dataclasses
@@ -43,14 +45,17 @@ DIV_VALUE = 4.0  # the adaptive rows' div_value: PyTorch's default, docs/adaptiv
 @dataclasses.dataclass
 class Machine:
   """Rates used for step time: matmul FLOP/s, streaming read bytes/s, seconds per call,
-  and seconds per logit of TensorFlow's softmax cross-entropy (forward and backward: its
+  seconds per logit of TensorFlow's softmax cross-entropy (forward and backward: its
   exponentials and divisions, which the matmul and read rates do not bound; 0 for a
-  machine given by its datasheet rates only)."""
+  machine given by its datasheet rates only), and `tree_step`: tf_hsm's training step
+  fitted on this machine, seconds per each of TREE_STEP_TERMS (`tf_hsm._tree_step_fit`);
+  None prices tf_hsm's rows with the roofline instead."""
   matmul_flops: float
   read_bytes: float
   call_seconds: float
   source: str = "given"
   softmax_seconds: float = 0.0
+  tree_step: tuple = None
 
   @classmethod
   def measure(cls):
@@ -87,8 +92,9 @@ class Machine:
       return tape.gradient(loss, logits)[:1, :1]
 
     softmax_seconds = best(lambda: softmax().numpy(), 5) / (256 * 32768)
+    from tf_hsm import _tree_step_fit  # pylint: disable=import-outside-toplevel
     return cls(2 * 1024**3 / seconds, big.shape[0] * 4 / read_seconds, call, "measured",
-               softmax_seconds)
+               softmax_seconds, _tree_step_fit.measure())
 
   @classmethod
   def cached(cls, path=None, refresh=False):
@@ -104,7 +110,7 @@ class Machine:
         saved = json.load(f)
       if saved.get("cpu") == key and not refresh:
         return cls(saved["matmul_flops"], saved["read_bytes"], saved["call_seconds"],
-                   "cached", saved["softmax_seconds"])
+                   "cached", saved["softmax_seconds"], tuple(saved["tree_step"]))
     except (OSError, ValueError, KeyError):
       pass
     machine = cls.measure()
@@ -203,13 +209,41 @@ def _candidate_trees(num_classes, counts, names):
   return trees
 
 
+# Nodes of at most this many children go through the op's walked-node path (one fused
+# loop of dot products and softmax a node; cc/core/visit_plan.h's kWalkMaxBranching),
+# larger ones through its tiled logits: the two run at different rates.
+WALK_MAX_BRANCHING = 8
+
+
 def _tree_costs(tree, probs, tokens):
-  """(expected children scored per token, expected distinct rows a step)."""
+  """(expected children scored per token, of which in nodes of at most
+  WALK_MAX_BRANCHING children, expected distinct rows a step, expected nodes on a
+  token's path)."""
   node_p = _shard_layout.node_probabilities(tree, probs)
   sizes = np.diff(tree.child_begin)
   per_token = float(np.dot(node_p, sizes))  # sum over path nodes of their children
+  small = sizes <= WALK_MAX_BRANCHING
+  per_token_small = float(np.dot(node_p[small], sizes[small]))
   rows = float(np.dot(sizes, _shard_layout.touch_probability(node_p, tokens)))
-  return per_token, rows
+  return per_token, per_token_small, rows, float(node_p.sum())
+
+
+TREE_STEP_TERMS = ("FLOPs in large nodes", "FLOPs in small nodes", "bytes moved",
+                   "node visits", "children scored", "step")
+
+
+def tree_step_terms(flops, small_node_flops, bytes_moved, node_visits, children_scored):
+  """The amounts `Machine.tree_step` prices, one coefficient each (TREE_STEP_TERMS)."""
+  return (flops - small_node_flops, small_node_flops, bytes_moved, node_visits,
+          children_scored, 1.0)
+
+
+def tree_bytes(tree):
+  """Bytes of a tree's index arrays (int64: slots, nodes, classes and path steps), which
+  the ops read in place: a deep tree over many classes holds a table's worth."""
+  return float(sum(getattr(tree, name).nbytes for name in (
+      "child_begin", "slot_child", "slot_node", "node_slot", "class_slot", "node_depth",
+      "path_begin", "path_nodes", "path_slots", "_class_depth")))
 
 
 def _distinct(probs, draws):
@@ -234,14 +268,22 @@ class Cost:
   the optimizer and the machine: its trained tensors (`parts`), the table rows it touches
   (all parts together, for the report), its FLOPs (forward and backward), the elements
   it holds for the backward (logits, their gradient, hidden states), the logits that go
-  through TensorFlow's softmax cross-entropy (tf_hsm's op does its own), and the calls it
-  makes beyond `CALLS_PER_STEP` (an adaptive softmax runs each tier's kernels apart)."""
+  through TensorFlow's softmax cross-entropy (tf_hsm's op does its own), the calls it
+  makes beyond `CALLS_PER_STEP` (an adaptive softmax runs each tier's kernels apart), and
+  for a tree: the nodes its tokens' paths visit, the children those nodes score (a
+  logit, its exponential and its gradient coefficient each) and the FLOPs in nodes of at
+  most WALK_MAX_BRANCHING children (what tf_hsm's fitted step time counts beside FLOPs
+  and bytes), and the bytes of its index arrays (held at the peak)."""
   parts: list
   rows_touched: float
   flops: float
   activations: float
   softmax_logits: float = 0.0
   calls: float = 0.0
+  node_visits: float = 0.0
+  children_scored: float = 0.0
+  small_node_flops: float = 0.0
+  tree_bytes: float = 0.0
 
 
 def moved_elements(part, optimizer):
@@ -287,7 +329,10 @@ def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32
   written, the optimizer's read-modify-write of the elements and their slots (every
   element of a part whose update is dense), plus the hidden states and their gradient.
   Step time: max(FLOPs / matmul rate, bytes / read bandwidth) + the softmax
-  cross-entropy's time per logit + CALLS_PER_STEP calls (and the layer's own).
+  cross-entropy's time per logit + CALLS_PER_STEP calls (and the layer's own); for a
+  tree's row on a machine with a fitted `tree_step`, that fit's FLOPs, bytes moved, node
+  visits and fixed cost instead (its op and sparse update do not run at the roofline).
+  The peak adds a tree's index arrays to the tensors.
   """
   if optimizer not in OPTIMIZERS:
     raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
@@ -301,17 +346,28 @@ def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32
   param, grad = elements * b, grad_elements * b
   slot = slots * param
   activation_bytes = cost.activations * b
-  peak = param + grad + slot + activation_bytes
+  peak = param + grad + slot + activation_bytes + cost.tree_bytes
   moved = (sum(moved_elements(p, optimizer) for p in cost.parts) +
            2 * int(tokens_per_step) * int(hidden)) * b
-  flop_seconds, byte_seconds, other_seconds = step_terms(cost, optimizer, dtype, machine)
-  hidden_seconds, call_seconds = fixed_step_terms(hidden, tokens_per_step, dtype, machine)
-  seconds = max(flop_seconds, byte_seconds + hidden_seconds) + other_seconds + call_seconds
+  if cost.node_visits and machine.tree_step is not None:
+    # tf_hsm's op and sparse update, as fitted to its steps on this machine.
+    seconds = float(np.dot(machine.tree_step,
+                           tree_step_terms(cost.flops, cost.small_node_flops, moved,
+                                           cost.node_visits, cost.children_scored)))
+  else:
+    flop_seconds, byte_seconds, other_seconds = step_terms(cost, optimizer, dtype, machine)
+    hidden_seconds, call_seconds = fixed_step_terms(hidden, tokens_per_step, dtype,
+                                                    machine)
+    seconds = (max(flop_seconds, byte_seconds + hidden_seconds) + other_seconds +
+               call_seconds)
   per_shard = (param + slot) / num_shards + (
-      grad + activation_bytes if num_shards == 1 else 0)
+      grad + activation_bytes + cost.tree_bytes if num_shards == 1 else 0)
   budget_bytes = per_shard if num_shards > 1 else peak
   return {"method": method, "param_bytes": param, "grad_bytes": grad, "slot_bytes": slot,
-          "activation_bytes": activation_bytes, "peak_bytes": peak,
+          "activation_bytes": activation_bytes, "tree_bytes": cost.tree_bytes,
+          "node_visits": cost.node_visits, "small_node_flops": cost.small_node_flops,
+          "children_scored": cost.children_scored,
+          "peak_bytes": peak,
           "per_shard_bytes": per_shard, "rows_touched": cost.rows_touched,
           "flops": cost.flops, "bytes_moved": moved, "softmax_logits": cost.softmax_logits,
           "step_seconds": seconds,
@@ -342,9 +398,12 @@ def tree_cost(tree, hidden, tokens_per_step, probs):
   get a gradient row (sparse); the op keeps the logits of its large nodes for the
   gradient, one per visit and child."""
   D, T = hidden, tokens_per_step
-  per_token, touched = _tree_costs(tree, probs, T)
+  per_token, per_token_small, touched, path_nodes = _tree_costs(tree, probs, T)
   return Cost([Part("table", tree.num_slots * (D + 1), touched * (D + 1), False)], touched,
-              6.0 * T * D * per_token, T * per_token + 3 * T * D)
+              6.0 * T * D * per_token, T * per_token + 3 * T * D,
+              node_visits=T * path_nodes, children_scored=T * per_token,
+              small_node_flops=6.0 * T * D * per_token_small,
+              tree_bytes=tree_bytes(tree))
 
 
 def pytorch_cutoffs(num_classes, hidden, div_value=DIV_VALUE):

@@ -179,7 +179,8 @@ def compare(case, bench_case, predicted, machine):
     if peak_ratio is not None and not result["peak_ok"]:
       result["why"].append(
           f"peak: set-up (tree, inputs, tables) {_gb(result['setup'])} against "
-          f"{_gb(pred['param_bytes'])} of tables predicted; the step added "
+          f"{_gb(pred['param_bytes'] + pred.get('tree_bytes', 0.0))} of tables and tree "
+          f"arrays predicted; the step added "
           f"{_gb(result['growth'])} against {_gb(pred['grad_bytes'] + pred['activation_bytes'])}"
           f" predicted (gradient {_gb(pred['grad_bytes'])}, activations "
           f"{_gb(pred['activation_bytes'])})")
@@ -187,6 +188,15 @@ def compare(case, bench_case, predicted, machine):
       compute = pred["flops"] / machine.matmul_flops
       traffic = pred["bytes_moved"] / machine.read_bytes
       seconds = result["measured_step"]
+      if pred.get("node_visits") and machine.tree_step is not None:
+        terms = zip(planner.TREE_STEP_TERMS, machine.tree_step,
+                    planner.tree_step_terms(pred["flops"], pred["small_node_flops"],
+                                            pred["bytes_moved"], pred["node_visits"],
+                                            pred["children_scored"]))
+        result["why"].append("step: the fitted model's terms: " + "; ".join(
+            f"{name} {_time(coefficient * amount)}" for name, coefficient, amount in terms))
+        out.append(result)
+        continue
       why = (f"step: the model is {'compute' if compute >= traffic else 'traffic'}-bound "
              f"({pred['flops'] / 1e9:,.2f} GFLOP at {machine.matmul_flops / 1e9:.0f} GFLOP/s"
              f" = {_time(compute)}; {pred['bytes_moved'] / 1e6:,.0f} MB at "
@@ -214,7 +224,18 @@ def _best(first, second):
   return planner.Machine(max(first.matmul_flops, second.matmul_flops),
                          max(first.read_bytes, second.read_bytes),
                          min(first.call_seconds, second.call_seconds), "measured",
-                         min(first.softmax_seconds, second.softmax_seconds))
+                         min(first.softmax_seconds, second.softmax_seconds),
+                         _faster_fit(first.tree_step, second.tree_step))
+
+
+def _faster_fit(first, second):
+  """Of two fitted tree steps, the one with the smaller total over its own terms at a
+  mid-sized step (1 GFLOP in large nodes, 0.1 in small ones, 100 MB, 10K visits, 1M
+  children): its coefficients stay one fit's."""
+  if first is None or second is None:
+    return first or second
+  probe = planner.tree_step_terms(1.1e9, 1e8, 1e8, 1e4, 1e6)
+  return min(first, second, key=lambda c: sum(a * b for a, b in zip(c, probe)))
 
 
 def _cost_of(case, method):
