@@ -7,8 +7,11 @@ shapes PyTorch's `nn.AdaptiveLogSoftmaxWithLoss` was measured at on this machine
 A step is the mean log-probability of Zipf(1) targets and its gradient with respect to
 the hidden states and every weight (no optimizer update), in a `tf.function`. The
 methods run interleaved, one call each per round; the median is reported.
-PyTorch's figures on this machine kind (2.13 CPU, 2 threads, the same step): B 84.7 ms,
-D 438 ms; they are printed beside ours, not re-measured (PyTorch is not a dependency).
+When PyTorch is importable (it is not a dependency: `pip install torch` beside tf_hsm),
+its `nn.AdaptiveLogSoftmaxWithLoss` at the same cutoffs, div value and inputs runs
+interleaved with ours (forward, `loss.backward()`, as many threads as TensorFlow's pool);
+otherwise `--torch off` is implied and the figures measured on this machine kind are
+printed instead (PyTorch 2.13 CPU, 2 threads: B 84.7 ms, D 438 ms).
 
 `--cutoffs` times given cutoffs instead of the case's. `--choose` times, for each tail,
 the cutoffs `tf_hsm.adaptive.choose_cutoffs` picks for the case (its counts, D, T and
@@ -19,7 +22,9 @@ cost model's predicted step time beside each median.
 
 import argparse
 import dataclasses
+import importlib.util
 import json
+import os
 import statistics
 import time
 
@@ -77,6 +82,32 @@ def _full_step(num_classes, dim):
   return step, num_classes * (dim + 1)
 
 
+def torch_available():
+  return importlib.util.find_spec("torch") is not None
+
+
+def _torch_step(num_classes, dim, cutoffs, hidden, targets):
+  """PyTorch's `AdaptiveLogSoftmaxWithLoss` step on the same inputs, as a callable of
+  the (ignored) TensorFlow inputs returning the loss as a float: forward, backward with
+  respect to the hidden states and every weight, gradients dropped between calls."""
+  import torch  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(0)
+  torch.set_num_threads(os.cpu_count() or 1)
+  module = torch.nn.AdaptiveLogSoftmaxWithLoss(dim, num_classes, list(cutoffs),
+                                               div_value=DIV_VALUE, head_bias=False)
+  h = torch.from_numpy(hidden.numpy()).requires_grad_(True)
+  t = torch.from_numpy(targets.numpy())
+
+  def step(unused_hidden, unused_targets):
+    h.grad = None
+    module.zero_grad(set_to_none=True)
+    loss = -module(h, t).output.mean()
+    loss.backward()
+    return float(loss.detach())
+
+  return step, sum(p.numel() for p in module.parameters())
+
+
 def _interleaved(steps, hidden, targets, rounds):
   """{name: median ms} of steps {name: (step, ...)}, one call each per round."""
   times = {name: [] for name in steps}
@@ -98,8 +129,9 @@ def _inputs(case, seed):
   return 1.0 / np.arange(1, num_classes + 1), hidden, targets
 
 
-def measure(case, rounds=15, full=False, seed=0, cutoffs=None):
-  """{method: (median ms, parameters)} for one case (at `cutoffs`, default the case's)."""
+def measure(case, rounds=15, full=False, seed=0, cutoffs=None, torch=False):
+  """{method: (median ms, parameters)} for one case (at `cutoffs`, default the case's);
+  with `torch`, PyTorch's adaptive softmax too ("PyTorch adaptive")."""
   num_classes, dim, _, case_cutoffs, _ = CASES[case]
   cutoffs = case_cutoffs if cutoffs is None else cutoffs
   counts, hidden, targets = _inputs(case, seed)
@@ -107,6 +139,8 @@ def measure(case, rounds=15, full=False, seed=0, cutoffs=None):
       "adaptive flat": _adaptive_step(num_classes, dim, cutoffs, "flat", counts),
       "adaptive two_level": _adaptive_step(num_classes, dim, cutoffs, "two_level", counts),
   }
+  if torch:
+    steps["PyTorch adaptive"] = _torch_step(num_classes, dim, cutoffs, hidden, targets)
   if full:
     steps["full softmax"] = _full_step(num_classes, dim)
   medians = _interleaved(steps, hidden, targets, rounds)
@@ -149,7 +183,13 @@ def main(argv=None):
   parser.add_argument("--machine",
                       help="JSON with matmul_flops, read_bytes, call_seconds for --choose "
                       "(default: measured at the start)")
+  parser.add_argument("--torch", choices=("auto", "on", "off"), default="auto",
+                      help="time PyTorch's adaptive softmax beside ours: when importable "
+                      "(auto), always (on: an error without it), never")
   args = parser.parse_args(argv)
+  if args.torch == "on" and not torch_available():
+    parser.error("--torch on: PyTorch is not importable (pip install torch)")
+  use_torch = args.torch == "on" or (args.torch == "auto" and torch_available())
   cases = args.cases.split(",")
   for case in cases:
     if case not in CASES:
@@ -167,15 +207,18 @@ def main(argv=None):
         print(f"| {case} | {tail} | {cutoffs} | {source} | {predicted:.1f} | {ms:.1f} | "
               f"{ms / model[tail]:.2f} |", flush=True)
     return
-  print("| case | method | cutoffs | fwd+bwd ms (median) | parameters | PyTorch adaptive ms |")
+  torch_column = ("PyTorch adaptive ms, measured beside" if use_torch else
+                  "PyTorch adaptive ms, measured before on this machine kind")
+  print(f"| case | method | cutoffs | fwd+bwd ms (median) | parameters | {torch_column} |")
   print("| --- | --- | --- | --- | --- | --- |")
   for case in cases:
     cutoffs = args.cutoffs or CASES[case][3]
-    for name, (ms, params) in measure(case, args.rounds, args.full,
-                                      cutoffs=cutoffs).items():
+    results = measure(case, args.rounds, args.full, cutoffs=cutoffs, torch=use_torch)
+    reference = results["PyTorch adaptive"][0] if use_torch else CASES[case][4]
+    for name, (ms, params) in results.items():
       shown = "-" if name == "full softmax" else cutoffs
       print(f"| {case} | {name} | {shown} | {ms:.1f} | {params / 1e6:.1f}M | "
-            f"{CASES[case][4]} |", flush=True)
+            f"{reference:.1f} ({reference / ms:.1f}x this) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""The adaptive softmax's bench tools: `tf_hsm.bench.keras_fit` (a Keras model.fit step of
+an output layer at any size) and PyTorch side by side in `tf_hsm.bench.adaptive`, which
+also checks `AdaptiveSoftmax.from_torch_state_dict` against the real module when PyTorch
+is importable (it is not a dependency: skipped without it)."""
+
+import argparse
+
+import numpy as np
+import pytest
+
+import tf_hsm
+from tf_hsm.bench import adaptive as bench_adaptive
+from tf_hsm.bench import keras_fit
+
+
+def _args(**overrides):
+  args = dict(classes=3_000, hidden=32, tokens=128, features=16, layer="adaptive",
+              tree="huffman32", tail="two_level", cutoffs=None, div_value=4.0, steps=4,
+              batches=2, seed=0)
+  args.update(overrides)
+  return argparse.Namespace(**args)
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"tail": "flat", "cutoffs": "200,1000"}, {"layer": "hsm", "tree": "huffman8"}])
+def test_keras_fit_reports_steps_weights_and_memory(overrides):
+  result = keras_fit.run(_args(**overrides))
+  assert len(result["steps"]) == 4
+  assert result["step_seconds"] > 0
+  assert 0 < result["baseline_rss"] < result["peak_rss"]
+  assert result["bound"] == pytest.approx(1.3 * result["weights_bytes"] + 2**30)
+  if overrides.get("layer") == "hsm":
+    tree = tf_hsm.Tree.huffman(keras_fit.zipf_counts(3_000), branching=8)
+    assert result["weights_bytes"] == tree.num_slots * (32 + 1) * 4
+    assert "HierarchicalSoftmax huffman8" in result["layout"]
+  else:
+    assert "AdaptiveSoftmax" in result["layout"] and "cutoffs [" in result["layout"]
+  if overrides.get("cutoffs"):
+    # Head 200 + 2 cluster tokens at 32; clusters at widths 8 and 2 with projections.
+    assert result["weights_bytes"] == 4 * (202 * 32 + (32 * 8 + 800 * 8) +
+                                           (32 * 2 + 2000 * 2))
+
+
+def test_keras_fit_command_line_refuses_too_few_steps():
+  with pytest.raises(SystemExit):
+    keras_fit.main(["--steps", "2"])
+
+
+def test_torch_module_and_the_layer_from_its_state_dict_agree():
+  torch = pytest.importorskip("torch")
+  torch.manual_seed(3)
+  cutoffs, dim, num_classes = [30, 120], 24, 400
+  module = torch.nn.AdaptiveLogSoftmaxWithLoss(dim, num_classes, cutoffs, div_value=2.0,
+                                               head_bias=True).double()
+  rng = np.random.default_rng(0)
+  hidden = rng.standard_normal((50, dim))
+  targets = rng.integers(0, num_classes, 50)
+  with torch.no_grad():
+    expected_lp = module(torch.from_numpy(hidden), torch.from_numpy(targets)).output
+    expected_all = module.log_prob(torch.from_numpy(hidden))
+  layer = tf_hsm.AdaptiveSoftmax.from_torch_state_dict(
+      {k: v.numpy() for k, v in module.state_dict().items()}, cutoffs, div_value=2.0,
+      head_bias=True)
+  np.testing.assert_allclose(layer(hidden, targets).numpy(), expected_lp.numpy(),
+                             rtol=1e-10, atol=1e-10)
+  np.testing.assert_allclose(layer.log_prob_all(hidden).numpy(), expected_all.numpy(),
+                             rtol=1e-10, atol=1e-10)
+
+
+def test_torch_step_runs_on_the_benchs_inputs():
+  pytest.importorskip("torch")
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  hidden = tf.random.stateless_normal([64, 32], seed=[1, 2])
+  targets = tf.constant(np.arange(64) * 7 % 500, tf.int64)
+  step, params = bench_adaptive._torch_step(500, 32, [50, 200], hidden, targets)
+  loss = step(hidden, targets)
+  assert np.isfinite(loss) and loss > 0
+  # Head 50 + 2 cluster tokens at 32; clusters at widths 8 and 2.
+  assert params == 52 * 32 + (32 * 8 + 150 * 8) + (32 * 2 + 300 * 2)

@@ -1,0 +1,156 @@
+"""A Keras `model.fit` step of an output layer at any size: step time and peak memory.
+
+    python -m tf_hsm.bench.keras_fit --classes 10M --hidden 300 --tokens 3200 \\
+        --layer adaptive --tail two_level            # cutoffs from the cost model
+    python -m tf_hsm.bench.keras_fit --classes 10M --hidden 300 --tokens 3200 \\
+        --layer hsm --tree huffman32
+
+The model is what a user trains: features -> Dense(hidden) -> the output layer
+(`HierarchicalSoftmax` over the named tree of the Zipf(1) counts, or `AdaptiveSoftmax`
+with the given or chosen cutoffs), compiled with `tf_hsm.losses.nll` and
+`tf_hsm.optimizers.SparseSGD`, fed by a `tf.data` pipeline of Zipf(1) targets
+(`--batches` distinct batches, cycled), and trained with `model.fit` for `--steps` steps.
+Printed: the median wall time of the steps after the first two (tracing, first
+allocations), the output layer's weights (table and projections), and the process's peak
+RSS (and its RSS with TensorFlow's runtime up, before the model) against the bound
+1.3 x weights + 1 GiB.
+"""
+
+import argparse
+import resource
+import statistics
+import time
+
+import numpy as np
+
+GIB = 2**30
+
+
+def _count(text):
+  from tf_hsm.planner import parse_count  # pylint: disable=import-outside-toplevel
+  return parse_count(text)
+
+
+def zipf_counts(num_classes):
+  return 1.0 / np.arange(1, num_classes + 1, dtype=np.float64)
+
+
+def output_layer(args, counts):
+  """The output layer, and a description of its layout."""
+  import tf_hsm  # pylint: disable=import-outside-toplevel
+  if args.layer == "hsm":
+    kind = args.tree
+    if kind == "two_level":
+      tree = tf_hsm.Tree.two_level(args.classes, counts=counts)
+    elif kind.startswith("huffman"):
+      tree = tf_hsm.Tree.huffman(counts, branching=int(kind[len("huffman"):] or 2))
+    else:
+      raise ValueError(f"--tree must be two_level or huffmanK, got {kind!r}")
+    return (tf_hsm.HierarchicalSoftmax(tree, name="output"),
+            f"HierarchicalSoftmax {kind}: {tree.num_slots:,} slots, depth {tree.max_depth}")
+  cutoffs = [int(c) for c in args.cutoffs.split(",")] if args.cutoffs else None
+  layer = tf_hsm.AdaptiveSoftmax(args.classes, cutoffs, div_value=args.div_value,
+                                 tail=args.tail, counts=counts,
+                                 tokens_per_step=args.tokens, name="output")
+  return layer, f"AdaptiveSoftmax {args.tail}, div {args.div_value:g}"
+
+
+class _StepTimes:
+  """Wall time of each training batch, as `model.fit` runs it."""
+
+  def __init__(self):
+    import keras  # pylint: disable=import-outside-toplevel
+    times = self.times = []
+
+    class Callback(keras.callbacks.Callback):
+
+      def on_train_batch_begin(self, batch, logs=None):
+        self.start = time.perf_counter()
+
+      def on_train_batch_end(self, batch, logs=None):
+        times.append(time.perf_counter() - self.start)
+
+    self.callback = Callback()
+
+
+def run(args):
+  """{"layout", "weights_bytes", "step_seconds" (median), "steps", "peak_rss", "bound"}."""
+  import keras  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tf_hsm import losses, optimizers  # pylint: disable=import-outside-toplevel
+  keras.utils.set_random_seed(args.seed)
+  tf.constant(0).numpy()  # TensorFlow's runtime up: the baseline RSS
+  baseline = _rss()
+  counts = zipf_counts(args.classes)
+  start = time.perf_counter()
+  layer, layout = output_layer(args, counts)
+  build_seconds = time.perf_counter() - start
+  features = keras.Input((args.features,), name="features")
+  targets = keras.Input((), dtype="int64", name="targets")
+  hidden = keras.layers.Dense(args.hidden, activation="tanh", name="hidden")(features)
+  model = keras.Model([features, targets], layer(hidden, targets))
+  model.compile(optimizer=optimizers.SparseSGD(learning_rate=0.1), loss=losses.nll)
+
+  rng = np.random.default_rng(args.seed)
+  cdf = np.cumsum(counts)
+  batches = [(rng.standard_normal((args.tokens, args.features)).astype(np.float32),
+              np.minimum(np.searchsorted(cdf, rng.random(args.tokens) * cdf[-1]),
+                         args.classes - 1).astype(np.int64))
+             for _ in range(args.batches)]
+  x = np.concatenate([b[0] for b in batches])
+  y = np.concatenate([b[1] for b in batches])
+  data = tf.data.Dataset.from_tensor_slices(((x, y), y)).batch(args.tokens).repeat()
+  timer = _StepTimes()
+  model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0, shuffle=False,
+            callbacks=[timer.callback])
+  steady = timer.times[2:] or timer.times
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  weights_bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
+                      for w in layer.weights)
+  if args.layer == "adaptive":
+    layout += f", cutoffs {list(layer.cutoffs)}"
+  return {"layout": layout, "build_seconds": build_seconds, "weights_bytes": weights_bytes,
+          "step_seconds": statistics.median(steady), "steps": timer.times,
+          "baseline_rss": baseline, "peak_rss": peak, "bound": 1.3 * weights_bytes + GIB}
+
+
+def _rss():
+  """This process's resident bytes now."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m tf_hsm.bench.keras_fit",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--classes", type=_count, default=10_000_000)
+  parser.add_argument("--hidden", type=_count, default=300)
+  parser.add_argument("--tokens", type=_count, default=3200)
+  parser.add_argument("--features", type=int, default=64,
+                      help="width of the model's input (default: %(default)s)")
+  parser.add_argument("--layer", choices=("hsm", "adaptive"), default="adaptive")
+  parser.add_argument("--tree", default="huffman32", help="two_level or huffmanK (hsm)")
+  parser.add_argument("--tail", choices=("flat", "two_level"), default="two_level")
+  parser.add_argument("--cutoffs", default=None,
+                      help="e.g. 2000,20000 (adaptive; default: from the cost model)")
+  parser.add_argument("--div-value", type=float, default=4.0)
+  parser.add_argument("--steps", type=int, default=12)
+  parser.add_argument("--batches", type=int, default=4)
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  if args.steps < 3:
+    parser.error("--steps must be at least 3 (the first two are not counted)")
+  result = run(args)
+  print(f"V={args.classes:,} D={args.hidden} T={args.tokens:,}: {result['layout']} "
+        f"(built in {result['build_seconds']:.1f} s)")
+  print(f"output layer weights {result['weights_bytes'] / GIB:.2f} GiB")
+  print("steps (s): " + ", ".join(f"{t:.3f}" for t in result["steps"]))
+  print(f"model.fit step, median of steps 3-{args.steps}: {result['step_seconds']:.3f} s")
+  print(f"peak RSS {result['peak_rss'] / GIB:.2f} GiB (TensorFlow's runtime before the "
+        f"model: {result['baseline_rss'] / GIB:.2f} GiB); bound 1.3 x weights + 1 GiB = "
+        f"{result['bound'] / GIB:.2f} GiB: "
+        + ("within" if result["peak_rss"] <= result["bound"] else "OVER"))
+
+
+if __name__ == "__main__":
+  main()
