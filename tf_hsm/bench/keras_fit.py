@@ -143,7 +143,10 @@ def main(argv=None):
   result = run(args)
   print(f"V={args.classes:,} D={args.hidden} T={args.tokens:,}: {result['layout']} "
         f"(built in {result['build_seconds']:.1f} s)")
-  print(f"output layer weights {result['weights_bytes'] / GIB:.2f} GiB")
+  full_width = args.classes * (args.hidden + 1) * 4
+  print(f"output layer weights {result['weights_bytes'] / GIB:.2f} GiB, "
+        f"{result['weights_bytes'] / full_width:.3f} x a full-width [V, D+1] float32 table "
+        f"({full_width / GIB:.2f} GiB)")
   print("steps (s): " + ", ".join(f"{t:.3f}" for t in result["steps"]))
   print(f"model.fit step, median of steps 3-{args.steps}: {result['step_seconds']:.3f} s")
   print(f"peak RSS {result['peak_rss'] / GIB:.2f} GiB (TensorFlow's runtime before the "
