@@ -40,6 +40,10 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 SAMPLED = 1024  # tf.nn.sampled_softmax_loss's samples in the sampled-softmax row
 CALLS_PER_STEP = 3  # forward+backward op, optimizer update, the step's own function
 DIV_VALUE = 4.0  # the adaptive rows' div_value: PyTorch's default, docs/adaptive.md's cases
+# What a training step allocates beyond its tensors (the executor's buffers, the
+# allocator's per-thread arenas): 20-80 MB measured over `--verify`'s cases on 2 vCPUs
+# (the worker's peak RSS less its tensors), at most 150 MB for full softmax.
+STEP_WORKSPACE_BYTES = 48 * 2**20
 
 
 @dataclasses.dataclass
@@ -345,7 +349,7 @@ def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32
   cross-entropy's time per logit + CALLS_PER_STEP calls (and the layer's own); for a
   tree's row on a machine with a fitted `tree_step`, that fit's FLOPs, bytes moved, node
   visits and fixed cost instead (its op and sparse update do not run at the roofline).
-  The peak adds a tree's index arrays to the tensors.
+  The peak adds a tree's index arrays and STEP_WORKSPACE_BYTES to the tensors.
   """
   if optimizer not in OPTIMIZERS:
     raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
@@ -359,7 +363,7 @@ def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32
   param, grad = elements * b, grad_elements * b
   slot = slots * param
   activation_bytes = cost.activations * b
-  peak = param + grad + slot + activation_bytes + cost.tree_bytes
+  peak = param + grad + slot + activation_bytes + cost.tree_bytes + STEP_WORKSPACE_BYTES
   moved = (sum(moved_elements(p, optimizer) for p in cost.parts) +
            2 * int(tokens_per_step) * int(hidden)) * b
   if cost.node_visits and machine.tree_step is not None:
@@ -374,7 +378,8 @@ def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32
     seconds = (max(flop_seconds, byte_seconds + hidden_seconds) + other_seconds +
                call_seconds)
   per_shard = (param + slot) / num_shards + (
-      grad + activation_bytes + cost.tree_bytes if num_shards == 1 else 0)
+      grad + activation_bytes + cost.tree_bytes + STEP_WORKSPACE_BYTES
+      if num_shards == 1 else 0)
   budget_bytes = per_shard if num_shards > 1 else peak
   return {"method": method, "param_bytes": param, "grad_bytes": grad, "slot_bytes": slot,
           "activation_bytes": activation_bytes, "tree_bytes": cost.tree_bytes,
