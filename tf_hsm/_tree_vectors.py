@@ -146,9 +146,9 @@ def parents_from_vectors(vectors, counts, branching, seed, head=0):
 
 
 def checked_arguments(vectors, counts, branching, seed, head=0):
-  """(vectors, counts, branching, seed, head) checked: ValueError for anything malformed. The
-  vectors are not copied (a NumPy memmap stays one); their values are checked finite
-  a chunk at a time."""
+  """(vectors, counts, branching, seed, head) checked: ValueError for anything
+  malformed. The vectors are not copied (a NumPy memmap stays one); their values are
+  checked finite a chunk at a time."""
   if not hasattr(vectors, "shape") or not hasattr(vectors, "dtype"):
     vectors = np.asarray(vectors)
   if len(vectors.shape) != 2 or vectors.shape[0] < 1:

@@ -135,7 +135,7 @@ class RebuildTree(keras.callbacks.Callback):
     self.after_epoch = None if after_epoch is None else int(after_epoch)
     self.after_batch = None if after_batch is None else int(after_batch)
     self.head = int(head)
-    self.batches = 0
+    self._before_epoch = self._in_epoch = 0  # training batches run, for after_batch
     self.branching = branching
     self.counts = counts
     self.seed = seed
@@ -144,13 +144,18 @@ class RebuildTree(keras.callbacks.Callback):
     self.rebuild_seconds = None
 
   def on_train_batch_end(self, batch, logs=None):
-    self.batches += 1
-    if self.tree is None and self.batches == self.after_batch:
+    # `batch` is the index in the epoch of the last batch run: with steps_per_execution
+    # > 1, Keras calls this once per execution, so batches are counted from it.
+    self._in_epoch = batch + 1
+    if self.tree is None and self.after_batch is not None and \
+        self._before_epoch + self._in_epoch >= self.after_batch:
       # Keras' fit looks `model.train_function` up at every step, so the next batch
       # already trains the new tree with the new optimizer.
       self._rebuild()
 
   def on_epoch_end(self, epoch, logs=None):
+    self._before_epoch += self._in_epoch
+    self._in_epoch = 0
     if self.tree is None and epoch + 1 == self.after_epoch:
       self._rebuild()
 
