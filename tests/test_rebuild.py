@@ -331,6 +331,24 @@ def test_rebuild_part_way_through_an_epoch_with_a_head(rng):
     layer.rebuild_tree(tf_hsm.Tree.two_level(_CLASSES), head=2)
 
 
+def test_after_batch_counts_batches_across_epochs_and_executions(rng):
+  tree = tf_hsm.Tree.two_level(_CLASSES)
+  model = _lm(tree)
+  # Two batches an execution: Keras calls on_train_batch_end at batches 2 and 4.
+  model.compile(optimizer=optimizers.LazyAdam(0.02), loss=losses.nll,
+                steps_per_execution=2)
+  x, y = _data(rng, 64)
+  rebuild = RebuildTree("hsm", after_batch=6, branching=3)
+  trees = []
+  record = keras.callbacks.LambdaCallback(
+      on_epoch_end=lambda epoch, logs: trees.append(model.get_layer("hsm").tree))
+  history = model.fit([x, y], y, batch_size=16, epochs=3, verbose=0,
+                      callbacks=[rebuild, record])
+  assert np.all(np.isfinite(history.history["loss"]))
+  # Four batches an epoch: the sixth is in epoch 2, so epoch 1 ended on the old tree.
+  assert trees[0] is tree and trees[1] is rebuild.tree is trees[2]
+
+
 def test_rebuild_between_fit_calls_with_a_given_tree(rng):
   model = _lm(tf_hsm.Tree.two_level(_CLASSES))
   model.compile(optimizer=optimizers.SparseSGD(0.3, momentum=0.5), loss=losses.nll)
