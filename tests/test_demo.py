@@ -94,7 +94,9 @@ def test_tiny_run_writes_table_plot_and_json(tmp_path, capsys):
   assert len((out / "results.md").read_text().strip().split("\n")) == 6  # head, rule, 4 rows
 
 
-def test_learned_tree_is_rebuilt_after_the_first_epoch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flags", [[], ["--head", "4", "--rebuild-after-batches", "3",
+                                          "--rebuild-from", "rows", "--width", "3"]])
+def test_learned_tree_is_rebuilt_once(tmp_path, monkeypatch, flags):
   corpus = tmp_path / "corpus.txt"
   words = [f"w{i}" for i in range(30)]
   corpus.write_text("\n\n".join(" ".join(words[(i * j) % 30] for j in range(12))
@@ -102,8 +104,8 @@ def test_learned_tree_is_rebuilt_after_the_first_epoch(tmp_path, monkeypatch):
   rebuilt = []
   original = demo.learned_tree_callback
 
-  def spy(model, counts):
-    callback = original(model, counts)
+  def spy(model, counts, *args):
+    callback = original(model, counts, *args)
     rebuild = callback.on_epoch_end
 
     def on_epoch_end(epoch, logs=None):
@@ -116,14 +118,32 @@ def test_learned_tree_is_rebuilt_after_the_first_epoch(tmp_path, monkeypatch):
   results = demo.main(["--corpus", str(corpus), "--max-tokens", "480", "--epochs", "2",
                        "--vocab", "20", "--hidden", "8", "--seq-len", "5", "--batch", "4",
                        "--tree", "learned", "--models", "hsm", "--quiet",
-                       "--out", str(tmp_path / "out")])
-  start = demo.make_tree("two_level", demo.build_vocab(
-      demo.split_corpus(demo.file_documents(str(corpus)), 480)[0], 20, 2)[1])
+                       "--out", str(tmp_path / "out")] + flags)
+  counts = demo.build_vocab(demo.split_corpus(demo.file_documents(str(corpus)), 480)[0],
+                            20, 2)[1]
+  start = demo.make_tree("two_level", counts)
   assert [epoch for epoch, _ in rebuilt] == [0, 1]
-  assert rebuilt[0][1] != start and rebuilt[1][1] == rebuilt[0][1]  # once, after epoch 1
+  # Once: after epoch 1, or (flags) after batch 3 of it, which ends with the new tree.
+  assert rebuilt[0][1] != start and rebuilt[1][1] == rebuilt[0][1]
+  head = int(flags[1]) if flags else demo.learned_head(len(counts))
+  tree = rebuilt[0][1]
+  assert np.all(tree.class_depth[np.argsort(-counts, kind="stable")[:head]] == 1)
+  if flags:
+    assert len(tree.children(0)) <= 4 + 3
   model = results["models"][0]
   assert model["name"] == "hsm-learned"
   assert all(np.isfinite(model["held_out_perplexity"]))
+  assert len(model["rebuild_seconds"]) == 2
+
+
+def test_head_two_level_tree():
+  counts = np.array([5, 90, 0, 40, 7, 7, 300, 1, 2, 60, 3, 11], np.float64)
+  tree = demo.make_tree("two_level", counts, head=3)
+  assert sorted(c for c in tree.children(0) if c < len(counts)) == [1, 6, 9]
+  assert tree.max_depth == 2
+  np.testing.assert_array_equal(tree.class_depth[[1, 6, 9]], 1)
+  assert tree.class_depth[3] == 2  # the fourth most frequent, in a cluster
+  assert demo.make_tree("two_level", counts) == demo.make_tree("two_level", counts, 0)
 
 
 def test_command_line_help():

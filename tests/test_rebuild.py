@@ -294,6 +294,61 @@ def test_vectors_from_an_embedding(rng):
   assert tree == tf_hsm.Tree.from_vectors(seen[0], seed=1)
 
 
+def test_rebuild_part_way_through_an_epoch_with_a_head(rng):
+  model = _lm(tf_hsm.Tree.two_level(_CLASSES))
+  model.compile(optimizer=optimizers.LazyAdam(0.02), loss=losses.nll)
+  x, y = _data(rng, 64)
+  counts = _counts(rng)
+  embedding = model.get_layer("embedding")
+  seen = []
+  record = keras.callbacks.LambdaCallback(
+      on_train_batch_end=lambda batch, logs: seen.append(embedding.embeddings.numpy()))
+  rebuild = RebuildTree("hsm", after_batch=3, branching=3, counts=counts, head=5,
+                        vectors=embedding)
+  layer = model.get_layer("hsm")
+  before = []  # the table after each batch
+  keep = keras.callbacks.LambdaCallback(
+      on_train_batch_end=lambda batch, logs: before.append(layer.kernel.numpy().copy()))
+  history = model.fit([x, y], y, batch_size=16, epochs=1, verbose=0,
+                      callbacks=[record, rebuild, keep])
+  assert np.all(np.isfinite(history.history["loss"]))
+  # Built once, from the embedding as it was after the third batch of epoch 1.
+  assert rebuild.tree is layer.tree
+  assert len(rebuild.rebuild_seconds) == 2 and min(rebuild.rebuild_seconds) >= 0
+  assert rebuild.tree == tf_hsm.Tree.from_vectors(seen[2], counts=counts, branching=3,
+                                                  head=5)
+  top = np.argsort(-counts, kind="stable")[:5]
+  assert np.all(rebuild.tree.class_depth[top] == 1)
+  # The table changed at the third batch, and the fourth already trained the new one.
+  assert before[1].shape == (tf_hsm.Tree.two_level(_CLASSES).num_slots, 12)
+  assert before[2].shape == (rebuild.tree.num_slots, 12)
+  assert not np.array_equal(before[3], before[2])
+  # The layer's method takes the head too; a given tree has its own.
+  tree = layer.rebuild_tree(counts=counts, head=2, seed=1)
+  assert tree == tf_hsm.Tree.from_vectors(
+      tf.gather(layer.kernel, tree.class_slot).numpy(), counts=counts, seed=1, head=2)
+  with pytest.raises(ValueError, match="a given tree has its own root"):
+    layer.rebuild_tree(tf_hsm.Tree.two_level(_CLASSES), head=2)
+
+
+def test_after_batch_counts_batches_across_epochs_and_executions(rng):
+  tree = tf_hsm.Tree.two_level(_CLASSES)
+  model = _lm(tree)
+  # Two batches an execution: Keras calls on_train_batch_end at batches 2 and 4.
+  model.compile(optimizer=optimizers.LazyAdam(0.02), loss=losses.nll,
+                steps_per_execution=2)
+  x, y = _data(rng, 64)
+  rebuild = RebuildTree("hsm", after_batch=6, branching=3)
+  trees = []
+  record = keras.callbacks.LambdaCallback(
+      on_epoch_end=lambda epoch, logs: trees.append(model.get_layer("hsm").tree))
+  history = model.fit([x, y], y, batch_size=16, epochs=3, verbose=0,
+                      callbacks=[rebuild, record])
+  assert np.all(np.isfinite(history.history["loss"]))
+  # Four batches an epoch: the sixth is in epoch 2, so epoch 1 ended on the old tree.
+  assert trees[0] is tree and trees[1] is rebuild.tree is trees[2]
+
+
 def test_rebuild_between_fit_calls_with_a_given_tree(rng):
   model = _lm(tf_hsm.Tree.two_level(_CLASSES))
   model.compile(optimizer=optimizers.SparseSGD(0.3, momentum=0.5), loss=losses.nll)
@@ -346,6 +401,16 @@ def test_errors_name_the_problem(rng):
     laid_out.rebuild_tree()
   with pytest.raises(ValueError, match="after_epoch must be an integer >= 1"):
     RebuildTree("hsm", after_epoch=0)
+  with pytest.raises(ValueError, match="after_batch must be an integer >= 1"):
+    RebuildTree("hsm", after_batch=0)
+  with pytest.raises(ValueError, match="after_epoch or after_batch, not both"):
+    RebuildTree("hsm", after_epoch=1, after_batch=5)
+  with pytest.raises(ValueError, match="head must be an integer >= 0"):
+    RebuildTree("hsm", head=-1)
+  with pytest.raises(ValueError, match="head must be less than the number of classes"):
+    layer.rebuild_tree(counts=np.ones(_CLASSES), head=_CLASSES)
+  with pytest.raises(ValueError, match="head needs counts"):
+    layer.rebuild_tree(head=3)
   with pytest.raises(ValueError, match="HierarchicalSoftmax or its name"):
     RebuildTree(keras.layers.Dense(3))
   model = _lm(tf_hsm.Tree.two_level(_CLASSES))

@@ -16,10 +16,11 @@ def clustered(rng, clusters, per_cluster, dim, spread=0.05):
   return centers[group] + spread * rng.standard_normal((group.size, dim)), group
 
 
-def sibling_purity(tree, group):
-  """Fraction of pairs of sibling classes (leaves of one node) that share a group."""
+def sibling_purity(tree, group, first_node=0):
+  """Fraction of pairs of sibling classes (leaves of one node from `first_node` on, in
+  BFS order: 1 leaves out the root) that share a group."""
   same = total = 0
-  for node in range(tree.num_nodes):
+  for node in range(first_node, tree.num_nodes):
     leaves = [c for c in tree.children(node) if c < tree.num_classes]
     for i, a in enumerate(leaves):
       for b in leaves[i + 1:]:
@@ -83,6 +84,26 @@ def test_deterministic_for_a_seed_and_memmap_input(tmp_path):
   assert Tree.from_vectors(np.asarray(mapped), counts, branching=4, seed=5) == from_map
 
 
+@pytest.mark.parametrize("head", [1, 25, 199])
+def test_head_classes_are_children_of_the_root(head):
+  rng = np.random.default_rng(head)
+  vectors, group = clustered(rng, 20, 10, 6)
+  counts = rng.zipf(1.3, size=vectors.shape[0]).astype(np.float64)
+  tree = Tree.from_vectors(vectors, counts, branching=4, seed=2, head=head)
+  check_invariants(tree)
+  assert tree == Tree.from_vectors(vectors, counts, branching=4, seed=2, head=head)
+  top = np.argsort(-counts, kind="stable")[:head]  # ties: the lower id
+  root_leaves = {c for c in tree.children(0) if c < tree.num_classes}
+  assert set(top.tolist()) <= root_leaves
+  assert len(tree.children(0)) <= head + 4
+  assert np.all(tree.class_depth[top] == 1)
+  if head < 100:  # the rest are still split by similarity below the root
+    assert tree != Tree.from_vectors(vectors, counts, branching=4, seed=2)
+    # Below the root, siblings share a cluster about as often as without a head (0.78
+    # on these clusters), a Huffman tree's about 0.05.
+    assert sibling_purity(tree, group, first_node=1) > 0.6
+
+
 def test_small_and_degenerate_inputs():
   assert Tree.from_vectors(np.zeros((1, 3))).num_classes == 1
   two = Tree.from_vectors(np.zeros((2, 0)))
@@ -108,6 +129,12 @@ def test_small_and_degenerate_inputs():
     (np.zeros((4, 2)), {"branching": [4, 1]}, "branching"),
     (np.zeros((4, 2)), {"branching": 2.5}, "branching"),
     (np.zeros((4, 2)), {"seed": "x"}, "seed"),
+    (np.zeros((4, 2)), {"counts": [1, 2, 3, 4], "head": -1}, "head must be >= 0"),
+    (np.zeros((4, 2)), {"counts": [1, 2, 3, 4], "head": 4},
+     r"head must be less than the number of classes \(4\), got 4"),
+    (np.zeros((4, 2)), {"counts": [1, 2, 3, 4], "head": 1.5}, "head must be an integer"),
+    (np.zeros((4, 2)), {"counts": [1, 2, 3, 4], "head": True}, "head must be an integer"),
+    (np.zeros((4, 2)), {"head": 2}, "head needs counts"),
 ])
 def test_errors_name_the_argument(vectors, kwargs, message):
   with pytest.raises((ValueError, TypeError), match=message):

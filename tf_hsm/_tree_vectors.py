@@ -11,6 +11,11 @@ A node with classes S and k child slots:
    do (floor(g/2) : ceil(g/2)). So each child holds classes that lie together along the
    directions that separate them most, and about its share of the mass.
 
+With `head` = H, the root first takes the H most frequent classes as leaf children and
+splits the rest as above: the layout of an adaptive softmax (Grave et al., 2017), whose
+frequent words get an exact softmax at the root, with similarity clusters below it. The
+root then scores H + k children a token.
+
 Each level reads every class vector once, in chunks (no copy of the vectors), so time
 is O(V D depth) and memory beyond the vectors O(V) (index arrays and projections).
 """
@@ -94,10 +99,16 @@ def _bisect(vectors, members, weights, groups, rng):
           _bisect(vectors, order[cut:], weights, groups - left_groups, rng))
 
 
-def parents_from_vectors(vectors, counts, branching, seed):
+def head_classes(counts, head):
+  """The `head` most frequent classes (ties: lower id first), in that order."""
+  return np.argsort(-np.asarray(counts, np.float64), kind="stable")[:head]
+
+
+def parents_from_vectors(vectors, counts, branching, seed, head=0):
   """The `parents` array (classes, then internal nodes; see `Tree.from_parents`) of a
   tree over the rows of `vectors`. `branching` is an int, or a list of ints per level
-  (the last one for every deeper level)."""
+  (the last one for every deeper level); `head` classes (the most frequent) are leaf
+  children of the root in addition to its `branching` slots."""
   num_classes = vectors.shape[0]
   weights = (np.full(num_classes, 1.0) if counts is None
              else np.asarray(counts, np.float64) + 0.0)
@@ -105,7 +116,12 @@ def parents_from_vectors(vectors, counts, branching, seed):
   rng = np.random.default_rng(seed)
   class_parent = np.full(num_classes, -1, np.int64)
   node_parent = [-1]  # entry index (num_classes + node) of each internal node's parent
-  stack = [(np.arange(num_classes, dtype=np.int64), 0, 0)]  # (classes, node, depth)
+  members = np.arange(num_classes, dtype=np.int64)
+  if head:
+    top = head_classes(weights, head)
+    class_parent[top] = num_classes  # the root's entry
+    members = np.setdiff1d(members, top, assume_unique=True)
+  stack = [(members, 0, 0)]  # (classes, node, depth)
   while stack:
     members, node, depth = stack.pop()
     k = per_level[min(depth, len(per_level) - 1)]
@@ -129,10 +145,10 @@ def parents_from_vectors(vectors, counts, branching, seed):
   return np.concatenate([class_parent, np.asarray(node_parent, np.int64)])
 
 
-def checked_arguments(vectors, counts, branching, seed):
-  """(vectors, counts, branching, seed) checked: ValueError for anything malformed. The
-  vectors are not copied (a NumPy memmap stays one); their values are checked finite
-  a chunk at a time."""
+def checked_arguments(vectors, counts, branching, seed, head=0):
+  """(vectors, counts, branching, seed, head) checked: ValueError for anything
+  malformed. The vectors are not copied (a NumPy memmap stays one); their values are
+  checked finite a chunk at a time."""
   if not hasattr(vectors, "shape") or not hasattr(vectors, "dtype"):
     vectors = np.asarray(vectors)
   if len(vectors.shape) != 2 or vectors.shape[0] < 1:
@@ -154,5 +170,11 @@ def checked_arguments(vectors, counts, branching, seed):
   if not levels:
     raise ValueError("branching must be an int >= 2 or a non-empty list of them")
   levels = [check_int(k, "branching", minimum=2) for k in levels]
+  head = check_int(head, "head", minimum=0)
+  if head and counts is None:
+    raise ValueError("head needs counts: it takes the most frequent classes")
+  if head and head >= vectors.shape[0]:
+    raise ValueError(f"head must be less than the number of classes ({vectors.shape[0]}), "
+                     f"got {head}")
   return vectors, counts, levels if isinstance(branching, (list, tuple)) else levels[0], \
-      check_int(seed, "seed")
+      check_int(seed, "seed"), head

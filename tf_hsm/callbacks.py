@@ -24,6 +24,8 @@ What Keras 3 does with the old variables, and what is done about it here:
   trains the model.
 """
 
+import time
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -32,7 +34,7 @@ from tf_hsm.layers import HierarchicalSoftmax
 
 
 def rebuild_tree(model, layer=None, tree=None, *, counts=None, branching=2, seed=0,
-                 vectors=None):
+                 vectors=None, head=0):
   """Rebuilds the tree of a `HierarchicalSoftmax` in `model`, which then trains with it.
 
   Calls `layer.rebuild_tree` (see there for how the new tree is made and how the new
@@ -45,7 +47,7 @@ def rebuild_tree(model, layer=None, tree=None, *, counts=None, branching=2, seed
     model: the Keras model that holds the layer.
     layer: the `HierarchicalSoftmax`, or its name in `model`; None for the model's only
       one.
-    tree, counts, branching, seed: as `HierarchicalSoftmax.rebuild_tree`.
+    tree, counts, branching, seed, head: as `HierarchicalSoftmax.rebuild_tree`.
     vectors: as `HierarchicalSoftmax.rebuild_tree`, or a Keras layer with an
       `embeddings` variable (an `Embedding`), or a function of no arguments that returns
       the vectors; read when the rebuild happens.
@@ -65,7 +67,7 @@ def rebuild_tree(model, layer=None, tree=None, *, counts=None, branching=2, seed
   strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
   with strategy.scope():
     new_tree = layer.rebuild_tree(tree, counts=counts, branching=branching, seed=seed,
-                                  vectors=vectors)
+                                  vectors=vectors, head=head)
     new = _variables_of(layer)
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, keras.optimizers.Optimizer) and optimizer.built:
@@ -86,7 +88,8 @@ def rebuild_tree(model, layer=None, tree=None, *, counts=None, branching=2, seed
 
 
 class RebuildTree(keras.callbacks.Callback):
-  """Rebuilds a `HierarchicalSoftmax`'s tree once, at the end of epoch `after_epoch`.
+  """Rebuilds a `HierarchicalSoftmax`'s tree once, at the end of epoch `after_epoch` (or
+  of training batch `after_batch`).
 
   The first epochs train the class rows on the initial tree (a Huffman or two-level
   tree, say); the rebuild then groups the classes those rows (or `vectors`) show to be
@@ -96,38 +99,73 @@ class RebuildTree(keras.callbacks.Callback):
   Args:
     layer: the `HierarchicalSoftmax` or its name in the model.
     after_epoch: how many epochs of a `fit` call to train before the rebuild (epochs
-      counted as Keras shows them, from 1). It happens once per callback object, also
-      when `fit` is called again.
-    branching, counts, seed: as `HierarchicalSoftmax.rebuild_tree`.
+      counted as Keras shows them, from 1); None for 1 unless `after_batch` is given.
+      It happens once per callback object, also when `fit` is called again.
+    after_batch: instead of `after_epoch`, how many training batches to train before
+      the rebuild, counted from the first batch the callback sees (across epochs and
+      `fit` calls); the rest of that epoch trains on the new tree.
+    branching, counts, seed, head: as `HierarchicalSoftmax.rebuild_tree`.
     vectors: as `rebuild_tree`: None for the layer's own class rows; an array; a
       variable, an `Embedding` layer or a function of no arguments, read at the rebuild.
 
   Attributes:
     tree: the new tree once the rebuild has happened, None before.
+    rebuild_seconds: (wall-clock, process CPU) seconds the rebuild took (the tree
+      build, the new weights and optimizer; the re-tracing happens at the next step),
+      None before.
   """
 
-  def __init__(self, layer, after_epoch=1, branching=2, counts=None, seed=0, vectors=None):
+  def __init__(self, layer, after_epoch=None, branching=2, counts=None, seed=0,
+               vectors=None, *, after_batch=None, head=0):
     super().__init__()
-    if isinstance(after_epoch, bool) or not isinstance(after_epoch, (int, np.integer)) \
-        or after_epoch < 1:
-      raise ValueError(f"after_epoch must be an integer >= 1, got {after_epoch!r}")
+    if after_epoch is not None and after_batch is not None:
+      raise ValueError("give RebuildTree after_epoch or after_batch, not both")
+    if after_epoch is None and after_batch is None:
+      after_epoch = 1
+    for name, value in (("after_epoch", after_epoch), ("after_batch", after_batch)):
+      if value is not None and (isinstance(value, bool) or
+                                not isinstance(value, (int, np.integer)) or value < 1):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or head < 0:
+      raise ValueError(f"head must be an integer >= 0, got {head!r}")
     if not isinstance(layer, (HierarchicalSoftmax, str)):
       raise ValueError("layer must be a tf_hsm.HierarchicalSoftmax or its name, got "
                        f"{type(layer).__name__}")
     self.layer = layer
-    self.after_epoch = int(after_epoch)
+    self.after_epoch = None if after_epoch is None else int(after_epoch)
+    self.after_batch = None if after_batch is None else int(after_batch)
+    self.head = int(head)
+    self._before_epoch = self._in_epoch = 0  # training batches run, for after_batch
     self.branching = branching
     self.counts = counts
     self.seed = seed
     self.vectors = vectors
     self.tree = None
+    self.rebuild_seconds = None
+
+  def on_train_batch_end(self, batch, logs=None):
+    # `batch` is the index in the epoch of the last batch run: with steps_per_execution
+    # > 1, Keras calls this once per execution, so batches are counted from it.
+    self._in_epoch = batch + 1
+    if self.tree is None and self.after_batch is not None and \
+        self._before_epoch + self._in_epoch >= self.after_batch:
+      # Keras' fit looks `model.train_function` up at every step, so the next batch
+      # already trains the new tree with the new optimizer.
+      self._rebuild()
 
   def on_epoch_end(self, epoch, logs=None):
-    if self.tree is not None or epoch + 1 != self.after_epoch:
-      return
+    self._before_epoch += self._in_epoch
+    self._in_epoch = 0
+    if self.tree is None and epoch + 1 == self.after_epoch:
+      self._rebuild()
+
+  def _rebuild(self):
+    start = time.perf_counter(), time.process_time()
     self.tree = rebuild_tree(self.model, self.layer, counts=self.counts,
                              branching=self.branching, seed=self.seed,
-                             vectors=self.vectors)
+                             vectors=self.vectors, head=self.head)
+    self.rebuild_seconds = (time.perf_counter() - start[0],
+                            time.process_time() - start[1])
 
 
 def _find_layer(model, layer):

@@ -1,9 +1,11 @@
 """Output layers compared on a word-level language model: `python -m tf_hsm.demo`.
 
 Trains the same Keras model (Embedding -> LSTM -> output layer) on the same data once
-per output layer (--models): `tf_hsm.HierarchicalSoftmax` over a tree built from the
-training word counts (`hsm-<tree>`), a full softmax (`Dense(vocab)` + sparse categorical
-cross-entropy, `full`), TensorFlow's own `tf.nn.sampled_softmax_loss` with 1,024
+per output layer (--models): `tf_hsm.HierarchicalSoftmax` (`hsm-<tree>`; by default
+over a two-level tree of the training word counts, rebuilt after epoch 1 into a tree
+with the 128 most frequent words at the root and the rest grouped by the similarity of
+their trained input embeddings, `--tree learned`), a full softmax (`Dense(vocab)` +
+sparse categorical cross-entropy, `full`), TensorFlow's own `tf.nn.sampled_softmax_loss` with 1,024
 log-uniform candidates (`sampled-1024`; the question every HSM user meets: why not that?)
 and, on request, `tf_hsm.AdaptiveSoftmax` (`adaptive`). All use
 `tf_hsm.optimizers.LazyAdam` (plain Adam on dense gradients), the same seed and the same
@@ -54,7 +56,7 @@ import time
 import numpy as np
 
 DEFAULTS = {
-    "tree": "two_level",
+    "tree": "learned",
     "vocab": 10000,
     "min_count": 2,
     "epochs": 3,
@@ -67,7 +69,10 @@ DEFAULTS = {
     "out": "demo_results",
     "models": ("hsm", "full", "sampled"),
     "num_sampled": 1024,
+    "rebuild_from": "embedding",
 }
+# The learned tree's default head (docs/demo.md: heads of 128-1,024 words measured).
+LEARNED_HEAD = 128
 MODELS = ("hsm", "full", "sampled", "adaptive")
 UNK, EOS = "<unk>", "<eos>"
 _HELD_OUT_BLOCK, _HELD_OUT_EVERY = 1000, 10
@@ -211,12 +216,16 @@ def sequences(ids, seq_len):
 # Models
 # ---------------------------------------------------------------------------------------
 
-def make_tree(kind, counts):
-  """The HSM's tree. "learned" starts from the two-level tree and is rebuilt from the
-  model's input embeddings after the first epoch (`learned_tree_callback`)."""
+def make_tree(kind, counts, head=0):
+  """The HSM's tree. "learned" starts from the two-level tree (without a head: it has
+  one after the rebuild, see `learned_tree_callback`). With `head`, the two-level tree's
+  root also holds the `head` most frequent words as leaves (the clusters then split the
+  other words)."""
   from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
   if kind == "learned":
-    kind = "two_level"
+    kind, head = "two_level", 0
+  if head and kind == "two_level":
+    return head_two_level_tree(counts, head)
   if kind == "huffman":
     return Tree.huffman(counts)
   if kind == "two_level":
@@ -226,14 +235,49 @@ def make_tree(kind, counts):
   raise ValueError(f"unknown tree kind {kind!r}")
 
 
-def learned_tree_callback(model, counts):
-  """Rebuilds the HSM's tree after epoch 1 from the trained input embeddings (which put
-  words used alike near each other), as a tree of about sqrt(V) children per node whose
-  siblings are similar words (`Tree.from_vectors`), and trains on with it."""
+def learned_head(vocab_size):
+  """The default head of a learned tree: LEARNED_HEAD words, at most 1/8 of the
+  vocabulary (the adaptive softmax's head here), so that a small vocabulary keeps most
+  of its words in the similarity tree below."""
+  return min(LEARNED_HEAD, vocab_size // 8)
+
+
+def head_two_level_tree(counts, head):
+  """A root with the `head` most frequent classes as leaves and, as its other children,
+  the clusters of `Tree.two_level` over the rest: the layout of an adaptive softmax,
+  with frequency clusters; against the learned tree it shows what grouping the rest by
+  similarity adds to the head."""
+  from tf_hsm import _tree_vectors  # pylint: disable=g-import-not-at-top
+  from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
+  counts = np.asarray(counts, np.float64)
+  c = len(counts)
+  top = _tree_vectors.head_classes(counts, head)
+  rest = np.setdiff1d(np.arange(c), top)
+  sub = Tree.two_level(len(rest), counts[rest])
+  # The sub-tree's parents (entries: its classes, then C_sub + node), renumbered into
+  # the whole tree's entries (classes, then C + node); the roots coincide.
+  entry = np.concatenate([rest, c + np.arange(sub.num_nodes)])
+  parents = np.full(c + sub.num_nodes, -1, np.int64)
+  parents[entry[sub.slot_child]] = c + sub.slot_node
+  parents[top] = c
+  return Tree.from_parents(parents, num_classes=c)
+
+
+def learned_tree_callback(model, counts, head=0, after_batches=None, vectors="embedding",
+                          width=None):
+  """Rebuilds the HSM's tree from trained vectors (`Tree.from_vectors`) and trains on
+  with it: after epoch 1, or after `after_batches` training batches.
+
+  The tree has about sqrt(V) children per node (`width`), whose siblings are similar
+  words, and the `head` most frequent words directly under the root. `vectors`:
+  "embedding" for the input embeddings (which put words used alike near each other) or
+  "rows" for the HSM layer's own class rows."""
   from tf_hsm.callbacks import RebuildTree  # pylint: disable=g-import-not-at-top
-  width = max(2, math.ceil(math.sqrt(len(counts))))
-  return RebuildTree(model.get_layer("hsm"), after_epoch=1, branching=[width, width],
-                     counts=counts, vectors=model.get_layer("embedding"))
+  width = width or max(2, math.ceil(math.sqrt(len(counts))))
+  source = model.get_layer("embedding") if vectors == "embedding" else None
+  when = {"after_batch": after_batches} if after_batches else {"after_epoch": 1}
+  return RebuildTree(model.get_layer("hsm"), branching=[width, width], counts=counts,
+                     vectors=source, head=head, **when)
 
 
 def unigram_log_probs(counts):
@@ -418,9 +462,21 @@ def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, call
   fit = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=verbose,
                   validation_data=(hx, hy), validation_batch_size=4 * batch,
                   callbacks=[timer, *callbacks])
+  for callback in callbacks:
+    # A rebuild at the end of an epoch runs after the timer stopped (fit's validation has
+    # begun): its cost counts in that epoch's training time. One after a batch is timed
+    # already; the re-tracing it causes happens at the next step, inside an epoch.
+    if getattr(callback, "rebuild_seconds", None) and \
+        getattr(callback, "after_epoch", None) is not None:
+      epoch = callback.after_epoch - 1
+      if epoch < len(timer.seconds):
+        timer.seconds[epoch] += callback.rebuild_seconds[0]
+        timer.cpu_seconds[epoch] += callback.rebuild_seconds[1]
   history = {"name": name, "train_tokens": int(tokens), "held_out_tokens": int(hy.size),
              "params": int(model.count_params()), "train_seconds": timer.seconds,
              "train_cpu_seconds": timer.cpu_seconds,
+             "rebuild_seconds": next((list(c.rebuild_seconds) for c in callbacks
+                                      if getattr(c, "rebuild_seconds", None)), None),
              "tokens_per_second": [tokens / s for s in timer.seconds],
              "train_loss": [float(v) for v in fit.history["loss"]],
              "held_out_perplexity": [_exp(v) for v in [initial] + fit.history["val_loss"]]}
@@ -497,11 +553,28 @@ def parse_args(argv=None):
   p.add_argument("--tree", choices=("huffman", "two_level", "balanced", "learned"),
                  default=DEFAULTS["tree"],
                  help="HSM tree: two_level (~sqrt(V) clusters of equal training-count "
-                      "mass), huffman (binary Huffman tree of the training counts) or "
+                      "mass), huffman (binary Huffman tree of the training counts), "
                       "balanced (~sqrt(V) equal-size clusters of frequency-ranked words) "
-                      "or learned (two_level, rebuilt after epoch 1 from the trained "
-                      "input embeddings with Tree.from_vectors). "
+                      "or learned (two_level, rebuilt after epoch 1 with Tree.from_vectors "
+                      "from the trained input embeddings: --head frequent words at the "
+                      "root, the rest in ~sqrt(V) x ~sqrt(V) similarity clusters). "
                       "Default: %(default)s")
+  p.add_argument("--head", type=int, default=None,
+                 help="how many of the most frequent words sit directly under the root "
+                      "(less than the vocabulary): of the rebuilt tree with --tree "
+                      "learned (default: the smaller of %d and 1/8 of the vocabulary), "
+                      "of the two-level tree with --tree two_level (default: 0)"
+                      % LEARNED_HEAD)
+  p.add_argument("--rebuild-after-batches", type=int, default=None,
+                 help="--tree learned: rebuild after this many training batches instead "
+                      "of after epoch 1")
+  p.add_argument("--rebuild-from", choices=("embedding", "rows"),
+                 default=DEFAULTS["rebuild_from"],
+                 help="--tree learned: the vectors the tree is rebuilt from, the input "
+                      "embeddings or the HSM's own class rows (default: %(default)s)")
+  p.add_argument("--width", type=int, default=None,
+                 help="--tree learned: children per node of the rebuilt tree below its "
+                      "head (default: ceil(sqrt(V)))")
   p.add_argument("--vocab", type=int, default=DEFAULTS["vocab"],
                  help="largest vocabulary size, <unk> included (default: %(default)s)")
   p.add_argument("--min-count", type=int, default=DEFAULTS["min_count"],
@@ -547,6 +620,14 @@ def parse_args(argv=None):
       p.error(f"--{name.replace('_', '-')} must be positive")
   if args.vocab < 2:
     p.error("--vocab must be at least 2 (<unk> and one word)")
+  if args.head is not None and args.head < 0:
+    p.error("--head must be >= 0")
+  if args.head and args.tree not in ("two_level", "learned"):
+    p.error("--head applies to --tree two_level and learned")
+  if args.rebuild_after_batches is not None and args.rebuild_after_batches < 1:
+    p.error("--rebuild-after-batches must be positive")
+  if args.width is not None and args.width < 2:
+    p.error("--width must be at least 2")
   return args
 
 
@@ -571,12 +652,15 @@ def main(argv=None):
   x, y = sequences(train_ids, args.seq_len)
   hx, hy = sequences(held_out_ids, args.seq_len)
   unk_rate = float(np.mean(held_out_ids == 0))
-  tree = make_tree(args.tree, counts)
+  head = learned_head(len(words)) if args.head is None and args.tree == "learned" else \
+      min(args.head or 0, len(words) - 1)
+  tree = make_tree(args.tree, counts, head)
   print(f"corpus: {source}\n  {len(train_tokens):,} training and {len(held_out_tokens):,} "
         f"held-out tokens; vocabulary {len(words):,} words incl. <unk> "
         f"({100 * unk_rate:.1f}% of held-out tokens are <unk>)\n"
         f"  HSM tree: {args.tree}, {tree.num_slots:,} weight rows, depth "
-        f"{tree.max_depth}, max branching {tree.max_branching}", flush=True)
+        f"{tree.max_depth}, max branching {tree.max_branching}"
+        f"{f', head {head} words' if head else ''}", flush=True)
 
   # Progress bars where a person watches; one line per epoch in logs, where each bar's
   # redraws would otherwise become hundreds of lines.
@@ -590,7 +674,8 @@ def main(argv=None):
       model = hsm_model(tree, counts, args.hidden, args.seq_len, args.learning_rate)
       data, held_out = ([x, y], y), ([hx, hy], hy)
       if args.tree == "learned":
-        extra = [learned_tree_callback(model, counts)]
+        extra = [learned_tree_callback(model, counts, head, args.rebuild_after_batches,
+                                       args.rebuild_from, args.width)]
     elif kind == "full":
       name = "full"
       model = full_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate)
@@ -613,7 +698,7 @@ def main(argv=None):
   plot(histories, os.path.join(args.out, "perplexity.png"))
   settings = {k: v for k, v in vars(args).items() if k not in ("quiet",)}
   results = {"settings": settings, "corpus": source, "vocab_size": len(words),
-             "held_out_unk_rate": unk_rate, "tree": {"kind": args.tree,
+             "held_out_unk_rate": unk_rate, "tree": {"kind": args.tree, "head": head,
                                                      "num_slots": tree.num_slots,
                                                      "max_depth": tree.max_depth},
              "models": histories, "total_seconds": time.perf_counter() - wall_start}

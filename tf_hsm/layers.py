@@ -205,7 +205,8 @@ class HierarchicalSoftmax(keras.layers.Layer):
     return inference.sample(self._hidden(hidden), *self._tables(), self.tree,
                             seed=seed, temperature=temperature)
 
-  def rebuild_tree(self, tree=None, *, counts=None, branching=2, seed=0, vectors=None):
+  def rebuild_tree(self, tree=None, *, counts=None, branching=2, seed=0, vectors=None,
+                   head=0):
     """Moves the layer to a new tree, keeping what the trained weights say about classes.
 
     A tree built before training can only group classes by frequency or by id; after some
@@ -235,11 +236,13 @@ class HierarchicalSoftmax(keras.layers.Layer):
 
     Args:
       tree: the new `tf_hsm.Tree` over the same classes, or None to build one with
-        `Tree.from_vectors(vectors, counts, branching, seed)`.
+        `Tree.from_vectors(vectors, counts, branching, seed, head)`.
       counts: optional class frequencies [num_classes]: the new tree's masses and the
         initial biases.
       branching: children per node of the built tree (int >= 2, or a list per level).
       seed: seed of `Tree.from_vectors`.
+      head: the number of most frequent classes (by `counts`) the built tree puts
+        directly under its root (`Tree.from_vectors`); 0 for none.
       vectors: [num_classes, any dim] class vectors to build the tree from (a NumPy
         array, a tensor or a variable); None for the layer's own class rows.
 
@@ -270,10 +273,14 @@ class HierarchicalSoftmax(keras.layers.Layer):
         vectors = class_rows
       else:
         vectors = _vectors_array(vectors, num_classes)
-      tree = Tree.from_vectors(vectors, counts=counts, branching=branching, seed=seed)
+      tree = Tree.from_vectors(vectors, counts=counts, branching=branching, seed=seed,
+                               head=head)
     elif vectors is not None:
       raise ValueError("give rebuild_tree a tree or the vectors to build one from, not "
                        "both")
+    elif head:
+      raise ValueError("head is an option of the tree rebuild_tree builds; a given tree "
+                       "has its own root")
     elif not isinstance(tree, Tree):
       raise ValueError(f"tree must be a tf_hsm.Tree or None, got {type(tree).__name__}")
     elif tree.num_classes != num_classes:

@@ -236,7 +236,7 @@ class Tree:
         return cls._from_layout(*_tree_convert.from_parents(parents, num_classes))
 
     @classmethod
-    def from_vectors(cls, vectors, counts=None, branching=2, seed=0):
+    def from_vectors(cls, vectors, counts=None, branching=2, seed=0, head=0):
         """A tree whose nodes split the classes by the similarity of their vectors.
 
         Each node takes the classes holding at least 1/k of its mass as leaf children
@@ -254,17 +254,24 @@ class Tree:
           branching: children per node, an int >= 2, or a list of ints per level (the
             last one for every deeper level).
           seed: seed of the samples the 2-means directions are fitted on.
+          head: how many of the most frequent classes (by `counts`, ties to the lower
+            id) are leaf children of the root, next to its `branching` slots that split
+            the other classes by similarity; 0 for none. The layout of an adaptive
+            softmax: frequent classes get an exact softmax at the root, at the cost of
+            scoring head + branching children there for every token.
 
         Returns:
           A Tree.
 
         Raises:
           ValueError: malformed vectors (not 2-D, empty, not finite), counts of the
-            wrong length or not finite and non-negative, branching < 2.
+            wrong length or not finite and non-negative, branching < 2, a head that is
+            negative, not below the number of classes, or given without counts.
         """
-        vectors, counts, branching, seed = _tree_vectors.checked_arguments(
-            vectors, counts, branching, seed)
-        parents = _tree_vectors.parents_from_vectors(vectors, counts, branching, seed)
+        vectors, counts, branching, seed, head = _tree_vectors.checked_arguments(
+            vectors, counts, branching, seed, head)
+        parents = _tree_vectors.parents_from_vectors(vectors, counts, branching, seed,
+                                                     head)
         return cls.from_parents(parents, num_classes=vectors.shape[0])
 
     @classmethod
