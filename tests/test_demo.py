@@ -153,3 +153,24 @@ def test_command_line_help():
   for flag in ("--tree", "--vocab", "--epochs", "--hidden", "--seq-len", "--batch",
                "--max-tokens", "--corpus", "--out"):
     assert flag in result.stdout
+
+
+def test_planned_tree_is_the_planners_fastest_tree(capsys):
+  counts = np.sort(np.random.default_rng(0).zipf(1.3, 3_000).astype(np.float64))[::-1]
+  machine = {"matmul_flops": 5e10, "read_bytes": 1e10, "call_seconds": 2e-4,
+             "tree_step": (3e-11, 1e-10, 7e-11, 2e-7, 1e-8, 5e-4)}
+  tree = demo.planned_tree(counts, 128, 2048, machine=machine)
+  out = capsys.readouterr().out
+  report = tf_hsm.plan(3_000, 128, 2048, counts=counts, optimizer="lazy_adam",
+                       machine=machine)
+  rows = [r for r in report.rows if r["method"].startswith("HierarchicalSoftmax")]
+  best = min(rows, key=lambda r: r["step_seconds"])
+  assert f"--tree planned: {best['method']}," in out and "| full softmax |" in out
+  expected, _ = tf_hsm.planner.recommend_tree(3_000, 128, 2048, counts=counts,
+                                              optimizer="lazy_adam", machine=machine)
+  np.testing.assert_array_equal(tree.slot_child, expected.slot_child)
+  # Nothing fits a tiny budget: the smallest tree, not the fastest.
+  small, row = tf_hsm.planner.recommend_tree(3_000, 128, 2048, counts=counts,
+                                             optimizer="lazy_adam", memory_budget=1,
+                                             machine=machine)
+  assert not row["fits"] and row["peak_bytes"] == min(r["peak_bytes"] for r in rows)

@@ -235,6 +235,23 @@ def make_tree(kind, counts, head=0):
   raise ValueError(f"unknown tree kind {kind!r}")
 
 
+def planned_tree(counts, hidden, tokens_per_step, machine=None):
+  """The tree `tf_hsm.plan` prices fastest for this model's output layer (the
+  vocabulary's training counts, the LSTM's width, a batch's tokens, LazyAdam); prints
+  the planner's table of every candidate first."""
+  import tf_hsm  # pylint: disable=g-import-not-at-top
+  from tf_hsm import planner  # pylint: disable=g-import-not-at-top
+  counts = np.asarray(counts, np.float64)
+  report = tf_hsm.plan(len(counts), hidden, tokens_per_step, counts=counts,
+                       optimizer="lazy_adam", machine=machine)
+  print("the planner, for this output layer:\n" + report.to_markdown(), flush=True)
+  tree, row = planner.recommend_tree(len(counts), hidden, tokens_per_step, counts=counts,
+                                     optimizer="lazy_adam", machine=machine)
+  print(f"  --tree planned: {row['method']}, {1e3 * row['step_seconds']:.1f} ms a step "
+        "predicted", flush=True)
+  return tree
+
+
 def learned_head(vocab_size):
   """The default head of a learned tree: LEARNED_HEAD words, at most 1/8 of the
   vocabulary (the adaptive softmax's head here), so that a small vocabulary keeps most
@@ -550,14 +567,18 @@ def parse_args(argv=None):
       prog="python -m tf_hsm.demo",
       description="Train a word-level LSTM language model with a hierarchical softmax "
                   "and with a full softmax, and compare held-out perplexity and speed.")
-  p.add_argument("--tree", choices=("huffman", "two_level", "balanced", "learned"),
+  p.add_argument("--tree", choices=("huffman", "two_level", "balanced", "learned",
+                                    "planned"),
                  default=DEFAULTS["tree"],
                  help="HSM tree: two_level (~sqrt(V) clusters of equal training-count "
                       "mass), huffman (binary Huffman tree of the training counts), "
                       "balanced (~sqrt(V) equal-size clusters of frequency-ranked words) "
                       "or learned (two_level, rebuilt after epoch 1 with Tree.from_vectors "
                       "from the trained input embeddings: --head frequent words at the "
-                      "root, the rest in ~sqrt(V) x ~sqrt(V) similarity clusters). "
+                      "root, the rest in ~sqrt(V) x ~sqrt(V) similarity clusters) "
+                      "or planned (the tree tf_hsm.plan prices fastest for this "
+                      "vocabulary's counts, --hidden and --batch x --seq-len tokens a "
+                      "step with LazyAdam; its table is printed). "
                       "Default: %(default)s")
   p.add_argument("--head", type=int, default=None,
                  help="how many of the most frequent words sit directly under the root "
@@ -654,7 +675,10 @@ def main(argv=None):
   unk_rate = float(np.mean(held_out_ids == 0))
   head = learned_head(len(words)) if args.head is None and args.tree == "learned" else \
       min(args.head or 0, len(words) - 1)
-  tree = make_tree(args.tree, counts, head)
+  if args.tree == "planned":
+    tree = planned_tree(counts, args.hidden, args.batch * args.seq_len)
+  else:
+    tree = make_tree(args.tree, counts, head)
   print(f"corpus: {source}\n  {len(train_tokens):,} training and {len(held_out_tokens):,} "
         f"held-out tokens; vocabulary {len(words):,} words incl. <unk> "
         f"({100 * unk_rate:.1f}% of held-out tokens are <unk>)\n"

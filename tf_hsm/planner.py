@@ -637,6 +637,28 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
   return Report(rows, recommended, reason, settings)
 
 
+def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
+                   dtype="float32", memory_budget=None, machine=None, trees=TREES):
+  """The `HierarchicalSoftmax` tree the planner prices fastest among `trees` (as `plan`
+  builds them) that fits `memory_budget`, or the smallest when none fits.
+
+  Returns:
+    (tree, row): the `tf_hsm.Tree` and its planner row (a dict, as in `plan`'s rows).
+  """
+  V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
+  probs = _probabilities(V, counts)
+  machine = _machine(machine)
+  candidates = [(tree, price(f"HierarchicalSoftmax {name}", tree_cost(tree, D, T, probs),
+                             D, T, optimizer, dtype, machine, memory_budget))
+                for name, tree in _candidate_trees(V, counts, trees)]
+  if not candidates:
+    raise ValueError(f"no tree among {list(trees)} can be built for {V} classes")
+  fitting = [c for c in candidates if c[1]["fits"]]
+  if fitting:
+    return min(fitting, key=lambda c: c[1]["step_seconds"])
+  return min(candidates, key=lambda c: c[1]["peak_bytes"])
+
+
 def parse_count(text):
   """'10M' -> 10000000, '3200' -> 3200, '1.5K' -> 1500."""
   match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)\s*", str(text), re.IGNORECASE)
