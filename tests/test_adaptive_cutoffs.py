@@ -126,6 +126,9 @@ def test_search_finds_the_grid_minimum(trial):
   tail = ["flat", "two_level"][trial % 2]
   machine = Machine(10 ** rng.uniform(9, 12), 10 ** rng.uniform(8, 11),
                     10 ** rng.uniform(-6, -3), softmax_seconds=10 ** rng.uniform(-10, -8))
+  if trial % 4 == 1:  # two-level tails priced by a fitted tf_hsm step
+    machine.tree_step = tuple(10 ** rng.uniform([-12, -11, -11, -8, -9, -4],
+                                                 [-10, -9, -9, -6, -7, -3]))
   optimizer = ["sgd", "lazy_adam", "adam"][trial % 3]
   min_head_mass = [0.0, 0.3, 0.5][trial % 3]
   min_width = [1, 4][trial % 4 // 2]
@@ -262,3 +265,29 @@ def test_chooser_errors(kwargs, message):
     choose_cutoffs(zipf(100), 32, 16, machine="fast")
   with pytest.raises(ValueError, match="cutoffs"):
     step_cost(zipf(100), [50, 20], 32, 16, machine=FAST)
+
+
+def test_two_level_tails_priced_by_the_fitted_tree_step():
+  """With a fitted tf_hsm step, a two-level tail's table is priced by the fit (in the
+  additive term), its projection still by the roofline; flat tails are unchanged."""
+  from tf_hsm import planner  # pylint: disable=import-outside-toplevel
+  fitted = Machine(1e10, 1e9, 1e-4, tree_step=(1e-11, 1e-10, 1e-10, 1e-7, 1e-8, 1e-3))
+  plain = Machine(1e10, 1e9, 1e-4)
+  cost = planner.adaptive_cluster_cost(40_000, 0.2, 256, 1000, 64, "two_level")
+  f0, b0, s0 = planner.step_terms(cost, "sgd", "float32", plain)
+  f1, b1, s1 = planner.step_terms(cost, "sgd", "float32", fitted)
+  tokens = 1000 * 0.2
+  projection_flops = 6 * tokens * 256 * 64
+  assert f1 == pytest.approx(projection_flops / 1e10)
+  assert f0 == pytest.approx(cost.flops / 1e10) and cost.tree_flops == pytest.approx(
+      cost.flops - projection_flops)
+  table = next(p for p in cost.parts if p.tree)
+  table_bytes = planner.moved_elements(table, "sgd") * 4
+  assert b1 == pytest.approx(b0 - table_bytes / 1e9)
+  groups = 200  # ceil(sqrt(40,000))
+  amounts = (cost.tree_flops, 0.0, table_bytes, 2 * tokens, tokens * (groups + 200))
+  assert s1 - s0 == pytest.approx(sum(c * a for c, a in zip(fitted.tree_step, amounts)))
+  assert cost.tree_bytes == 8 * (9 * 40_000 + 4 * groups)
+  flat = planner.adaptive_cluster_cost(40_000, 0.2, 256, 1000, 64, "flat")
+  assert planner.step_terms(flat, "sgd", "float32", fitted) == \
+      planner.step_terms(flat, "sgd", "float32", plain)

@@ -277,6 +277,7 @@ class Part:
   elements: float
   touched: float
   dense_grad: bool
+  tree: bool = False  # a tree's table, read and updated by tf_hsm's op and optimizers
 
 
 @dataclasses.dataclass
@@ -300,6 +301,7 @@ class Cost:
   node_visits: float = 0.0
   children_scored: float = 0.0
   small_node_flops: float = 0.0
+  tree_flops: float = 0.0
   tree_bytes: float = 0.0
 
 
@@ -317,12 +319,24 @@ def moved_elements(part, optimizer):
 
 def step_terms(cost, optimizer, dtype, machine):
   """The parts of a step's time that add over the pieces of a layer (NumPy arrays
-  broadcast): (FLOPs / matmul rate, bytes moved / read bandwidth, softmax and call
-  seconds). A step takes max(first, second + hidden states) + third + CALLS_PER_STEP
-  calls (`price`); a search over layouts adds them up tier by tier."""
-  moved = sum(moved_elements(p, optimizer) for p in cost.parts) * DTYPE_BYTES[dtype]
-  return (cost.flops / machine.matmul_flops, moved / machine.read_bytes,
-          cost.softmax_logits * machine.softmax_seconds + cost.calls * machine.call_seconds)
+  broadcast): (FLOPs / matmul rate, bytes moved / read bandwidth, softmax, call and
+  tree seconds). A step takes max(first, second + hidden states) + third +
+  CALLS_PER_STEP calls (`price`); a search over layouts adds them up tier by tier.
+  On a machine with a fitted `tree_step`, the work of a tree's table (a two-level
+  tail's) is priced by that fit in the third term, not by the roofline: it runs in
+  tf_hsm's op, not in a matmul (its fixed cost is the call's)."""
+  b = DTYPE_BYTES[dtype]
+  fitted = machine.tree_step is not None and any(p.tree for p in cost.parts)
+  moved = sum(moved_elements(p, optimizer) for p in cost.parts
+              if not (fitted and p.tree)) * b
+  flops = cost.flops - (cost.tree_flops if fitted else 0.0)
+  other = cost.softmax_logits * machine.softmax_seconds + cost.calls * machine.call_seconds
+  if fitted:
+    tree_moved = sum(moved_elements(p, optimizer) for p in cost.parts if p.tree) * b
+    amounts = tree_step_terms(cost.tree_flops, cost.small_node_flops, tree_moved,
+                              cost.node_visits, cost.children_scored)[:-1]
+    other = other + sum(c * a for c, a in zip(machine.tree_step, amounts))
+  return flops / machine.matmul_flops, moved / machine.read_bytes, other
 
 
 def fixed_step_terms(hidden, tokens_per_step, dtype, machine):
@@ -366,7 +380,7 @@ def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32
   peak = param + grad + slot + activation_bytes + cost.tree_bytes + STEP_WORKSPACE_BYTES
   moved = (sum(moved_elements(p, optimizer) for p in cost.parts) +
            2 * int(tokens_per_step) * int(hidden)) * b
-  if cost.node_visits and machine.tree_step is not None:
+  if machine.tree_step is not None and cost.parts and all(p.tree for p in cost.parts):
     # tf_hsm's op and sparse update, as fitted to its steps on this machine.
     seconds = float(np.dot(machine.tree_step,
                            tree_step_terms(cost.flops, cost.small_node_flops, moved,
@@ -417,8 +431,9 @@ def tree_cost(tree, hidden, tokens_per_step, probs):
   gradient, one per visit and child."""
   D, T = hidden, tokens_per_step
   per_token, per_token_small, touched, path_nodes = _tree_costs(tree, probs, T)
-  return Cost([Part("table", tree.num_slots * (D + 1), touched * (D + 1), False)], touched,
-              6.0 * T * D * per_token, T * per_token + 3 * T * D,
+  return Cost([Part("table", tree.num_slots * (D + 1), touched * (D + 1), False, True)],
+              touched, 6.0 * T * D * per_token, T * per_token + 3 * T * D,
+              tree_flops=6.0 * T * D * per_token,
               node_visits=T * path_nodes, children_scored=T * per_token,
               small_node_flops=6.0 * T * D * per_token_small,
               tree_bytes=tree_bytes(tree))
@@ -491,19 +506,32 @@ def adaptive_cluster_cost(size, mass, hidden, tokens_per_step, width, tail, inde
     groups = np.ceil(np.sqrt(n))
     scored = groups + n / groups
     rows = groups * seen + n * _shard_layout.touch_probability(q / groups, T)
-    table = Part(f"tail {index}", (groups + n) * (d + 1), rows * (d + 1), False)
+    table = Part(f"tail {index}", (groups + n) * (d + 1), rows * (d + 1), False, True)
     macs = macs + tokens * scored * d
     activations = activations + tokens * scored
     logits = np.zeros_like(seen)
+    # tf_hsm's op on the tail's tree: two nodes a token (the root of K children, a group
+    # of n / K), either walked when it has at most WALK_MAX_BRANCHING children.
+    walked = (groups * (groups <= WALK_MAX_BRANCHING) +
+              n / groups * (n / groups <= WALK_MAX_BRANCHING))
+    return Cost([projection, table], rows, 6.0 * macs, activations, logits, 1.0,
+                node_visits=2.0 * tokens, children_scored=tokens * scored,
+                small_node_flops=6.0 * tokens * walked * d,
+                tree_flops=6.0 * tokens * scored * d,
+                # Its int64 index arrays (`tree_bytes`): a path of 2 steps (node and
+                # slot each) per class, its slot, depth and path offset, and 2 entries
+                # per slot.
+                tree_bytes=8.0 * (9.0 * n + 4.0 * groups))
   return Cost([projection, table], rows, 6.0 * macs, activations, logits, 1.0)
 
 
 def _total(costs):
-  return Cost([Part(p.name, float(p.elements), float(p.touched), p.dense_grad)
+  return Cost([Part(p.name, float(p.elements), float(p.touched), p.dense_grad, p.tree)
                for c in costs for p in c.parts],
               *(float(sum(getattr(c, f) for c in costs))
                 for f in ("rows_touched", "flops", "activations", "softmax_logits",
-                          "calls")))
+                          "calls", "node_visits", "children_scored", "small_node_flops",
+                          "tree_flops", "tree_bytes")))
 
 
 def adaptive_cost(num_classes, hidden, tokens_per_step, cutoffs, div_value=DIV_VALUE,
