@@ -11,6 +11,7 @@ import pytest
 import tf_hsm
 from tf_hsm.bench import adaptive as bench_adaptive
 from tf_hsm.bench import keras_fit
+from tf_hsm.bench.cases import zipf_weights
 
 
 def _args(**overrides):
@@ -30,7 +31,7 @@ def test_keras_fit_reports_steps_weights_and_memory(overrides):
   assert 0 < result["baseline_rss"] < result["peak_rss"]
   assert result["bound"] == pytest.approx(1.3 * result["weights_bytes"] + 2**30)
   if overrides.get("layer") == "hsm":
-    tree = tf_hsm.Tree.huffman(keras_fit.zipf_counts(3_000), branching=8)
+    tree = tf_hsm.Tree.huffman(zipf_weights(3_000), branching=8)
     assert result["weights_bytes"] == tree.num_slots * (32 + 1) * 4
     assert "HierarchicalSoftmax huffman8" in result["layout"]
   else:

@@ -23,16 +23,14 @@ import time
 
 import numpy as np
 
+from tf_hsm.bench.cases import zipf_targets, zipf_weights
+
 GIB = 2**30
 
 
 def _count(text):
   from tf_hsm.planner import parse_count  # pylint: disable=import-outside-toplevel
   return parse_count(text)
-
-
-def zipf_counts(num_classes):
-  return 1.0 / np.arange(1, num_classes + 1, dtype=np.float64)
 
 
 def output_layer(args, counts):
@@ -81,7 +79,7 @@ def run(args):
   keras.utils.set_random_seed(args.seed)
   tf.constant(0).numpy()  # TensorFlow's runtime up: the baseline RSS
   baseline = _rss()
-  counts = zipf_counts(args.classes)
+  counts = zipf_weights(args.classes)
   start = time.perf_counter()
   layer, layout = output_layer(args, counts)
   build_seconds = time.perf_counter() - start
@@ -92,11 +90,9 @@ def run(args):
   model.compile(optimizer=optimizers.SparseSGD(learning_rate=0.1), loss=losses.nll)
 
   rng = np.random.default_rng(args.seed)
-  cdf = np.cumsum(counts)
   batches = [(rng.standard_normal((args.tokens, args.features)).astype(np.float32),
-              np.minimum(np.searchsorted(cdf, rng.random(args.tokens) * cdf[-1]),
-                         args.classes - 1).astype(np.int64))
-             for _ in range(args.batches)]
+              zipf_targets(args.classes, args.tokens, args.seed + 1 + i))
+             for i in range(args.batches)]
   x = np.concatenate([b[0] for b in batches])
   y = np.concatenate([b[1] for b in batches])
   data = tf.data.Dataset.from_tensor_slices(((x, y), y)).batch(args.tokens).repeat()
