@@ -83,19 +83,31 @@ void RequestRows(const T* table, const NodeBlock<T>& blk, int64 dim, bool for_up
 // tokens (WalkPath) and one over the nodes (the dW pass), however deep the tree.
 constexpr int64 kWalkItemEntries = 64;  // visits per dW work item of walked nodes
 
-// Token i's steps through small nodes, in path order: returns the sum of their
-// log-probability terms when want_value. With grad, the token's direction (the gradient of
-// its log-probability with respect to its hidden row) gets every step's unit coef @ W, and
-// when keep, step s = plan.token_step_begin[i] + l stores its unit coefficients at
-// coef[s * stride]. (direction may be null when D = 0: grad says which pass this is.)
-// The steps are gathered first, their rows requested from memory all at once (they sit at
-// random places in the table); then all their logits, all the softmaxes, and the direction.
+// What WalkPath computes for token i's steps through small nodes.
+template <typename T>
+struct WalkOutputs {
+  bool value = false;  // return the sum of the steps' log-probability terms
+  // The gradient pass: the steps' unit coefficients (onehot(taken) - softmax) and, where
+  // direction is set (null when D = 0), direction += every step's unit coef @ W (the
+  // gradient of the token's log-probability with respect to its hidden row).
+  bool coefficients = false;
+  T* direction = nullptr;
+  // With coefficients, where they are kept: step s = plan.token_step_begin[i] + l stores
+  // its unit coefficients at kept_coefs[s * stride]. Null: not kept.
+  T* kept_coefs = nullptr;
+  int64 stride = 0;
+};
+
+// Token i's steps through small nodes, in path order (see WalkOutputs). The steps are
+// gathered first, their rows requested from memory all at once (they sit at random places
+// in the table); then all their logits, all the softmaxes, and the direction.
 template <typename T>
 T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p, int64 i,
-           bool want_value, bool grad, T* direction, T* coef, bool keep, int64 stride) {
+           const WalkOutputs<T>& out) {
   const int64 D = p.dim;
   const int64 depth = plan.token_step_begin[i + 1] - plan.token_step_begin[i];
   const int64 step0 = plan.token_step_begin[i];
+  const bool grad = out.coefficients;
   Scratch<T>& s = ThreadScratch<T>();
   WalkStep<T>* steps = Grow(&s.walk_steps, depth);
   const T** rows = Grow(&s.walk_rows, depth * kWalkMaxBranching);
@@ -109,7 +121,8 @@ T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& 
     RequestRows(p.weights, blk, D, false);
     steps[num_steps++] = {n, k, plan.step_slot[step0 + l] - first,
                           p.biases != nullptr ? p.biases + first : nullptr,
-                          grad && keep ? coef + (step0 + l) * stride : nullptr};
+                          grad && out.kept_coefs != nullptr
+                              ? out.kept_coefs + (step0 + l) * out.stride : nullptr};
     for (int64 j = 0; j < k; ++j) rows[n++] = w + j * D;
   }
   T* z = Grow(&s.walk_z, n);
@@ -117,8 +130,8 @@ T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& 
   const T* h = p.hidden + i * D;
   simd::DotScattered<T>(h, rows, n, D, z);
   T total = 0;
-  WalkSoftmaxAll<T>(steps, num_steps, z, want_value, grad, &total, c);
-  if (grad && direction != nullptr) simd::AccumulateScattered<T>(direction, rows, c, n, D);
+  WalkSoftmaxAll<T>(steps, num_steps, z, out.value, grad, &total, c);
+  if (grad && out.direction != nullptr) simd::AccumulateScattered<T>(out.direction, rows, c, n, D);
   return total;
 }
 
@@ -400,431 +413,555 @@ int64 SavedLogitsSize(const VisitPlan& plan, const TreeView& tree) {
 
 namespace {
 
-// LogProbBackward, or with out_logits (the forward pass of a log_prob whose gradient comes
-// later) the part of it that needs no upstream gradient: the log-probabilities into
-// grads.log_prob_from_backward, the grouped nodes' logits and the walked steps' unit
-// coefficients into out_logits (SavedLogitOffsets) and the tokens' directions into
-// grads.hidden, with no weight gradient. The gradient given both then reads no weight row
-// for dh and walks no path, and every output has the bits of the backward that computes
-// them itself.
-template <typename T>
-void Backward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
-              const T* upstream, const ParallelFor& parallel_for, const LogProbGrads<T>& grads,
-              int64 coef_budget, T* out_logits) {
-  const int64 D = p.dim;
-  const std::uint64_t call = ++call_counter;
-  T* const log_prob = grads.log_prob_from_backward;
-  const bool directions_only = out_logits != nullptr;
-  // dh is upstream * (the sum of the directions over the grouped nodes, then the walked
-  // ones); the directions are computed here unless the forward saved them.
-  const T* const saved_directions = grads.saved_logits != nullptr ? grads.saved_directions : nullptr;
-  // Where the forward's logits of entries [offset, ...) of group g are (or go, when this
-  // is the forward) in `base`, its saved values.
-  const std::vector<int64> saved_offsets = directions_only || grads.saved_logits != nullptr
-                                               ? SavedLogitOffsets(plan, tree)
-                                               : std::vector<int64>();
-  auto logits_at = [&](auto* base, int64 g, int64 offset) -> decltype(base) {
-    if (base == nullptr) return nullptr;
-    return base + saved_offsets[g] + offset * BlockOf<T>(tree, plan.group_node[g]).size;
-  };
-  auto out_at = [&](int64 g, int64 offset) { return logits_at(out_logits, g, offset); };
-  auto saved_at = [&](int64 g, int64 offset) { return logits_at(grads.saved_logits, g, offset); };
-  const bool walked = plan.max_walked_branching > 0;
-  // The walked steps' unit coefficients the forward saved, after its grouped logits.
-  const T* const saved_walk =
-      grads.saved_logits != nullptr ? grads.saved_logits + saved_offsets.back() : nullptr;
-  // The directions start at zero (megabytes at large batches: filled by all threads; the
-  // cost is about a cycle per 4 elements written).
-  if (saved_directions == nullptr) {
-    parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
-      std::fill(grads.hidden + begin * D, grads.hidden + end * D, T(0));
-    });
-  }
-  std::vector<T> entry_lse(plan.entry_token.size());
-  // With log_prob_from_backward: each grouped entry's z_taken - lse, summed per token below.
-  const bool entry_values = grads.log_prob_from_backward != nullptr;
-  std::vector<T> entry_value(entry_values ? plan.entry_token.size() : 0);
-  // Phase A writes every kept coefficient before phase B reads it, so the store is not
-  // zeroed (it is megabytes per level, zeroed on one thread).
-  CoefficientStore<T> own_store;
-  CoefficientStore<T>& store = grads.coefficient_store != nullptr ? *grads.coefficient_store : own_store;
-  T* coef_store = nullptr;
-  std::vector<int64> coef_offset(plan.num_groups() + 1, 0);
+// What one run of the backward pass computes.
+enum class BackwardMode {
+  // LogProbBackward: dh, and the weight and bias gradient rows or, with
+  // LogProbGrads::sgd_update, the in-place SGD update of the table.
+  kGradient,
+  // The forward pass of a log_prob whose gradient comes later: the part of the backward
+  // that needs no upstream gradient. The log-probabilities go to
+  // grads.log_prob_from_backward, the grouped nodes' logits and the walked steps' unit
+  // coefficients to BackwardOptions::saved_out (SavedLogitOffsets), the tokens'
+  // directions to grads.hidden; no weight gradient. The gradient given these reads no
+  // weight row for dh and walks no path, and every output has the bits of the backward
+  // that computes them itself.
+  kSaveForGradient,
+};
 
-  // A group handled by a single token tile gets its dW rows in phase A, straight from
-  // the coefficients in hand; larger groups (several tiles) get them in phase B.
-  auto whole_group = [&](int64 g) {
-    return plan.group_begin[g + 1] - plan.group_begin[g] <= kTokenTile;
-  };
-  // The weight-gradient rows [k0, k0 + kb) of group g go either to the output rows or,
-  // for in-place SGD, to a per-thread scratch block applied to the table when complete.
-  const bool sgd = grads.sgd_update;
+template <typename T>
+struct BackwardOptions {
+  BackwardMode mode = BackwardMode::kGradient;
+  // Most softmax coefficients kept between the phases of a level (CoefficientBudget).
+  int64 coef_budget = kDefaultCoefBudget;
+  T* saved_out = nullptr;  // kSaveForGradient: SavedLogitsSize(plan, tree) values
+};
+
+// The backward pass over a plan, in phases. Grouped (large) nodes, level by level: per
+// token tile, (1) the logits and their log-sum-exp, (2) the coefficients of dz, (3) the
+// hidden gradient (the tokens' directions, coef @ W); then (4) the weight-gradient rows,
+// or the in-place SGD update, per tile for a group of one tile and per chunk of slots for
+// larger ones. Walked (small) nodes, after every grouped level so that each direction
+// sums its terms in a fixed order: each token's path (values, unit coefficients,
+// direction), dh = upstream * direction, then each walked group's weight rows, summed
+// over its tokens in token order.
+template <typename T>
+class BackwardPass {
+ public:
+  BackwardPass(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
+               const T* upstream, const ParallelFor& parallel_for,
+               const LogProbGrads<T>& grads, const BackwardOptions<T>& options)
+      : plan_(plan), tree_(tree), p_(p), D_(p.dim), upstream_(upstream),
+        parallel_for_(parallel_for), grads_(grads), options_(options),
+        call_(++call_counter),
+        saving_(options.mode == BackwardMode::kSaveForGradient),
+        sgd_(grads.sgd_update),
+        log_prob_(grads.log_prob_from_backward),
+        saved_directions_(grads.saved_logits != nullptr ? grads.saved_directions : nullptr),
+        walked_(plan.max_walked_branching > 0),
+        store_(grads.coefficient_store != nullptr ? *grads.coefficient_store : own_store_) {
+    if (saving_ || grads.saved_logits != nullptr) saved_offsets_ = SavedLogitOffsets(plan, tree);
+    if (grads.saved_logits != nullptr) saved_walk_ = grads.saved_logits + saved_offsets_.back();
+  }
+
+  void Run() {
+    ZeroDirections();
+    entry_lse_.resize(plan_.entry_token.size());
+    if (log_prob_ != nullptr) entry_value_.resize(plan_.entry_token.size());
+    coef_offset_.assign(plan_.num_groups() + 1, 0);
+    for (int64 level = 0; level < plan_.num_levels(); ++level) GroupedLevel(level);
+    if (log_prob_ != nullptr) SumGroupedEntries(plan_, tree_, entry_value_, log_prob_);
+    WalkedNodes();
+  }
+
+ private:
+  // Where a block of weight-gradient rows goes: the output rows, or for in-place SGD a
+  // per-thread scratch block applied to the table when complete (EndRows).
   struct RowBlock {
     T* dw;
     T* db;
   };
-  // With zero_fill false the rows are left as they are: the first accumulation into them
-  // must then overwrite (which gives the same bits as zeroing first).
-  auto begin_rows = [&](int64 g, int64 k0, int64 kb, bool zero_fill) -> RowBlock {
+
+  // The grouped nodes' values the forward saved (or the saving pass writes) for entries
+  // [offset, ...) of group g.
+  const T* SavedLogits(int64 g, int64 offset) const {
+    return LogitsAt(grads_.saved_logits, g, offset);
+  }
+  T* OutLogits(int64 g, int64 offset) const { return LogitsAt(options_.saved_out, g, offset); }
+  template <typename U>
+  U* LogitsAt(U* base, int64 g, int64 offset) const {
+    if (base == nullptr) return nullptr;
+    return base + saved_offsets_[g] + offset * BlockOf<T>(tree_, plan_.group_node[g]).size;
+  }
+  const T* HiddenRow(int64 e) const { return p_.hidden + plan_.entry_token[e] * D_; }
+  T Upstream(int64 e) const { return upstream_[plan_.entry_token[e]]; }
+  // A group handled by a single token tile gets its weight rows from the tile's
+  // coefficients in hand; larger groups (several tiles) per chunk of slots, afterwards.
+  bool WholeGroup(int64 g) const {
+    return plan_.group_begin[g + 1] - plan_.group_begin[g] <= kTokenTile;
+  }
+
+  // The directions start at zero (megabytes at large batches: filled by all threads; the
+  // cost is about a cycle per 4 elements written), unless the forward saved them.
+  void ZeroDirections() {
+    if (saved_directions_ != nullptr) return;
+    T* const hidden = grads_.hidden;
+    const int64 D = D_;
+    parallel_for_(plan_.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
+      std::fill(hidden + begin * D, hidden + end * D, T(0));
+    });
+  }
+
+  // ---- Grouped nodes ----------------------------------------------------------------
+
+  // One level: phases 1-3 (and 4 for one-tile groups) per token tile, then phase 4 per
+  // chunk of slots of the larger groups.
+  void GroupedLevel(int64 level) {
+    const int64 g_begin = plan_.level_begin[level], g_end = plan_.level_begin[level + 1];
+    // Keep this level's coefficients for the weight phase when they fit the budget.
+    int64 need = 0;
+    for (int64 g = g_begin; g < g_end; ++g) {
+      coef_offset_[g] = need;
+      if (IsWalked(tree_, plan_.group_node[g])) continue;
+      need += (plan_.group_begin[g + 1] - plan_.group_begin[g]) *
+              BlockOf<T>(tree_, plan_.group_node[g]).size;
+    }
+    if (need == 0) return;
+    const bool keep = !saving_ && need <= options_.coef_budget;
+    // Every kept coefficient is written before it is read, so the store is not zeroed
+    // (it is megabytes per level, zeroed on one thread).
+    coef_store_ = keep ? store_.Reserve(need) : nullptr;
+
+    // Within a level each token is in one tile only, so the rows of the directions are
+    // written without races.
+    const std::vector<Item> items = TokenTiles(plan_, tree_, g_begin, g_end, kTokenTile);
+    int64 total_cost = 0;
+    for (const Item& it : items) {
+      total_cost += it.count * BlockOf<T>(tree_, plan_.group_node[it.group]).size * D_;
+    }
+    const int64 cost = items.empty() ? 0 : 4 * total_cost / static_cast<int64>(items.size());
+    parallel_for_(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
+      for (int64 i = begin; i < end; ++i) TokenTile(items[i]);
+      simd::StreamFence();  // the streamed gradient rows, before other threads read them
+    });
+    if (!saving_) WeightChunks(g_begin, g_end);
+  }
+
+  // Phases 1-3 of one token tile, and 4 when the tile is its whole group.
+  void TokenTile(const Item& it) {
+    const NodeBlock<T> blk = BlockOf<T>(tree_, plan_.group_node[it.group]);
+    T* kept = coef_store_ != nullptr
+                  ? coef_store_ + coef_offset_[it.group] + it.offset * blk.size : nullptr;
+    T* lse = Grow(&ThreadScratch<T>().lse, it.count);
+    // The choice depends on the plan only, never on the budget or the threads.
+    if (WholeGroup(it.group) && it.count * blk.size <= kOnePassMaxLogits) {
+      OnePassTile(it, blk, kept, lse);
+    } else {
+      TiledTile(it, blk, kept, lse);
+    }
+  }
+
+  // A group of one token tile, reading the node's weight rows once: the whole block of
+  // logits at once (NodeBackwardOnePass: logits, log-sum-exp and directions), then the
+  // coefficients in place and the weight rows from them.
+  void OnePassTile(const Item& it, const NodeBlock<T>& blk, T* kept, T* lse) {
+    const int64 e0 = plan_.group_begin[it.group] + it.offset, K = blk.size;
+    Scratch<T>& s = ThreadScratch<T>();
+    T* z = saving_ ? OutLogits(it.group, it.offset)
+           : kept != nullptr ? kept : Grow(&s.logits, it.count * K);
+    NodeBackwardOnePass(p_, plan_, e0, it.count, blk, z, lse,
+                        saved_directions_ != nullptr ? nullptr : grads_.hidden, call_,
+                        SavedLogits(it.group, it.offset));
+    const T** rows = Grow(&s.rows, it.count);
+    for (int64 r = 0; r < it.count; ++r) {
+      const int64 e = e0 + r, taken = plan_.entry_slot[e] - blk.first_slot;
+      entry_lse_[e] = lse[r];
+      if (log_prob_ != nullptr) entry_value_[e] = z[r * K + taken] - lse[r];
+      rows[r] = HiddenRow(e);
+      if (!saving_) Coefficients(z + r * K, K, lse[r], Upstream(e), taken);
+    }
+    if (saving_) return;
+    for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
+      const int64 kb = std::min(kSlotTile, K - k0);
+      const RowBlock block = BeginRows(it.group, k0, kb);
+      AccumulateRows(block, kb, z + k0, K, rows, it.count, true, true);
+      EndRows(it.group, k0, kb, block);
+    }
+  }
+
+  // Any other token tile: the log-sum-exp first (NodeLogSumExp, keeping the logits where
+  // the level's coefficients are kept), then per tile of slots the logits again (unless
+  // kept), the coefficients and the directions, and the weight rows of a one-tile group.
+  void TiledTile(const Item& it, const NodeBlock<T>& blk, T* kept, T* lse) {
+    const int64 e0 = plan_.group_begin[it.group] + it.offset, nt = it.count;
+    Scratch<T>& s = ThreadScratch<T>();
+    T* taken = log_prob_ != nullptr ? Grow(&s.taken_logit, nt) : nullptr;
+    T* const logits_out = saving_ ? OutLogits(it.group, it.offset) : kept;
+    const T* const saved = saving_ ? logits_out : SavedLogits(it.group, it.offset);
+    NodeLogSumExp(p_, plan_, e0, nt, blk, logits_out, lse, taken, call_,
+                  SavedLogits(it.group, it.offset));
+    for (int64 r = 0; r < nt; ++r) {
+      entry_lse_[e0 + r] = lse[r];
+      if (log_prob_ != nullptr) entry_value_[e0 + r] = taken[r] - lse[r];
+    }
+    // NodeLogSumExp may have used s.rows; rebuild the row pointers it shares.
+    const T** rows = Grow(&s.rows, nt);
+    T** out_rows = Grow(&s.out_rows, nt);
+    for (int64 r = 0; r < nt; ++r) {
+      rows[r] = HiddenRow(e0 + r);
+      out_rows[r] = grads_.hidden + plan_.entry_token[e0 + r] * D_;
+    }
+    T* tile = Grow(&s.tile, kTokenTile * kSlotTile);
+    for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
+      const int64 kb = std::min(kSlotTile, blk.size - k0);
+      T* z = kept != nullptr ? kept + k0 : tile;
+      const int64 ld = kept != nullptr ? blk.size : kSlotTile;
+      if (kept == nullptr) Logits(p_, rows, nt, blk, k0, kb, z, ld, call_, saved);
+      TileCoefficients(e0, nt, blk, k0, kb, z, ld, lse, out_rows);
+      if (saving_ || !WholeGroup(it.group)) continue;
+      const RowBlock block = BeginRows(it.group, k0, kb);
+      AccumulateRows(block, kb, z, ld, rows, nt, true, true);
+      EndRows(it.group, k0, kb, block);
+    }
+  }
+
+  // Phases 2 and 3 on a tile of logits z (slots [k0, k0 + kb) of the block, rows of ld):
+  // unit coefficients, the directions += unit coef @ W, then the coefficients scaled by
+  // the upstream gradient; or, where the forward saved the directions, the coefficients
+  // straight away.
+  void TileCoefficients(int64 e0, int64 nt, const NodeBlock<T>& blk, int64 k0, int64 kb,
+                        T* z, int64 ld, const T* lse, T* const* out_rows) {
+    const int64 first = blk.first_slot + k0;
+    if (saved_directions_ != nullptr) {
+      for (int64 r = 0; r < nt; ++r) {
+        Coefficients(z + r * ld, kb, lse[r], Upstream(e0 + r), plan_.entry_slot[e0 + r] - first);
+      }
+      return;
+    }
+    for (int64 r = 0; r < nt; ++r) {
+      Coefficients(z + r * ld, kb, lse[r], T(1), plan_.entry_slot[e0 + r] - first);
+    }
+    simd::AccumulateRows<T>(out_rows, nt, z, ld, p_.weights + first * D_, D_, kb, D_);
+    if (saving_) return;
+    for (int64 r = 0; r < nt; ++r) ScaleCoefficients(z + r * ld, kb, Upstream(e0 + r));
+  }
+
+  // Phase 4 for groups spanning several token tiles: per chunk of the node's slots, dW
+  // rows = coef^T @ H over the node's tokens (in token order) and db rows = column sums,
+  // from the kept coefficients or recomputed. Each chunk owns its output rows.
+  void WeightChunks(int64 g_begin, int64 g_end) {
+    std::vector<Item> chunks;
+    int64 chunk_cost = 0;
+    for (int64 g = g_begin; g < g_end; ++g) {
+      if (WholeGroup(g) || IsWalked(tree_, plan_.group_node[g])) continue;
+      const int64 k = BlockOf<T>(tree_, plan_.group_node[g]).size;
+      const int64 n = plan_.group_begin[g + 1] - plan_.group_begin[g];
+      const int64 pieces =
+          std::max<int64>(4, 2 * ((k + 2 * kGradSlotTile - 1) / (2 * kGradSlotTile)));
+      const int64 chunk_rows = ((k + pieces - 1) / pieces + 15) / 16 * 16;
+      for (int64 k0 = 0; k0 < k; k0 += chunk_rows) {
+        const int64 kb = std::min(chunk_rows, k - k0);
+        chunks.push_back({g, k0, kb});
+        chunk_cost += kb * n * D_ * (coef_store_ != nullptr ? 2 : 4);
+      }
+    }
+    const int64 ccost = chunks.empty() ? 0 : chunk_cost / static_cast<int64>(chunks.size());
+    parallel_for_(static_cast<int64>(chunks.size()), ccost, [&](int64 begin, int64 end) {
+      for (int64 c = begin; c < end; ++c) WeightChunk(chunks[c]);
+    });
+  }
+
+  void WeightChunk(const Item& ch) {
+    const int64 g = ch.group, k0 = ch.offset, kb = ch.count;
+    const NodeBlock<T> blk = BlockOf<T>(tree_, plan_.group_node[g]);
+    const RowBlock block = BeginRows(g, k0, kb);
+    const int64 e_begin = plan_.group_begin[g], n = plan_.group_begin[g + 1] - e_begin;
+    Scratch<T>& s = ThreadScratch<T>();
+    T* tile = coef_store_ != nullptr ? nullptr : Grow(&s.tile, kTokenTile * kb);
+    for (int64 t0 = 0; t0 < n; t0 += kTokenTile) {
+      const int64 nt = std::min(kTokenTile, n - t0);
+      const T** rows = Grow(&s.rows, nt);
+      for (int64 r = 0; r < nt; ++r) rows[r] = HiddenRow(e_begin + t0 + r);
+      if (coef_store_ != nullptr) {
+        AccumulateRows(block, kb, coef_store_ + coef_offset_[g] + t0 * blk.size + k0,
+                       blk.size, rows, nt, t0 == 0, false);
+        continue;
+      }
+      Logits(p_, rows, nt, blk, k0, kb, tile, kb, call_, SavedLogits(g, t0));
+      for (int64 r = 0; r < nt; ++r) {
+        const int64 e = e_begin + t0 + r;
+        Coefficients(tile + r * kb, kb, entry_lse_[e], Upstream(e),
+                     plan_.entry_slot[e] - blk.first_slot - k0);
+      }
+      AccumulateRows(block, kb, tile, kb, rows, nt, t0 == 0, false);
+    }
+    EndRows(g, k0, kb, block);
+  }
+
+  // ---- Weight-gradient rows, or the in-place SGD update -------------------------------
+
+  // The rows [k0, k0 + kb) of group g, left as they are (the first accumulation into
+  // them overwrites, which gives the bits of zeroing first); the bias rows zeroed.
+  RowBlock BeginRows(int64 g, int64 k0, int64 kb) {
     RowBlock out;
-    const int64 row0 = plan.group_row[g] + k0;
-    const bool with_bias = p.biases != nullptr && (sgd ? grads.sgd_biases != nullptr
-                                                        : grads.bias_rows != nullptr);
-    if (sgd) {
+    const int64 row0 = plan_.group_row[g] + k0;
+    const bool with_bias = p_.biases != nullptr && (sgd_ ? grads_.sgd_biases != nullptr
+                                                         : grads_.bias_rows != nullptr);
+    if (sgd_) {
       Scratch<T>& s = ThreadScratch<T>();
-      out.dw = Grow(&s.sgd_rows, kb * D);
+      out.dw = Grow(&s.sgd_rows, kb * D_);
       out.db = with_bias ? Grow(&s.sgd_bias, kb) : nullptr;
     } else {
-      out.dw = grads.weight_rows + row0 * D;
-      out.db = with_bias ? grads.bias_rows + row0 : nullptr;
-      const int64 first = tree.child_begin[plan.group_node[g]] + k0;
-      for (int64 j = 0; j < kb; ++j) grads.row_ids[row0 + j] = first + j;
+      out.dw = grads_.weight_rows + row0 * D_;
+      out.db = with_bias ? grads_.bias_rows + row0 : nullptr;
+      const int64 first = tree_.child_begin[plan_.group_node[g]] + k0;
+      for (int64 j = 0; j < kb; ++j) grads_.row_ids[row0 + j] = first + j;
     }
-    if (zero_fill) std::fill(out.dw, out.dw + kb * D, T(0));
     if (out.db != nullptr) std::fill(out.db, out.db + kb, T(0));
     return out;
-  };
+  }
+
   // block += coef^T @ H over nt tokens (and db += column sums of coef). Rows written by a
   // single call (`only`) go to the gradient output past the caches: they are not read
   // again by this op, and most of them are rows of clusters that got one or two tokens,
   // where writing them is most of the work. Rows that are whole cache lines are streamed
   // by the register-tile kernel; others (D = 300) by StreamTransposed, which writes the
   // block as the one contiguous stretch of the output that it is.
-  auto accumulate_rows = [&](const RowBlock& block, int64 kb, const T* z, int64 ld,
-                             const T* const* rows, int64 nt, bool overwrite, bool only) {
-    const bool stream = only && !sgd;
+  void AccumulateRows(const RowBlock& block, int64 kb, const T* z, int64 ld,
+                      const T* const* rows, int64 nt, bool overwrite, bool only) {
+    const int64 D = D_;
+    const bool stream = only && !sgd_;
     const bool aligned = D * static_cast<int64>(sizeof(T)) % 64 == 0 &&
                          reinterpret_cast<std::uintptr_t>(block.dw) % 64 == 0;
     if (stream && !aligned && D >= simd::Vec<T>::kWidth) {
       simd::StreamTransposed<T>(block.dw, kb, z, ld, rows, nt, D,
                                 Grow(&ThreadScratch<T>().doubled_rows, nt * 2 * D));
     } else {
-      simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D, overwrite, stream && aligned);
+      simd::AccumulateTransposed<T>(block.dw, D, kb, z, ld, rows, nt, D, overwrite,
+                                    stream && aligned);
     }
     if (block.db != nullptr) {
       for (int64 r = 0; r < nt; ++r)
         for (int64 j = 0; j < kb; ++j) block.db[j] += z[r * ld + j];
     }
-  };
-  auto end_rows = [&](int64 g, int64 k0, int64 kb, const RowBlock& block) {
-    if (!sgd) return;
-    const int64 first = tree.child_begin[plan.group_node[g]] + k0;
-    const T lr = grads.sgd_learning_rate;
-    T* w = grads.sgd_weights + first * D;
-    for (int64 i = 0; i < kb * D; ++i) w[i] -= lr * block.dw[i];
+  }
+
+  // In-place SGD: the finished block applied to the table, W -= lr * dW.
+  void EndRows(int64 g, int64 k0, int64 kb, const RowBlock& block) {
+    if (!sgd_) return;
+    const int64 first = tree_.child_begin[plan_.group_node[g]] + k0;
+    const T lr = grads_.sgd_learning_rate;
+    T* w = grads_.sgd_weights + first * D_;
+    for (int64 i = 0; i < kb * D_; ++i) w[i] -= lr * block.dw[i];
     if (block.db != nullptr) {
-      for (int64 j = 0; j < kb; ++j) grads.sgd_biases[first + j] -= lr * block.db[j];
+      for (int64 j = 0; j < kb; ++j) grads_.sgd_biases[first + j] -= lr * block.db[j];
     }
-  };
+  }
 
-  // Grouped (large) nodes, level by level.
-  for (int64 level = 0; level < plan.num_levels(); ++level) {
-    const int64 g_begin = plan.level_begin[level], g_end = plan.level_begin[level + 1];
-    // Keep this level's coefficients for the dW phase when they fit the budget.
-    int64 need = 0;
-    for (int64 g = g_begin; g < g_end; ++g) {
-      coef_offset[g] = need;
-      if (IsWalked(tree, plan.group_node[g])) continue;
-      need += (plan.group_begin[g + 1] - plan.group_begin[g]) * BlockOf<T>(tree, plan.group_node[g]).size;
+  // ---- Walked nodes -------------------------------------------------------------------
+
+  // Each token's path (unless the forward saved what it gives), dh, then the walked
+  // groups' weight rows.
+  void WalkedNodes() {
+    const int64 stride = plan_.max_walked_branching;
+    const bool keep = saving_ || plan_.num_steps() * stride <= options_.coef_budget;
+    const bool own_coefs = keep && !saving_ && saved_walk_ == nullptr;
+    std::vector<T> step_coef(own_coefs ? plan_.num_steps() * stride : 0);
+    T* const walk_coef = saving_ ? options_.saved_out + saved_offsets_.back() : step_coef.data();
+    // With the forward's coefficients the walk is needed only for the values.
+    const bool walk_grad = walked_ && saved_walk_ == nullptr;
+    if (walk_grad || (walked_ && log_prob_ != nullptr)) {
+      WalkOutputs<T> out;
+      out.value = log_prob_ != nullptr;
+      out.coefficients = walk_grad;
+      out.kept_coefs = keep ? walk_coef : nullptr;
+      out.stride = stride;
+      WalkTokens(out);
     }
-    if (need == 0) continue;
-    const bool keep = !directions_only && need <= coef_budget;
-    if (keep) coef_store = store.Reserve(need);
+    if (saving_) return;
+    if (!walk_grad) {
+      const T* const directions = saved_directions_ != nullptr ? saved_directions_ : grads_.hidden;
+      parallel_for_(plan_.num_tokens, std::max<int64>(1, D_ / 4), [&](int64 begin, int64 end) {
+        ScaleRows(begin, end, directions);
+      });
+    }
+    if (!walked_) return;
+    // Each step's unit coefficients: the forward's, the walk's, or recomputed per visit.
+    WalkedWeightRows(saved_walk_ != nullptr ? saved_walk_ : keep ? step_coef.data() : nullptr);
+  }
 
-    // Phase A: per token tile, logsumexp, coefficients, and directions += unit coef @
-    // W_node. Within a level each token is in one tile only, so the rows of the directions
-    // are written without races.
-    const std::vector<Item> items = TokenTiles(plan, tree, g_begin, g_end, kTokenTile);
-    int64 total_cost = 0;
-    for (const Item& it : items) total_cost += it.count * BlockOf<T>(tree, plan.group_node[it.group]).size * D;
-    const int64 cost = items.empty() ? 0 : 4 * total_cost / static_cast<int64>(items.size());
-    parallel_for(static_cast<int64>(items.size()), cost, [&](int64 begin, int64 end) {
+  // Walks every token's path: its values into log_prob and, with out.coefficients, its
+  // direction, then dh while the row is in cache.
+  void WalkTokens(WalkOutputs<T> out) {
+    const int64 cost = (out.coefficients ? 2 : 1) * WalkCostPerToken(plan_, D_);
+    parallel_for_(plan_.num_tokens, cost, [&](int64 begin, int64 end) {
+      WalkOutputs<T> token = out;
       for (int64 i = begin; i < end; ++i) {
-        const Item& it = items[i];
-        const int64 e0 = plan.group_begin[it.group] + it.offset;
-        const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[it.group]);
-        const bool owns_rows = whole_group(it.group);
-        Scratch<T>& s = ThreadScratch<T>();
-        T* kept = keep ? coef_store + coef_offset[it.group] + it.offset * blk.size : nullptr;
-        T* lse = Grow(&s.lse, it.count);
-        if (owns_rows && it.count * blk.size <= kOnePassMaxLogits) {
-          // The choice depends on the plan only, never on the budget or the threads.
-          T* z = directions_only ? out_at(it.group, it.offset)
-                 : kept != nullptr ? kept : Grow(&s.logits, it.count * blk.size);
-          NodeBackwardOnePass(p, plan, e0, it.count, blk, z, lse,
-                              saved_directions != nullptr ? nullptr : grads.hidden, call,
-                              saved_at(it.group, it.offset));
-          const T** rows = Grow(&s.rows, it.count);
-          for (int64 r = 0; r < it.count; ++r) {
-            entry_lse[e0 + r] = lse[r];
-            if (entry_values) {
-              entry_value[e0 + r] = z[r * blk.size + plan.entry_slot[e0 + r] - blk.first_slot] - lse[r];
-            }
-            rows[r] = p.hidden + plan.entry_token[e0 + r] * D;
-            if (directions_only) continue;
-            Coefficients(z + r * blk.size, blk.size, lse[r], upstream[plan.entry_token[e0 + r]],
-                         plan.entry_slot[e0 + r] - blk.first_slot);
-          }
-          if (directions_only) continue;
-          for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
-            const int64 kb = std::min(kSlotTile, blk.size - k0);
-            const RowBlock block = begin_rows(it.group, k0, kb, false);
-            accumulate_rows(block, kb, z + k0, blk.size, rows, it.count, true, true);
-            end_rows(it.group, k0, kb, block);
-          }
-          continue;
-        }
-        T* taken = entry_values ? Grow(&s.taken_logit, it.count) : nullptr;
-        T* const logits_out = directions_only ? out_at(it.group, it.offset) : kept;
-        NodeLogSumExp(p, plan, e0, it.count, blk, logits_out, lse, taken, call,
-                      saved_at(it.group, it.offset));
-        for (int64 r = 0; r < it.count; ++r) {
-          entry_lse[e0 + r] = lse[r];
-          if (entry_values) entry_value[e0 + r] = taken[r] - lse[r];
-        }
-        // NodeLogSumExp may have used s.rows; rebuild the row pointers it shares.
-        const T** rows = Grow(&s.rows, it.count);
-        T** out_rows = Grow(&s.out_rows, it.count);
-        for (int64 r = 0; r < it.count; ++r) {
-          rows[r] = p.hidden + plan.entry_token[e0 + r] * D;
-          out_rows[r] = grads.hidden + plan.entry_token[e0 + r] * D;
-        }
-        T* tile = Grow(&s.tile, kTokenTile * kSlotTile);
-        for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
-          const int64 kb = std::min(kSlotTile, blk.size - k0);
-          T* z = keep ? kept + k0 : tile;
-          const int64 ld = keep ? blk.size : kSlotTile;
-          if (!keep) {
-            Logits(p, rows, it.count, blk, k0, kb, z, ld, call,
-                   directions_only ? logits_out : saved_at(it.group, it.offset));
-          }
-          if (saved_directions == nullptr) {
-            // Unit coefficients for the directions, then scaled for dW.
-            for (int64 r = 0; r < it.count; ++r) {
-              Coefficients(z + r * ld, kb, lse[r], T(1), plan.entry_slot[e0 + r] - blk.first_slot - k0);
-            }
-            simd::AccumulateRows<T>(out_rows, it.count, z, ld, p.weights + (blk.first_slot + k0) * D, D, kb, D);
-            if (directions_only) continue;
-            for (int64 r = 0; r < it.count; ++r) {
-              ScaleCoefficients(z + r * ld, kb, upstream[plan.entry_token[e0 + r]]);
-            }
-          } else {
-            for (int64 r = 0; r < it.count; ++r) {
-              Coefficients(z + r * ld, kb, lse[r], upstream[plan.entry_token[e0 + r]],
-                           plan.entry_slot[e0 + r] - blk.first_slot - k0);
-            }
-          }
-          if (owns_rows) {
-            const RowBlock block = begin_rows(it.group, k0, kb, false);
-            accumulate_rows(block, kb, z, ld, rows, it.count, true, true);
-            end_rows(it.group, k0, kb, block);
-          }
-        }
-      }
-      simd::StreamFence();  // the streamed gradient rows, before other threads read them
-    });
-    if (directions_only) continue;
-
-    // Phase B: for groups spanning several token tiles, per chunk of the node's slots,
-    // dW rows = coef^T @ H over the node's tokens (in token order) and db rows = column
-    // sums. Each chunk owns its output rows.
-    std::vector<Item> chunks;
-    int64 chunk_cost = 0;
-    for (int64 g = g_begin; g < g_end; ++g) {
-      if (whole_group(g) || IsWalked(tree, plan.group_node[g])) continue;
-      const int64 k = BlockOf<T>(tree, plan.group_node[g]).size;
-      const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
-      const int64 pieces = std::max<int64>(4, 2 * ((k + 2 * kGradSlotTile - 1) / (2 * kGradSlotTile)));
-      const int64 chunk_rows = ((k + pieces - 1) / pieces + 15) / 16 * 16;
-      for (int64 k0 = 0; k0 < k; k0 += chunk_rows) {
-        const int64 kb = std::min(chunk_rows, k - k0);
-        chunks.push_back({g, k0, kb});
-        chunk_cost += kb * n * D * (keep ? 2 : 4);
-      }
-    }
-    const int64 ccost = chunks.empty() ? 0 : chunk_cost / static_cast<int64>(chunks.size());
-    parallel_for(static_cast<int64>(chunks.size()), ccost, [&](int64 begin, int64 end) {
-      for (int64 c = begin; c < end; ++c) {
-        const Item& ch = chunks[c];
-        const int64 g = ch.group, k0 = ch.offset, kb = ch.count;
-        const NodeBlock<T> blk = BlockOf<T>(tree, plan.group_node[g]);
-        const RowBlock block = begin_rows(g, k0, kb, false);
-        const int64 e_begin = plan.group_begin[g], n = plan.group_begin[g + 1] - e_begin;
-        Scratch<T>& s = ThreadScratch<T>();
-        T* tile = keep ? nullptr : Grow(&s.tile, kTokenTile * kb);
-        for (int64 t0 = 0; t0 < n; t0 += kTokenTile) {
-          const int64 nt = std::min(kTokenTile, n - t0);
-          const T** rows = Grow(&s.rows, nt);
-          for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e_begin + t0 + r] * D;
-          if (keep) {
-            accumulate_rows(block, kb, coef_store + coef_offset[g] + t0 * blk.size + k0,
-                            blk.size, rows, nt, t0 == 0, false);
-          } else {
-            Logits(p, rows, nt, blk, k0, kb, tile, kb, call, saved_at(g, t0));
-            for (int64 r = 0; r < nt; ++r) {
-              const int64 e = e_begin + t0 + r;
-              Coefficients(tile + r * kb, kb, entry_lse[e], upstream[plan.entry_token[e]],
-                           plan.entry_slot[e] - blk.first_slot - k0);
-            }
-            accumulate_rows(block, kb, tile, kb, rows, nt, t0 == 0, false);
-          }
-        }
-        end_rows(g, k0, kb, block);
+        token.direction = grads_.hidden + i * D_;
+        const T value = WalkPath<T>(plan_, tree_, p_, i, token);
+        if (log_prob_ != nullptr) log_prob_[i] += value;
+        if (out.coefficients && !saving_) ScaleRows(i, i + 1, grads_.hidden);
       }
     });
   }
 
-  if (entry_values) SumGroupedEntries(plan, tree, entry_value, log_prob);
-
-  // Walked (small) nodes, after every grouped level so that each direction sums its terms
-  // in a fixed order: pass 1 walks every token's path (logits, lse, unit coefficients,
-  // direction), unless the forward saved what it gives; pass 2 (below) gives each walked
-  // group its dW rows, summed over its tokens in token order.
-  const int64 stride = plan.max_walked_branching;
-  const bool keep = directions_only || plan.num_steps() * stride <= coef_budget;
-  const bool own_coefs = keep && !directions_only && saved_walk == nullptr;
-  std::vector<T> step_coef(own_coefs ? plan.num_steps() * stride : 0);
-  T* const walk_coef = directions_only ? out_logits + saved_offsets.back() : step_coef.data();
-  // With the forward's coefficients the walk is needed only for the values.
-  const bool walk_grad = walked && saved_walk == nullptr;
-  // dh = upstream * direction, row by row: in the walk while the row is in cache, else in
-  // a pass of its own.
-  auto scale_rows = [&](int64 begin, int64 end, const T* directions) {
+  // dh = upstream * direction, rows [begin, end).
+  void ScaleRows(int64 begin, int64 end, const T* directions) {
     for (int64 i = begin; i < end; ++i) {
-      const T g = upstream[i];
-      for (int64 d = 0; d < D; ++d) grads.hidden[i * D + d] = g * directions[i * D + d];
+      const T g = upstream_[i];
+      for (int64 d = 0; d < D_; ++d) grads_.hidden[i * D_ + d] = g * directions[i * D_ + d];
     }
-  };
-  if (walk_grad || (walked && log_prob != nullptr)) {
-    parallel_for(plan.num_tokens, (walk_grad ? 2 : 1) * WalkCostPerToken(plan, D),
-                 [&](int64 begin, int64 end) {
-      for (int64 i = begin; i < end; ++i) {
-        const T value = WalkPath<T>(plan, tree, p, i, log_prob != nullptr, walk_grad,
-                                    grads.hidden + i * D, walk_coef, keep, stride);
-        if (log_prob != nullptr) log_prob[i] += value;
-        if (walk_grad && !directions_only) scale_rows(i, i + 1, grads.hidden);
+  }
+
+  // Phase 4 of the walked groups, in runs of consecutive walked groups with about
+  // kWalkItemEntries visits. coefs: each step's unit coefficients, or null to recompute
+  // them per visit.
+  void WalkedWeightRows(const T* coefs) {
+    std::vector<int64> group_level(plan_.num_groups());
+    for (int64 level = 0; level < plan_.num_levels(); ++level) {
+      for (int64 g = plan_.level_begin[level]; g < plan_.level_begin[level + 1]; ++g) {
+        group_level[g] = level;
+      }
+    }
+    struct GroupRun {
+      int64 begin, end;
+    };
+    std::vector<GroupRun> runs;
+    int64 run_begin = -1, run_entries = 0;
+    for (int64 g = 0; g < plan_.num_groups(); ++g) {
+      if (!IsWalked(tree_, plan_.group_node[g])) continue;
+      if (run_begin < 0) run_begin = g;
+      run_entries += plan_.group_begin[g + 1] - plan_.group_begin[g];
+      if (run_entries >= kWalkItemEntries) {
+        runs.push_back({run_begin, g + 1});
+        run_begin = -1;
+        run_entries = 0;
+      }
+    }
+    if (run_begin >= 0) runs.push_back({run_begin, plan_.num_groups()});
+    const int64 stride = plan_.max_walked_branching;
+    const int64 run_cost = kWalkItemEntries * stride * D_ * (coefs != nullptr ? 2 : 4);
+    parallel_for_(static_cast<int64>(runs.size()), run_cost, [&](int64 begin, int64 end) {
+      // The in-place update reads the weight rows again, long after the walk: ask for
+      // those of a walked group a few ahead.
+      constexpr int64 kSgdRowsAhead = 4;
+      for (int64 r = begin; r < end; ++r) {
+        for (int64 g = runs[r].begin; g < runs[r].end; ++g) {
+          if (!IsWalked(tree_, plan_.group_node[g])) continue;
+          if (sgd_ && g + kSgdRowsAhead < runs[r].end) {
+            const int64 ahead = plan_.group_node[g + kSgdRowsAhead];
+            if (IsWalked(tree_, ahead)) {
+              RequestRows(grads_.sgd_weights, BlockOf<T>(tree_, ahead), D_, true);
+            }
+          }
+          WalkedGroupRows(g, group_level[g], coefs);
+        }
       }
     });
   }
-  if (directions_only) return;
-  if (!walk_grad) {
-    const T* const directions = saved_directions != nullptr ? saved_directions : grads.hidden;
-    parallel_for(plan.num_tokens, std::max<int64>(1, D / 4), [&](int64 begin, int64 end) {
-      scale_rows(begin, end, directions);
-    });
+
+  // One walked group's weight rows: each visit's hidden row, upstream gradient and unit
+  // coefficients (recomputed when not kept), then every row summed over the visits.
+  void WalkedGroupRows(int64 g, int64 level, const T* coefs) {
+    Scratch<T>& s = ThreadScratch<T>();
+    const NodeBlock<T> blk = BlockOf<T>(tree_, plan_.group_node[g]);
+    const int64 K = blk.size, e0 = plan_.group_begin[g], ne = plan_.group_begin[g + 1] - e0;
+    const int64 stride = plan_.max_walked_branching;
+    const T* w = p_.weights + blk.first_slot * D_;
+    const T* b = p_.biases != nullptr ? p_.biases + blk.first_slot : nullptr;
+    const T** h = Grow(&s.rows, ne);
+    const T** c = Grow(&s.visit_coefs, ne);
+    T* u = Grow(&s.visit_upstream, ne);
+    T* recomputed = coefs != nullptr ? nullptr : Grow(&s.walk_coef, ne * K);
+    for (int64 v = 0; v < ne; ++v) {
+      const int64 i = plan_.entry_token[e0 + v];
+      h[v] = p_.hidden + i * D_;
+      u[v] = upstream_[i];
+      if (coefs != nullptr) {
+        c[v] = coefs + (plan_.token_step_begin[i] + level) * stride;
+      } else {
+        WalkStepCoefficients<T>(h[v], w, b, K, plan_.entry_slot[e0 + v] - blk.first_slot, D_,
+                                recomputed + v * K);
+        c[v] = recomputed + v * K;
+      }
+    }
+    // The rows need no zeroing: each is written once, 0 + c_1 h_1 + c_2 h_2 + ... in
+    // visit order (the bits of adding into zeroed rows).
+    const RowBlock block = BeginRows(g, 0, K);
+    for (int64 k = 0; k < K; ++k) {
+      SumVisits(h, c, u, ne, k, D_, block.dw + k * D_);
+      if (block.db != nullptr) {
+        T sum = block.db[k];
+        for (int64 v = 0; v < ne; ++v) sum += u[v] * c[v][k];
+        block.db[k] = sum;
+      }
+    }
+    EndRows(g, 0, K, block);
   }
 
-  if (!walked) return;
-  std::vector<int64> group_level(plan.num_groups());
-  for (int64 level = 0; level < plan.num_levels(); ++level) {
-    for (int64 g = plan.level_begin[level]; g < plan.level_begin[level + 1]; ++g) {
-      group_level[g] = level;
-    }
-  }
-  // Each step's unit coefficients: the forward's, the walk's, or recomputed per visit.
-  const T* const coefs = saved_walk != nullptr ? saved_walk : keep ? step_coef.data() : nullptr;
-
-  // Work items: runs of consecutive walked groups with about kWalkItemEntries visits.
-  struct GroupRun {
-    int64 begin, end;
-  };
-  std::vector<GroupRun> runs;
-  int64 run_begin = -1, run_entries = 0;
-  for (int64 g = 0; g < plan.num_groups(); ++g) {
-    if (!IsWalked(tree, plan.group_node[g])) continue;
-    if (run_begin < 0) run_begin = g;
-    run_entries += plan.group_begin[g + 1] - plan.group_begin[g];
-    if (run_entries >= kWalkItemEntries) {
-      runs.push_back({run_begin, g + 1});
-      run_begin = -1;
-      run_entries = 0;
-    }
-  }
-  if (run_begin >= 0) runs.push_back({run_begin, plan.num_groups()});
-  const int64 run_cost = kWalkItemEntries * stride * D * (coefs != nullptr ? 2 : 4);
-  parallel_for(static_cast<int64>(runs.size()), run_cost, [&](int64 begin, int64 end) {
+  // out[0..D) = sum over the visits v of (u[v] * c[v][k]) * h[v], in visit order. A row's
+  // sum is kept in registers, kChunk vectors at a time, over all of the group's visits,
+  // and stored once: a node near the root gets hundreds of visits, and adding each into
+  // the row in memory chained every visit on the previous one's stores.
+  // (simd::AccumulateScattered sums the same way, 8 visits per pass over the row, but
+  // needs the coefficients gathered per slot: the whole backward at E measured 4-5%
+  // slower with it, on one thread and on two.)
+  static void SumVisits(const T* const* h, const T* const* c, const T* u, int64 ne, int64 k,
+                        int64 D, T* out) {
     using V = simd::VecT<T>;
     constexpr int64 vw = simd::Vec<T>::kWidth;
-    // A row's sum is kept in registers, kChunk vectors at a time, over all of the group's
-    // visits, and stored once: a node near the root gets hundreds of visits, and adding
-    // each into the row in memory chained every visit on the previous one's stores.
-    // (simd::AccumulateScattered sums the same way, 8 visits per pass over the row, but
-    // needs the coefficients gathered per slot: the whole backward at E measured 4-5%
-    // slower with it, on one thread and on two.)
     constexpr int64 kChunk = 8;
-    constexpr int64 kSgdRowsAhead = 4;
-    Scratch<T>& s = ThreadScratch<T>();
-    for (int64 r = begin; r < end; ++r) {
-      for (int64 g = runs[r].begin; g < runs[r].end; ++g) {
-        const int64 node = plan.group_node[g];
-        if (!IsWalked(tree, node)) continue;
-        // The in-place update reads the weight rows again, long after the walk: ask for
-        // those of a walked group a few ahead.
-        if (sgd && g + kSgdRowsAhead < runs[r].end) {
-          const int64 ahead = plan.group_node[g + kSgdRowsAhead];
-          if (IsWalked(tree, ahead)) RequestRows(grads.sgd_weights, BlockOf<T>(tree, ahead), D, true);
-        }
-        const NodeBlock<T> blk = BlockOf<T>(tree, node);
-        const int64 K = blk.size, e0 = plan.group_begin[g], ne = plan.group_begin[g + 1] - e0;
-        const T* w = p.weights + blk.first_slot * D;
-        const T* b = p.biases != nullptr ? p.biases + blk.first_slot : nullptr;
-        // Each visit's hidden row, upstream gradient and unit coefficients (recomputed
-        // when not kept).
-        const T** h = Grow(&s.rows, ne);
-        const T** c = Grow(&s.visit_coefs, ne);
-        T* u = Grow(&s.visit_upstream, ne);
-        T* recomputed = coefs != nullptr ? nullptr : Grow(&s.walk_coef, ne * K);
-        for (int64 v = 0; v < ne; ++v) {
-          const int64 i = plan.entry_token[e0 + v];
-          h[v] = p.hidden + i * D;
-          u[v] = upstream[i];
-          if (coefs != nullptr) {
-            c[v] = coefs + (plan.token_step_begin[i] + group_level[g]) * stride;
-          } else {
-            WalkStepCoefficients<T>(h[v], w, b, K, plan.entry_slot[e0 + v] - blk.first_slot, D,
-                                    recomputed + v * K);
-            c[v] = recomputed + v * K;
+    for (int64 d0 = 0; d0 < D; d0 += kChunk * vw) {
+      const int64 n = std::min(kChunk * vw, D - d0);  // elements of this chunk
+      V acc[kChunk];
+      for (int64 j = 0; j < kChunk; ++j) acc[j] = V{};
+      for (int64 v = 0; v < ne; ++v) {
+        const T ck = u[v] * c[v][k];
+        const T* hv = h[v] + d0;
+        for (int64 j = 0; j < kChunk; ++j) {
+          if (j * vw + vw <= n) {
+            acc[j] = acc[j] + ck * simd::Load(hv + j * vw);
+          } else if (j * vw < n) {
+            acc[j] = acc[j] + ck * simd::LoadPartial(hv + j * vw, n - j * vw);
           }
         }
-        // The rows need no zeroing: each is written once, 0 + c_1 h_1 + c_2 h_2 + ... in
-        // visit order (the bits of adding into zeroed rows).
-        const RowBlock block = begin_rows(g, 0, K, false);
-        for (int64 k = 0; k < K; ++k) {
-          T* out = block.dw + k * D;
-          for (int64 d0 = 0; d0 < D; d0 += kChunk * vw) {
-            const int64 n = std::min(kChunk * vw, D - d0);  // elements of this chunk
-            V acc[kChunk];
-            for (int64 j = 0; j < kChunk; ++j) acc[j] = V{};
-            for (int64 v = 0; v < ne; ++v) {
-              const T ck = u[v] * c[v][k];
-              const T* hv = h[v] + d0;
-              for (int64 j = 0; j < kChunk; ++j) {
-                if (j * vw + vw <= n) {
-                  acc[j] = acc[j] + ck * simd::Load(hv + j * vw);
-                } else if (j * vw < n) {
-                  acc[j] = acc[j] + ck * simd::LoadPartial(hv + j * vw, n - j * vw);
-                }
-              }
-            }
-            for (int64 j = 0; j < kChunk; ++j) {
-              if (j * vw + vw <= n) {
-                simd::Store(out + d0 + j * vw, acc[j]);
-              } else if (j * vw < n) {
-                simd::StorePartial(out + d0 + j * vw, acc[j], n - j * vw);
-              }
-            }
-          }
-          if (block.db != nullptr) {
-            T sum = block.db[k];
-            for (int64 v = 0; v < ne; ++v) sum += u[v] * c[v][k];
-            block.db[k] = sum;
-          }
+      }
+      for (int64 j = 0; j < kChunk; ++j) {
+        if (j * vw + vw <= n) {
+          simd::Store(out + d0 + j * vw, acc[j]);
+        } else if (j * vw < n) {
+          simd::StorePartial(out + d0 + j * vw, acc[j], n - j * vw);
         }
-        end_rows(g, 0, K, block);
       }
     }
-  });
-}
+  }
+
+  const VisitPlan& plan_;
+  const TreeView& tree_;
+  const SoftmaxParams<T>& p_;
+  const int64 D_;
+  const T* const upstream_;
+  const ParallelFor& parallel_for_;
+  const LogProbGrads<T>& grads_;
+  const BackwardOptions<T>& options_;
+  const std::uint64_t call_;
+  const bool saving_;  // BackwardMode::kSaveForGradient
+  const bool sgd_;
+  T* const log_prob_;  // grads.log_prob_from_backward, or null
+  // dh is upstream * (the sum of the directions over the grouped nodes, then the walked
+  // ones); the directions are computed here unless the forward saved them.
+  const T* const saved_directions_;
+  const bool walked_;  // the batch's paths have walked steps
+  // Where the forward's logits of each group are (SavedLogitOffsets), and its walked
+  // steps' unit coefficients, after them.
+  std::vector<int64> saved_offsets_;
+  const T* saved_walk_ = nullptr;
+  CoefficientStore<T> own_store_;
+  CoefficientStore<T>& store_;
+  T* coef_store_ = nullptr;          // this level's kept coefficients, or null
+  std::vector<int64> coef_offset_;   // per group: its coefficients' offset in the store
+  std::vector<T> entry_lse_;         // per grouped entry: its node's log-sum-exp
+  std::vector<T> entry_value_;       // per grouped entry: z_taken - lse, with log_prob_
+};
 
 }  // namespace
 
@@ -832,7 +969,9 @@ template <typename T>
 void LogProbBackward(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& p,
                      const T* upstream, const ParallelFor& parallel_for,
                      const LogProbGrads<T>& grads, int64 coef_budget) {
-  Backward(plan, tree, p, upstream, parallel_for, grads, coef_budget, static_cast<T*>(nullptr));
+  BackwardOptions<T> options;
+  options.coef_budget = coef_budget;
+  BackwardPass<T>(plan, tree, p, upstream, parallel_for, grads, options).Run();
 }
 
 template <typename T>
@@ -850,16 +989,20 @@ void LogProbForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
     LogProbGrads<T> grads;
     grads.hidden = saved_directions;
     grads.log_prob_from_backward = log_prob;
-    Backward<T>(plan, tree, p, nullptr, parallel_for, grads, 0, saved_logits);
+    BackwardOptions<T> options;
+    options.mode = BackwardMode::kSaveForGradient;
+    options.coef_budget = 0;
+    options.saved_out = saved_logits;
+    BackwardPass<T>(plan, tree, p, nullptr, parallel_for, grads, options).Run();
     return;
   }
   GroupedForward(plan, tree, p, parallel_for, log_prob, ++call_counter);
   if (plan.max_walked_branching == 0) return;
   // Then each token's walked steps, in path order.
+  WalkOutputs<T> value_only;
+  value_only.value = true;
   parallel_for(plan.num_tokens, WalkCostPerToken(plan, p.dim), [&](int64 begin, int64 end) {
-    for (int64 i = begin; i < end; ++i) {
-      log_prob[i] += WalkPath<T>(plan, tree, p, i, true, false, nullptr, nullptr, false, 0);
-    }
+    for (int64 i = begin; i < end; ++i) log_prob[i] += WalkPath<T>(plan, tree, p, i, value_only);
   });
 }
 
