@@ -1,0 +1,200 @@
+"""`tf_hsm.AdaptiveSoftmax` inference in stock TensorFlow ops: log_prob, top_k,
+log_prob_all and sample over a head and flat or tree tails.
+
+Static shapes throughout (so that XLA and TFLite take it): every cluster is computed for
+every row, where the layer's training call gathers each tier's rows. For a flat tail that
+is the cluster's whole softmax per row (what `AdaptiveSoftmax.log_prob_all` costs); a
+tree tail costs its path (log_prob) or its beam search (top_k).
+"""
+
+import tensorflow as tf
+
+from tf_hsm.serving import hsm
+from tf_hsm.serving._tree import stock_tree
+
+__all__ = ["AdaptiveWeights", "adaptive_log_prob", "adaptive_top_k",
+           "adaptive_log_prob_all", "adaptive_sample"]
+
+
+class AdaptiveWeights:
+  """What the serving functions read of an `AdaptiveSoftmax`: its tables (variables or
+  tensors), cutoffs and tail trees.
+
+  Attributes:
+    num_classes: V. cutoffs: list of ints (head size first). head_kernel [H, D],
+    head_bias [H] or None, projections [D, d_i], tail_kernels [rows_i, d_i],
+    tail_biases [rows_i] or None each, tail_trees: None (flat tails) or a `StockTree`
+    per cluster.
+  """
+
+  def __init__(self, num_classes, cutoffs, head_kernel, head_bias, projections,
+               tail_kernels, tail_biases=None, tail_trees=None):
+    self.num_classes = int(num_classes)
+    self.cutoffs = [int(c) for c in cutoffs]
+    bounds = self.cutoffs + [self.num_classes]
+    self.cluster_ranges = [(bounds[i], bounds[i + 1]) for i in range(len(self.cutoffs))]
+    self.head_kernel = head_kernel
+    self.head_bias = head_bias
+    self.projections = list(projections)
+    self.tail_kernels = list(tail_kernels)
+    self.tail_biases = list(tail_biases) if tail_biases is not None else [None] * len(
+        self.cutoffs)
+    self.tail_trees = (None if tail_trees is None
+                       else [stock_tree(t) for t in tail_trees])
+
+  @classmethod
+  def from_layer(cls, layer):
+    """The weights of a built `tf_hsm.AdaptiveSoftmax` (read by attribute, so that no
+    tf_hsm module is imported here)."""
+    if not getattr(layer, "built", False):
+      raise ValueError("the AdaptiveSoftmax layer is not built")
+    return cls(layer.num_classes, layer.cutoffs, layer.head_kernel,
+               layer.head_bias_weight, layer.tail_projections, layer.tail_kernels,
+               layer.tail_biases, layer.tail_trees if layer.tail == "two_level" else None)
+
+
+def _flat(weights, hidden):
+  hidden = tf.convert_to_tensor(hidden)
+  dtype = weights.head_kernel.dtype
+  out_dtype = hidden.dtype
+  if hidden.dtype != dtype:
+    if hidden.dtype in (tf.float16, tf.bfloat16, tf.float32, tf.float64):
+      hidden = tf.cast(hidden, dtype)
+    else:
+      raise TypeError(f"hidden must be floating point, got {hidden.dtype.name}")
+  dim = weights.head_kernel.shape[-1]
+  if hidden.shape.rank is not None and hidden.shape[-1] is not None and \
+      hidden.shape[-1] != dim:
+    raise ValueError(f"hidden has width {hidden.shape[-1]}; the layer has D = {dim}")
+  return tf.reshape(hidden, [-1, dim]), tf.shape(hidden)[:-1], out_dtype
+
+
+def _head(weights, flat):
+  logits = tf.matmul(flat, weights.head_kernel, transpose_b=True)
+  if weights.head_bias is not None:
+    logits = logits + weights.head_bias
+  return tf.nn.log_softmax(logits)
+
+
+def _cluster_all(weights, i, projected):
+  """[N, cluster size] log P(class | cluster i)."""
+  if weights.tail_trees is None:
+    return tf.nn.log_softmax(tf.matmul(projected, weights.tail_kernels[i], transpose_b=True))
+  return hsm.log_prob_all(projected, weights.tail_kernels[i], weights.tail_biases[i],
+                          weights.tail_trees[i])
+
+
+def adaptive_log_prob(weights, hidden, targets):
+  """log P(targets | hidden) under the adaptive softmax, as `AdaptiveSoftmax(hidden,
+  targets)` returns it (targets < 0 give 0; targets >= num_classes give NaN).
+
+  Args:
+    weights: an `AdaptiveWeights`.
+    hidden: [..., D] float. targets: int class ids with hidden's leading shape.
+  """
+  flat, leading, out_dtype = _flat(weights, hidden)
+  targets = tf.convert_to_tensor(targets)
+  if not targets.dtype.is_integer:
+    raise TypeError(f"targets must be integer class ids, got {targets.dtype.name}")
+  targets = tf.reshape(tf.cast(targets, tf.int32), [-1])
+  too_big = targets >= weights.num_classes
+  valid = tf.logical_and(targets >= 0, tf.logical_not(too_big))
+  safe = tf.where(valid, targets, tf.zeros_like(targets))
+  # 0: head, i + 1: cluster i (a sum of comparisons: TFLite has no searchsorted).
+  tier = tf.reduce_sum(tf.cast(safe[:, None] >= tf.constant(weights.cutoffs, tf.int32),
+                               tf.int32), -1)
+  head = _head(weights, flat)
+  head_index = tf.where(tier == 0, safe, weights.cutoffs[0] + tier - 1)
+  out = tf.gather(head, head_index, batch_dims=1)
+  for i, (lo, hi) in enumerate(weights.cluster_ranges):
+    projected = tf.matmul(flat, weights.projections[i])
+    here = tier == i + 1
+    local = tf.where(here, safe - lo, tf.zeros_like(safe))
+    if weights.tail_trees is None:
+      tail = tf.gather(_cluster_all(weights, i, projected), local, batch_dims=1)
+    else:
+      tail = hsm.log_prob(projected, weights.tail_kernels[i], weights.tail_biases[i],
+                          weights.tail_trees[i], local)
+    out = out + tf.where(here, tail, tf.zeros_like(tail))
+  out = tf.where(valid, out, tf.zeros_like(out))
+  out = tf.where(too_big, tf.fill(tf.shape(out), tf.constant(float("nan"), out.dtype)), out)
+  out = tf.reshape(out, leading)
+  return tf.cast(out, out_dtype) if out_dtype in (tf.float16, tf.bfloat16) else out
+
+
+def adaptive_log_prob_all(weights, hidden):
+  """log P(c | hidden) for every class: [..., num_classes]."""
+  flat, leading, _ = _flat(weights, hidden)
+  head = _head(weights, flat)
+  parts = [head[:, :weights.cutoffs[0]]]
+  for i in range(len(weights.cluster_ranges)):
+    projected = tf.matmul(flat, weights.projections[i])
+    token = weights.cutoffs[0] + i
+    parts.append(_cluster_all(weights, i, projected) + head[:, token:token + 1])
+  out = tf.concat(parts, -1)
+  return tf.reshape(out, tf.concat([leading, [weights.num_classes]], 0))
+
+
+def adaptive_top_k(weights, hidden, k):
+  """The k most probable classes, exactly, as `AdaptiveSoftmax.top_k`: each tier's own
+  top k (a tree tier by `tf_hsm.serving.top_k`), merged. k > num_classes is clamped.
+
+  Returns:
+    (log_probs, int64 classes), each [..., min(k, num_classes)], best first, equal
+    values in increasing class order.
+  """
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f"k must be a Python int >= 1, got {k!r}")
+  k = min(k, weights.num_classes)
+  flat, leading, _ = _flat(weights, hidden)
+  head = _head(weights, flat)
+  values, classes = tf.math.top_k(head[:, :weights.cutoffs[0]], min(k, weights.cutoffs[0]))
+  values, classes = [values], [tf.cast(classes, tf.int64)]
+  for i, (lo, hi) in enumerate(weights.cluster_ranges):
+    projected = tf.matmul(flat, weights.projections[i])
+    kk = min(k, hi - lo)
+    if weights.tail_trees is None:
+      tier_values, tier_classes = tf.math.top_k(_cluster_all(weights, i, projected), kk)
+    else:
+      tier_values, tier_classes = hsm.top_k(projected, weights.tail_kernels[i],
+                                            weights.tail_biases[i], weights.tail_trees[i],
+                                            kk)
+    token = weights.cutoffs[0] + i
+    values.append(tier_values + head[:, token:token + 1])
+    classes.append(tf.cast(tier_classes, tf.int64) + lo)
+  best, where = tf.math.top_k(tf.concat(values, -1), k)
+  chosen = tf.gather(tf.concat(classes, -1), where, batch_dims=1)
+  shape = tf.concat([leading, [k]], 0)
+  return tf.reshape(best, shape), tf.reshape(chosen, shape)
+
+
+def adaptive_sample(weights, hidden, seed, temperature=1.0):
+  """One class per row: the head's tempered softmax picks a head class or a cluster, the
+  cluster's its class (Gumbel-max draws keyed by `seed`). int64, hidden's leading shape."""
+  flat, leading, _ = _flat(weights, hidden)
+  dtype = flat.dtype
+  seed = tf.cast(seed, tf.int64)
+  temperature = tf.cast(temperature, dtype)
+
+  def draw(log_probs, stream):
+    u = tf.random.stateless_uniform(tf.shape(log_probs), tf.stack([seed, stream]),
+                                    minval=tf.constant(1e-12, dtype),
+                                    maxval=tf.constant(1.0, dtype), dtype=dtype)
+    return tf.argmax(log_probs / temperature - tf.math.log(-tf.math.log(u)), -1,
+                     output_type=tf.int32)
+
+  head_logits = tf.matmul(flat, weights.head_kernel, transpose_b=True)
+  if weights.head_bias is not None:
+    head_logits = head_logits + weights.head_bias
+  choice = draw(head_logits, tf.constant(0, tf.int64))
+  for i, (lo, _) in enumerate(weights.cluster_ranges):
+    projected = tf.matmul(flat, weights.projections[i])
+    if weights.tail_trees is None:
+      local = draw(tf.matmul(projected, weights.tail_kernels[i], transpose_b=True),
+                   tf.constant(i + 1, tf.int64))
+    else:
+      local = tf.cast(hsm.sample(projected, weights.tail_kernels[i], weights.tail_biases[i],
+                                 weights.tail_trees[i], seed * 7919 + i + 1, temperature),
+                      tf.int32)
+    choice = tf.where(choice == weights.cutoffs[0] + i, local + lo, choice)
+  return tf.reshape(tf.cast(choice, tf.int64), leading)

@@ -1,0 +1,270 @@
+"""`export`: a SavedModel of a Keras model with a HierarchicalSoftmax or AdaptiveSoftmax
+output layer that runs without tf_hsm (stock TensorFlow, XLA, TFLite builtins).
+
+The model's layers below the tf_hsm layer are stock Keras layers; `export` cuts the model
+at the tf_hsm layer's `hidden` input (`keras.Model(inputs, hidden)`), and serves the
+layer itself with `tf_hsm.serving`'s stock-op functions on copies of its weights.
+"""
+
+import tensorflow as tf
+
+from tf_hsm.serving import adaptive as adaptive_serving
+from tf_hsm.serving import hsm
+from tf_hsm.serving._tree import StockTree
+
+__all__ = ["export", "ServingModule", "LOG_PROB_ALL_MAX_CLASSES"]
+
+# "log_prob_all" is exported only up to this many classes: its output is [..., C] floats
+# per row (4 MB a row at 1M classes), and its one matmul reads the whole table.
+LOG_PROB_ALL_MAX_CLASSES = 1_000_000
+
+_HSM, _ADAPTIVE = "HierarchicalSoftmax", "AdaptiveSoftmax"
+
+
+def _kind(layer):
+  """"hsm", "adaptive" or None, by class name along the MRO (no tf_hsm import here)."""
+  for cls in type(layer).__mro__:
+    if cls.__name__ == _HSM and hasattr(layer, "tree"):
+      return "hsm"
+    if cls.__name__ == _ADAPTIVE and hasattr(layer, "cluster_ranges"):
+      return "adaptive"
+  return None
+
+
+def _find_layer(model):
+  found = [layer for layer in _all_layers(model) if _kind(layer) is not None]
+  if not found:
+    raise ValueError("export needs a model with a tf_hsm HierarchicalSoftmax or "
+                     "AdaptiveSoftmax layer; found none")
+  if len(found) > 1:
+    raise ValueError(f"export serves one tf_hsm layer; the model has {len(found)}: "
+                     f"{[l.name for l in found]}")
+  return found[0]
+
+
+def _all_layers(model):
+  for layer in model.layers:
+    yield layer
+    if hasattr(layer, "layers") and layer is not model:
+      yield from _all_layers(layer)
+
+
+def _variable(value, name):
+  value = value.value if hasattr(value, "value") and not isinstance(value, tf.Variable) \
+      else value
+  return tf.Variable(tf.convert_to_tensor(value), trainable=False, name=name)
+
+
+def _tf_variables(layers_variables):
+  out = []
+  for v in layers_variables:
+    inner = getattr(v, "value", v)
+    out.append(inner if isinstance(inner, tf.Variable) else v)
+  return out
+
+
+class ServingModule(tf.Module):
+  """What `export` saves: the encoder (the model up to the tf_hsm layer's input), the
+  layer's weights as variables, its tree(s) as constants, and the signature functions.
+
+  Usable directly in Python too (`module.top_k(inputs...)`)."""
+
+  def __init__(self, model, k=10, log_prob_all=None, sample=True):
+    super().__init__(name="tf_hsm_serving")
+    import keras  # pylint: disable=import-outside-toplevel
+    layer = _find_layer(model)
+    self.kind = _kind(layer)
+    nodes = getattr(layer, "_inbound_nodes", [])
+    if len(nodes) != 1:
+      raise ValueError(f"the tf_hsm layer {layer.name!r} must be called once in the model, "
+                       f"it is called {len(nodes)} times")
+    args = list(nodes[0].arguments.args)
+    kwargs = dict(nodes[0].arguments.kwargs)
+    hidden = args[0] if args else kwargs.pop("hidden")
+    targets = args[1] if len(args) > 1 else kwargs.get("targets")
+    if nodes[0].arguments.kwargs.get("mask") is not None:
+      raise ValueError("export does not serve a tf_hsm layer called with an explicit mask")
+    inputs = list(model.inputs)
+    target_index = [i for i, t in enumerate(inputs) if t is targets]
+    if not target_index:
+      raise ValueError("the tf_hsm layer's targets must be one of the model's inputs")
+    self._target_index = target_index[0]
+    outputs = model.outputs
+    if len(outputs) != 1 or outputs[0] is not nodes[0].outputs[0]:
+      raise ValueError("export needs a model whose one output is the tf_hsm layer's "
+                       "log-probabilities")
+    feature_inputs = [t for i, t in enumerate(inputs) if i != self._target_index]
+    try:
+      self._encoder = keras.Model(feature_inputs, hidden)
+    except ValueError as e:
+      raise ValueError("the tf_hsm layer's hidden input must depend on the model's inputs "
+                       f"other than the targets: {e}") from None
+    self.encoder_variables = _tf_variables(self._encoder.weights)
+    self.input_names = [t.name for t in inputs]
+    self._specs = [tf.TensorSpec([None if d is None else d for d in t.shape],
+                                 tf.as_dtype(t.dtype), name=t.name) for t in inputs]
+    if self.kind == "hsm":
+      self.num_classes = layer.tree.num_classes
+      self._tree = StockTree(layer.tree)
+      self.weights_table = _variable(layer.kernel, "kernel")
+      self.bias_table = None if layer.bias is None else _variable(layer.bias, "bias")
+      if getattr(layer, "row_layout", None) is not None:
+        raise ValueError("export does not serve a HierarchicalSoftmax with a row_layout")
+    else:
+      self.num_classes = layer.num_classes
+      w = adaptive_serving.AdaptiveWeights.from_layer(layer)
+      self._adaptive = adaptive_serving.AdaptiveWeights(
+          w.num_classes, w.cutoffs, _variable(w.head_kernel, "head_kernel"),
+          None if w.head_bias is None else _variable(w.head_bias, "head_bias"),
+          [_variable(p, f"tail_projection_{i}") for i, p in enumerate(w.projections)],
+          [_variable(t, f"tail_kernel_{i}") for i, t in enumerate(w.tail_kernels)],
+          [None if b is None else _variable(b, f"tail_bias_{i}")
+           for i, b in enumerate(w.tail_biases)],
+          w.tail_trees)
+      self.adaptive_variables = [v for v in
+                                 [self._adaptive.head_kernel, self._adaptive.head_bias]
+                                 + self._adaptive.projections + self._adaptive.tail_kernels
+                                 + self._adaptive.tail_biases if v is not None]
+    self.k = min(int(k), self.num_classes)
+    self.dtype = tf.as_dtype(
+        (layer.kernel if self.kind == "hsm" else layer.head_kernel).dtype)
+    if log_prob_all is None:
+      log_prob_all = self.num_classes <= LOG_PROB_ALL_MAX_CLASSES
+    self._signatures = self._make_signatures(log_prob_all, sample)
+
+  # ------------------------------------------------------------------ the computations
+
+  def _hidden(self, features):
+    hidden = self._encoder(features if len(features) > 1 else features[0])
+    mask = getattr(hidden, "_keras_mask", None)
+    hidden = tf.convert_to_tensor(hidden)
+    if hidden.dtype != self.dtype:
+      hidden = tf.cast(hidden, self.dtype)
+    return hidden, mask
+
+  def _features(self, kwargs):
+    return [kwargs[n] for i, n in enumerate(self.input_names) if i != self._target_index]
+
+  def _top_k(self, hidden):
+    if self.kind == "hsm":
+      return hsm.top_k(hidden, self.weights_table, self.bias_table, self._tree, self.k)
+    return adaptive_serving.adaptive_top_k(self._adaptive, hidden, self.k)
+
+  def _log_prob(self, hidden, targets):
+    if self.kind == "hsm":
+      return hsm.log_prob(hidden, self.weights_table, self.bias_table, self._tree, targets)
+    return adaptive_serving.adaptive_log_prob(self._adaptive, hidden, targets)
+
+  def _log_prob_all(self, hidden):
+    if self.kind == "hsm":
+      return hsm.log_prob_all(hidden, self.weights_table, self.bias_table, self._tree)
+    return adaptive_serving.adaptive_log_prob_all(self._adaptive, hidden)
+
+  def _sample(self, hidden, seed, temperature):
+    if self.kind == "hsm":
+      return hsm.sample(hidden, self.weights_table, self.bias_table, self._tree, seed,
+                        temperature)
+    return adaptive_serving.adaptive_sample(self._adaptive, hidden, seed, temperature)
+
+  # ------------------------------------------------------------------ signatures
+
+  def _make_signatures(self, with_log_prob_all, with_sample):
+    feature_specs = [s for i, s in enumerate(self._specs) if i != self._target_index]
+    names = [s.name for s in feature_specs]
+    all_names = [s.name for s in self._specs]
+    target_name = self.input_names[self._target_index]
+    num_classes = self.num_classes
+
+    def top_k_fn(*features):
+      hidden, _ = self._hidden(list(features))
+      log_probs, classes = self._top_k(hidden)
+      return {"classes": tf.cast(classes, tf.int64),
+              "log_probs": tf.cast(log_probs, tf.float32)}
+
+    def log_prob_fn(*tensors):
+      kwargs = dict(zip(all_names, tensors))
+      targets = kwargs[target_name]
+      flat = tf.reshape(tf.cast(targets, tf.int64), [-1])
+      # An InvalidArgumentError where TensorFlow runs the graph (TFLite drops asserts,
+      # and the NaN that log_prob gives such targets remains).
+      check = tf.debugging.assert_less(
+          flat, tf.constant(num_classes, tf.int64),
+          message=f"targets must be < num_classes = {num_classes}")
+      with tf.control_dependencies([check]):
+        targets = tf.identity(targets)
+      hidden, mask = self._hidden(self._features(kwargs))
+      if mask is not None:
+        targets = tf.where(tf.cast(mask, tf.bool), targets, -tf.ones_like(targets))
+      return {"log_prob": self._log_prob(hidden, targets)}
+
+    def log_prob_all_fn(*features):
+      hidden, _ = self._hidden(list(features))
+      return {"log_probs": self._log_prob_all(hidden)}
+
+    def sample_fn(*args):
+      features, seed, temperature = list(args[:-2]), args[-2], args[-1]
+      hidden, _ = self._hidden(features)
+      return {"classes": self._sample(hidden, seed, temperature)}
+
+    def with_names(fn, specs):
+      # A function whose arguments carry the spec names: signature inputs are keyed by
+      # the argument names.
+      arg_names = [s.name for s in specs]
+      src = (f"def wrapped({', '.join(arg_names)}):\n"
+             f"  return fn({', '.join(arg_names)})\n")
+      scope = {"fn": fn}
+      exec(src, scope)  # pylint: disable=exec-used
+      return tf.function(scope["wrapped"], input_signature=specs)
+
+    for n in all_names + ["seed", "temperature"]:
+      if not n.isidentifier():
+        raise ValueError(f"input name {n!r} is not usable as a signature key")
+    if len(set(all_names)) != len(all_names) or {"seed", "temperature"} & set(names):
+      raise ValueError(f"the model's input names must be unique and not seed/temperature: "
+                       f"{all_names}")
+    self.top_k = with_names(top_k_fn, feature_specs)
+    self.log_prob = with_names(log_prob_fn, self._specs)
+    signatures = {"serving_default": self.top_k, "top_k": self.top_k,
+                  "log_prob": self.log_prob}
+    if with_log_prob_all:
+      self.log_prob_all = with_names(log_prob_all_fn, feature_specs)
+      signatures["log_prob_all"] = self.log_prob_all
+    if with_sample:
+      self.sample = with_names(sample_fn, feature_specs + [
+          tf.TensorSpec([], tf.int64, name="seed"),
+          tf.TensorSpec([], tf.float32, name="temperature")])
+      signatures["sample"] = self.sample
+    return signatures
+
+
+def export(model, directory, k=10, log_prob_all=None, sample=True):
+  """Writes a SavedModel of `model` that needs nothing of tf_hsm to load and run.
+
+  Args:
+    model: a Keras functional model with one `tf_hsm.HierarchicalSoftmax` or
+      `tf_hsm.AdaptiveSoftmax` layer, called once on the model's hidden states and one
+      of the model's inputs as its targets, whose output is the model's output.
+    directory: where to write the SavedModel.
+    k: the number of classes the "top_k" signature returns (clamped to num_classes).
+    log_prob_all: whether to add the "log_prob_all" signature; default: when
+      num_classes <= `LOG_PROB_ALL_MAX_CLASSES` (1M).
+    sample: whether to add the "sample" signature (inputs plus `seed` int64 and
+      `temperature` float32 scalars).
+
+  Signatures (inputs named as the model's inputs):
+    "top_k" (also "serving_default"): the inputs other than the targets ->
+      {"classes": int64 [..., k], "log_probs": float32 [..., k]}, best first.
+    "log_prob": all inputs -> {"log_prob": [...]}, what the model returns (targets < 0
+      give 0; a target >= num_classes is an InvalidArgumentError in TensorFlow, NaN in
+      TFLite).
+    "log_prob_all": inputs other than the targets -> {"log_probs": [..., num_classes]}.
+    "sample": inputs other than the targets, seed, temperature -> {"classes": [...]}.
+
+  Returns:
+    The `ServingModule` that was saved.
+  """
+  module = ServingModule(model, k=k, log_prob_all=log_prob_all, sample=sample)
+  tf.saved_model.save(module, str(directory), signatures=module._signatures)
+  return module
+
+
