@@ -129,14 +129,14 @@ def _node_lse(tree, h, weights, biases, begin, count, extra=None):
   neg_inf = tf.fill(n_shape, tf.constant(-float("inf"), dtype))
   zeros = tf.zeros(n_shape, dtype)
 
-  def flat(x):
-    return tf.reshape(x, [tf.shape(x)[0], -1])
-
   def body(c, width, state):
     m, s, picked = state
     slots, valid, pos = _chunk_slots(begin, count, c, width)  # [N, X, W]
-    z = tf.reshape(_logits(h, weights, biases, flat(slots)), tf.shape(slots))
-    z = tf.where(valid, z, tf.fill(tf.shape(z), tf.constant(-float("inf"), dtype)))
+    # Reshapes to shapes known when tracing: XLA needs them inside a while loop.
+    items = begin.shape[-1]
+    z = tf.reshape(_logits(h, weights, biases, tf.reshape(slots, [-1, items * width])),
+                   [-1, items, width])
+    z = tf.where(valid, z, tf.constant(-float("inf"), dtype))
     m_new = tf.maximum(m, tf.reduce_max(z, -1))
     safe = tf.where(tf.math.is_finite(m_new), m_new, tf.zeros_like(m_new))
     s = s * tf.exp(tf.where(tf.math.is_finite(m), m, safe) - safe) + tf.reduce_sum(
@@ -196,7 +196,7 @@ def log_prob(hidden, weights, biases, tree, targets):
   steps = tf.where(on_path, picked - lse, tf.zeros_like(lse))
   out = tf.reduce_sum(steps, -1)
   out = tf.where(valid, out, tf.zeros_like(out))
-  out = tf.where(too_big, tf.fill(tf.shape(out), tf.constant(float("nan"), out.dtype)), out)
+  out = tf.where(too_big, tf.constant(float("nan"), out.dtype), out)
   return _cast_back(tf.reshape(out, leading), out_dtype)
 
 
@@ -260,25 +260,25 @@ def _beam(tree, h, weights, biases, width):
     count = tf.where(is_node, tf.gather(tree.child_begin, node + 1) - begin,
                      tf.zeros_like(begin))
     # The classes already in the beam compete with the new children.
-    carried = tf.where(is_node, tf.fill(tf.shape(scores), neg_inf), scores)
-    carried_codes = tf.where(is_node, tf.fill(tf.shape(codes), -1), codes)
+    carried = tf.where(is_node, neg_inf, scores)
+    carried_codes = tf.where(is_node, tf.constant(-1, tf.int32), codes)
     best, best_codes = _top(carried, carried_codes, keep)
     chunk = min(tree.max_branching, CHUNK)
 
     def candidates(ch, w, lse, begin=begin, count=count, scores=scores):
       """(candidate scores, codes) [N, B * w] of chunk ch; lse None: from this chunk."""
       slots, valid, _ = _chunk_slots(begin, count, ch, w)            # [N, B, W]
-      z = tf.reshape(_logits(h, weights, biases, tf.reshape(slots, [n, -1])),
-                     tf.shape(slots))
-      z = tf.where(valid, z, tf.fill(tf.shape(z), neg_inf))
+      z = tf.reshape(_logits(h, weights, biases, tf.reshape(slots, [-1, width * w])),
+                     [-1, width, w])
+      z = tf.where(valid, z, neg_inf)
       if lse is None:
         m = tf.reduce_max(z, -1)
         m = tf.where(tf.math.is_finite(m), m, tf.zeros_like(m))
         lse = _lse_finish(m, tf.reduce_sum(tf.exp(z - m[..., None]), -1))
       cand = scores[..., None] + (z - lse[..., None])
-      cand = tf.where(valid, cand, tf.fill(tf.shape(cand), neg_inf))
+      cand = tf.where(valid, cand, neg_inf)
       cand_codes = tf.where(valid, tf.gather(tree.slot_child, slots), -tf.ones_like(slots))
-      return tf.reshape(cand, [n, -1]), tf.reshape(cand_codes, [n, -1])
+      return tf.reshape(cand, [-1, width * w]), tf.reshape(cand_codes, [-1, width * w])
 
     if -(-tree.max_branching // chunk) == 1:
       cand, cand_codes = candidates(tf.constant(0, tf.int32), chunk, None)
@@ -313,8 +313,8 @@ def _top(values, codes, keep):
 def _finish(codes, scores, k):
   """The best k of a beam, equal scores in increasing class order."""
   big = tf.constant(2**31 - 1, tf.int32)
-  key = tf.where(codes < 0, tf.fill(tf.shape(codes), big), codes)
-  _, order = tf.math.top_k(-key, tf.shape(key)[1])              # by class, ascending
+  key = tf.where(codes < 0, big, codes)
+  _, order = tf.math.top_k(-key, codes.shape[1])              # by class, ascending
   codes = tf.gather(codes, order, batch_dims=1)
   scores = tf.gather(scores, order, batch_dims=1)
   best, where = tf.math.top_k(scores, k)
@@ -416,16 +416,21 @@ def sample(hidden, weights, biases, tree, seed, temperature=1.0):
     count = tf.where(is_node, tf.gather(tree.child_begin, node + 1) - begin,
                      tf.zeros_like(begin))
 
-    def body(ch, w, state, begin=begin, count=count, depth=depth):
+    width = min(tree.max_branching, CHUNK)
+    chunks = -(-tree.max_branching // width)
+    # Every child position's uniform, drawn before any loop: XLA needs the shapes of
+    # random ops known when compiling, which a while loop's body does not give.
+    noise = tf.random.stateless_uniform(
+        tf.stack([n, chunks * width]), tf.stack([seed, tf.constant(depth, tf.int64)]),
+        minval=tf.constant(1e-12, dtype), maxval=tf.constant(1.0, dtype), dtype=dtype)
+    gumbel = -tf.math.log(-tf.math.log(noise))
+
+    def body(ch, w, state, begin=begin, count=count, gumbel=gumbel):
       best, best_code = state
-      slots, valid, _ = _chunk_slots(begin, count, ch, w)              # [N, W]
+      slots, valid, pos = _chunk_slots(begin, count, ch, w)             # [N, W]
       z = _logits(h, weights, biases, slots) / temperature
-      u = tf.random.stateless_uniform(tf.shape(z), tf.stack([seed, depth * 65536 +
-                                                             tf.cast(ch, tf.int64)]),
-                                      minval=tf.constant(1e-12, dtype),
-                                      maxval=tf.constant(1.0, dtype), dtype=dtype)
-      g = z - tf.math.log(-tf.math.log(u))
-      g = tf.where(valid, g, tf.fill(tf.shape(g), tf.constant(-float("inf"), dtype)))
+      g = z + tf.gather(gumbel, pos, axis=1)
+      g = tf.where(valid, g, tf.constant(-float("inf"), dtype))
       arg = tf.argmax(g, -1, output_type=tf.int32)
       top = tf.reduce_max(g, -1)
       child = tf.gather(tree.slot_child, tf.gather(slots, arg[:, None], batch_dims=1)[:, 0])
