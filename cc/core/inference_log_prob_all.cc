@@ -148,35 +148,69 @@ void SweepItemRun(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan&
 // on that batching. A larger node is folded tile by tile (a tile's max, then the running
 // sum rescaled), the same whether or not its logits fit in scratch.
 template <typename T>
-void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan& plan,
-                          const SweepItem& it, const T* block_panels, int64 stride,
-                          const T* values, T* child_values, T* out, int64 width, bool stream) {
+class LaneSweep {
+ public:
   typedef simd::VecT<T> V;
-  constexpr int64 w = simd::Vec<T>::kWidth;
-  constexpr int64 kMaxGroups = kBlockRows / w;
-  const T ninf = -std::numeric_limits<T>::infinity();
-  Scratch<T>& s = ThreadScratch<T>();
-  const int64 nt = it.rows, groups = (nt + w - 1) / w, ld = groups * w;
-  const int64 tail = nt - (groups - 1) * w;  // rows of the last group
-  auto group_rows = [&](int64 g) { return g + 1 < groups ? w : tail; };
-  auto load_rows = [&](const T* src, int64 g) {
-    return group_rows(g) == w ? simd::Load(src + g * w) : simd::LoadPartial(src + g * w, tail);
+  static constexpr int64 w = simd::Vec<T>::kWidth;
+  static constexpr int64 kMaxGroups = kBlockRows / w;
+
+  LaneSweep(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan& plan,
+            const SweepItem& it, const T* block_panels, int64 stride, const T* values,
+            T* child_values, T* out, int64 width, bool stream)
+      : t_(t), p_(p), plan_(plan), it_(it), stride_(stride), values_(values),
+        child_values_(child_values), width_(width), stream_(stream),
+        s_(ThreadScratch<T>()), nt_(it.rows), groups_((nt_ + w - 1) / w), ld_(groups_ * w),
+        tail_(nt_ - (groups_ - 1) * w),
+        // The item's rows start a row group (it.row is a multiple of kSplitRows), so they
+        // are the block's panels from that group on.
+        hp_(block_panels + it.row / w * p.dim * w),
+        lse_(Grow(&s_.lse, ld_)),  // per row, for the transposed run writes
+        parent_row_(Grow(&s_.row_max, ld_)),
+        stage_(stream ? Grow(&s_.stage, w * kStageColumns) : nullptr),  // row-major pieces
+        out_rows_(out + it.row * width), C_(t.num_classes) {
+    ChooseGather();
+  }
+
+  void Run() {
+    for (int64 q = it_.first; q < it_.last;) {
+      const int64 n = plan_.node[q];
+      const int64 K = t_.child_begin[n + 1] - t_.child_begin[n];
+      q = K == 2 ? PairNodes(q) : K <= kSlotTile ? SmallNodes(q) : LargeNode(q);
+    }
+    if (gather_) {
+      // The gathered classes, final values, written as one run.
+      Node range;
+      range.run = gather_lo_ - plan_.class_begin;
+      gather_ = false;  // so that Emit writes the range as a run
+      Emit(range, gathered_, 0, gather_count_, kFinal);
+    }
+    if (stream_) simd::StreamFence();  // before another thread reads the output
+  }
+
+ private:
+  // One node's children and the values that finish them: parent + (logit - lse).
+  struct Node {
+    const int64* codes;
+    int64 run;
+    V parent[kMaxGroups], lse[kMaxGroups];
   };
-  auto store_rows = [&](T* dst, int64 g, V v) {
-    if (group_rows(g) == w) {
+  // What zt holds for Emit: the node's logits, to be finished into its values; raw logits
+  // parked at their destinations, finished in place later (so never streamed past the
+  // caches); or final values (an item's gathered classes).
+  enum Emitted { kLogits, kParked, kFinal };
+
+  int64 GroupRows(int64 g) const { return g + 1 < groups_ ? w : tail_; }
+  V LoadRows(const T* src, int64 g) const {
+    return GroupRows(g) == w ? simd::Load(src + g * w) : simd::LoadPartial(src + g * w, tail_);
+  }
+  void StoreRows(T* dst, int64 g, V v) const {
+    if (GroupRows(g) == w) {
       simd::Store(dst + g * w, v);
     } else {
-      simd::StorePartial(dst + g * w, v, tail);
+      simd::StorePartial(dst + g * w, v, tail_);
     }
-  };
-  // The item's rows start a row group (it.row is a multiple of kSplitRows), so they are
-  // the block's panels from that group on.
-  const T* hp = block_panels + it.row / w * p.dim * w;
-  T* lse = Grow(&s.lse, ld);          // per row, for the transposed run writes
-  T* parent_row = Grow(&s.row_max, ld);
-  T* stage = stream ? Grow(&s.stage, w * kStageColumns) : nullptr;  // row-major pieces
-  T* out_rows = out + it.row * width;
-  const int64 C = t.num_classes;
+  }
+
   // Class values go straight to their output columns, a scalar store per row, unless the
   // item gathers them: when its class children are not all runs (a binary tree's nodes
   // each hold one or two classes, often in decreasing order) yet together cover consecutive
@@ -184,26 +218,23 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
   // do), their values are put slot-major into `gathered`, a vector per row group, and the
   // range is written at the end like a run: transposed in registers and, for a large
   // output, streamed. Items holding a node whose logits are not all kept park raw values
-  // in the output (see below), so they write directly.
-  bool gather = false;
-  int64 gather_lo = 0, gather_count = 0;
-  T* gathered = nullptr;
-  {
-    int64 lo = plan.class_end, hi = plan.class_begin - 1, count = 0;
+  // in the output (see LargeNode), so they write directly.
+  void ChooseGather() {
+    int64 lo = plan_.class_end, hi = plan_.class_begin - 1, count = 0;
     bool scattered = false, kept_all = true;
-    for (int64 q = it.first; q < it.last; ++q) {
-      const int64 n = plan.node[q], b = t.child_begin[n], e = t.child_begin[n + 1];
-      kept_all = kept_all && (e - b) * ld <= kKeepLogits;
-      if (plan.run[q] >= 0) {  // classes class_begin + run, ... (no need to read them)
-        lo = std::min(lo, plan.class_begin + plan.run[q]);
-        hi = std::max(hi, plan.class_begin + plan.run[q] + (e - b) - 1);
+    for (int64 q = it_.first; q < it_.last; ++q) {
+      const int64 n = plan_.node[q], b = t_.child_begin[n], e = t_.child_begin[n + 1];
+      kept_all = kept_all && (e - b) * ld_ <= kKeepLogits;
+      if (plan_.run[q] >= 0) {  // classes class_begin + run, ... (no need to read them)
+        lo = std::min(lo, plan_.class_begin + plan_.run[q]);
+        hi = std::max(hi, plan_.class_begin + plan_.run[q] + (e - b) - 1);
         count += e - b;
         continue;
       }
       const int64 before = count;
       for (int64 sl = b; sl < e; ++sl) {
-        const int64 code = t.slot_child[sl];
-        if (code >= plan.class_begin && code < plan.class_end) {
+        const int64 code = t_.slot_child[sl];
+        if (code >= plan_.class_begin && code < plan_.class_end) {
           lo = std::min(lo, code);
           hi = std::max(hi, code);
           ++count;
@@ -214,103 +245,101 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
     // The plan checked that each class of the range is reached once, so count classes
     // spanning count columns are exactly the range.
     if (kept_all && scattered && count >= kGatherMinClasses && hi - lo + 1 == count) {
-      gather = true;
-      gather_lo = lo;
-      gather_count = count;
-      gathered = Grow(&s.class_values, count * ld);
+      gather_ = true;
+      gather_lo_ = lo;
+      gather_count_ = count;
+      gathered_ = Grow(&s_.class_values, count * ld_);
     }
   }
 
-  // One node's children and the values that finish them: parent + (logit - lse).
-  struct Node {
-    const int64* codes;
-    int64 run;
-    V parent[kMaxGroups], lse[kMaxGroups];
-  };
-  auto start = [&](int64 q, Node* node) {
-    const int64 n = plan.node[q];
-    node->codes = t.slot_child + t.child_begin[n];
-    node->run = plan.run[q];
-    for (int64 g = 0; g < groups; ++g) node->parent[g] = load_rows(values + plan.value_row[q] * stride + it.row, g);
-  };
-  auto set_lse = [&](Node* node, const V* m, const V* sum) {
-    for (int64 g = 0; g < groups; ++g) {
-      node->lse[g] = m[g] + simd::LogVec(sum[g]);
-      simd::Store(lse + g * w, node->lse[g]);
-      simd::Store(parent_row + g * w, node->parent[g]);
+  void Start(int64 q, Node* node) const {
+    const int64 n = plan_.node[q];
+    node->codes = t_.slot_child + t_.child_begin[n];
+    node->run = plan_.run[q];
+    for (int64 g = 0; g < groups_; ++g) {
+      node->parent[g] = LoadRows(values_ + plan_.value_row[q] * stride_ + it_.row, g);
     }
-  };
+  }
+
+  void SetLse(Node* node, const V* m, const V* sum) const {
+    for (int64 g = 0; g < groups_; ++g) {
+      node->lse[g] = m[g] + simd::LogVec(sum[g]);
+      simd::Store(lse_ + g * w, node->lse[g]);
+      simd::Store(parent_row_ + g * w, node->parent[g]);
+    }
+  }
+
   // Children j, ..., j + cols - 1 (cols <= kWidth) of the node for row group g, from their
   // logits zt[j' * ld + row], transposed in registers: put(row, v) gets them as lanes
   // [0, cols) of v.
-  auto transposed = [&](const T* zt, int64 g, int64 j, int64 cols, auto&& put) {
+  template <typename Put>
+  void Transposed(const T* zt, int64 g, int64 j, int64 cols, Put&& put) const {
     V block[w];
-    for (int64 c = 0; c < w; ++c) block[c] = c < cols ? simd::Load(zt + (j + c) * ld + g * w) : V{};
+    for (int64 c = 0; c < w; ++c) block[c] = c < cols ? simd::Load(zt + (j + c) * ld_ + g * w) : V{};
     simd::Transpose<T>(block);
-    for (int64 r = 0; r < group_rows(g); ++r) put(g * w + r, block[r]);
-  };
+    for (int64 r = 0; r < GroupRows(g); ++r) put(g * w + r, block[r]);
+  }
+
   // The finished values of children [j0, j0 + kb) of a run node, a row group and
   // kStageColumns columns at a time: transposed into a row-major stage, then each row's
   // piece streamed out. Streamed stores that hop to another output row after every line
   // measured only 1.15x faster than ordinary ones (whose lines are first read for
   // ownership); runs of 4 or more lines per row, 2.3x, and the longer the runs the less
   // the stores wait. Blocks after the first start where row 0's output starts a line.
-  auto emit_streamed = [&](const Node& node, const T* zt, int64 j0, int64 kb, bool finish) {
-    const int64 misaligned =
-        static_cast<int64>(reinterpret_cast<std::uintptr_t>(out_rows + node.run + j0) % 64 / sizeof(T));
+  void EmitStreamed(const Node& node, const T* zt, int64 j0, int64 kb, bool finish) const {
+    const int64 misaligned = static_cast<int64>(
+        reinterpret_cast<std::uintptr_t>(out_rows_ + node.run + j0) % 64 / sizeof(T));
     const int64 to_line = (w - misaligned) % w;
-    for (int64 g = 0; g < groups; ++g) {
+    for (int64 g = 0; g < groups_; ++g) {
       for (int64 cb = 0, ce = to_line == 0 ? kStageColumns : to_line + kStageColumns - w; cb < kb;
            cb = ce, ce += kStageColumns) {
         const int64 n = std::min(ce, kb) - cb;
         for (int64 jb = 0; jb < n; jb += w) {
-          transposed(zt, g, cb + jb, std::min(w, n - jb), [&](int64 row, V v) {
-            simd::Store(stage + (row - g * w) * kStageColumns + jb, finish ? parent_row[row] + (v - lse[row]) : v);
+          Transposed(zt, g, cb + jb, std::min(w, n - jb), [&](int64 row, V v) {
+            simd::Store(stage_ + (row - g * w) * kStageColumns + jb,
+                        finish ? parent_row_[row] + (v - lse_[row]) : v);
           });
         }
-        for (int64 r = 0; r < group_rows(g); ++r) {
-          simd::CopyStreaming(out_rows + (g * w + r) * width + node.run + j0 + cb,
-                              stage + r * kStageColumns, n);
+        for (int64 r = 0; r < GroupRows(g); ++r) {
+          simd::CopyStreaming(out_rows_ + (g * w + r) * width_ + node.run + j0 + cb,
+                              stage_ + r * kStageColumns, n);
         }
       }
     }
-  };
+  }
+
   // Writes value v of child `code` for row group g: to the child node's row of
-  // `child_values` (when it is on a path to the class range), or for a class of the range
+  // child_values (when it is on a path to the class range), or for a class of the range
   // to its gathered vectors or else its output column.
-  auto put_child = [&](int64 code, int64 g, V v) {
-    if (code >= C) {
-      const int64 position = plan.position[code - C];
-      if (position >= 0) store_rows(child_values + plan.value_row[position] * stride + it.row, g, v);
-    } else if (code >= plan.class_begin && code < plan.class_end) {
-      if (gather) {
-        simd::Store(gathered + (code - gather_lo) * ld + g * w, v);
+  void PutChild(int64 code, int64 g, V v) const {
+    if (code >= C_) {
+      const int64 position = plan_.position[code - C_];
+      if (position >= 0) StoreRows(child_values_ + plan_.value_row[position] * stride_ + it_.row, g, v);
+    } else if (code >= plan_.class_begin && code < plan_.class_end) {
+      if (gather_) {
+        simd::Store(gathered_ + (code - gather_lo_) * ld_ + g * w, v);
         return;
       }
-      T* o = out_rows + (code - plan.class_begin);
-      for (int64 r = 0; r < group_rows(g); ++r) o[(g * w + r) * width] = v[r];
+      T* o = out_rows_ + (code - plan_.class_begin);
+      for (int64 r = 0; r < GroupRows(g); ++r) o[(g * w + r) * width_] = v[r];
     }
-  };
-  // What zt holds for emit: the node's logits, to be finished into its values; raw logits
-  // parked at their destinations, finished in place later (so never streamed past the
-  // caches); or final values (an item's gathered classes).
-  enum Emitted { kLogits, kParked, kFinal };
+  }
+
   // Writes the values of children [j0, j0 + kb) of the node from zt[(j - j0) * ld + r].
-  auto emit = [&](const Node& node, const T* zt, int64 j0, int64 kb, Emitted what) {
+  void Emit(const Node& node, const T* zt, int64 j0, int64 kb, Emitted what) const {
     const bool finish = what == kLogits;
-    auto value = [&](V z, int64 g) { return finish ? node.parent[g] + (z - node.lse[g]) : z; };
-    if (node.run >= 0 && !gather && what != kParked && stream && kb >= kStreamMinColumns) {
-      emit_streamed(node, zt, j0, kb, finish);
+    if (node.run >= 0 && !gather_ && what != kParked && stream_ && kb >= kStreamMinColumns) {
+      EmitStreamed(node, zt, j0, kb, finish);
       return;
     }
-    if (node.run >= 0 && !gather) {
+    if (node.run >= 0 && !gather_) {
       // Blocks of kWidth children, transposed in registers into pieces of output rows.
-      for (int64 g = 0; g < groups; ++g) {
+      for (int64 g = 0; g < groups_; ++g) {
         for (int64 jb = 0; jb < kb; jb += w) {
           const int64 cols = std::min(w, kb - jb);
-          transposed(zt, g, jb, cols, [&](int64 row, V v) {
-            if (finish) v = parent_row[row] + (v - lse[row]);
-            T* o = out_rows + row * width + node.run + j0 + jb;
+          Transposed(zt, g, jb, cols, [&](int64 row, V v) {
+            if (finish) v = parent_row_[row] + (v - lse_[row]);
+            T* o = out_rows_ + row * width_ + node.run + j0 + jb;
             if (cols == w) {
               simd::Store(o, v);
             } else {
@@ -322,153 +351,254 @@ void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const Sw
       return;
     }
     for (int64 j = 0; j < kb; ++j) {
-      const T* zj = zt + j * ld;
-      for (int64 g = 0; g < groups; ++g) put_child(node.codes[j0 + j], g, value(simd::Load(zj + g * w), g));
+      const T* zj = zt + j * ld_;
+      for (int64 g = 0; g < groups_; ++g) {
+        const V z = simd::Load(zj + g * w);
+        PutChild(node.codes[j0 + j], g, finish ? node.parent[g] + (z - node.lse[g]) : z);
+      }
     }
-  };
+  }
+
+  // The products of the rows with `count` weight-like rows b (ldb = dim) plus `bias`, into
+  // zt, asking for the weight rows [end, end + ahead) along the way (each row once); and
+  // each row group's max when group_max is given.
+  void Dots(const T* b, int64 count, const T* bias, int64 end, int64 ahead, T* zt,
+            V* group_max) {
+    const int64 ahead_begin = std::max(end, prefetched_);
+    prefetched_ = std::max(prefetched_, std::min(end + ahead, t_.num_slots));
+    RowPanelDots<T, true>(hp_, nt_, b, p_.dim, count, p_.dim, zt, ld_,
+                          p_.weights + ahead_begin * p_.dim,
+                          std::max<int64>(0, prefetched_ - ahead_begin) * p_.dim *
+                              static_cast<int64>(sizeof(T)),
+                          bias, group_max);
+  }
   // The logits of weight rows [first, first + count) with their biases, into zt, asking
   // along the way for the rows up to a tile past them (the next nodes of a level are
-  // stored next), each row once; and each row group's max when group_max is given.
-  int64 prefetched = 0;
-  // The products of the rows with `count` weight-like rows b (ldb = dim) plus `bias`, into
-  // zt, asking for the weight rows [end, end + ahead) along the way (each row once).
-  auto dots = [&](const T* b, int64 count, const T* bias, int64 end, int64 ahead, T* zt,
-                  V* group_max) {
-    const int64 ahead_begin = std::max(end, prefetched);
-    prefetched = std::max(prefetched, std::min(end + ahead, t.num_slots));
-    RowPanelDots<T, true>(hp, nt, b, p.dim, count, p.dim, zt, ld, p.weights + ahead_begin * p.dim,
-                          std::max<int64>(0, prefetched - ahead_begin) * p.dim * static_cast<int64>(sizeof(T)),
-                          bias, group_max);
-  };
-  auto logits = [&](int64 first, int64 count, T* zt, V* group_max) {
-    dots(p.weights + first * p.dim, count, p.biases == nullptr ? nullptr : p.biases + first,
+  // stored next).
+  void Logits(int64 first, int64 count, T* zt, V* group_max) {
+    Dots(p_.weights + first * p_.dim, count, p_.biases == nullptr ? nullptr : p_.biases + first,
          first + count, kSlotTile, zt, group_max);
-  };
+  }
 
-  for (int64 q = it.first; q < it.last;) {
-    const int64 n = plan.node[q];
-    const int64 first = t.child_begin[n], K = t.child_begin[n + 1] - first;
+  // A run of two-child nodes from position q stored one after the other (a binary tree's
+  // levels); returns the position after it. Their softmax depends only on d = z1 - z0:
+  // log p0 = -softplus(d), log p1 = -softplus(-d), with softplus(x) = max(x, 0) +
+  // log(1 + exp(-|x|)). So one dot product per node, with the difference of its two weight
+  // rows, replaces two, and one exp and one log replace two exps, a log and a max.
+  // d = +-inf gives the masked child -inf and the other 0; a NaN d (both logits -inf, or a
+  // NaN) gives NaN to both, as the general path does.
+  int64 PairNodes(int64 q) {
+    const int64 first = t_.child_begin[plan_.node[q]];
+    int64 last = q + 1;
+    while (last < it_.last && last - q < kSlotTile && plan_.node[last] == plan_.node[last - 1] + 1 &&
+           t_.child_begin[plan_.node[last] + 1] - t_.child_begin[plan_.node[last]] == 2) {
+      ++last;
+    }
+    const int64 pairs = last - q, dim = p_.dim;
+    const T* wp = p_.weights + first * dim;  // the run's 2 * pairs slots are consecutive
+    T* diff = Grow(&s_.pair_rows, pairs * dim);
+    for (int64 i = 0; i < pairs; ++i) {
+      for (int64 k = 0; k < dim; ++k) diff[i * dim + k] = wp[(2 * i + 1) * dim + k] - wp[2 * i * dim + k];
+    }
+    T* bias_diff = nullptr;
+    if (p_.biases != nullptr) {
+      bias_diff = Grow(&s_.pair_biases, pairs);
+      for (int64 i = 0; i < pairs; ++i) bias_diff[i] = p_.biases[first + 2 * i + 1] - p_.biases[first + 2 * i];
+    }
+    T* zd = Grow(&s_.z, pairs * ld_);
+    Dots(diff, pairs, bias_diff, first + 2 * pairs, 2 * kSlotTile, zd, nullptr);
+    const V zero = {};
+    Node node;
+    for (int64 i = 0; q < last; ++q, ++i) {
+      Start(q, &node);
+      for (int64 g = 0; g < groups_; ++g) {
+        const V d = simd::Load(zd + i * ld_ + g * w);
+        const V l = simd::LogOnePlusUnitVec(simd::ExpVec(d < zero ? d : -d));
+        PutChild(node.codes[0], g, node.parent[g] - ((d > zero ? d : zero) + l));
+        PutChild(node.codes[1], g, node.parent[g] - ((d < zero ? -d : zero) + l));
+      }
+    }
+    return last;
+  }
+
+  // A batch of small nodes from position q stored one after the other: one logits pass,
+  // then each node's max, sum and values (a NaN logit loses the max; the sum carries it).
+  // Returns the position after the batch.
+  int64 SmallNodes(int64 q) {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const int64 first = t_.child_begin[plan_.node[q]];
+    int64 last = q + 1, slots = t_.child_begin[plan_.node[q] + 1] - first;
+    for (; last < it_.last && plan_.node[last] == plan_.node[last - 1] + 1; ++last) {
+      const int64 k = t_.child_begin[plan_.node[last] + 1] - t_.child_begin[plan_.node[last]];
+      // Two-child nodes always take PairNodes, so that a node's values do not depend on
+      // the nodes batched with it (a class range's plan has fewer).
+      if (k == 2 || slots + k > kSlotTile) break;
+      slots += k;
+    }
+    T* zs = Grow(&s_.z, slots * ld_);
+    Logits(first, slots, zs, nullptr);
     Node node;
     V m[kMaxGroups], sum[kMaxGroups];
-    if (K == 2) {
-      // A run of two-child nodes stored one after the other (a binary tree's levels). Their
-      // softmax depends only on d = z1 - z0: log p0 = -softplus(d), log p1 = -softplus(-d),
-      // with softplus(x) = max(x, 0) + log(1 + exp(-|x|)). So one dot product per node, with
-      // the difference of its two weight rows, replaces two, and one exp and one log
-      // replace two exps, a log and a max. d = +-inf gives the masked child -inf and the
-      // other 0; a NaN d (both logits -inf, or a NaN) gives NaN to both, as the general
-      // path does.
-      int64 last = q + 1;
-      while (last < it.last && last - q < kSlotTile && plan.node[last] == plan.node[last - 1] + 1 &&
-             t.child_begin[plan.node[last] + 1] - t.child_begin[plan.node[last]] == 2) {
-        ++last;
-      }
-      const int64 pairs = last - q, dim = p.dim;
-      const T* wp = p.weights + first * dim;  // the run's 2 * pairs slots are consecutive
-      T* diff = Grow(&s.pair_rows, pairs * dim);
-      for (int64 i = 0; i < pairs; ++i) {
-        for (int64 k = 0; k < dim; ++k) diff[i * dim + k] = wp[(2 * i + 1) * dim + k] - wp[2 * i * dim + k];
-      }
-      T* bias_diff = nullptr;
-      if (p.biases != nullptr) {
-        bias_diff = Grow(&s.pair_biases, pairs);
-        for (int64 i = 0; i < pairs; ++i) bias_diff[i] = p.biases[first + 2 * i + 1] - p.biases[first + 2 * i];
-      }
-      T* zd = Grow(&s.z, pairs * ld);
-      dots(diff, pairs, bias_diff, first + 2 * pairs, 2 * kSlotTile, zd, nullptr);
-      const V zero = {};
-      for (int64 i = 0; q < last; ++q, ++i) {
-        start(q, &node);
-        for (int64 g = 0; g < groups; ++g) {
-          const V d = simd::Load(zd + i * ld + g * w);
-          const V l = simd::LogOnePlusUnitVec(simd::ExpVec(d < zero ? d : -d));
-          put_child(node.codes[0], g, node.parent[g] - ((d > zero ? d : zero) + l));
-          put_child(node.codes[1], g, node.parent[g] - ((d < zero ? -d : zero) + l));
+    for (; q < last; ++q) {
+      const int64 b = t_.child_begin[plan_.node[q]], k = t_.child_begin[plan_.node[q] + 1] - b;
+      const T* zn = zs + (b - first) * ld_;
+      Start(q, &node);
+      for (int64 g = 0; g < groups_; ++g) {
+        V mg = simd::Splat<T>(ninf);
+        for (int64 j = 0; j < k; ++j) {
+          const V z = simd::Load(zn + j * ld_ + g * w);
+          mg = z > mg ? z : mg;
         }
+        FoldLanes<T>(zn + g * w, k, ld_, mg, /*first=*/true, &m[g], &sum[g]);
       }
-      continue;
+      SetLse(&node, m, sum);
+      Emit(node, zn, 0, k, kLogits);
     }
-    if (K <= kSlotTile) {
-      // A batch of small nodes stored one after the other: one logits pass, then each
-      // node's max, sum and values (a NaN logit loses the max; the sum carries it).
-      int64 last = q + 1, slots = K;
-      for (; last < it.last && plan.node[last] == plan.node[last - 1] + 1; ++last) {
-        const int64 k = t.child_begin[plan.node[last] + 1] - t.child_begin[plan.node[last]];
-        // Two-child nodes always take the path above, so that a node's values do not
-        // depend on the nodes batched with it (a class range's plan has fewer).
-        if (k == 2 || slots + k > kSlotTile) break;
-        slots += k;
-      }
-      T* zs = Grow(&s.z, slots * ld);
-      logits(first, slots, zs, nullptr);
-      for (; q < last; ++q) {
-        const int64 b = t.child_begin[plan.node[q]], k = t.child_begin[plan.node[q] + 1] - b;
-        const T* zn = zs + (b - first) * ld;
-        start(q, &node);
-        for (int64 g = 0; g < groups; ++g) {
-          V mg = simd::Splat<T>(ninf);
-          for (int64 j = 0; j < k; ++j) {
-            const V z = simd::Load(zn + j * ld + g * w);
-            mg = z > mg ? z : mg;
-          }
-          FoldLanes<T>(zn + g * w, k, ld, mg, /*first=*/true, &m[g], &sum[g]);
-        }
-        set_lse(&node, m, sum);
-        emit(node, zn, 0, k, kLogits);
-      }
-      continue;
-    }
-    start(q, &node);
-    // With every logit kept, each value is written once, finished; otherwise each tile's
-    // raw logits are parked at their destinations and finished there at the end.
-    const bool kept = K * ld <= kKeepLogits;
-    T* zs = Grow(&s.z, (kept ? K : kSlotTile) * ld);
+    return last;
+  }
+
+  // A node of more than a tile of children, folded tile by tile (a tile's max, then the
+  // running sum rescaled). With every logit kept, each value is written once, finished;
+  // otherwise each tile's raw logits are parked at their destinations and finished there
+  // at the end. Returns q + 1.
+  int64 LargeNode(int64 q) {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const int64 n = plan_.node[q];
+    const int64 first = t_.child_begin[n], K = t_.child_begin[n + 1] - first;
+    Node node;
+    V m[kMaxGroups], sum[kMaxGroups];
+    Start(q, &node);
+    const bool kept = K * ld_ <= kKeepLogits;
+    T* zs = Grow(&s_.z, (kept ? K : kSlotTile) * ld_);
     for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
       const int64 kb = std::min(kSlotTile, K - k0);
-      T* zt = kept ? zs + k0 * ld : zs;
+      T* zt = kept ? zs + k0 * ld_ : zs;
       V tile_max[kMaxGroups];
-      for (int64 g = 0; g < groups; ++g) tile_max[g] = simd::Splat<T>(ninf);
-      logits(first + k0, kb, zt, tile_max);
-      for (int64 g = 0; g < groups; ++g) {
-        FoldLanes<T>(zt + g * w, kb, ld, tile_max[g], /*first=*/k0 == 0, &m[g], &sum[g]);
+      for (int64 g = 0; g < groups_; ++g) tile_max[g] = simd::Splat<T>(ninf);
+      Logits(first + k0, kb, zt, tile_max);
+      for (int64 g = 0; g < groups_; ++g) {
+        FoldLanes<T>(zt + g * w, kb, ld_, tile_max[g], /*first=*/k0 == 0, &m[g], &sum[g]);
       }
-      if (!kept) emit(node, zt, k0, kb, kParked);
+      if (!kept) Emit(node, zt, k0, kb, kParked);
     }
-    set_lse(&node, m, sum);
-    ++q;
+    SetLse(&node, m, sum);
     if (kept) {
-      emit(node, zs, 0, K, kLogits);
-      continue;
+      Emit(node, zs, 0, K, kLogits);
+    } else {
+      FinishParked(node, K);
     }
-    // Finish the parked values in place.
+    return q + 1;
+  }
+
+  // Finishes a large node's parked values in place.
+  void FinishParked(const Node& node, int64 K) const {
     if (node.run >= 0) {
-      for (int64 r = 0; r < nt; ++r) {
-        T* o = out_rows + r * width + node.run;
-        for (int64 j = 0; j < K; ++j) o[j] = parent_row[r] + (o[j] - lse[r]);
+      for (int64 r = 0; r < nt_; ++r) {
+        T* o = out_rows_ + r * width_ + node.run;
+        for (int64 j = 0; j < K; ++j) o[j] = parent_row_[r] + (o[j] - lse_[r]);
       }
-      continue;
+      return;
     }
     for (int64 j = 0; j < K; ++j) {
       const int64 code = node.codes[j];
-      if (code >= C) {
-        const int64 position = plan.position[code - C];
+      if (code >= C_) {
+        const int64 position = plan_.position[code - C_];
         if (position < 0) continue;
-        T* dst = child_values + plan.value_row[position] * stride + it.row;
-        for (int64 g = 0; g < groups; ++g) store_rows(dst, g, node.parent[g] + (load_rows(dst, g) - node.lse[g]));
-      } else if (code >= plan.class_begin && code < plan.class_end) {
-        T* o = out_rows + (code - plan.class_begin);
-        for (int64 r = 0; r < nt; ++r) o[r * width] = parent_row[r] + (o[r * width] - lse[r]);
+        T* dst = child_values_ + plan_.value_row[position] * stride_ + it_.row;
+        for (int64 g = 0; g < groups_; ++g) {
+          StoreRows(dst, g, node.parent[g] + (LoadRows(dst, g) - node.lse[g]));
+        }
+      } else if (code >= plan_.class_begin && code < plan_.class_end) {
+        T* o = out_rows_ + (code - plan_.class_begin);
+        for (int64 r = 0; r < nt_; ++r) o[r * width_] = parent_row_[r] + (o[r * width_] - lse_[r]);
       }
     }
   }
-  if (gather) {
-    // The gathered classes, final values, written as one run.
-    Node range;
-    range.run = gather_lo - plan.class_begin;
-    gather = false;  // so that emit writes the range as a run
-    emit(range, gathered, 0, gather_count, kFinal);
+
+  const TreeView& t_;
+  const SoftmaxParams<T>& p_;
+  const SweepPlan& plan_;
+  const SweepItem& it_;
+  const int64 stride_;
+  const T* const values_;
+  T* const child_values_;
+  const int64 width_;
+  const bool stream_;
+  Scratch<T>& s_;
+  const int64 nt_, groups_, ld_;
+  const int64 tail_;  // rows of the last group
+  const T* const hp_;
+  T* const lse_;
+  T* const parent_row_;
+  T* const stage_;
+  T* const out_rows_;
+  const int64 C_;
+  bool gather_ = false;
+  int64 gather_lo_ = 0, gather_count_ = 0;
+  T* gathered_ = nullptr;
+  int64 prefetched_ = 0;
+};
+
+template <typename T>
+void SweepItemRowsInLanes(const TreeView& t, const SoftmaxParams<T>& p, const SweepPlan& plan,
+                          const SweepItem& it, const T* block_panels, int64 stride,
+                          const T* values, T* child_values, T* out, int64 width, bool stream) {
+  LaneSweep<T>(t, p, plan, it, block_panels, stride, values, child_values, out, width, stream)
+      .Run();
+}
+
+// The sweep plan for [class_begin, class_end): the cache's when it holds one that fits
+// (whole-tree calls only), else a new one, kept in the cache when it is small enough.
+std::string GetSweepPlan(const TreeView& tree, int64 class_begin, int64 class_end, bool packed,
+                         int64 block, const ParallelFor& parallel_for, SweepPlanCache* cache,
+                         std::shared_ptr<const SweepPlanCache::Entry>* planned) {
+  const bool whole_tree = class_begin == 0 && class_end == tree.num_classes;
+  if (cache != nullptr && whole_tree) {
+    *planned = cache->Get();
+    if (*planned != nullptr && PlanFits(**planned, tree, packed, block, parallel_for)) return "";
   }
-  if (stream) simd::StreamFence();  // before another thread reads the output
+  auto fresh = std::make_shared<SweepPlanCache::Entry>();
+  std::string err = BuildSweepPlan(tree, class_begin, class_end, parallel_for, &fresh->plan);
+  if (!err.empty()) return err;
+  if (packed) FindSubtreeGroups(fresh->plan, block, &fresh->groups);
+  AssignValueRows(fresh->groups, &fresh->plan);
+  if (cache != nullptr && whole_tree &&
+      PlanBytes(tree, fresh->plan) <= SweepPlanCache::kMaxCachedPlanBytes) {
+    fresh->num_classes = tree.num_classes;
+    fresh->packed = packed;
+    fresh->block = block;
+    fresh->child_begin.assign(tree.child_begin, tree.child_begin + tree.num_nodes + 1);
+    fresh->slot_child.assign(tree.slot_child, tree.slot_child + tree.num_slots);
+    cache->Put(fresh);
+  }
+  *planned = std::move(fresh);
+  return "";
+}
+
+// Work items of the group sweep: groups [items[i], items[i + 1]), about kGroupItems of
+// them, cut where the groups' weight rows (counted as the slots from a level's first node
+// to its last; the nodes are consecutive) reach equal shares. Returns the slot-dimensions
+// below the split level.
+int64 GroupItems(const TreeView& tree, const SweepPlan& plan, const SubtreeGroups& groups,
+                 int64 dim, std::vector<int64>* items) {
+  constexpr int64 kGroupItems = 64;
+  const int64 G = groups.count(), span = groups.span;
+  std::vector<int64> slots(G, 0);
+  int64 total = 0;
+  for (int64 g = 0; g < G; ++g) {
+    for (int64 i = 0; i < span && groups.begin[g * span + i] < groups.end[g * span + i]; ++i) {
+      slots[g] += tree.child_begin[plan.node[groups.end[g * span + i] - 1] + 1] -
+                  tree.child_begin[plan.node[groups.begin[g * span + i]]];
+    }
+    total += slots[g];
+  }
+  items->assign(1, 0);
+  for (int64 g = 0, sum = 0; g < G; ++g) {
+    sum += slots[g];
+    const int64 share = static_cast<int64>(items->size());
+    if (sum * kGroupItems >= share * total || g + 1 == G) items->push_back(g + 1);
+  }
+  return total * (dim + 4);
 }
 
 }  // namespace
@@ -493,31 +623,9 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   // on the blocks and tiles around it (a chunk equals the slice of the full result).
   const bool packed = num_rows >= kPackMinRows;
   int64 block = std::min(num_rows, kBlockRows);
-  const bool whole_tree = class_begin == 0 && class_end == tree.num_classes;
   std::shared_ptr<const SweepPlanCache::Entry> planned;
-  if (cache != nullptr && whole_tree) {
-    planned = cache->Get();
-    if (planned != nullptr && !PlanFits(*planned, tree, packed, block, parallel_for)) {
-      planned = nullptr;
-    }
-  }
-  if (planned == nullptr) {
-    auto fresh = std::make_shared<SweepPlanCache::Entry>();
-    err = BuildSweepPlan(tree, class_begin, class_end, parallel_for, &fresh->plan);
-    if (!err.empty()) return err;
-    if (packed) FindSubtreeGroups(fresh->plan, block, &fresh->groups);
-    AssignValueRows(fresh->groups, &fresh->plan);
-    if (cache != nullptr && whole_tree &&
-        PlanBytes(tree, fresh->plan) <= SweepPlanCache::kMaxCachedPlanBytes) {
-      fresh->num_classes = tree.num_classes;
-      fresh->packed = packed;
-      fresh->block = block;
-      fresh->child_begin.assign(tree.child_begin, tree.child_begin + tree.num_nodes + 1);
-      fresh->slot_child.assign(tree.slot_child, tree.slot_child + tree.num_slots);
-      cache->Put(fresh);
-    }
-    planned = std::move(fresh);
-  }
+  err = GetSweepPlan(tree, class_begin, class_end, packed, block, parallel_for, cache, &planned);
+  if (!err.empty()) return err;
   const SweepPlan& plan = planned->plan;
   const SubtreeGroups& groups = planned->groups;
   const int64 levels = static_cast<int64>(plan.level_begin.size()) - 1;
@@ -552,30 +660,9 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   }
   level_chunks[swept_levels] = static_cast<int64>(chunk_work.size());
   chunk_begin.push_back(plan.level_begin[swept_levels]);
-  // Work items of the group sweep: groups [group_items[i], group_items[i + 1]), about
-  // kGroupItems of them, cut where the groups' weight rows (counted as the slots from a
-  // level's first node to its last; the nodes are consecutive) reach equal shares.
-  std::vector<int64> group_items = {0};
-  int64 group_work = 0;  // slot-dimensions below the split level
-  {
-    constexpr int64 kGroupItems = 64;
-    const int64 G = groups.count(), span = groups.span;
-    std::vector<int64> slots(G, 0);
-    int64 total = 0;
-    for (int64 g = 0; g < G; ++g) {
-      for (int64 i = 0; i < span && groups.begin[g * span + i] < groups.end[g * span + i]; ++i) {
-        slots[g] += tree.child_begin[plan.node[groups.end[g * span + i] - 1] + 1] -
-                    tree.child_begin[plan.node[groups.begin[g * span + i]]];
-      }
-      total += slots[g];
-    }
-    group_work = total * (p.dim + 4);
-    for (int64 g = 0, sum = 0; g < G; ++g) {
-      sum += slots[g];
-      const int64 share = static_cast<int64>(group_items.size());
-      if (sum * kGroupItems >= share * total || g + 1 == G) group_items.push_back(g + 1);
-    }
-  }
+  // Work items of the group sweep (GroupItems).
+  std::vector<int64> group_items;
+  const int64 group_work = GroupItems(tree, plan, groups, p.dim, &group_items);
   std::vector<const T*> rows(block);
   constexpr int64 w = simd::Vec<T>::kWidth;
   static_assert(kSplitRows % w == 0, "row tiles must start row groups");
