@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cc/core/host_device.h"  // TF_HSM_HOST_DEVICE
+
 #ifdef TF_HSM_GPU_EMULATE
 // The emulator is test code: the harness's build includes it before each CUDA source
 // (-include), so that the library's sources never name a file of the tests.
@@ -20,7 +22,6 @@
 #endif
 #define TF_HSM_GLOBAL
 #define TF_HSM_DEVICE inline
-#define TF_HSM_HOST_DEVICE inline
 // Blocks run one at a time in the emulator, so a function-scope static is per block.
 #define TF_HSM_SHARED static
 #define TF_HSM_LAUNCH_BOUNDS(threads, min_blocks)
@@ -28,7 +29,6 @@
 #include <cuda_runtime.h>
 #define TF_HSM_GLOBAL __global__
 #define TF_HSM_DEVICE __device__ __forceinline__
-#define TF_HSM_HOST_DEVICE __host__ __device__ __forceinline__
 #define TF_HSM_SHARED __shared__
 #define TF_HSM_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
 #endif

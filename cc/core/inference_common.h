@@ -10,15 +10,16 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "cc/core/log_prob.h"
+#include "cc/core/sampling.h"
 #include "cc/core/simd.h"
 #include "cc/core/softmax_util.h"
+#include "cc/core/tree_checks.h"
 #include "cc/core/tree_view.h"
 
 namespace tf_hsm {
@@ -29,20 +30,7 @@ inline namespace TF_HSM_SIMD_ISA {
 constexpr int64 kPackMinRows = 16;  // rows from which the row-panel kernel pays
 constexpr int64 kLogitBudget = int64{1} << 20;  // TopK, Sample: logits kept per expansion batch
 
-template <typename... Args>
-std::string Message(const Args&... args) {
-  std::ostringstream s;
-  (s << ... << args);
-  return s.str();
-}
-
-// The splitmix64 finaliser: a bijection of 64-bit words that mixes every input bit.
-inline std::uint64_t Mix64(std::uint64_t z) {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
+using sampling::Mix64;  // also TopK's hash
 
 // Per-thread scratch, grown on demand and reused across calls (one per element type,
 // shared by the four operations).

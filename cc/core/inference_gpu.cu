@@ -6,13 +6,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "cc/core/gpu_common.cuh"
 #include "cc/core/gpu_compat.cuh"
 #include "cc/core/gpu_tile.cuh"
+#include "cc/core/sampling.h"
+#include "cc/core/tree_checks.h"
 
 namespace tf_hsm {
 namespace gpu {
@@ -41,13 +42,6 @@ constexpr int kSelectPerThread = 8;
 #endif
 constexpr int64 kSelectChunk = int64{kThreads} * kSelectPerThread;
 constexpr int64 kMaxChunkedK = kSelectChunk / 8 < 256 ? kSelectChunk / 8 : 256;
-
-template <typename... Parts>
-std::string Message(const Parts&... parts) {
-  std::ostringstream s;
-  (s << ... << parts);
-  return s.str();
-}
 
 // Everything the kernels read or write, as device pointers.
 template <typename T>
@@ -241,46 +235,13 @@ TF_HSM_GLOBAL void ClassValuesKernel(Args<T> a, int64 nrows, T* out, int64 out_l
   }
 }
 
-// The splitmix64 finaliser and the CPU core's uniform double in [0, 1) for (seed, row, step).
-TF_HSM_HOST_DEVICE std::uint64_t Mix64(std::uint64_t z) {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-TF_HSM_HOST_DEVICE double Uniform(std::uint64_t seed, int64 row, int64 step) {
-  const std::uint64_t x = Mix64(Mix64(Mix64(seed) + static_cast<std::uint64_t>(row)) +
-                                static_cast<std::uint64_t>(step));
-  return static_cast<double>(x >> 11) * 0x1.0p-53;
-}
-
-// The CPU core's PickSlot: j with probability softmax(z / temperature)[j], by the
-// cumulative sum in double at u; -1 for NaN or +inf logits or all -inf. Overwrites z.
-template <typename T>
-TF_HSM_DEVICE int64 PickSlot(T* z, int64 K, T temperature, double u) {
-  T m = NegInf<T>();
-  for (int64 j = 0; j < K; ++j) {
-    if (z[j] != z[j]) return -1;
-    m = z[j] > m ? z[j] : m;
+// sampling::PickSlot (the CPU core's draw) with CUDA's exp.
+struct ExpEach {
+  template <typename T>
+  TF_HSM_HOST_DEVICE void operator()(T* z, int64 K) const {
+    for (int64 j = 0; j < K; ++j) z[j] = Exp(z[j]);
   }
-  if (m == NegInf<T>() || m == -NegInf<T>()) return -1;
-  double total = 0;
-  for (int64 j = 0; j < K; ++j) {
-    z[j] = Exp((z[j] - m) / temperature);
-    total += static_cast<double>(z[j]);
-  }
-  const double target = u * total;
-  double acc = 0;
-  int64 last = -1;
-  for (int64 j = 0; j < K; ++j) {
-    if (!(z[j] > T(0))) continue;
-    acc += static_cast<double>(z[j]);
-    last = j;
-    if (acc > target) return j;
-  }
-  return last;
-}
+};
 
 // A block per row walks from the root to a class.
 template <typename T>
@@ -302,7 +263,8 @@ TF_HSM_GLOBAL void SampleKernel(Args<T> a, std::uint64_t seed, T temperature, in
       }
       SyncThreads();
       if (tid == 0) {
-        const int64 j = PickSlot(z, K, temperature, Uniform(seed, row, depth));
+        const int64 j = sampling::PickSlot(z, K, temperature, sampling::Uniform(seed, row, depth),
+                                            ExpEach());
         picked = j < 0 ? -1 : a.slot_child[first + j];
       }
       SyncThreads();
@@ -477,41 +439,29 @@ TF_HSM_GLOBAL void TopKSelectKernel(const T* all, int64 C, int64 k, int64 num_no
 // and each non-root node the child of exactly one node, child nodes numbered after their
 // parent) and returns each node's parent (-1 for the root) and each class's node.
 std::string CheckTree(const TreeView& t, std::vector<int64>* parent, std::vector<int64>* owner) {
-  const int64 C = t.num_classes, M = t.num_nodes, S = t.num_slots;
-  if (C < 1) return "the tree has no classes (path_begin needs at least 2 entries)";
-  if (M < 1) return "the tree has no nodes (child_begin needs at least 2 entries)";
+  const int64 C = t.num_classes, M = t.num_nodes;
+  std::string err = tree_checks::CheckNotEmpty(t);
+  if (!err.empty()) return err;
   if (t.slot_child == nullptr) return "slot_child is required";
   parent->assign(M, -1);
   owner->assign(C, -1);
   for (int64 n = 0; n < M; ++n) {
     const int64 begin = t.child_begin[n], end = t.child_begin[n + 1];
-    if (begin < 0 || end <= begin || end > S) {
-      return Message("malformed tree: child_begin[", n, ":", n + 2, "] = [", begin, ", ", end,
-                     "] is not a non-empty slot range within the ", S, " weight rows");
-    }
+    if (!tree_checks::ValidSlotRange(t, begin, end)) return tree_checks::BadSlotRange(t, n);
     for (int64 s = begin; s < end; ++s) {
       const int64 code = t.slot_child[s];
-      if (code < 0 || code >= C + M) {
-        return Message("malformed tree: slot_child[", s, "] = ", code,
-                       " is outside [0, num_classes + num_nodes) = [0, ", C + M, ")");
-      }
-      if (code >= C && code - C <= n) {
-        return Message("malformed tree: slot_child[", s, "] = ", code, " makes node ", code - C,
-                       " a child of node ", n, "; a child node must be numbered after its parent");
-      }
+      err = tree_checks::BadChildCode(t, n, s, code);
+      if (!err.empty()) return err;
       int64& slot_of = code < C ? (*owner)[code] : (*parent)[code - C];
-      if (slot_of >= 0) {
-        return Message("malformed tree: ", code < C ? "class " : "node ",
-                       code < C ? code : code - C, " is the child of two slots");
-      }
+      if (slot_of >= 0) return tree_checks::ReachedTwice(t, code);
       slot_of = n;
     }
   }
   for (int64 c = 0; c < C; ++c) {
-    if ((*owner)[c] < 0) return Message("malformed tree: class ", c, " is no node's child");
+    if ((*owner)[c] < 0) return tree_checks::NotReached(t, c);
   }
   for (int64 m = 1; m < M; ++m) {
-    if ((*parent)[m] < 0) return Message("malformed tree: node ", m, " is no node's child");
+    if ((*parent)[m] < 0) return tree_checks::NotReached(t, C + m);
   }
   return "";
 }
@@ -819,7 +769,7 @@ std::string PrepareTopKGpu(const TreeView& tree, int64 num_rows, int64 dim, bool
                                        tree.num_classes, out, &cursor);
   if (!err.empty()) return err;
   if (k < 1 || k > tree.num_classes) {
-    return gpu::Message("k = ", k, " must be in [1, num_classes] = [1, ", tree.num_classes, "]");
+    return Message("k = ", k, " must be in [1, num_classes] = [1, ", tree.num_classes, "]");
   }
   out->k = k;
   const int64 C = out->num_classes;

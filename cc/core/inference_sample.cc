@@ -28,38 +28,10 @@ void SortRequests(std::vector<Request>* req) {
   });
 }
 
-// A uniform double in [0, 1) for (seed, row, step).
-inline double Uniform(std::uint64_t seed, int64 row, int64 step) {
-  const std::uint64_t x = Mix64(Mix64(Mix64(seed) + static_cast<std::uint64_t>(row)) +
-                                static_cast<std::uint64_t>(step));
-  return static_cast<double>(x >> 11) * 0x1.0p-53;
-}
-
-// Draws j with probability softmax(z / temperature)[j] by inverting the cumulative sum
-// (accumulated in double) at u in [0, 1). z is overwritten. -1 when the logits hold NaN
-// or +inf, or are all -inf (a -inf logit alone just masks its child).
+// sampling::PickSlot with the vector exp of the CPU core.
 template <typename T>
 int64 PickSlot(T* z, int64 K, T temperature, double u) {
-  T m = -std::numeric_limits<T>::infinity();
-  for (int64 j = 0; j < K; ++j) {
-    if (std::isnan(z[j])) return -1;
-    m = z[j] > m ? z[j] : m;
-  }
-  if (std::isinf(m)) return -1;  // some logit +inf, or all -inf
-  for (int64 j = 0; j < K; ++j) z[j] = (z[j] - m) / temperature;
-  simd::ExpInPlace(z, K);
-  double total = 0;
-  for (int64 j = 0; j < K; ++j) total += z[j];
-  const double target = u * total;
-  double acc = 0;
-  int64 last = -1;
-  for (int64 j = 0; j < K; ++j) {
-    if (!(z[j] > 0)) continue;
-    acc += z[j];
-    last = j;
-    if (acc > target) return j;
-  }
-  return last;  // u * total rounded up to total
+  return sampling::PickSlot(z, K, temperature, u, [](T* e, int64 n) { simd::ExpInPlace(e, n); });
 }
 
 struct SampleState {
@@ -102,7 +74,7 @@ std::string SampleRows(const TreeView& t, const SoftmaxParams<T>& p, std::uint64
         for (int64 i = 0; i < nb; ++i) {
           const int64 r = req[b0 + i].row;
           SampleState& st = state[r];
-          const int64 j = PickSlot(z + i * K, K, temperature, Uniform(seed, row0 + r, st.depth));
+          const int64 j = PickSlot(z + i * K, K, temperature, sampling::Uniform(seed, row0 + r, st.depth));
           const int64 code = j < 0 ? -1 : t.slot_child[begin + j];
           if (code < C) {
             classes[row0 + r] = code;

@@ -258,16 +258,10 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
   if (!full) {
     for (int64 c = class_begin; c < class_end; ++c) {
       const int64 b = t.path_begin[c], e = t.path_begin[c + 1];
-      if (b < 0 || e <= b || e > t.path_length) {
-        return Message("malformed tree: path_begin[", c, ":", c + 2, "] = [", b, ", ", e,
-                       "] is not a non-empty range within the ", t.path_length, " path steps");
-      }
+      if (!tree_checks::ValidPathRange(t, b, e)) return tree_checks::BadPathRange(t, c);
       for (int64 q = b; q < e; ++q) {
         const int64 n = t.path_nodes[q];
-        if (n < 0 || n >= M) {
-          return Message("malformed tree: path_nodes[", q, "] = ", n, " is not a node in [0, ",
-                         M, ")");
-        }
+        if (!tree_checks::ValidNode(t, n)) return tree_checks::BadPathNode(t, q);
         needed[n] = 1;
       }
     }
@@ -282,11 +276,10 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
   for (int64 n = 0; n < M; ++n) {
     if (!needed[n]) continue;
     if (depth[n] < 0) {
-      return Message("malformed tree: node ", n,
-                     " is not reached from the root through slot_child");
+      return tree_checks::NotReached(t, C + n);
     }
     int64 begin = t.child_begin[n], end = t.child_begin[n + 1];
-    if (begin < 0 || end <= begin || end > t.num_slots) return NodeRange(t, n, &begin, &end);
+    if (!tree_checks::ValidSlotRange(t, begin, end)) return tree_checks::BadSlotRange(t, n);
     count_depth(depth[n]);
     // The common leaf node, a run of consecutive classes of the range none of which was
     // seen before, is checked and marked as a block (branch-free compares, one memchr and
@@ -309,14 +302,14 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
       if (!ValidChild(t, n, code)) return CheckChild(t, n, s, code);
       if (code < C) {
         if (code >= class_begin && code < class_end && seen[code - class_begin]++) {
-          return Message("malformed tree: class ", code, " is the child of more than one slot");
+          return tree_checks::ReachedTwice(t, code);
         }
         continue;
       }
       const int64 m = code - C;
       if (!needed[m]) continue;
       if (depth[m] >= 0) {
-        return Message("malformed tree: node ", m, " is the child of more than one slot");
+        return tree_checks::ReachedTwice(t, code);
       }
       depth[m] = depth[n] + 1;
       parent_node[m] = n;
@@ -325,8 +318,7 @@ std::string BuildSweepPlan(const TreeView& t, int64 class_begin, int64 class_end
   }
   if (const void* gap = std::memchr(seen.data(), 0, width)) {
     const int64 c = static_cast<const unsigned char*>(gap) - seen.data();
-    return Message("malformed tree: class ", class_begin + c,
-                   " is not reached from the root through slot_child");
+    return tree_checks::NotReached(t, class_begin + c);
   }
   OrderSweepPlan(M, full, by_depth, level_size, &depth, &run_in_id_order, &parent_node,
                  needed.data(), plan);

@@ -240,7 +240,7 @@ std::string SearchRows(const TreeView& t, const SoftmaxParams<T>& p, int64 k, in
         std::sort(ss.seen.begin(), ss.seen.end());
         const auto twice = std::adjacent_find(ss.seen.begin(), ss.seen.end());
         if (twice != ss.seen.end()) {
-          return Message("malformed tree: class ", *twice, " is the child of more than one slot");
+          return tree_checks::ReachedTwice(t, *twice);
         }
         continue;
       }

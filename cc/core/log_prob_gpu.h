@@ -23,9 +23,9 @@
 //  - Forward: for each (path position, node) group, logits are tiles of a small GEMM
 //    (64 or 16 tokens x 64 slots, over D in steps of 16) in shared memory with float32
 //    (float) or float64 (double) accumulation; each tile folds into an online logsumexp,
-//    and a node with more than 256 children is split into chunks of 256 slots whose
-//    partial (max, sum) are combined in a fixed order, so no branching factor is too big
-//    for shared memory. Nodes with at most 32 children use a warp per visit instead.
+//    and a node with more than 128 children is split into chunks of 128 slots
+//    (kChunkSlots in log_prob_gpu.cu) whose partial (max, sum) are combined in a fixed
+//    order, so no branching factor is too big for shared memory. Nodes with at most 32 children use a warp per visit instead.
 //  - Backward: logits are recomputed and kept as coefficients upstream * (onehot - p) in
 //    a workspace buffer of at most coef_budget elements (larger batches run in waves of
 //    whole (group, token range) slices; a single slice always fits). Then dh += coef @ W
