@@ -678,6 +678,53 @@ void TestNonFinite() {
   }
 }
 
+// The whole range's plan checks a large tree's nodes in parallel chunks (2^14 nodes each)
+// and names a problem as the serial walk does, the first in id order, for any thread
+// count: a node or class made a child twice from another chunk (leaving another
+// unreached, or not: an extra slot), and two problems in different chunks.
+void TestValidationLargeTree(std::mt19937_64& rng) {
+  auto has = [](const std::string& s, const char* what) { return s.find(what) != std::string::npos; };
+  const Layout big = Balanced(40000, 2);
+  const int64 Cb = big.num_classes;
+  auto errors = [&](const Layout& l, const ParallelFor& pf) {
+    const Problem<float> pl = RandomProblem<float>(rng, l, 2, 3, true, 0.5);
+    std::string e;
+    RunAll(l, pl, 0, Cb, pf, &e);
+    return e;
+  };
+  EXPECT(errors(big, ThreadedFor(3)).empty(), "well-formed large tree");
+  // Node 5's first slot takes over a node (or class) that is a child in the last chunk.
+  auto from_last_chunk = [&](bool node) {
+    for (int64 s = big.num_slots() - 1; s >= 0; --s)
+      if ((big.slot_child[s] >= Cb) == node) return big.slot_child[s];
+    return int64{-1};
+  };
+  Layout twice = big;
+  twice.slot_child[twice.child_begin[5]] = from_last_chunk(true);
+  Layout class_twice = big;
+  class_twice.slot_child[class_twice.child_begin[5]] = from_last_chunk(false);
+  Layout two_problems = class_twice;
+  two_problems.slot_child[two_problems.num_slots() - 1] = -7;
+  // Node 5 with one slot more, repeating such a child: nothing is left unreached.
+  auto extra_slot = [&](int64 code) {
+    Layout l = big;
+    l.slot_child.insert(l.slot_child.begin() + l.child_begin[6], code);
+    for (int64 n = 6; n <= l.num_nodes(); ++n) ++l.child_begin[n];
+    return l;
+  };
+  Layout extra_node = extra_slot(from_last_chunk(true));
+  Layout extra_class = extra_slot(from_last_chunk(false));
+  for (const Layout* l : {&twice, &class_twice, &two_problems, &extra_node, &extra_class}) {
+    const std::string serial = errors(*l, SerialFor);
+    EXPECT(has(serial, "malformed tree"), "large tree: %s", serial.c_str());
+    for (int threads : {2, 3}) {
+      const std::string e = errors(*l, ThreadedFor(threads));
+      EXPECT(e == serial, "large tree, %d threads: '%s' vs serial '%s'", threads, e.c_str(),
+             serial.c_str());
+    }
+  }
+}
+
 void TestValidation() {
   std::mt19937_64 rng(18);
   const Layout t = RandomLayout(rng, 6, 3, 0.5, 40);
@@ -763,51 +810,7 @@ void TestValidation() {
     bad.slot_child[node_slots.back()] = bad.slot_child[node_slots[node_slots.size() - 2]];
     EXPECT(has(all_err(bad, 0, C), "node"), "duplicate node: %s", all_err(bad, 0, C).c_str());
   }
-  // The whole range's plan checks a large tree's nodes in parallel chunks (2^14 nodes each)
-  // and names a problem as the serial walk does, the first in id order, for any thread
-  // count: a node or class made a child twice from another chunk (leaving another
-  // unreached, or not: an extra slot), and two problems in different chunks.
-  {
-    const Layout big = Balanced(40000, 2);
-    const int64 Cb = big.num_classes;
-    auto errors = [&](const Layout& l, const ParallelFor& pf) {
-      const Problem<float> pl = RandomProblem<float>(rng, l, 2, 3, true, 0.5);
-      std::string e;
-      RunAll(l, pl, 0, Cb, pf, &e);
-      return e;
-    };
-    EXPECT(errors(big, ThreadedFor(3)).empty(), "well-formed large tree");
-    // Node 5's first slot takes over a node (or class) that is a child in the last chunk.
-    auto from_last_chunk = [&](bool node) {
-      for (int64 s = big.num_slots() - 1; s >= 0; --s)
-        if ((big.slot_child[s] >= Cb) == node) return big.slot_child[s];
-      return int64{-1};
-    };
-    Layout twice = big;
-    twice.slot_child[twice.child_begin[5]] = from_last_chunk(true);
-    Layout class_twice = big;
-    class_twice.slot_child[class_twice.child_begin[5]] = from_last_chunk(false);
-    Layout two_problems = class_twice;
-    two_problems.slot_child[two_problems.num_slots() - 1] = -7;
-    // Node 5 with one slot more, repeating such a child: nothing is left unreached.
-    auto extra_slot = [&](int64 code) {
-      Layout l = big;
-      l.slot_child.insert(l.slot_child.begin() + l.child_begin[6], code);
-      for (int64 n = 6; n <= l.num_nodes(); ++n) ++l.child_begin[n];
-      return l;
-    };
-    Layout extra_node = extra_slot(from_last_chunk(true));
-    Layout extra_class = extra_slot(from_last_chunk(false));
-    for (const Layout* l : {&twice, &class_twice, &two_problems, &extra_node, &extra_class}) {
-      const std::string serial = errors(*l, SerialFor);
-      EXPECT(has(serial, "malformed tree"), "large tree: %s", serial.c_str());
-      for (int threads : {2, 3}) {
-        const std::string e = errors(*l, ThreadedFor(threads));
-        EXPECT(e == serial, "large tree, %d threads: '%s' vs serial '%s'", threads, e.c_str(),
-               serial.c_str());
-      }
-    }
-  }
+  TestValidationLargeTree(rng);
   // Chunked mode reads the paths: corrupt one.
   bad = t;
   bad.path_nodes[bad.path_begin[1]] = 1 << 30;
