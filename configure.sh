@@ -108,7 +108,7 @@ if ! cmp -s bazel-bin/cc/_hsm_ops.so tf_hsm/_hsm_ops.so; then
   install -m 0755 bazel-bin/cc/_hsm_ops.so tf_hsm/_hsm_ops.so
 fi
 # The CPU features the core was compiled for (-march=$march), named as in /proc/cpuinfo:
-# tf_hsm/_loader.py checks them before loading the library, which on a machine without
+# tf_hsm/ops/loader.py checks them before loading the library, which on a machine without
 # them (one built on an AVX-512 machine, run on an AVX2 one) would stop the process with
 # an illegal instruction.
 features=$("${CC:-gcc}" -march="$march" -dM -E -x c /dev/null 2>/dev/null |
@@ -163,9 +163,9 @@ if [ "$root" != "$(cat "$site/tf_hsm.pth" 2>/dev/null)" ]; then
   printf '%s\n' "$root" > "$site/tf_hsm.pth"
 fi
 
-(cd / && "$python" -c "import tf_hsm, tf_hsm._loader as l; l.ops()") 2>/dev/null \
+(cd / && "$python" -c "import tf_hsm, tf_hsm.ops.loader as l; l.ops()") 2>/dev/null \
   && say "ready: $python -c 'import tf_hsm'" \
-  || { say "the library was built but does not load"; "$python" -c "import tf_hsm._loader as l; l.ops()"; exit 1; }
+  || { say "the library was built but does not load"; "$python" -c "import tf_hsm.ops.loader as l; l.ops()"; exit 1; }
 
 # --- The wheel (--wheel) -----------------------------------------------------------------
 if [ "$wheel" = 1 ]; then

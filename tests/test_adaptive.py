@@ -9,7 +9,7 @@ import keras
 
 import tf_hsm
 from oracle import log_prob_reference
-from tf_hsm.adaptive import AdaptiveSoftmax
+from tf_hsm.keras.adaptive import AdaptiveSoftmax
 
 
 def log_softmax(x):

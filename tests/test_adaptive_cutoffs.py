@@ -11,9 +11,9 @@ import pytest
 
 import tf_hsm
 
-from tf_hsm.adaptive import AdaptiveSoftmax, choose_cutoffs, step_cost
-from tf_hsm._adaptive_cutoffs import candidate_cuts
-from tf_hsm.planner import Machine
+from tf_hsm.keras.adaptive import AdaptiveSoftmax, choose_cutoffs, step_cost
+from tf_hsm.planning.cutoffs import candidate_cuts
+from tf_hsm.planning import Machine
 
 MACHINE = Machine(matmul_flops=1e9, read_bytes=1e8, call_seconds=1e-5)
 FAST = Machine(matmul_flops=3e11, read_bytes=8e9, call_seconds=5e-5)
@@ -67,7 +67,7 @@ def test_two_level_in_closed_form_against_the_built_trees():
   """The planner prices a two-level tail as Tree.two_level's equal-mass groups in closed
   form; the trees built over the clusters of Zipf counts score and touch about as many
   rows."""
-  from tf_hsm import planner  # pylint: disable=import-outside-toplevel
+  from tf_hsm import planning as planner  # pylint: disable=import-outside-toplevel
   counts = zipf(1_000_000)
   probs = counts / counts.sum()
   for lo, hi, tokens in ((2000, 20000, 3200), (20000, 200000, 256),
@@ -270,7 +270,7 @@ def test_chooser_errors(kwargs, message):
 def test_two_level_tails_priced_by_the_fitted_tree_step():
   """With a fitted tf_hsm step, a two-level tail's table is priced by the fit (in the
   additive term), its projection still by the roofline; flat tails are unchanged."""
-  from tf_hsm import planner  # pylint: disable=import-outside-toplevel
+  from tf_hsm import planning as planner  # pylint: disable=import-outside-toplevel
   fitted = Machine(1e10, 1e9, 1e-4, tree_step=(1e-11, 1e-10, 1e-10, 1e-7, 1e-8, 1e-3))
   plain = Machine(1e10, 1e9, 1e-4)
   cost = planner.adaptive_cluster_cost(40_000, 0.2, 256, 1000, 64, "two_level")

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tf_hsm
-from tf_hsm import baselines
+from tf_hsm.bench import baselines
 from tf_hsm.tree import Tree
 from oracle import trees_of_every_kind
 

@@ -135,7 +135,8 @@ def test_keras_step_trains_the_layer_of_the_case(tmp_path, optimizer):
   # the touched rows of the table change and the loss on the batch falls.
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tf_hsm import optimizers, ops  # pylint: disable=import-outside-toplevel
+  from tf_hsm import ops
+  from tf_hsm.keras import optimizers  # pylint: disable=import-outside-toplevel
   from tf_hsm.bench import methods as bench_methods  # pylint: disable=import-outside-toplevel
   tree_path = str(tmp_path / "tree.npz")
   cases.prepare_tree("huffman", 300, tree_path)
@@ -167,7 +168,7 @@ def test_keras_step_trains_the_layer_of_the_case(tmp_path, optimizer):
 
 def test_every_optimizer_choice_is_built_and_the_memory_scenario_takes_one():
   import keras  # pylint: disable=import-outside-toplevel
-  from tf_hsm import optimizers  # pylint: disable=import-outside-toplevel
+  from tf_hsm.keras import optimizers  # pylint: disable=import-outside-toplevel
   from tf_hsm.bench import methods as bench_methods  # pylint: disable=import-outside-toplevel
   for choice in ("sgd", "sgd_momentum", "adagrad", "adam", "sparse_sgd",
                  "sparse_sgd_momentum", "lazy_adam", "sparse_adagrad"):

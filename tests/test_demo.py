@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tf_hsm
-from tf_hsm import demo
+from tf_hsm.demo import run as demo
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -66,7 +66,7 @@ def test_wrong_dtypes():
 
 
 def _ops():
-  from tf_hsm import _loader
+  from tf_hsm.ops import loader as _loader
   return _loader.ops()
 
 

@@ -9,8 +9,8 @@ import tensorflow as tf
 
 import tf_hsm
 from oracle import chain_tree, log_prob_reference, trees_of_every_kind
-from tf_hsm import _loader
-from tf_hsm.inference import log_prob_all, log_prob_candidates, sample, top_k
+from tf_hsm.ops import loader as _loader
+from tf_hsm.ops.inference import log_prob_all, log_prob_candidates, sample, top_k
 
 TOL = {np.float64: 1e-10, np.float32: 2e-4}
 

@@ -13,9 +13,9 @@ import pytest
 import tensorflow as tf
 
 import tf_hsm
-from tf_hsm import losses
-from tf_hsm import optimizers
-from tf_hsm.layers import HierarchicalSoftmax
+from tf_hsm.keras import losses
+from tf_hsm.keras import optimizers
+from tf_hsm.keras.layers import HierarchicalSoftmax
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -259,7 +259,7 @@ _MIRRORED_SCRIPT = textwrap.dedent("""
     tf.config.set_logical_device_configuration(
         cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
-    from tf_hsm import losses, optimizers
+    from tf_hsm.keras import losses, optimizers
     sys.path.insert(0, sys.argv[2])
     from test_layers import _lm, _tree
 
@@ -343,7 +343,7 @@ def test_float64_policy(rng):
 
 
 def test_inference_methods_use_the_layers_weights(rng):
-  inference = pytest.importorskip("tf_hsm.inference")
+  inference = pytest.importorskip("tf_hsm.ops.inference")
   tree = _tree(rng, num_classes=30)
   layer = HierarchicalSoftmax(tree, kernel_initializer="random_normal",
                               bias_initializer="random_normal")

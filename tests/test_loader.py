@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tf_hsm import _loader
+from tf_hsm.ops import loader as _loader
 
 
 def _write(path, text):
@@ -28,7 +28,7 @@ def test_library_built_for_missing_cpu_features_is_an_import_error(tmp_path):
 
 def test_configure_records_the_features_of_this_machine():
   # The library in the package was built here, so this machine has every feature listed.
-  library = os.path.join(os.path.dirname(_loader.__file__), "_hsm_ops.so")
+  library = _loader.PACKAGED_LIBRARY
   fields = _loader.build_record(library)
   assert fields is not None, "run ./configure.sh"
   assert fields["march"]
@@ -50,5 +50,5 @@ def test_library_built_against_another_tensorflow_is_an_import_error(tmp_path):
 
 def test_configure_records_the_tensorflow_it_built_against():
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  library = os.path.join(os.path.dirname(_loader.__file__), "_hsm_ops.so")
+  library = _loader.PACKAGED_LIBRARY
   assert _loader.build_record(library)["tensorflow"] == tf.__version__

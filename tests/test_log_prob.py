@@ -229,8 +229,8 @@ def test_reused_gradient_buffer_never_overwrites_a_held_gradient(rng):
 
 def test_reused_saved_logits_buffer_never_overwrites_held_logits(rng):
   # The logits the forward saves for its gradient reuse a buffer the same way.
-  from tf_hsm import _loader
-  from tf_hsm._inputs import tree_tensors
+  from tf_hsm.ops import loader as _loader
+  from tf_hsm.ops.inputs import tree_tensors
   tree = tf_hsm.Tree.two_level(20_000)
   t = tree_tensors(tree)
   tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
@@ -252,8 +252,8 @@ def test_gradient_from_the_forward_logits_is_the_recomputed_one(rng, dtype):
   computes them again) bit for bit; over the size limit the forward keeps none of them and
   the gradient op recomputes them; wrong-sized inputs are refused. The trees: mixed node
   sizes, grouped nodes only, and walked nodes only (binary Huffman, 4-ary balanced)."""
-  from tf_hsm import _loader
-  from tf_hsm._inputs import tree_tensors
+  from tf_hsm.ops import loader as _loader
+  from tf_hsm.ops.inputs import tree_tensors
   ops = _loader.ops()
   huffman = tf_hsm.Tree.huffman(rng.zipf(1.3, size=2000).astype(np.float64))
   for tree in [random_mixed_tree(rng), tf_hsm.Tree.two_level(3000), tf_hsm.Tree.balanced(500, 30),
@@ -319,7 +319,7 @@ def test_large_tree_arrays_are_shared_with_their_tensors(rng, monkeypatch):
   """The ops' tensors of a large tree's arrays use the tree's own buffers (one copy of
   the values, not two); the arrays keep their values and stay read-only, and the op's
   results are those of copied tensors, bit for bit."""
-  from tf_hsm import _inputs  # pylint: disable=import-outside-toplevel
+  from tf_hsm.ops import inputs as _inputs  # pylint: disable=import-outside-toplevel
   num_classes = 200_000  # path arrays of 400K int64 values: over the sharing threshold
   shared, copied = tf_hsm.Tree.two_level(num_classes), tf_hsm.Tree.two_level(num_classes)
   before = {name: getattr(shared, name).copy() for name in ("slot_child", "path_nodes")}
@@ -356,8 +356,8 @@ def test_saved_logits_are_the_same_bits_on_every_call(rng):
   """Every value of the forward's saved_logits output is written (a walked step through
   a node smaller than the widest walked one used to leave part of its stride as whatever
   the buffer held)."""
-  from tf_hsm import _loader  # pylint: disable=import-outside-toplevel
-  from tf_hsm._inputs import tree_tensors  # pylint: disable=import-outside-toplevel
+  from tf_hsm.ops import loader as _loader  # pylint: disable=import-outside-toplevel
+  from tf_hsm.ops.inputs import tree_tensors  # pylint: disable=import-outside-toplevel
   counts = rng.zipf(1.3, 500).astype(np.float64)
   for tree in (tf_hsm.Tree.huffman(counts, branching=16), tf_hsm.Tree.balanced(300, 12)):
     t = tree_tensors(tree)

@@ -15,14 +15,14 @@ import pytest
 import tensorflow as tf
 
 import tf_hsm
-from tf_hsm import _loader
-from tf_hsm import losses
-from tf_hsm import optimizers
-from tf_hsm.layers import HierarchicalSoftmax
-from tf_hsm.optimizers import LazyAdam
-from tf_hsm.optimizers import _merge_duplicates
-from tf_hsm.optimizers import SparseAdagrad
-from tf_hsm.optimizers import SparseSGD
+from tf_hsm.ops import loader as _loader
+from tf_hsm.keras import losses
+from tf_hsm.keras import optimizers
+from tf_hsm.keras.layers import HierarchicalSoftmax
+from tf_hsm.keras.optimizers import LazyAdam
+from tf_hsm.keras.optimizers import _merge_duplicates
+from tf_hsm.keras.optimizers import SparseAdagrad
+from tf_hsm.keras.optimizers import SparseSGD
 
 _ROWS, _DIM = 30, 4
 _MomentumSGD = functools.partial(SparseSGD, momentum=0.9)
@@ -478,7 +478,7 @@ def test_the_row_updates_request_their_rows_in_the_built_library():
   pass to the core as a lambda, which no result shows; this reads the op library's code:
   every kernel's functions must hold a prefetch for the variables in each of its two
   visiting orders and one for the gradient (3; there was 1)."""
-  library = os.path.join(os.path.dirname(_loader.__file__), "_hsm_ops.so")
+  library = _loader.PACKAGED_LIBRARY
   listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library],
                            capture_output=True, text=True, check=True).stdout
   kernels = [kernel + types for kernel in ("SparseSgdRowsOp", "SparseAdamRowsOp",

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import tf_hsm
-from tf_hsm import distribute, planner, planner_verify
+from tf_hsm import distribute
+from tf_hsm import planning as planner
+from tf_hsm.bench import plan_verify as planner_verify
 
 MACHINE = {"matmul_flops": 200e9, "read_bytes": 20e9, "call_seconds": 100e-6}
 
@@ -87,7 +89,7 @@ def test_human_sizes():
 
 def test_command_line():
   result = subprocess.run(
-      [sys.executable, "-m", "tf_hsm.plan", "--classes", "20K", "--hidden", "64",
+      [sys.executable, "-m", "tf_hsm.planning", "--classes", "20K", "--hidden", "64",
        "--tokens", "500", "--optimizer", "lazy_adam", "--memory", "1GiB", "--zipf", "1.0",
        "--machine", '{"matmul_flops": 2e11, "read_bytes": 2e10, "call_seconds": 1e-4}'],
       capture_output=True, text=True, timeout=300)
@@ -151,7 +153,7 @@ def test_verify_quick_measures_near_the_prediction():
   bounds wide enough for a loaded 2-core machine (step times there move by 2x), narrow
   enough to catch a model that is badly wrong."""
   result = subprocess.run(
-      [sys.executable, "-m", "tf_hsm.plan", "--verify", "--quick", "--json"],
+      [sys.executable, "-m", "tf_hsm.planning", "--verify", "--quick", "--json"],
       capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(result.stdout)
@@ -189,7 +191,7 @@ def test_adaptive_rows_at_the_chosen_cutoffs():
 def test_tree_step_fit_recovers_its_coefficients():
   """The non-negative least squares behind the fitted tree step: exact data gives the
   coefficients back; a term the data make negative is dropped, not kept negative."""
-  from tf_hsm import _tree_step_fit
+  from tf_hsm.planning import step_fit as _tree_step_fit
   truth = (2e-11, 9e-11, 3e-10, 4e-7, 2e-8, 5e-4)
   amounts = [(1e6, 0, 1e5, 1e3, 1e4), (1e9, 0, 1e8, 2e3, 1e6), (0, 5e8, 4e8, 1e4, 3e5),
              (7e7, 1e6, 3e7, 4e4, 5e5), (2e9, 0, 1e7, 5e2, 2e6), (0, 4e6, 3e6, 2e4, 5e4),

@@ -10,11 +10,11 @@ import tensorflow as tf
 
 import tf_hsm
 from oracle import log_prob_reference
-from tf_hsm import losses
-from tf_hsm import optimizers
-from tf_hsm.callbacks import RebuildTree
-from tf_hsm.callbacks import rebuild_tree
-from tf_hsm.layers import HierarchicalSoftmax
+from tf_hsm.keras import losses
+from tf_hsm.keras import optimizers
+from tf_hsm.keras.callbacks import RebuildTree
+from tf_hsm.keras.callbacks import rebuild_tree
+from tf_hsm.keras.layers import HierarchicalSoftmax
 
 _CLASSES = 48
 _SEQ = 5

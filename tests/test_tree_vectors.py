@@ -4,7 +4,7 @@ short as a Huffman tree's, deterministic for a seed, errors named."""
 import numpy as np
 import pytest
 
-from tf_hsm.planner import _tree_costs
+from tf_hsm.planning.tree_work import tree_costs as _tree_costs
 from tf_hsm.tree import Tree
 from test_tree import check_invariants
 

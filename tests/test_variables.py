@@ -13,8 +13,8 @@ import pytest
 import tensorflow as tf
 
 import tf_hsm
-from tf_hsm import layers
-from tf_hsm.layers import HierarchicalSoftmax
+from tf_hsm.keras import layers
+from tf_hsm.keras.layers import HierarchicalSoftmax
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -239,7 +239,7 @@ def test_block_fill_peaks_near_the_table_and_leaves_plain_reads_uncopied():
   # One call of a Keras random initializer holds ~3 table-sized tensors besides the table.
   result = _run_script("""
   import keras
-  from tf_hsm.layers import HierarchicalSoftmax, _INIT_BLOCK_BYTES
+  from tf_hsm.keras.layers import HierarchicalSoftmax, _INIT_BLOCK_BYTES
   tree = tf_hsm.Tree.two_level(300_000)
   layer = HierarchicalSoftmax(tree)
   reset_peak()

@@ -1,29 +1,103 @@
-"""tf_hsm: hierarchical softmax for TensorFlow over class trees of any shape."""
+"""tf_hsm: hierarchical softmax for TensorFlow over class trees of any shape.
 
-from tf_hsm.tree import Tree
-from tf_hsm.ops import log_prob, nll_loss, sgd_step
-from tf_hsm.inference import log_prob_all, log_prob_candidates, sample, top_k
-from tf_hsm.layers import HierarchicalSoftmax
-from tf_hsm.adaptive import AdaptiveSoftmax
-from tf_hsm.planner import plan
-from tf_hsm import baselines, callbacks, distribute, losses, optimizers
+The package by concern (each subpackage's docstring says where to start):
 
-__all__ = [
-    "AdaptiveSoftmax",
-    "HierarchicalSoftmax",
-    "Tree",
-    "baselines",
-    "callbacks",
-    "distribute",
-    "log_prob",
-    "log_prob_all",
-    "log_prob_candidates",
-    "losses",
-    "nll_loss",
-    "optimizers",
-    "plan",
-    "sample",
-    "sgd_step",
-    "top_k",
-]
+- `tf_hsm.tree`: the class tree, NumPy only;
+- `tf_hsm.ops`: the compiled ops and their gradients (TensorFlow);
+- `tf_hsm.distribute`: tables in pieces over `tf.distribute`;
+- `tf_hsm.keras`: the Keras 3 layers, losses, optimizers and callbacks;
+- `tf_hsm.planning`: sizing an output layer before training, NumPy only;
+- the commands: `python -m tf_hsm.bench`, `tf_hsm.demo`, `tf_hsm.cluster`,
+  `tf_hsm.planning`.
+
+The public names below are resolved on first use, so that `import tf_hsm.tree` or
+`import tf_hsm.planning` loads neither TensorFlow nor Keras. Where TensorFlow or Keras is
+already imported, `import tf_hsm` imports the Keras layers at once, which registers them
+for `keras.models.load_model` (`import tf_hsm.keras` does it in any order).
+"""
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
 __version__ = "0.1.0"
+
+# Public name -> (module, attribute; None for the module itself).
+_PUBLIC = {
+    "Tree": ("tf_hsm.tree", "Tree"),
+    "log_prob": ("tf_hsm.ops", "log_prob"),
+    "nll_loss": ("tf_hsm.ops", "nll_loss"),
+    "sgd_step": ("tf_hsm.ops", "sgd_step"),
+    "top_k": ("tf_hsm.ops", "top_k"),
+    "log_prob_all": ("tf_hsm.ops", "log_prob_all"),
+    "sample": ("tf_hsm.ops", "sample"),
+    "log_prob_candidates": ("tf_hsm.ops", "log_prob_candidates"),
+    "HierarchicalSoftmax": ("tf_hsm.keras", "HierarchicalSoftmax"),
+    "AdaptiveSoftmax": ("tf_hsm.keras", "AdaptiveSoftmax"),
+    "plan": ("tf_hsm.planning", "plan"),
+    "losses": ("tf_hsm.keras.losses", None),
+    "optimizers": ("tf_hsm.keras.optimizers", None),
+    "callbacks": ("tf_hsm.keras.callbacks", None),
+    "distribute": ("tf_hsm.distribute", None),
+    "inference": ("tf_hsm.ops.inference", None),
+    "planner": ("tf_hsm.planning", None),
+    "baselines": ("tf_hsm.bench.baselines", None),
+}
+
+# Module paths of the flat package this one grew from, still importable
+# (`from tf_hsm.layers import HierarchicalSoftmax`): each is the module it became.
+_MOVED = {
+    "tf_hsm.layers": "tf_hsm.keras.layers",
+    "tf_hsm.adaptive": "tf_hsm.keras.adaptive",
+    "tf_hsm.losses": "tf_hsm.keras.losses",
+    "tf_hsm.optimizers": "tf_hsm.keras.optimizers",
+    "tf_hsm.callbacks": "tf_hsm.keras.callbacks",
+    "tf_hsm.inference": "tf_hsm.ops.inference",
+    "tf_hsm.planner": "tf_hsm.planning",
+    "tf_hsm.baselines": "tf_hsm.bench.baselines",
+}
+
+__all__ = sorted(name for name in _PUBLIC if name not in ("inference", "planner"))
+
+
+def __getattr__(name):
+  if name not in _PUBLIC:
+    raise AttributeError(f"module 'tf_hsm' has no attribute {name!r}")
+  module_name, attribute = _PUBLIC[name]
+  module = importlib.import_module(module_name)
+  value = module if attribute is None else getattr(module, attribute)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_PUBLIC))
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """Imports an old module path as the module it moved to (the same module object)."""
+
+  def find_spec(self, fullname, path=None, target=None):
+    del path, target
+    if fullname in _MOVED:
+      return importlib.util.spec_from_loader(fullname, self)
+    return None
+
+  def create_module(self, spec):
+    module = importlib.import_module(_MOVED[spec.name])
+    spec.loader_state = module.__spec__
+    return module
+
+  def exec_module(self, module):
+    # Already executed under its own name; the import system has just set its __spec__
+    # to the old path's, so it gets its own back.
+    module.__spec__ = module.__spec__.loader_state
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+  sys.meta_path.append(_MovedModules())
+
+
+if sys.modules.get("keras") is not None or sys.modules.get("tensorflow") is not None:
+  importlib.import_module("tf_hsm.keras")

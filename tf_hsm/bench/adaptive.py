@@ -31,9 +31,9 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tf_hsm.adaptive import AdaptiveSoftmax, choose_cutoffs, step_cost
+from tf_hsm.keras.adaptive import AdaptiveSoftmax, choose_cutoffs, step_cost
 from tf_hsm.bench.methods import force
-from tf_hsm.planner import Machine
+from tf_hsm.planning import Machine
 
 CASES = {
     # name: (classes, hidden, tokens, cutoffs, PyTorch's ms on this machine kind)

@@ -29,7 +29,7 @@ GIB = 2**30
 
 
 def _count(text):
-  from tf_hsm.planner import parse_count  # pylint: disable=import-outside-toplevel
+  from tf_hsm.planning import parse_count  # pylint: disable=import-outside-toplevel
   return parse_count(text)
 
 
@@ -75,7 +75,7 @@ def run(args):
   """{"layout", "weights_bytes", "step_seconds" (median), "steps", "peak_rss", "bound"}."""
   import keras  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tf_hsm import losses, optimizers  # pylint: disable=import-outside-toplevel
+  from tf_hsm.keras import losses, optimizers  # pylint: disable=import-outside-toplevel
   keras.utils.set_random_seed(args.seed)
   tf.constant(0).numpy()  # TensorFlow's runtime up: the baseline RSS
   baseline = _rss()

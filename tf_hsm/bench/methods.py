@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hsm.bench import cases
-from tf_hsm import baselines
+from tf_hsm.bench import baselines
 from tf_hsm.ops import log_prob, nll_loss
 from tf_hsm.tree import Tree
 
@@ -88,7 +88,7 @@ class CaseInputs:
     (its table with the other methods' tables, before the memory probe's baseline) and
     compiled by `Method`."""
     import keras  # pylint: disable=import-outside-toplevel
-    from tf_hsm.layers import HierarchicalSoftmax  # pylint: disable=import-outside-toplevel
+    from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=import-outside-toplevel
     hidden = keras.Input((self.spec["dim"],), dtype=self.dtype.name, name="hidden")
     targets = keras.Input((), dtype="int64", name="targets")
     layer = HierarchicalSoftmax(self.tree, kernel_initializer=keras.initializers.RandomUniform(
@@ -121,7 +121,7 @@ def make_optimizer(name):
   if name in (None, "none"):
     return None
   import keras  # pylint: disable=import-outside-toplevel
-  from tf_hsm import optimizers  # pylint: disable=import-outside-toplevel
+  from tf_hsm.keras import optimizers  # pylint: disable=import-outside-toplevel
   classes = {"sgd": keras.optimizers.SGD, "adagrad": keras.optimizers.Adagrad,
              "adam": keras.optimizers.Adam, "lazy_adam": optimizers.LazyAdam,
              "sparse_adagrad": optimizers.SparseAdagrad, "sparse_sgd": optimizers.SparseSGD}
@@ -133,7 +133,7 @@ def make_optimizer(name):
 def _top_k_op():
   """tf_hsm.inference.top_k, or None while that module does not exist."""
   try:
-    from tf_hsm import inference  # pylint: disable=import-outside-toplevel
+    from tf_hsm.ops import inference  # pylint: disable=import-outside-toplevel
   except ImportError:
     return None
   return getattr(inference, "top_k", None)
@@ -217,7 +217,7 @@ class Method:
 
   def _keras_fns(self, inputs, optimizer):
     """The Keras model's call (fwd) and one `train_on_batch` (step) on the case's batch."""
-    from tf_hsm import losses  # pylint: disable=import-outside-toplevel
+    from tf_hsm.keras import losses  # pylint: disable=import-outside-toplevel
     model, h, y = inputs.keras_model, inputs.hidden, inputs.targets
     model.compile(optimizer=make_optimizer(optimizer), loss=losses.nll)
     self.optimizer = model.optimizer
@@ -236,7 +236,7 @@ class Method:
 
       return tf.function(dense)
     if name == cases.LOG_PROB_ALL:
-      from tf_hsm import inference  # pylint: disable=import-outside-toplevel
+      from tf_hsm.ops import inference  # pylint: disable=import-outside-toplevel
       tree = inputs.tree
       # One column leaves the function: copying [rows, C] to the host would time the copy.
       return tf.function(lambda: inference.log_prob_all(h, w, b, tree)[:, :1])

@@ -1,0 +1,54 @@
+"""Helpers the tests share: where the repository is, gradients as dense arrays, and
+subprocesses bounded in time that are always stopped."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+
+
+def dense(grad, shape=None):
+  """A gradient as a dense NumPy array: a `tf.IndexedSlices` scattered into zeros of
+  `shape` (its dense shape when None) with duplicate rows summed, a tensor as is, None
+  as zeros of `shape`."""
+  if grad is None:
+    return np.zeros(shape)
+  values = getattr(grad, "values", None)
+  if values is None or not hasattr(grad, "indices"):
+    return np.asarray(grad)
+  if shape is None:
+    shape = tuple(int(d) for d in grad.dense_shape)
+  out = np.zeros(shape, values.dtype.as_numpy_dtype)
+  np.add.at(out, np.asarray(grad.indices), np.asarray(values))
+  return out
+
+
+def repo_env(**extra):
+  """The environment with the repository first on PYTHONPATH and TensorFlow quiet."""
+  path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+  return dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3", **extra)
+
+
+def run(command, timeout, cwd=REPO, env=None, check=True):
+  """Runs `command` (a list; a .py file first runs under this Python) and returns the
+  `subprocess.CompletedProcess` with text output; the process is killed if it outlives
+  `timeout` seconds. With `check`, a non-zero exit fails the test with its output."""
+  command = [str(c) for c in command]
+  if command[0].endswith(".py"):
+    command = [sys.executable] + command
+  process = subprocess.Popen(command, cwd=cwd, env=env or repo_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  try:
+    out, err = process.communicate(timeout=timeout)
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.communicate()
+  result = subprocess.CompletedProcess(command, process.returncode, out, err)
+  if check:
+    assert result.returncode == 0, (command, out[-2000:], err[-4000:])
+  return result

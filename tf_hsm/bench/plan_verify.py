@@ -1,0 +1,393 @@
+"""`python -m tf_hsm.planning --verify`: the planner's predictions beside the bench's
+measurements of the same cases.
+
+    python -m tf_hsm.planning --verify                      # B, D, E, mem, 10M
+    python -m tf_hsm.planning --verify --cases B E --repeats 5
+    python -m tf_hsm.planning --verify --quick              # one small case, about a minute
+
+Each case runs through the bench's own machinery (`tf_hsm.bench.runner`: a memory probe
+per method in a fresh worker process under the RSS watchdog, then the methods timed
+interleaved in one process), with the planner's optimizer `sgd` as the bench's
+`sparse_sgd` (tf_hsm.optimizers.SparseSGD: touched rows only for a sparse gradient, a
+dense update for a dense one). The planner prices the bench's tree (the same builder,
+Zipf(1) class probabilities) at the machine's rates measured just before and just after
+the case (the faster of the two): on a shared machine the cached rates may be from
+another load.
+
+Compared:
+* peak: the planner's peak (tables, gradient, slots, activations) against what the
+  case adds to its worker process: peak RSS minus the RSS before the tree, inputs and
+  tables were made (TensorFlow already imported). Within 15% passes.
+* step: the planner's step time against the median of the bench's steps run back to
+  back (a training loop). Within a factor of 1.5 passes.
+A method the bench does not run because it cannot fit the memory limit agrees with the
+planner when the planner says it does not fit either.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import types
+
+from tf_hsm import planning as planner
+from tf_hsm.bench import cli
+from tf_hsm.bench.watchdog import GB, mem_available_bytes
+
+PEAK_TOLERANCE = 0.15
+TIME_FACTOR = 1.5
+BENCH_OPTIMIZER = "sparse_sgd"  # the bench's name for the planner's "sgd"
+PLANNER_OPTIMIZER = "sgd"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One verified case: the bench's V, D, T and tree kind, and its methods."""
+  name: str
+  vocab: int
+  dim: int
+  tokens: int
+  tree: str
+  methods: tuple = ("tf_hsm", "full_softmax")
+  note: str = ""
+
+
+CASES = {
+    "B": Case("B", 100_000, 512, 640, "two_level", note="the bench's B"),
+    "D": Case("D", 1_000_000, 300, 256, "two_level", note="the bench's D"),
+    "E": Case("E", 312_000, 100, 1_024, "huffman", note="fastText-like, binary Huffman"),
+    "mem": Case("mem", 2_000_000, 300, 3_200, "two_level", note="the bench's mem"),
+    "10M": Case("10M", 10_000_000, 300, 3_200, "two_level", note="the bench's D at 10M"),
+}
+# Small enough for a test, large enough that full softmax's FLOPs and logits, not the
+# per-call overhead and TensorFlow's own memory, are most of its figures.
+QUICK_CASES = {"quick": Case("quick", 50_000, 128, 512, "two_level")}
+PREDICTED_NAMES = {"tf_hsm": "HierarchicalSoftmax", "full_softmax": "full softmax"}
+
+
+def predict(case, machine, memory_budget=None):
+  """{bench method: planner row} for `case`, over the tree the bench builds."""
+  from tf_hsm.bench import cases as bench_cases  # pylint: disable=import-outside-toplevel
+  probs = bench_cases.zipf_weights(case.vocab)
+  probs /= probs.sum()
+  rows = {}
+  for method in case.methods:
+    if method == "full_softmax":
+      cost = planner.full_softmax_cost(case.vocab, case.dim, case.tokens)
+    elif method == "tf_hsm":
+      tree = bench_cases.build_tree(case.tree, case.vocab)
+      cost = planner.tree_cost(tree, case.dim, case.tokens, probs)
+      del tree
+    else:
+      raise ValueError(f"no planner row for the bench's method {method!r}")
+    rows[method] = planner.price(
+        f"{PREDICTED_NAMES[method]}" + (f" {case.tree}" if method == "tf_hsm" else ""),
+        cost, case.dim, case.tokens, PLANNER_OPTIMIZER, "float32", machine, memory_budget)
+  return rows
+
+
+def _limit_bytes(limit_gb):
+  """The bench's default memory limit (18 GB, less when less is available now)."""
+  if limit_gb is None:
+    limit_gb = 18.0
+    available = mem_available_bytes()
+    if available:
+      limit_gb = max(1.0, min(limit_gb, available / GB - 1.0))
+  return limit_gb * GB
+
+
+def measure(case, repeats, quick, limit_bytes, workdir, progress):
+  """Runs `case` through the bench; returns the bench's case dict."""
+  from tf_hsm.bench import cases as bench_cases  # pylint: disable=import-outside-toplevel
+  from tf_hsm.bench import runner  # pylint: disable=import-outside-toplevel
+  opts = runner.Options(
+      quick=quick, repeats=repeats, optimizer=BENCH_OPTIMIZER, num_sampled=1024, seed=1234,
+      limit_bytes=limit_bytes, timeout_s=600 if quick else 1800,
+      # A full softmax step at D takes 10-30 s on a loaded 2-core machine: room for its
+      # repeats.
+      time_budget_s=30 if quick else 900, jobs=1, memory=True,
+      # A fresh interpreter per worker: the driver may have run TensorFlow (measuring the
+      # machine), and a fork would also carry the driver's memory into the child's RSS.
+      spawn="exec")
+  scenario = bench_cases.Scenario(case.name, "train", (case.vocab,), case.dim,
+                                  (case.tokens,), (case.tree,), methods=case.methods)
+  args = types.SimpleNamespace(methods=list(case.methods))
+  (bench_case,) = runner.expand_cases([scenario], args, workdir, opts)
+  runner.prepare_trees([bench_case], workdir, opts, progress)
+  runner.run_case(bench_case, workdir, opts, progress, {"top_k": False, "sgd_step": False})
+  bench_case.pop("tree_path", None)
+  return bench_case
+
+
+def _gb(value):
+  return "–" if value is None else f"{value / 1e9:.2f} GB"
+
+
+def _time(seconds):
+  if seconds is None:
+    return "–"
+  return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
+
+
+def compare(case, bench_case, predicted, machine):
+  """One result per method: predicted and measured peak and step, verdicts, and why a
+  miss missed."""
+  out = []
+  ceilings = bench_case.get("ceilings") or {}
+  for method, row in bench_case["methods"].items():
+    pred = predicted[method]
+    mem = row.get("memory") or {}
+    loop = row.get("step_loop") or row.get("step") or {}
+    result = {"case": case.name, "vocab": case.vocab, "dim": case.dim,
+              "tokens": case.tokens, "tree": case.tree, "method": method,
+              "status": row.get("status"), "message": row.get("message", ""),
+              "predicted_peak": pred["peak_bytes"], "predicted_step": pred["step_seconds"],
+              "predicted_fits": pred["fits"], "peak_rss": mem.get("peak_rss"),
+              "measured_peak": None, "measured_step": loop.get("median"),
+              "ceilings": ceilings, "why": []}
+    warm = (row.get("warm_call_s") or {}).get("step")
+    if result["measured_step"] is None and warm:
+      # The bench's time budget stopped the repeats: its one warm-up call is the figure.
+      result["measured_step"] = warm
+      result["why"].append(f"step: one call, not a median (the bench: {row['message']})")
+    if mem.get("status") == "ok" and mem.get("start_rss") is not None:
+      result["measured_peak"] = mem["peak_rss"] - mem["start_rss"]
+      result["setup"] = mem["baseline_rss"] - mem["start_rss"]
+      result["growth"] = mem["peak_rss"] - mem["baseline_rss"]
+    if row.get("status") != "ok" and result["measured_peak"] is None:
+      # Not run (or killed) for memory: the planner agrees when it says it cannot fit.
+      oom = row.get("status") == "OOM"
+      result["peak_ok"] = oom and not pred["fits"]
+      result["time_ok"] = None
+      result["why"].append(
+          f"the bench: {row.get('status')} ({row.get('message', '')}); the planner: "
+          f"peak {_gb(pred['peak_bytes'])}, " + ("fits" if pred["fits"] else
+                                                  "does not fit") + " the limit")
+      out.append(result)
+      continue
+    peak_ratio = (None if result["measured_peak"] is None
+                  else result["measured_peak"] / pred["peak_bytes"])
+    time_ratio = (None if result["measured_step"] is None
+                  else result["measured_step"] / pred["step_seconds"])
+    result["peak_ratio"], result["time_ratio"] = peak_ratio, time_ratio
+    result["peak_ok"] = peak_ratio is not None and abs(peak_ratio - 1) <= PEAK_TOLERANCE
+    result["time_ok"] = time_ratio is not None and (
+        1 / TIME_FACTOR <= time_ratio <= TIME_FACTOR)
+    if peak_ratio is not None and not result["peak_ok"]:
+      result["why"].append(
+          f"peak: set-up (tree, inputs, tables) {_gb(result['setup'])} against "
+          f"{_gb(pred['param_bytes'] + pred.get('tree_bytes', 0.0))} of tables and tree "
+          f"arrays predicted; the step added "
+          f"{_gb(result['growth'])} against {_gb(pred['grad_bytes'] + pred['activation_bytes'])}"
+          f" predicted (gradient {_gb(pred['grad_bytes'])}, activations "
+          f"{_gb(pred['activation_bytes'])})")
+    if time_ratio is not None and not result["time_ok"]:
+      compute = pred["flops"] / machine.matmul_flops
+      traffic = pred["bytes_moved"] / machine.read_bytes
+      seconds = result["measured_step"]
+      if pred.get("node_visits") and machine.tree_step is not None:
+        terms = zip(planner.TREE_STEP_TERMS, machine.tree_step,
+                    planner.tree_step_terms(pred["flops"], pred["small_node_flops"],
+                                            pred["bytes_moved"], pred["node_visits"],
+                                            pred["children_scored"]))
+        result["why"].append("step: the fitted model's terms: " + "; ".join(
+            f"{name} {_time(coefficient * amount)}" for name, coefficient, amount in terms))
+        out.append(result)
+        continue
+      why = (f"step: the model is {'compute' if compute >= traffic else 'traffic'}-bound "
+             f"({pred['flops'] / 1e9:,.2f} GFLOP at {machine.matmul_flops / 1e9:.0f} GFLOP/s"
+             f" = {_time(compute)}; {pred['bytes_moved'] / 1e6:,.0f} MB at "
+             f"{machine.read_bytes / 1e9:.1f} GB/s = {_time(traffic)}; softmax "
+             f"cross-entropy {pred['softmax_logits'] / 1e6:,.1f}M logits = "
+             f"{_time(pred['softmax_logits'] * machine.softmax_seconds)}; calls "
+             f"{_time(planner.CALLS_PER_STEP * machine.call_seconds)}); measured "
+             f"{pred['flops'] / seconds / 1e9:,.1f} GFLOP/s and "
+             f"{pred['bytes_moved'] / seconds / 1e9:.1f} GB/s of that work")
+      if ceilings.get("matmul_gflops"):
+        rates = planner.Machine(ceilings["matmul_gflops"] * 1e9,
+                                ceilings["read_gbps"] * 1e9, machine.call_seconds,
+                                "the bench's", machine.softmax_seconds)
+        again = planner.price("", _cost_of(case, method), case.dim, case.tokens,
+                              PLANNER_OPTIMIZER, "float32", rates)["step_seconds"]
+        why += (f"; at the rates the bench measured in the run ({ceilings['matmul_gflops']:.0f}"
+                f" GFLOP/s, {ceilings['read_gbps']:.1f} GB/s) the model gives {_time(again)}")
+      result["why"].append(why)
+    out.append(result)
+  return out
+
+
+def _best(first, second):
+  """The faster rates of two measurements of the machine: other jobs only slow it."""
+  return planner.Machine(max(first.matmul_flops, second.matmul_flops),
+                         max(first.read_bytes, second.read_bytes),
+                         min(first.call_seconds, second.call_seconds), "measured",
+                         min(first.softmax_seconds, second.softmax_seconds),
+                         _faster_fit(first.tree_step, second.tree_step))
+
+
+def _faster_fit(first, second):
+  """Of two fitted tree steps, the one with the smaller total over its own terms at a
+  mid-sized step (1 GFLOP in large nodes, 0.1 in small ones, 100 MB, 10K visits, 1M
+  children): its coefficients stay one fit's."""
+  if first is None or second is None:
+    return first or second
+  probe = planner.tree_step_terms(1.1e9, 1e8, 1e8, 1e4, 1e6)
+  return min(first, second, key=lambda c: sum(a * b for a, b in zip(c, probe)))
+
+
+def _cost_of(case, method):
+  from tf_hsm.bench import cases as bench_cases  # pylint: disable=import-outside-toplevel
+  if method == "full_softmax":
+    return planner.full_softmax_cost(case.vocab, case.dim, case.tokens)
+  probs = bench_cases.zipf_weights(case.vocab)
+  return planner.tree_cost(bench_cases.build_tree(case.tree, case.vocab), case.dim,
+                           case.tokens, probs / probs.sum())
+
+
+def run(names=None, quick=False, repeats=None, memory_limit_gb=None, machine=None,
+        progress=None):
+  """Measures and predicts the named cases (default: all of CASES, or QUICK_CASES).
+
+  Returns:
+    dict(machine=..., results=[one dict per case and method]).
+  """
+  table = QUICK_CASES if quick else CASES
+  names = list(names or table)
+  for name in names:
+    if name not in table:
+      raise ValueError(f"unknown case {name!r}; known: {', '.join(table)}")
+  if repeats is None:
+    repeats = 5 if quick else 7
+  if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+  if memory_limit_gb is not None and (
+      isinstance(memory_limit_gb, bool) or not isinstance(memory_limit_gb, (int, float))
+      or not memory_limit_gb > 0):
+    raise ValueError(f"memory_limit_gb must be a positive number, got {memory_limit_gb!r}")
+  if isinstance(machine, dict):
+    machine = planner.Machine(**machine)
+  progress = progress or (lambda message: print(message, file=sys.stderr, flush=True))
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  machine_line = cli._machine()  # pylint: disable=protected-access
+  report = {"machine": machine_line, "tf_version": tf.__version__,
+            "rates": None if machine is None else dataclasses.asdict(machine),
+            "repeats": repeats, "quick": quick, "results": []}
+  workdir = tempfile.mkdtemp(prefix="tf_hsm_plan_verify_")
+  try:
+    for name in names:
+      case = table[name]
+      limit = _limit_bytes(memory_limit_gb)
+      progress(f"{name}: V={case.vocab:,} D={case.dim} T={case.tokens:,} {case.tree}, "
+               f"memory limit {limit / 1e9:.1f} GB")
+      before = machine or planner.Machine.measure()
+      bench_case = measure(case, repeats, quick, limit, workdir, progress)
+      rates = machine or _best(before, planner.Machine.measure())
+      predicted = predict(case, rates, limit)
+      for result in compare(case, bench_case, predicted, rates):
+        result.update(limit_bytes=limit, rates=dataclasses.asdict(rates))
+        report["results"].append(result)
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  return report
+
+
+def _ratio(value):
+  return "–" if value is None else f"{value:.2f}"
+
+
+def _verdict(result):
+  if result["time_ok"] is None:
+    return "agrees (not run, does not fit)" if result["peak_ok"] else "**disagrees**"
+  parts = [("peak ok" if result["peak_ok"] else "**peak misses**"),
+           ("step ok" if result["time_ok"] else "**step misses**")]
+  return ", ".join(parts)
+
+
+def markdown(report):
+  rates = report["rates"]
+  lines = [
+      f"{report['machine']}; TensorFlow {report['tf_version']}; planner rates: " + (
+          "measured before and after each case, the faster of the two (below)"
+          if rates is None else _rates(rates)) + "; "
+      f"optimizer sgd (the bench's {BENCH_OPTIMIZER}); measured step: median of "
+      f"{report['repeats']} steps back to back; peak: the worker's peak RSS less its RSS "
+      "before the case's tree, inputs and tables (the whole process's in brackets).",
+      "",
+      "| case | method | peak predicted | peak measured (process) | ratio | step predicted "
+      "| step measured | ratio | verdict |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for r in report["results"]:
+    title = f"{r['case']}: V={r['vocab']:,} D={r['dim']} T={r['tokens']:,} {r['tree']}"
+    measured_peak = ("–" if r["measured_peak"] is None else
+                     f"{_gb(r['measured_peak'])} ({_gb(r['peak_rss'])})")
+    if r["time_ok"] is None:
+      measured_peak = f"not run: {r['status']}"
+    lines.append(
+        f"| {title} | {r['method']} | {_gb(r['predicted_peak'])} | {measured_peak} | "
+        f"{_ratio(r.get('peak_ratio'))} | {_time(r['predicted_step'])} | "
+        f"{_time(r['measured_step'])} | {_ratio(r.get('time_ratio'))} | {_verdict(r)} |")
+  notes = [r for r in report["results"] if r["why"]]
+  if notes:
+    lines += ["", "Why:"]
+    for r in notes:
+      for why in r["why"]:
+        lines.append(f"- {r['case']} {r['method']}: {why}")
+  by_case = {}
+  for r in report["results"]:
+    by_case[r["case"]] = r
+  lines += ["", "Rates:"]
+  for name, r in by_case.items():
+    c = r["ceilings"]
+    lines.append(f"- {name}: planner {_rates(r['rates'])}" + (
+        f"; the bench's timing process {c['matmul_gflops']:.0f} GFLOP/s, "
+        f"{c['read_gbps']:.1f} GB/s" if c else ""))
+  return "\n".join(lines)
+
+
+def _rates(rates):
+  return (f"matmul {rates['matmul_flops'] / 1e9:.0f} GFLOP/s, read "
+          f"{rates['read_bytes'] / 1e9:.1f} GB/s, {rates['call_seconds'] * 1e6:.0f} µs a "
+          f"call, softmax {rates['softmax_seconds'] * 1e9:.1f} ns a logit")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m tf_hsm.planning --verify",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--cases", nargs="+", metavar="CASE",
+                      help=f"cases to run, of {', '.join(CASES)} (default: all; with "
+                           f"--quick: {', '.join(QUICK_CASES)})")
+  parser.add_argument("--quick", action="store_true",
+                      help="one small case (V=50K, D=128, T=512), about a minute")
+  parser.add_argument("--repeats", type=int, help="timed steps per method (default 7; "
+                                                  "quick 5)")
+  parser.add_argument("--memory-limit-gb", type=float,
+                      help="RSS limit per worker (default 18 GB, less when less is free)")
+  parser.add_argument("--machine", help="JSON with matmul_flops, read_bytes, call_seconds"
+                      " (and softmax_seconds): predict with these rates instead of the "
+                      "rates measured around each case")
+  parser.add_argument("--json", action="store_true", help="print the results as JSON")
+  parser.add_argument("--save", metavar="FILE", help="also write the results as JSON")
+  args = parser.parse_args(argv)
+  names = [n for value in args.cases or [] for n in value.replace(",", " ").split()]
+  table = QUICK_CASES if args.quick else CASES
+  for name in names:
+    if name not in table:
+      parser.error(f"unknown case {name!r}; known: {', '.join(table)}")
+  machine = json.loads(args.machine) if args.machine else None
+  try:
+    report = run(names, args.quick, args.repeats, args.memory_limit_gb, machine)
+  except ValueError as e:
+    parser.error(str(e))
+  if args.save:
+    with open(args.save, "w") as f:
+      json.dump(report, f, indent=1, default=float)
+  print(json.dumps(report, indent=1, default=float) if args.json else markdown(report))
+  return 0
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  sys.exit(main())

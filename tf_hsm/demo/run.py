@@ -1,0 +1,739 @@
+"""Output layers compared on a word-level language model: `python -m tf_hsm.demo`.
+
+Trains the same Keras model (Embedding -> LSTM -> output layer) on the same data once
+per output layer (--models): `tf_hsm.HierarchicalSoftmax` (`hsm-<tree>`; by default
+over a two-level tree of the training word counts, rebuilt after epoch 1 into a tree
+with the 128 most frequent words at the root and the rest grouped by the similarity of
+their trained input embeddings, `--tree learned`), a full softmax (`Dense(vocab)` +
+sparse categorical cross-entropy, `full`), TensorFlow's own `tf.nn.sampled_softmax_loss` with 1,024
+log-uniform candidates (`sampled-1024`; the question every HSM user meets: why not that?)
+and, on request, `tf_hsm.AdaptiveSoftmax` (`adaptive`). All use
+`tf_hsm.optimizers.LazyAdam` (plain Adam on dense gradients), the same seed and the same
+number of epochs, and all start from the unigram distribution of the training words
+(biases only; see `tree_unigram_biases`; the adaptive softmax's tails have no biases, so
+it starts uniform within each cluster). Held-out perplexity is exact for every model (the
+sampled softmax is evaluated on its full logits). For each epoch it reports the held-out
+perplexity and the training wall and CPU time, then a final table with each model's best
+epoch. Results go to --out: `results.json`, `results.md` (the table) and `perplexity.png`
+(held-out perplexity against training wall-clock time).
+
+The default corpus needs no download: the docstrings and comments of the Python standard
+library installed with the running interpreter (tests left out), plus the language
+reference topics that `pydoc` ships (`pydoc_data.topics`), read in a fixed order. It is
+real technical English, about 0.75M tokens and 19K distinct words with Python 3.11 (the
+exact text depends on the Python version). `--corpus FILE` trains on a UTF-8 text file
+instead (blank lines separate documents).
+
+Text is lower-cased and split into words (letters, digits and underscores, so that
+identifiers like `max_depth` stay whole) and single punctuation marks; `<eos>` ends each
+document. Documents are shuffled with a fixed seed, cut to --max-tokens, and split into
+blocks of 1,000 tokens (fewer in corpora under 50,000 tokens), every 10th of which is
+held out. The vocabulary is `<unk>` plus the (at most --vocab - 1) most frequent training
+words seen at least --min-count times, so `<unk>` occurs in training too. Perplexity is
+exp(mean negative log-likelihood per held-out token), exact for every model (the HSM's and
+the adaptive softmax's probabilities are normalised), with `<unk>` scored like any other
+word.
+
+Defaults and what they give: the vocabulary comes out at about 6,200 words (every word
+seen twice in 270K training tokens; --vocab 10000 is a cap), the largest this corpus
+supports honestly within a run of a few minutes on 2 CPU cores. `--max-tokens 0` (the
+whole corpus, ~670K training tokens) fills the 10,000-word cap and widens the speed gap
+between the models, at about six times the run time.
+"""
+
+import argparse
+import ast
+import collections
+import json
+import math
+import os
+import random
+import re
+import sys
+import sysconfig
+import time
+
+import numpy as np
+
+DEFAULTS = {
+    "tree": "learned",
+    "vocab": 10000,
+    "min_count": 2,
+    "epochs": 3,
+    "hidden": 128,
+    "seq_len": 32,
+    "batch": 64,
+    "max_tokens": 300_000,
+    "learning_rate": 6e-3,
+    "seed": 0,
+    "out": "demo_results",
+    "models": ("hsm", "full", "sampled"),
+    "num_sampled": 1024,
+    "rebuild_from": "embedding",
+}
+# The learned tree's default head (docs/demo.md: heads of 128-1,024 words measured).
+LEARNED_HEAD = 128
+MODELS = ("hsm", "full", "sampled", "adaptive")
+UNK, EOS = "<unk>", "<eos>"
+_HELD_OUT_BLOCK, _HELD_OUT_EVERY = 1000, 10
+_WORD = re.compile(r"[a-z0-9_]+(?:'[a-z]+)?|[^\sa-z0-9_]")
+_COMMENT = re.compile(r"[ \t]*#+[ \t]?(.*)")
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+
+
+# ---------------------------------------------------------------------------------------
+# Corpus
+# ---------------------------------------------------------------------------------------
+
+def _file_text(source):
+  """The docstrings and comment blocks of one Python source, in source order."""
+  try:
+    module = ast.parse(source)
+  except (SyntaxError, ValueError):
+    return ""
+  pieces = []
+  for node in ast.walk(module):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      doc = ast.get_docstring(node)
+      if doc:
+        pieces.append((node.body[0].lineno, doc))
+  block, start = [], 0
+  for number, line in enumerate(source.split("\n") + [""], start=1):
+    match = _COMMENT.fullmatch(line)
+    if match and not line.lstrip().startswith("#!"):
+      if not block:
+        start = number
+      block.append(match.group(1))
+    elif block:
+      pieces.append((start, "\n".join(block)))
+      block = []
+  pieces.sort(key=lambda piece: piece[0])
+  return "\n\n".join(text for _, text in pieces)
+
+
+def stdlib_documents():
+  """The default corpus: one document per standard-library module, then pydoc's topics.
+
+  Reads every .py file under the interpreter's stdlib directory (sorted paths; tests
+  and site-packages left out) and keeps its docstrings and comments.
+
+  Returns:
+    A list of non-empty strings, the same list every time on a given installation.
+  """
+  root = sysconfig.get_paths()["stdlib"]
+  paths = []
+  for directory, subdirs, files in os.walk(root):
+    subdirs[:] = sorted(d for d in subdirs if d not in _SKIP_DIRS)
+    paths += [os.path.join(directory, f) for f in sorted(files) if f.endswith(".py")]
+  documents = []
+  for path in paths:
+    try:
+      with open(path, encoding="utf-8") as f:
+        text = _file_text(f.read())
+    except (OSError, UnicodeDecodeError):
+      continue
+    if text.strip():
+      documents.append(text)
+  try:
+    from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+    documents += [topics.topics[key] for key in sorted(topics.topics)]
+  except ImportError:
+    pass
+  return documents
+
+
+def file_documents(path):
+  """A text file as documents: the pieces between blank lines (runs of them)."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  return [d for d in re.split(r"\n\s*\n", text) if d.strip()]
+
+
+def tokenize(text):
+  """Lower-cased words (identifiers kept whole) and single punctuation marks."""
+  return _WORD.findall(text.lower())
+
+
+def split_corpus(documents, max_tokens, seed=0):
+  """Shuffles documents, tokenises up to max_tokens, and holds out every 10th block.
+
+  Returns:
+    (train, held_out): lists of tokens.
+  """
+  order = list(range(len(documents)))
+  random.Random(seed).shuffle(order)
+  tokens = []
+  for i in order:
+    tokens += tokenize(documents[i])
+    tokens.append(EOS)
+    if max_tokens and len(tokens) >= max_tokens:
+      break
+  if max_tokens:
+    tokens = tokens[:max_tokens]
+  # Blocks of 1,000 tokens, smaller for small corpora so that there are at least 50.
+  size = max(1, min(_HELD_OUT_BLOCK, len(tokens) // 50))
+  train, held_out = [], []
+  for b, start in enumerate(range(0, len(tokens), size)):
+    block = tokens[start:start + size]
+    (held_out if b % _HELD_OUT_EVERY == _HELD_OUT_EVERY - 1 else train).extend(block)
+  return train, held_out
+
+
+def build_vocab(train_tokens, size, min_count=1):
+  """`<unk>` (id 0) and the size - 1 most frequent training words (ties: alphabetical).
+
+  Words seen fewer than `min_count` times are left to `<unk>`, so that `<unk>` occurs in
+  training (a model cannot learn the probability of a word it never sees).
+
+  Returns:
+    (words, counts): the id -> word list and the training count of each id.
+  """
+  counts = collections.Counter(train_tokens)
+  ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+  ranked = [item for item in ranked if item[0] != UNK and item[1] >= min_count]
+  ranked = ranked[:max(size - 1, 1)]
+  words = [UNK] + [w for w, _ in ranked]
+  kept = sum(c for _, c in ranked)
+  return words, np.array([len(train_tokens) - kept] + [c for _, c in ranked], np.float64)
+
+
+def encode(tokens, words):
+  index = {w: i for i, w in enumerate(words)}
+  return np.array([index.get(t, 0) for t in tokens], np.int32)
+
+
+def sequences(ids, seq_len):
+  """Non-overlapping (input, next-word target) pairs, each [N, seq_len]."""
+  n = (len(ids) - 1) // seq_len
+  if n < 1:
+    raise ValueError(f"{len(ids)} tokens are too few for sequences of length {seq_len}")
+  x = ids[:n * seq_len].reshape(n, seq_len)
+  y = ids[1:n * seq_len + 1].reshape(n, seq_len)
+  return x, y
+
+
+# ---------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------
+
+def make_tree(kind, counts, head=0):
+  """The HSM's tree. "learned" starts from the two-level tree (without a head: it has
+  one after the rebuild, see `learned_tree_callback`). With `head`, the two-level tree's
+  root also holds the `head` most frequent words as leaves (the clusters then split the
+  other words)."""
+  from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
+  if kind == "learned":
+    kind, head = "two_level", 0
+  if head and kind == "two_level":
+    return head_two_level_tree(counts, head)
+  if kind == "huffman":
+    return Tree.huffman(counts)
+  if kind == "two_level":
+    return Tree.two_level(len(counts), counts)
+  if kind == "balanced":
+    return Tree.balanced(len(counts), max(2, math.ceil(math.sqrt(len(counts)))))
+  raise ValueError(f"unknown tree kind {kind!r}")
+
+
+def planned_tree(counts, hidden, tokens_per_step, machine=None):
+  """The tree `tf_hsm.plan` prices fastest for this model's output layer (the
+  vocabulary's training counts, the LSTM's width, a batch's tokens, LazyAdam); prints
+  the planner's table of every candidate first."""
+  import tf_hsm  # pylint: disable=g-import-not-at-top
+  from tf_hsm import planning as planner  # pylint: disable=g-import-not-at-top
+  counts = np.asarray(counts, np.float64)
+  report = tf_hsm.plan(len(counts), hidden, tokens_per_step, counts=counts,
+                       optimizer="lazy_adam", machine=machine)
+  print("the planner, for this output layer:\n" + report.to_markdown(), flush=True)
+  tree, row = planner.recommend_tree(len(counts), hidden, tokens_per_step, counts=counts,
+                                     optimizer="lazy_adam", machine=machine)
+  print(f"  --tree planned: {row['method']}, {1e3 * row['step_seconds']:.1f} ms a step "
+        "predicted", flush=True)
+  return tree
+
+
+def learned_head(vocab_size):
+  """The default head of a learned tree: LEARNED_HEAD words, at most 1/8 of the
+  vocabulary (the adaptive softmax's head here), so that a small vocabulary keeps most
+  of its words in the similarity tree below."""
+  return min(LEARNED_HEAD, vocab_size // 8)
+
+
+def head_two_level_tree(counts, head):
+  """A root with the `head` most frequent classes as leaves and, as its other children,
+  the clusters of `Tree.two_level` over the rest: the layout of an adaptive softmax,
+  with frequency clusters; against the learned tree it shows what grouping the rest by
+  similarity adds to the head."""
+  from tf_hsm.tree import vectors as _tree_vectors  # pylint: disable=g-import-not-at-top
+  from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
+  counts = np.asarray(counts, np.float64)
+  c = len(counts)
+  top = _tree_vectors.head_classes(counts, head)
+  rest = np.setdiff1d(np.arange(c), top)
+  sub = Tree.two_level(len(rest), counts[rest])
+  # The sub-tree's parents (entries: its classes, then C_sub + node), renumbered into
+  # the whole tree's entries (classes, then C + node); the roots coincide.
+  entry = np.concatenate([rest, c + np.arange(sub.num_nodes)])
+  parents = np.full(c + sub.num_nodes, -1, np.int64)
+  parents[entry[sub.slot_child]] = c + sub.slot_node
+  parents[top] = c
+  return Tree.from_parents(parents, num_classes=c)
+
+
+def learned_tree_callback(model, counts, head=0, after_batches=None, vectors="embedding",
+                          width=None):
+  """Rebuilds the HSM's tree from trained vectors (`Tree.from_vectors`) and trains on
+  with it: after epoch 1, or after `after_batches` training batches.
+
+  The tree has about sqrt(V) children per node (`width`), whose siblings are similar
+  words, and the `head` most frequent words directly under the root. `vectors`:
+  "embedding" for the input embeddings (which put words used alike near each other) or
+  "rows" for the HSM layer's own class rows."""
+  from tf_hsm.keras.callbacks import RebuildTree  # pylint: disable=g-import-not-at-top
+  width = width or max(2, math.ceil(math.sqrt(len(counts))))
+  source = model.get_layer("embedding") if vectors == "embedding" else None
+  when = {"after_batch": after_batches} if after_batches else {"after_epoch": 1}
+  return RebuildTree(model.get_layer("hsm"), branching=[width, width], counts=counts,
+                     vectors=source, head=head, **when)
+
+
+def unigram_log_probs(counts):
+  """log of the smoothed unigram distribution (counts + 0.5, normalised)."""
+  counts = np.asarray(counts, np.float64) + 0.5
+  return np.log(counts / counts.sum())
+
+
+def tree_unigram_biases(tree, counts):
+  """Per-slot biases under which the HSM, with zero weights, is the unigram model.
+
+  bias[s] = log mass(child of s) - log mass(node owning s), masses summed from the
+  smoothed counts, so that the path sum of log-probabilities is log p(class).
+  """
+  c = tree.num_classes
+  mass = np.empty(c + tree.num_nodes, np.float64)
+  mass[:c] = np.asarray(counts, np.float64) + 0.5
+  child_begin, slot_child = tree.child_begin, tree.slot_child
+  for node in range(tree.num_nodes - 1, -1, -1):  # BFS order: children come later
+    mass[c + node] = mass[slot_child[child_begin[node]:child_begin[node + 1]]].sum()
+  owner = mass[c + tree.slot_node]
+  return np.log(mass[slot_child]) - np.log(owner)
+
+
+def _body(keras, vocab_size, hidden, seq_len):
+  tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
+  x = keras.layers.Embedding(vocab_size, hidden, name="embedding")(tokens)
+  x = keras.layers.LSTM(hidden, return_sequences=True, name="lstm")(x)
+  return tokens, x
+
+
+def hsm_model(tree, counts, hidden, seq_len, learning_rate):
+  """[tokens, targets] -> log P(targets), trained with tf_hsm.losses.nll.
+
+  The biases start at the unigram distribution of `counts` (see `tree_unigram_biases`).
+  """
+  import keras  # pylint: disable=g-import-not-at-top
+  from tf_hsm.keras import losses, optimizers  # pylint: disable=g-import-not-at-top
+  from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=g-import-not-at-top
+  tokens, x = _body(keras, tree.num_classes, hidden, seq_len)
+  targets = keras.Input((seq_len,), dtype="int32", name="targets")
+  biases = keras.initializers.Constant(tree_unigram_biases(tree, counts))
+  log_probs = HierarchicalSoftmax(tree, bias_initializer=biases, name="hsm")(x, targets)
+  model = keras.Model([tokens, targets], log_probs, name="hsm_lm")
+  model.compile(optimizer=optimizers.LazyAdam(learning_rate), loss=losses.nll)
+  return model
+
+
+def full_softmax_model(counts, hidden, seq_len, learning_rate):
+  """tokens -> logits over the vocabulary, trained with sparse categorical cross-entropy.
+
+  The biases start at the log unigram distribution of `counts`, as the HSM's do.
+  """
+  import keras  # pylint: disable=g-import-not-at-top
+  from tf_hsm.keras import optimizers  # pylint: disable=g-import-not-at-top
+  tokens, x = _body(keras, len(counts), hidden, seq_len)
+  biases = keras.initializers.Constant(unigram_log_probs(counts))
+  logits = keras.layers.Dense(len(counts), bias_initializer=biases, name="softmax")(x)
+  model = keras.Model(tokens, logits, name="full_softmax_lm")
+  model.compile(optimizer=optimizers.LazyAdam(learning_rate),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return model
+
+
+def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled):
+  """[tokens, targets] -> per-token log-probabilities, trained with TensorFlow's own
+  `tf.nn.sampled_softmax_loss` (log-uniform candidates, as TF's word2vec and language
+  model tutorials use) and evaluated exactly: in training the output is minus the
+  sampled loss, in evaluation the exact log-softmax of the full logits at the target,
+  so held-out perplexity is comparable with the other models'."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_hsm.keras import losses, optimizers  # pylint: disable=g-import-not-at-top
+
+  class SampledSoftmax(keras.layers.Layer):
+
+    def build(self, hidden_shape, targets_shape=None):
+      self.kernel = self.add_weight(name="kernel", shape=(len(counts), hidden_shape[-1]),
+                                    initializer="glorot_uniform")
+      self.bias = self.add_weight(
+          name="bias", shape=(len(counts),),
+          initializer=keras.initializers.Constant(unigram_log_probs(counts)))
+
+    def call(self, hidden, targets, training=None):
+      flat = tf.reshape(hidden, [-1, hidden.shape[-1]])
+      labels = tf.cast(tf.reshape(targets, [-1, 1]), tf.int64)
+      if training:
+        # Each candidate id is drawn log-uniformly: the classes are in decreasing
+        # frequency order (build_vocab), as this sampler assumes.
+        out = -tf.nn.sampled_softmax_loss(self.kernel, self.bias, labels, flat,
+                                          num_sampled, len(counts))
+      else:
+        logits = tf.matmul(flat, self.kernel, transpose_b=True) + self.bias
+        out = -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels[:, 0],
+                                                              logits=logits)
+      return tf.reshape(out, tf.shape(targets))
+
+  tokens, x = _body(keras, len(counts), hidden, seq_len)
+  targets = keras.Input((seq_len,), dtype="int32", name="targets")
+  log_probs = SampledSoftmax(name="sampled_softmax")(x, targets)
+  model = keras.Model([tokens, targets], log_probs, name="sampled_softmax_lm")
+  model.compile(optimizer=optimizers.LazyAdam(learning_rate), loss=losses.nll)
+  return model
+
+
+def adaptive_cutoffs(vocab_size):
+  """Head of the most frequent 1/8 of the vocabulary, then clusters up to 1/2 and the
+  rest (the proportions of Grave et al.'s text8 setting)."""
+  cutoffs = sorted({max(1, vocab_size // 8), max(2, vocab_size // 2)})
+  return [c for c in cutoffs if c < vocab_size]
+
+
+def adaptive_model(counts, hidden, seq_len, learning_rate):
+  """[tokens, targets] -> log P(targets) with `tf_hsm.AdaptiveSoftmax` (flat tails, div
+  value 2); the head's biases start at the unigram masses of its words and clusters."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tf_hsm.keras import losses, optimizers  # pylint: disable=g-import-not-at-top
+  from tf_hsm.keras.adaptive import AdaptiveSoftmax  # pylint: disable=g-import-not-at-top
+  cutoffs = adaptive_cutoffs(len(counts))
+  log_p = unigram_log_probs(counts)
+  bounds = cutoffs + [len(counts)]
+  head = list(log_p[:cutoffs[0]]) + [np.logaddexp.reduce(log_p[lo:hi])
+                                     for lo, hi in zip(bounds[:-1], bounds[1:])]
+  tokens, x = _body(keras, len(counts), hidden, seq_len)
+  targets = keras.Input((seq_len,), dtype="int32", name="targets")
+  layer = AdaptiveSoftmax(len(counts), cutoffs, div_value=2.0, head_bias=True,
+                          name="adaptive")
+  log_probs = layer(x, targets)
+  layer.head_bias_weight.assign(np.asarray(head, np.float32))
+  model = keras.Model([tokens, targets], log_probs, name="adaptive_lm")
+  model.compile(optimizer=optimizers.LazyAdam(learning_rate), loss=losses.nll)
+  return model
+
+
+def _epoch_timer(keras):
+  """A callback that times the training part of each epoch (held-out evaluation excluded).
+
+  It records wall-clock seconds and the process's CPU seconds (all threads): on a shared
+  machine the wall-clock time depends on the load, the CPU time much less.
+  """
+
+  class EpochTimer(keras.callbacks.Callback):
+
+    def __init__(self):
+      super().__init__()
+      self.seconds, self.cpu_seconds, self._start, self._stop = [], [], None, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+      self._start, self._stop = (time.perf_counter(), time.process_time()), None
+
+    def on_test_begin(self, logs=None):
+      if self._start is not None and self._stop is None:  # fit's validation begins
+        self._stop = (time.perf_counter(), time.process_time())
+
+    def on_epoch_end(self, epoch, logs=None):
+      stop = self._stop or (time.perf_counter(), time.process_time())
+      self.seconds.append(stop[0] - self._start[0])
+      self.cpu_seconds.append(stop[1] - self._start[1])
+      self._start = None
+
+  return EpochTimer()
+
+
+def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, callbacks=()):
+  """Fits the model, timing each epoch and evaluating held-out perplexity after it.
+
+  Args:
+    train_data, held_out_data: (inputs, targets) for `model.fit` / `model.evaluate`.
+
+  Returns:
+    A dict with the per-epoch history: train_seconds (training wall-clock per epoch,
+    held-out evaluation excluded), tokens_per_second, train_loss, held_out_perplexity
+    (its first entry is before training).
+  """
+  import keras  # pylint: disable=g-import-not-at-top
+  (x, y), (hx, hy) = train_data, held_out_data
+  tokens = y.size
+  initial = model.evaluate(hx, hy, batch_size=4 * batch, verbose=0)
+  print(f"\n== {name}: {model.count_params():,} parameters, {tokens:,} training tokens, "
+        f"held-out perplexity before training {_exp(initial):.1f}", flush=True)
+  timer = _epoch_timer(keras)
+  fit = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=verbose,
+                  validation_data=(hx, hy), validation_batch_size=4 * batch,
+                  callbacks=[timer, *callbacks])
+  for callback in callbacks:
+    # A rebuild at the end of an epoch runs after the timer stopped (fit's validation has
+    # begun): its cost counts in that epoch's training time. One after a batch is timed
+    # already; the re-tracing it causes happens at the next step, inside an epoch.
+    if getattr(callback, "rebuild_seconds", None) and \
+        getattr(callback, "after_epoch", None) is not None:
+      epoch = callback.after_epoch - 1
+      if epoch < len(timer.seconds):
+        timer.seconds[epoch] += callback.rebuild_seconds[0]
+        timer.cpu_seconds[epoch] += callback.rebuild_seconds[1]
+  history = {"name": name, "train_tokens": int(tokens), "held_out_tokens": int(hy.size),
+             "params": int(model.count_params()), "train_seconds": timer.seconds,
+             "train_cpu_seconds": timer.cpu_seconds,
+             "rebuild_seconds": next((list(c.rebuild_seconds) for c in callbacks
+                                      if getattr(c, "rebuild_seconds", None)), None),
+             "tokens_per_second": [tokens / s for s in timer.seconds],
+             "train_loss": [float(v) for v in fit.history["loss"]],
+             "held_out_perplexity": [_exp(v) for v in [initial] + fit.history["val_loss"]]}
+  for epoch, (seconds, cpu) in enumerate(zip(timer.seconds, timer.cpu_seconds)):
+    print(f"   {name} epoch {epoch + 1}: {seconds:.1f} s ({cpu:.1f} CPU s), "
+          f"{tokens / seconds:,.0f} tokens/s, held-out perplexity "
+          f"{history['held_out_perplexity'][epoch + 1]:.1f}")
+  return history
+
+
+def _exp(loss):
+  return float(math.exp(min(loss, 700.0)))
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------
+
+def table(histories):
+  """The final comparison as a Markdown table, one row per model, against the full
+  softmax (or the last model when there is none)."""
+  base = next((h for h in histories if h["name"] == "full"), histories[-1])
+  rows = ["| model | params | s/epoch | CPU s/epoch | tokens/s | speed-up (wall, CPU) | "
+          "held-out ppl per epoch | best ppl (epoch) | vs full's best |",
+          "|---|---|---|---|---|---|---|---|---|"]
+  base_wall, base_cpu = _per_epoch(base, "train_seconds"), _per_epoch(base, "train_cpu_seconds")
+  for h in histories:
+    wall, cpu = _per_epoch(h, "train_seconds"), _per_epoch(h, "train_cpu_seconds")
+    ppls = ", ".join(f"{p:.1f}" for p in h["held_out_perplexity"][1:])
+    best = min(h["held_out_perplexity"][1:])
+    best_epoch = h["held_out_perplexity"][1:].index(best) + 1
+    base_best = min(base["held_out_perplexity"][1:])
+    rows.append(
+        f"| {h['name']} | {h['params']:,} | {wall:.1f} | {cpu:.1f} | "
+        f"{h['train_tokens'] / wall:,.0f} | {base_wall / wall:.1f}x, {base_cpu / cpu:.1f}x | "
+        f"{ppls} | {best:.1f} ({best_epoch}) | {100 * (best / base_best - 1):+.1f}% |")
+  return "\n".join(rows)
+
+
+def _per_epoch(history, key):
+  """Median over the epochs after the first (which includes tracing), if there are any."""
+  seconds = history[key]
+  return max(float(np.median(seconds[1:] if len(seconds) > 1 else seconds)), 1e-6)
+
+
+def plot(histories, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for h in histories:
+    seconds = np.concatenate([[0.0], np.cumsum(h["train_seconds"])])
+    ax.plot(seconds, h["held_out_perplexity"], marker="o", label=h["name"])
+  ax.set_yscale("log")
+  ax.set_xlabel("training wall-clock time (s)")
+  ax.set_ylabel("held-out perplexity")
+  ax.set_title("Word-level LSTM language model: output layers compared")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(
+      prog="python -m tf_hsm.demo",
+      description="Train a word-level LSTM language model with a hierarchical softmax "
+                  "and with a full softmax, and compare held-out perplexity and speed.")
+  p.add_argument("--tree", choices=("huffman", "two_level", "balanced", "learned",
+                                    "planned"),
+                 default=DEFAULTS["tree"],
+                 help="HSM tree: two_level (~sqrt(V) clusters of equal training-count "
+                      "mass), huffman (binary Huffman tree of the training counts), "
+                      "balanced (~sqrt(V) equal-size clusters of frequency-ranked words) "
+                      "or learned (two_level, rebuilt after epoch 1 with Tree.from_vectors "
+                      "from the trained input embeddings: --head frequent words at the "
+                      "root, the rest in ~sqrt(V) x ~sqrt(V) similarity clusters) "
+                      "or planned (the tree tf_hsm.plan prices fastest for this "
+                      "vocabulary's counts, --hidden and --batch x --seq-len tokens a "
+                      "step with LazyAdam; its table is printed). "
+                      "Default: %(default)s")
+  p.add_argument("--head", type=int, default=None,
+                 help="how many of the most frequent words sit directly under the root "
+                      "(less than the vocabulary): of the rebuilt tree with --tree "
+                      "learned (default: the smaller of %d and 1/8 of the vocabulary), "
+                      "of the two-level tree with --tree two_level (default: 0)"
+                      % LEARNED_HEAD)
+  p.add_argument("--rebuild-after-batches", type=int, default=None,
+                 help="--tree learned: rebuild after this many training batches instead "
+                      "of after epoch 1")
+  p.add_argument("--rebuild-from", choices=("embedding", "rows"),
+                 default=DEFAULTS["rebuild_from"],
+                 help="--tree learned: the vectors the tree is rebuilt from, the input "
+                      "embeddings or the HSM's own class rows (default: %(default)s)")
+  p.add_argument("--width", type=int, default=None,
+                 help="--tree learned: children per node of the rebuilt tree below its "
+                      "head (default: ceil(sqrt(V)))")
+  p.add_argument("--vocab", type=int, default=DEFAULTS["vocab"],
+                 help="largest vocabulary size, <unk> included (default: %(default)s)")
+  p.add_argument("--min-count", type=int, default=DEFAULTS["min_count"],
+                 help="words seen fewer times in training are <unk> (default: "
+                      "%(default)s)")
+  p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"],
+                 help="default: %(default)s")
+  p.add_argument("--hidden", type=int, default=DEFAULTS["hidden"],
+                 help="embedding and LSTM size (default: %(default)s)")
+  p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"],
+                 help="default: %(default)s")
+  p.add_argument("--batch", type=int, default=DEFAULTS["batch"],
+                 help="sequences per batch (default: %(default)s)")
+  p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"],
+                 help="corpus tokens used, training plus held-out; 0 for all "
+                      "(default: %(default)s)")
+  p.add_argument("--corpus", default=None,
+                 help="UTF-8 text file to train on instead of the Python stdlib docs")
+  p.add_argument("--learning-rate", type=float, default=DEFAULTS["learning_rate"],
+                 help="LazyAdam learning rate for both models (default: %(default)s)")
+  p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="default: %(default)s")
+  p.add_argument("--out", default=DEFAULTS["out"],
+                 help="directory for results.json, results.md and perplexity.png "
+                      "(default: %(default)s)")
+  p.add_argument("--models", default=",".join(DEFAULTS["models"]),
+                 help="output layers to train, in order, of " + ", ".join(MODELS) +
+                      " (sampled: tf.nn.sampled_softmax_loss with --num-sampled "
+                      "candidates; adaptive: tf_hsm.AdaptiveSoftmax). Default: "
+                      "%(default)s")
+  p.add_argument("--num-sampled", type=int, default=DEFAULTS["num_sampled"],
+                 help="sampled softmax candidates per batch (default: %(default)s)")
+  p.add_argument("--skip-full", action="store_true",
+                 help="train only the HSM model (the same as --models hsm)")
+  p.add_argument("--quiet", action="store_true", help="no Keras progress bars")
+  args = p.parse_args(argv)
+  args.models = ["hsm"] if args.skip_full else [m for m in args.models.split(",") if m]
+  unknown = [m for m in args.models if m not in MODELS]
+  if unknown or not args.models:
+    p.error(f"--models takes a comma-separated list of {', '.join(MODELS)}; got "
+            f"{unknown or 'none'}")
+  for name in ("vocab", "min_count", "epochs", "hidden", "seq_len", "batch", "num_sampled"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be positive")
+  if args.vocab < 2:
+    p.error("--vocab must be at least 2 (<unk> and one word)")
+  if args.head is not None and args.head < 0:
+    p.error("--head must be >= 0")
+  if args.head and args.tree not in ("two_level", "learned"):
+    p.error("--head applies to --tree two_level and learned")
+  if args.rebuild_after_batches is not None and args.rebuild_after_batches < 1:
+    p.error("--rebuild-after-batches must be positive")
+  if args.width is not None and args.width < 2:
+    p.error("--width must be at least 2")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  wall_start = time.perf_counter()
+  import keras  # pylint: disable=g-import-not-at-top
+
+  if args.corpus:
+    documents, source = file_documents(args.corpus), args.corpus
+  else:
+    documents = stdlib_documents()
+    source = f"Python {sys.version.split()[0]} standard library docstrings and comments"
+  train_tokens, held_out_tokens = split_corpus(documents, args.max_tokens, args.seed)
+  words, counts = build_vocab(train_tokens, args.vocab, args.min_count)
+  train_ids, held_out_ids = encode(train_tokens, words), encode(held_out_tokens, words)
+  if held_out_ids.size < args.seq_len + 1:
+    raise SystemExit(f"the corpus is too small: {len(held_out_tokens)} held-out tokens, "
+                     f"need at least {args.seq_len + 1} (raise --max-tokens, or lower "
+                     "--seq-len)")
+  x, y = sequences(train_ids, args.seq_len)
+  hx, hy = sequences(held_out_ids, args.seq_len)
+  unk_rate = float(np.mean(held_out_ids == 0))
+  head = learned_head(len(words)) if args.head is None and args.tree == "learned" else \
+      min(args.head or 0, len(words) - 1)
+  if args.tree == "planned":
+    tree = planned_tree(counts, args.hidden, args.batch * args.seq_len)
+  else:
+    tree = make_tree(args.tree, counts, head)
+  print(f"corpus: {source}\n  {len(train_tokens):,} training and {len(held_out_tokens):,} "
+        f"held-out tokens; vocabulary {len(words):,} words incl. <unk> "
+        f"({100 * unk_rate:.1f}% of held-out tokens are <unk>)\n"
+        f"  HSM tree: {args.tree}, {tree.num_slots:,} weight rows, depth "
+        f"{tree.max_depth}, max branching {tree.max_branching}"
+        f"{f', head {head} words' if head else ''}", flush=True)
+
+  # Progress bars where a person watches; one line per epoch in logs, where each bar's
+  # redraws would otherwise become hundreds of lines.
+  verbose = 0 if args.quiet else 1 if sys.stdout.isatty() else 2
+  histories = []
+  for kind in args.models:
+    keras.utils.set_random_seed(args.seed)
+    extra = []
+    if kind == "hsm":
+      name = f"hsm-{args.tree}"
+      model = hsm_model(tree, counts, args.hidden, args.seq_len, args.learning_rate)
+      data, held_out = ([x, y], y), ([hx, hy], hy)
+      if args.tree == "learned":
+        extra = [learned_tree_callback(model, counts, head, args.rebuild_after_batches,
+                                       args.rebuild_from, args.width)]
+    elif kind == "full":
+      name = "full"
+      model = full_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate)
+      data, held_out = (x, y), (hx, hy)
+    elif kind == "sampled":
+      num_sampled = min(args.num_sampled, len(words))
+      name = f"sampled-{num_sampled}"
+      model = sampled_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate,
+                                    num_sampled)
+      data, held_out = ([x, y], y), ([hx, hy], hy)
+    else:
+      name = "adaptive"
+      model = adaptive_model(counts, args.hidden, args.seq_len, args.learning_rate)
+      data, held_out = ([x, y], y), ([hx, hy], hy)
+    histories.append(train(name, model, data, held_out, args.epochs, args.batch, verbose,
+                           extra))
+
+  report = table(histories)
+  os.makedirs(args.out, exist_ok=True)
+  plot(histories, os.path.join(args.out, "perplexity.png"))
+  settings = {k: v for k, v in vars(args).items() if k not in ("quiet",)}
+  results = {"settings": settings, "corpus": source, "vocab_size": len(words),
+             "held_out_unk_rate": unk_rate, "tree": {"kind": args.tree, "head": head,
+                                                     "num_slots": tree.num_slots,
+                                                     "max_depth": tree.max_depth},
+             "models": histories, "total_seconds": time.perf_counter() - wall_start}
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  with open(os.path.join(args.out, "results.md"), "w") as f:
+    f.write(report + "\n")
+  print(f"\n{report}\n\ns/epoch, CPU s/epoch: median training wall-clock and process CPU "
+        "time of the epochs after the first (which includes tracing); held-out evaluation "
+        "excluded.\nPerplexity: on "
+        f"{hy.size:,} held-out tokens.\nWrote {args.out}/results.json, results.md and "
+        f"perplexity.png; total {time.perf_counter() - wall_start:.0f} s.", flush=True)
+  return results
+

@@ -1,0 +1,576 @@
+"""`HierarchicalSoftmax`, the Keras 3 layer over `tf_hsm.log_prob`."""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_hsm.ops import inputs as _inputs
+from tf_hsm.ops import loader as _loader
+from tf_hsm import distribute
+from tf_hsm.tree.checks import counts_array
+from tf_hsm.ops import log_prob
+from tf_hsm.tree import Tree
+
+# Tables larger than this are initialised one block of rows at a time (see
+# `_block_initializer`): a Keras random initializer computes its value with several
+# table-sized temporaries, which at 10M x 300 (12 GB) would not fit beside the table.
+_INIT_BLOCK_BYTES = 32 << 20
+
+# A SavedModel that uses the Hsm> ops (from `model.export`) can only be loaded once they
+# are registered; do that on import when the library is there, and leave the error for
+# the first op call otherwise.
+try:
+  _loader.ops()
+except ImportError:
+  pass
+
+
+@keras.saving.register_keras_serializable(package="tf_hsm")
+class HierarchicalSoftmax(keras.layers.Layer):
+  """Hierarchical softmax output layer: `layer(hidden, targets)` -> log P(targets | hidden).
+
+  Holds a `[tree.num_slots, D]` weight table (`kernel`, one row per tree edge) and, with
+  `use_bias`, `[tree.num_slots]` biases. Only the rows on the targets' paths are read, so
+  a step costs about depth x branching dot products per token instead of num_classes,
+  and the table's gradient is a `tf.IndexedSlices` over the touched rows: pair the layer
+  with `tf_hsm.optimizers.LazyAdam`, `SparseAdagrad` or `SparseSGD` to keep the update
+  that sparse too.
+
+  Padding: targets < 0 give log-probability 0 and no gradient, and so do positions where
+  a Keras mask is 0 (the `mask` argument, or the mask of `hidden` propagated from an
+  upstream layer such as `Embedding(mask_zero=True)`). The output carries the combined
+  mask, so `tf_hsm.losses.nll` averages over real tokens only.
+
+  Mixed precision (`mixed_float16`, `mixed_bfloat16`): the table stays float32 and is
+  never cast (no O(table) copy per step); the low-precision hidden states are cast to
+  float32, and the log-probabilities are computed and returned in float32, so that the
+  loss keeps full precision. Under a float64 policy everything is float64.
+
+  Inference: `top_k`, `log_prob_all` and `sample` run `tf_hsm.inference` on this
+  layer's weights.
+
+  Args:
+    tree: a `tf_hsm.Tree` (or its `get_config()` dict).
+    use_bias: whether to add a bias per tree edge.
+    kernel_initializer: initializer of the `[num_slots, D]` table; the default matches
+      `keras.layers.Dense`'s, so it is a like-for-like replacement of a full softmax.
+      A table over 32 MB is filled one block of rows at a time, in place, when the
+      initializer draws each value independently (`VarianceScaling` and its Glorot, He
+      and LeCun forms, `RandomUniform`, `RandomNormal`, `TruncatedNormal`): the values
+      follow the distribution the initializer gives the whole table (its fans are the
+      table's), reproducibly for a given seed, but are not the ones one call of the
+      initializer would give. Other initializers are called on the whole table.
+    bias_initializer, kernel_regularizer, bias_regularizer, kernel_constraint,
+      bias_constraint: as in `keras.layers.Dense`. A regularizer or constraint acts on
+      the whole table and makes its gradient (or update) dense.
+    row_layout: a `tf_hsm.distribute.RowLayout` (or its `get_config()` dict): the table
+      and biases store slot s in row `slot_rows[s]`, for example so that the equal row
+      ranges of a table split over parameter servers carry equal traffic
+      (`tf_hsm.distribute.balanced_layout`). Each call then gathers the rows of its
+      batch's paths (the path a table in pieces always takes).
+    **kwargs: base `keras.layers.Layer` arguments (name, dtype, trainable, ...).
+
+  Call arguments:
+    hidden: `[..., D]` float hidden states, e.g. `[B, D]` or `[B, T, D]`.
+    targets: integer class ids with `hidden`'s leading shape; < 0 marks padding.
+    mask: optional boolean mask with `targets`' shape; False marks padding.
+
+  Returns:
+    float32 (float64 under a float64 policy) log-probabilities with `targets`' shape.
+  """
+
+  def __init__(self, tree, use_bias=True, kernel_initializer="glorot_uniform",
+               bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
+               kernel_constraint=None, bias_constraint=None, row_layout=None, **kwargs):
+    super().__init__(**kwargs)
+    if isinstance(tree, dict):
+      tree = Tree.from_config(tree)
+    if not isinstance(tree, Tree):
+      raise TypeError(f"tree must be a tf_hsm.Tree, got {type(tree).__name__}")
+    self.tree = tree
+    if isinstance(row_layout, dict):
+      row_layout = distribute.RowLayout(tree, **row_layout)
+    if row_layout is not None and not isinstance(row_layout, distribute.RowLayout):
+      raise TypeError("row_layout must be a tf_hsm.distribute.RowLayout or None, got "
+                      f"{type(row_layout).__name__}")
+    if row_layout is not None and row_layout.slot_rows.size != tree.num_slots:
+      raise ValueError(f"row_layout has {row_layout.slot_rows.size} rows; the tree has "
+                       f"{tree.num_slots} slots")
+    self.row_layout = row_layout
+    self.use_bias = bool(use_bias)
+    self.kernel_initializer = keras.initializers.get(kernel_initializer)
+    self.bias_initializer = keras.initializers.get(bias_initializer)
+    self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+    self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+    self.kernel_constraint = keras.constraints.get(kernel_constraint)
+    self.bias_constraint = keras.constraints.get(bias_constraint)
+    self.supports_masking = True
+    # XLA cannot compile the custom op: keeps Keras' jit_compile="auto" (on by default
+    # on GPU machines) from trying.
+    self.supports_jit = False
+
+  @property
+  def num_classes(self):
+    return self.tree.num_classes
+
+  def build(self, hidden_shape, targets_shape=None):
+    dim = hidden_shape[-1]
+    if dim is None:
+      raise ValueError("HierarchicalSoftmax needs a known last dimension of `hidden`, "
+                       f"got shape {hidden_shape}")
+    shape = (self.tree.num_slots, dim)
+    block = _block_initializer(self.kernel_initializer, shape, self.variable_dtype)
+    # autocast=False: under mixed precision the op reads the float32 table directly;
+    # Keras' autocast would copy the whole table to float16/bfloat16 on every call.
+    with _initialized_in_pieces(self.kernel_initializer, shape, self.variable_dtype):
+      self.kernel = self.add_weight(
+          name="kernel", shape=shape,
+          initializer="zeros" if block else self.kernel_initializer,
+          regularizer=self.kernel_regularizer, constraint=self.kernel_constraint,
+          autocast=False)
+    if block:
+      _fill_by_blocks(self.kernel, block)
+    if self.use_bias:
+      with _initialized_in_pieces(self.bias_initializer, (self.tree.num_slots,),
+                                  self.variable_dtype):
+        self.bias = self.add_weight(
+            name="bias", shape=(self.tree.num_slots,), initializer=self.bias_initializer,
+            regularizer=self.bias_regularizer, constraint=self.bias_constraint,
+            autocast=False)
+    else:
+      self.bias = None
+
+  def _hidden(self, hidden):
+    """hidden in the table's dtype: low-precision activations are computed in float32."""
+    hidden = tf.convert_to_tensor(hidden)
+    dtype = tf.as_dtype(self.kernel.dtype)
+    return hidden if hidden.dtype == dtype else tf.cast(hidden, dtype)
+
+  def _tables(self):
+    """(kernel, bias) as the ops take them: in the row layout, when there is one."""
+    if self.row_layout is None:
+      return self.kernel, self.bias
+    return (self.row_layout.table(self.kernel),
+            None if self.bias is None else self.row_layout.table(self.bias))
+
+  def _check_built(self, what):
+    if not self.built:
+      raise ValueError(f"HierarchicalSoftmax.{what} needs a built layer: call it on data "
+                       "(or call build(hidden_shape)) first")
+
+  def call(self, hidden, targets, mask=None, hidden_mask=None):
+    # `hidden_mask` is filled in by Keras with the mask of `hidden` (multi-input layers
+    # receive one `<argument>_mask` per tensor argument).
+    targets = tf.convert_to_tensor(targets)
+    valid = targets >= 0
+    for extra in (mask, hidden_mask):
+      if extra is not None:
+        valid = tf.logical_and(valid, tf.cast(extra, tf.bool))
+    safe_targets = tf.where(valid, targets, tf.zeros_like(targets))
+    out = log_prob(self._hidden(hidden), *self._tables(), self.tree, safe_targets)
+    out = tf.where(valid, out, tf.zeros_like(out))
+    out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
+    return out
+
+  def compute_mask(self, hidden, previous_mask=None):
+    # `call` attaches the real mask (it depends on the targets) to its output.
+    return None
+
+  def top_k(self, hidden, k):
+    """The k most probable classes: `tf_hsm.inference.top_k` with this layer's weights.
+
+    Returns:
+      (log_probs, classes), each `[..., k]`.
+    """
+    from tf_hsm.ops import inference  # pylint: disable=g-import-not-at-top
+    self._check_built("top_k")
+    return inference.top_k(self._hidden(hidden), *self._tables(), self.tree, k)
+
+  def log_prob_all(self, hidden, **kwargs):
+    """log P(c | hidden) for every class c: `[..., num_classes]`.
+
+    Keyword arguments go to `tf_hsm.inference.log_prob_all`.
+    """
+    from tf_hsm.ops import inference  # pylint: disable=g-import-not-at-top
+    self._check_built("log_prob_all")
+    return inference.log_prob_all(self._hidden(hidden), *self._tables(), self.tree,
+                                  **kwargs)
+
+  def sample(self, hidden, seed=None, temperature=1.0):
+    """Draws one class per hidden state: `tf_hsm.inference.sample` with these weights."""
+    from tf_hsm.ops import inference  # pylint: disable=g-import-not-at-top
+    self._check_built("sample")
+    return inference.sample(self._hidden(hidden), *self._tables(), self.tree,
+                            seed=seed, temperature=temperature)
+
+  def rebuild_tree(self, tree=None, *, counts=None, branching=2, seed=0, vectors=None,
+                   head=0):
+    """Moves the layer to a new tree, keeping what the trained weights say about classes.
+
+    A tree built before training can only group classes by frequency or by id; after some
+    training, the class rows (each class's row in its parent node,
+    `kernel[tree.class_slot[c]]`) say which classes the model finds alike, and a tree that
+    puts alike classes under one node can make its internal decisions easier to learn. By
+    default the new tree is `Tree.from_vectors` of those rows; `vectors` (an input
+    `Embedding` of the same vocabulary, the weights of a sampled-softmax warm-up) or a
+    ready `tree` can be given instead.
+
+    The new weights start from what transfers: each class keeps its row exactly (moved to
+    its new slot); each internal node's row starts at the count-weighted mean of the class
+    rows beneath it (right after a rebuild, held-out loss was 0.8-1.1 nats lower than
+    with zero rows; docs/usage.md); the biases start at the unigram model of `counts` on the
+    new tree (`bias[s] = log mass(child of s) - log mass(node owning s)`, a zero count
+    taking half the smallest positive count; uniform without counts).
+
+    The number of slots changes with the tree, so the layer gets new `kernel` and `bias`
+    variables (same names, same place among the layer's weights). Whatever holds the old
+    ones must be told: an optimizer built on them cannot update the new ones, and a
+    function traced before the rebuild (a compiled model's train, test and predict
+    functions) would go on reading and updating the old ones. In a Keras model, rebuild
+    with `tf_hsm.callbacks.rebuild_tree(model, layer, ...)` or the
+    `tf_hsm.callbacks.RebuildTree` callback, which also give the model an optimizer for
+    the new variables and re-trace its functions. Under a distribution strategy, call
+    this inside its `scope()`.
+
+    Args:
+      tree: the new `tf_hsm.Tree` over the same classes, or None to build one with
+        `Tree.from_vectors(vectors, counts, branching, seed, head)`.
+      counts: optional class frequencies [num_classes]: the new tree's masses and the
+        initial biases.
+      branching: children per node of the built tree (int >= 2, or a list per level).
+      seed: seed of `Tree.from_vectors`.
+      head: the number of most frequent classes (by `counts`) the built tree puts
+        directly under its root (`Tree.from_vectors`); 0 for none.
+      vectors: [num_classes, any dim] class vectors to build the tree from (a NumPy
+        array, a tensor or a variable); None for the layer's own class rows.
+
+    Returns:
+      The new tree (also `self.tree`).
+
+    Raises:
+      ValueError: an unbuilt layer, a layer with a `row_layout` or a table held in
+        pieces, both `tree` and `vectors`, a tree or vectors or counts that do not
+        match the layer's classes.
+    """
+    self._check_built("rebuild_tree")
+    if self.row_layout is not None:
+      raise ValueError("HierarchicalSoftmax.rebuild_tree does not support a row_layout "
+                       "(it is made for one tree): rebuild without one")
+    if distribute.pieces(self.kernel) is not None:
+      raise ValueError("HierarchicalSoftmax.rebuild_tree does not support a table held "
+                       "in pieces (a variable_partitioner)")
+    num_classes = self.num_classes
+    if counts is not None:
+      counts = counts_array(counts)
+      if counts.shape[0] != num_classes:
+        raise ValueError(f"counts has {counts.shape[0]} entries; the layer has "
+                         f"{num_classes} classes")
+    class_rows = tf.gather(self.kernel, self.tree.class_slot).numpy()
+    if tree is None:
+      if vectors is None:
+        vectors = class_rows
+      else:
+        vectors = _vectors_array(vectors, num_classes)
+      tree = Tree.from_vectors(vectors, counts=counts, branching=branching, seed=seed,
+                               head=head)
+    elif vectors is not None:
+      raise ValueError("give rebuild_tree a tree or the vectors to build one from, not "
+                       "both")
+    elif head:
+      raise ValueError("head is an option of the tree rebuild_tree builds; a given tree "
+                       "has its own root")
+    elif not isinstance(tree, Tree):
+      raise ValueError(f"tree must be a tf_hsm.Tree or None, got {type(tree).__name__}")
+    elif tree.num_classes != num_classes:
+      raise ValueError(f"the new tree has {tree.num_classes} classes; the layer has "
+                       f"{num_classes}")
+    mass = _class_masses(counts, num_classes)
+    kernel_values, bias_values = _transferred_weights(tree, class_rows, mass)
+    self._replace_weights(tree, kernel_values, bias_values)
+    return tree
+
+  def _replace_weights(self, tree, kernel_values, bias_values):
+    """Sets the tree and replaces `kernel` and `bias` by new variables holding the values.
+
+    Removing the old variables first and adding the new ones in `build`'s order keeps
+    the layer's weight order (kernel, bias), which saving and the optimizer's state
+    follow. A built layer's state is locked against new variables; the lock is lifted
+    for the swap, as Keras' own `quantize` does to replace a built layer's kernel.
+    """
+    dtype = self.kernel.dtype
+    del self.kernel
+    if self.use_bias:
+      del self.bias
+    self.tree = tree
+    self._tracker.unlock()
+    try:
+      self.kernel = self.add_weight(
+          name="kernel", shape=kernel_values.shape, initializer=_values(kernel_values),
+          dtype=dtype, regularizer=self.kernel_regularizer,
+          constraint=self.kernel_constraint, autocast=False)
+      if self.use_bias:
+        self.bias = self.add_weight(
+            name="bias", shape=bias_values.shape, initializer=_values(bias_values),
+            dtype=dtype, regularizer=self.bias_regularizer,
+            constraint=self.bias_constraint, autocast=False)
+    finally:
+      self._tracker.lock()
+
+  def get_config(self):
+    config = super().get_config()
+    config.update({
+        "tree": self.tree.get_config(),
+        "use_bias": self.use_bias,
+        "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+        "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+        "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
+        "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
+        "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
+        "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+        "row_layout": None if self.row_layout is None else self.row_layout.get_config(),
+    })
+    return config
+
+
+def _fan_divisor(mode, rows, dim):
+  """What `keras.initializers.VarianceScaling` divides its scale by for a [rows, dim] table."""
+  if mode == "fan_in":
+    return max(1.0, rows)
+  if mode == "fan_out":
+    return max(1.0, dim)
+  return max(1.0, (rows + dim) / 2.0)
+
+
+def _block_initializer(initializer, shape, dtype):
+  """`rows -> values` of the next block of `rows` rows of a table `initializer` fills.
+
+  The blocks draw from the distribution `initializer` has for the whole `shape`, each with
+  fresh random bits. None where the table fits in one block, where `initializer` is not
+  one whose values are drawn independently (Orthogonal, Identity, custom callables), or
+  where the variable cannot be written as soon as it is created (while a function is
+  traced, where its initial value is assigned only when the function runs; a Keras
+  stateless scope, which defers its creation; a distribution strategy); the caller then
+  calls `initializer` on the whole table.
+  """
+  rows, dim = shape
+  if rows * dim * tf.as_dtype(dtype).size <= _INIT_BLOCK_BYTES:
+    return None
+  if tf.inside_function() or tf.distribute.has_strategy() or _in_stateless_scope():
+    return None
+  init = keras.initializers
+  kind = type(initializer).__call__
+  if kind not in (init.VarianceScaling.__call__, init.RandomUniform.__call__,
+                  init.RandomNormal.__call__, init.TruncatedNormal.__call__):
+    return None
+  if kind is init.VarianceScaling.__call__ and (initializer.input_axes is not None or
+                                                initializer.output_axes is not None):
+    return None
+  # One generator for all blocks, so that each block gets new bits: an integer seed
+  # would give every block of the same size the same values. Its state is a variable,
+  # made outside any function being traced, like the table's.
+  seed = initializer.seed
+  if not isinstance(seed, keras.random.SeedGenerator):
+    with tf.init_scope():
+      seed = keras.random.SeedGenerator(seed)
+  if kind is init.VarianceScaling.__call__:
+    full = _fan_divisor(initializer.mode, rows, dim)
+
+    def block(block_rows):
+      # Rescaled so that the block's scale over its own fans is the table's.
+      scale = initializer.scale * _fan_divisor(initializer.mode, block_rows, dim) / full
+      return init.VarianceScaling(scale=scale, mode=initializer.mode,
+                                  distribution=initializer.distribution,
+                                  seed=seed)((block_rows, dim), dtype=dtype)
+    return block
+  if kind is init.RandomUniform.__call__:
+    block_init = init.RandomUniform(initializer.minval, initializer.maxval, seed=seed)
+  elif kind is init.RandomNormal.__call__:
+    block_init = init.RandomNormal(initializer.mean, initializer.stddev, seed=seed)
+  else:
+    block_init = init.TruncatedNormal(initializer.mean, initializer.stddev, seed=seed)
+  return lambda block_rows: block_init((block_rows, dim), dtype=dtype)
+
+
+def _partitioning_strategy():
+  """Whether the strategy in scope creates variables in pieces (a ParameterServerStrategy
+  with a `variable_partitioner`; the attribute is not public API)."""
+  if not tf.distribute.has_strategy():
+    return False
+  extended = tf.distribute.get_strategy().extended
+  return getattr(extended, "_variable_partitioner", None) is not None
+
+
+def _piece_sampler(initializer, shape, dtype):
+  """`draw(partition_shape, partition_offset)`: the rows at `partition_offset` of the
+  table `initializer` fills, from the distribution it gives the whole `shape` (its fans
+  are the table's), drawn by a stateless generator keyed by the initializer's seed and
+  the piece's first row. None for initializers whose values are not drawn independently
+  (Orthogonal, Identity, custom callables)."""
+  init = keras.initializers
+  dtype = tf.as_dtype(dtype)
+  kind = type(initializer).__call__
+  if isinstance(initializer, init.Constant) or kind is init.Zeros.__call__ or \
+      kind is init.Ones.__call__:
+    value = {init.Zeros.__call__: 0.0, init.Ones.__call__: 1.0}.get(
+        kind, getattr(initializer, "value", None))
+    if value is None or np.ndim(value) != 0:
+      return None
+    return lambda piece_shape, offset: tf.fill(piece_shape, tf.cast(value, dtype))
+  seed = initializer.seed if isinstance(getattr(initializer, "seed", None), int) else \
+      int(np.random.randint(0, 2**31 - 1))
+
+  def keyed(offset):
+    return tf.constant([seed, offset], tf.int64)
+
+  if kind is init.VarianceScaling.__call__ and len(shape) == 2 and \
+      initializer.input_axes is None and initializer.output_axes is None:
+    scale = initializer.scale / _fan_divisor(initializer.mode, shape[0], shape[1])
+    distribution = initializer.distribution
+    if distribution == "truncated_normal":
+      stddev = np.sqrt(scale) / 0.87962566103423978
+      return lambda s, o: tf.random.stateless_truncated_normal(s, keyed(o), stddev=stddev,
+                                                               dtype=dtype)
+    if distribution == "untruncated_normal":
+      return lambda s, o: tf.random.stateless_normal(s, keyed(o), stddev=np.sqrt(scale),
+                                                     dtype=dtype)
+    limit = np.sqrt(3.0 * scale)
+    return lambda s, o: tf.random.stateless_uniform(s, keyed(o), -limit, limit, dtype=dtype)
+  if kind is init.RandomUniform.__call__:
+    return lambda s, o: tf.random.stateless_uniform(
+        s, keyed(o), initializer.minval, initializer.maxval, dtype=dtype)
+  if kind is init.RandomNormal.__call__:
+    return lambda s, o: tf.random.stateless_normal(
+        s, keyed(o), initializer.mean, initializer.stddev, dtype=dtype)
+  if kind is init.TruncatedNormal.__call__:
+    return lambda s, o: tf.random.stateless_truncated_normal(
+        s, keyed(o), initializer.mean, initializer.stddev, dtype=dtype)
+  return None
+
+
+@contextlib.contextmanager
+def _initialized_in_pieces(initializer, shape, dtype):
+  """Under a strategy that creates variables in pieces, makes the variable created here
+  draw its initial value piece by piece, each on its own parameter server. (Given a
+  Keras initializer, TensorFlow computes the whole table on every server and slices it:
+  a table-sized temporary each, 12 GB at 10M x 300.) Elsewhere, nothing changes."""
+  sampler = _piece_sampler(initializer, shape, dtype) if _partitioning_strategy() else None
+  if sampler is None:
+    yield
+    return
+
+  def draw(partition_shape=None, partition_offset=None):
+    piece = tuple(partition_shape) if partition_shape is not None else tuple(shape)
+    offset = int(partition_offset[0]) if partition_offset is not None else 0
+    return sampler(piece, offset)
+
+  def creator(next_creator, **kwargs):
+    kwargs.update(initial_value=draw, shape=shape, dtype=tf.as_dtype(dtype))
+    return next_creator(**kwargs)
+
+  with tf.variable_creator_scope(creator):
+    yield
+
+
+def _in_stateless_scope():
+  """Whether Keras defers variable creation here (its check is not public API)."""
+  try:
+    from keras.src.backend import in_stateless_scope  # pylint: disable=import-outside-toplevel
+    return bool(in_stateless_scope())
+  except (ImportError, AttributeError):
+    return True
+
+
+def _fill_by_blocks(variable, block):
+  """Writes `block(rows)` into consecutive row blocks of the 2-D `variable`, in place.
+
+  The raw op writes through the handle: slicing the variable first would read it into a
+  tensor that shares its buffer, and the write would then copy the whole table. The
+  write puts the variable in copy-on-read mode, which a read without a copy ends, so
+  that later plain reads of the new table do not copy it either.
+  """
+  rows, dim = variable.shape
+  block_rows = max(1, _INIT_BLOCK_BYTES // (dim * tf.as_dtype(variable.dtype).size))
+  with tf.init_scope():
+    handle = variable.value.handle
+    for start in range(0, rows, block_rows):
+      stop = min(rows, start + block_rows)
+      tf.raw_ops.ResourceStridedSliceAssign(ref=handle, begin=[start, 0], end=[stop, dim],
+                                            strides=[1, 1], value=block(stop - start))
+    _inputs.read_table(variable)
+
+
+def _vectors_array(vectors, num_classes):
+  """`vectors` as a 2-D NumPy array with a row per class (a NumPy array, memmaps
+  included, is not copied); ValueError naming what does not fit."""
+  if not isinstance(vectors, np.ndarray):
+    try:
+      vectors = vectors.numpy() if hasattr(vectors, "numpy") else np.asarray(vectors)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"vectors must be a 2-D array of numbers: {e}") from None
+  if vectors.ndim != 2 or vectors.shape[0] != num_classes:
+    raise ValueError(f"vectors must have shape [num_classes, dim] = [{num_classes}, dim], "
+                     f"one row per class, got shape {tuple(vectors.shape)}")
+  return vectors
+
+
+def _class_masses(counts, num_classes):
+  """float64 class masses: the counts, a zero count taking half the smallest positive
+  one (so that every class keeps a finite bias), all ones without counts or when all are
+  zero."""
+  if counts is None:
+    return np.ones(num_classes)
+  mass = np.asarray(counts, np.float64)
+  positive = mass[mass > 0]
+  if positive.size == 0:
+    return np.ones(num_classes)
+  return np.where(mass > 0, mass, 0.5 * positive.min())
+
+
+def _transferred_weights(tree, class_rows, mass):
+  """(kernel [S, D] in the class rows' dtype, bias [S] float64) for `tree`: the class
+  rows at their slots, each internal node's row the mass-weighted mean of the class rows
+  beneath it, and the biases of the unigram model of `mass`.
+
+  Internal nodes are numbered breadth first, so the nodes of one depth are consecutive
+  and own one consecutive range of slots: summing level by level from the deepest,
+  `np.add.reduceat` over that range gives every node of the level its sums at once.
+  """
+  c, m = tree.num_classes, tree.num_nodes
+  dim = class_rows.shape[1]
+  node_mass = np.zeros(m)
+  node_sum = np.zeros((m, dim))
+  depth = tree.node_depth
+  child_begin, slot_child = tree.child_begin, tree.slot_child
+  for level in range(int(depth.max()), -1, -1):
+    nodes = np.flatnonzero(depth == level)
+    first, stop = int(child_begin[nodes[0]]), int(child_begin[nodes[-1] + 1])
+    children = slot_child[first:stop]
+    is_class = children < c
+    child_mass = np.empty(children.size)
+    child_mass[is_class] = mass[children[is_class]]
+    child_mass[~is_class] = node_mass[children[~is_class] - c]
+    child_sum = np.empty((children.size, dim))
+    leaves = children[is_class]
+    child_sum[is_class] = class_rows[leaves] * mass[leaves, None]
+    child_sum[~is_class] = node_sum[children[~is_class] - c]
+    starts = child_begin[nodes] - first
+    node_mass[nodes] = np.add.reduceat(child_mass, starts)
+    node_sum[nodes] = np.add.reduceat(child_sum, starts, axis=0)
+  kernel = np.empty((tree.num_slots, dim), class_rows.dtype)
+  kernel[tree.class_slot] = class_rows
+  kernel[tree.node_slot[1:]] = node_sum[1:] / node_mass[1:, None]
+  child_mass = np.where(slot_child < c, mass[np.minimum(slot_child, c - 1)],
+                        node_mass[np.maximum(slot_child - c, 0)])
+  bias = np.log(child_mass) - np.log(node_mass[tree.slot_node])
+  return kernel, bias
+
+
+def _values(array):
+  """An initializer that gives a variable these values."""
+  def initializer(shape, dtype=None):
+    dtype = tf.as_dtype(dtype or keras.config.floatx())
+    return tf.constant(np.asarray(array, dtype.as_numpy_dtype).reshape(shape))
+  return initializer
+

@@ -1,0 +1,326 @@
+"""Keras 3 optimizers that update only the rows of a table that a step touched.
+
+Keras' own Adam, Adagrad and SGD with momentum turn a `tf.IndexedSlices` gradient (what
+`tf_hsm.log_prob` and `tf.gather` / `keras.layers.Embedding` produce for their tables)
+into an update of the whole variable, so a step costs O(table) however few rows it
+touched. The optimizers here apply an IndexedSlices gradient to the touched rows only:
+per-step work and memory are O(touched rows x D). On the CPU one op
+(Hsm>SparseAdamRows, Hsm>SparseAdagradRows, Hsm>SparseSgdRows) updates each touched row
+and its slots in one vectorised pass, in place; elsewhere (a variable on a GPU, or a step
+compiled by XLA, which has no kernels for those ops) gathers, elementwise ops and
+scatters do it. Dense gradients (every other variable of a model) go
+through the parent class unchanged.
+
+Rounding: each elementwise operation is the one Keras applies, in the same order. On the
+gather/scatter path they are Keras' own TensorFlow ops, so the results are Keras' bit
+for bit. The CPU ops round every operation correctly (they give the formula in NumPy
+bit for bit), which TensorFlow's vectorised kernels do not always do for Adam's and
+Adagrad's square roots and divisions: there they differ from Keras by an ulp or two in
+places (the tests allow 2e-6 relative). SGD's products and differences are Keras' bits
+on both paths.
+
+All are drop-in replacements: same constructor arguments, same slot variables, same
+checkpoint layout as `keras.optimizers.Adam` / `keras.optimizers.Adagrad` /
+`keras.optimizers.SGD`.
+
+Rows named more than once in one IndexedSlices are summed first, so a sparse gradient
+means exactly what its dense equivalent (`tf.convert_to_tensor(grad)`) means. (Keras'
+Adam and Adagrad, given such a gradient directly, square the duplicates separately and
+get a different result from their own dense path.)
+
+Caveats shared by all: Keras applies `weight_decay`, `use_ema` and
+`gradient_accumulation_steps` to whole variables, so they bring back a per-step cost of
+O(table). Regularise the table some other way, or accept that cost.
+"""
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from tf_hsm.ops import compact as _compact
+from tf_hsm.ops import inputs as _inputs
+from tf_hsm.ops import loader as _loader
+from tf_hsm import distribute
+
+
+def _merge_duplicates(gradient, dtype):
+  """Sums the rows of an IndexedSlices that share an index.
+
+  Returns:
+    (indices, values): unique row ids (in order of first appearance) and the summed
+    rows, cast to `dtype`.
+  """
+  values = tf.cast(gradient.values, dtype)
+  unique, position = tf.unique(gradient.indices)
+  values = tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0])
+  return unique, values
+
+
+def _rows(variable):
+  """The tf.Variable behind a Keras variable (scatter ops need it)."""
+  found = _inputs.tf_variable(variable)
+  return variable if found is None else found
+
+
+def _fused_ops(variables):
+  """The op library, where the fused row updates can apply to these variables (float32
+  or float64 on the CPU, outside a function that XLA compiles, such as a Keras step
+  compiled with jit_compile=True); None otherwise (the updates then use gathers and
+  scatters, which XLA compiles)."""
+  if _inputs.in_xla_function():
+    return None
+  for variable in variables:
+    if variable.dtype not in (tf.float32, tf.float64):
+      return None
+    if tf.DeviceSpec.from_string(variable.handle.device).device_type != "CPU":
+      return None
+  try:
+    return _loader.ops()
+  except ImportError:
+    return None
+
+
+def _by_piece(update, gradient, variable, slots, constants):
+  """Applies `update(gradient, table, slots, constants)` to a table in one piece, or to
+  each piece of a table held in pieces (a `ShardedVariable`) with its own rows of the
+  gradient and its slots' matching pieces, on that piece's device."""
+  parts = distribute.pieces(variable)
+  if parts is None:
+    update(gradient, _rows(variable), [_rows(slot) for slot in slots], constants)
+    return
+  slot_parts = [distribute.pieces(slot) for slot in slots]
+  for slot, found in zip(slots, slot_parts):
+    if found is None or len(found) != len(parts):
+      raise ValueError(
+          f"the optimizer's slot {getattr(slot, 'name', slot)} is not split like its table "
+          f"({len(parts)} pieces): build the optimizer, and its slots, under the strategy "
+          "scope that made the table")
+  offsets = _compact.row_offsets(parts, "variable", tf.TensorShape(parts[0].shape).rank)
+  for index, (rows, values) in enumerate(distribute.split_rows(gradient, offsets)):
+    with tf.device(parts[index].device):
+      update(tf.IndexedSlices(values, rows), parts[index],
+             [found[index] for found in slot_parts], constants)
+
+
+class _SlotsInPieces:
+  """Gives a table held in pieces (a `ShardedVariable`) slots held in the same pieces,
+  slot piece i placed with table piece i, so that each piece's rows are updated where
+  they live. (Keras colocates a slot with its whole variable, which for a
+  `ShardedVariable` makes one slot the size of the whole table on one server.)"""
+
+  def add_variable_from_reference(self, reference_variable, name=None,
+                                  initializer="zeros"):
+    parts = distribute.pieces(reference_variable)
+    if parts is None:
+      return super().add_variable_from_reference(reference_variable, name=name,
+                                                 initializer=initializer)
+    fill = keras.initializers.get(initializer)
+
+    def create_in_pieces(next_creator, **kwargs):
+      kwargs.pop("colocate_with", None)
+      base = kwargs.get("name") or "slot"
+      made = []
+      for index, part in enumerate(parts):
+        shape = tf.TensorShape(part.shape)
+        args = dict(kwargs, shape=shape, name=f"{base}/part_{index}", colocate_with=part,
+                    initial_value=lambda shape=shape, dtype=part.dtype: fill(shape, dtype))
+        made.append(next_creator(**args))
+      return _compact.ShardedVariable(made)
+
+    with tf.variable_creator_scope(create_in_pieces):
+      return super().add_variable_from_reference(reference_variable, name=name,
+                                                 initializer=initializer)
+
+  def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+    # Keras hands each variable to `distribution.extended.update`, which colocates the
+    # update with the variable: a ShardedVariable cannot be colocated with as a whole
+    # ("doesn't support being used as a reference"). Its update places itself, piece by
+    # piece (`_by_piece`); the other variables go the Keras way.
+    whole = []
+    for grad, var in grads_and_vars:
+      if distribute.pieces(var) is None:
+        whole.append((grad, var))
+      else:
+        self.update_step(grad, var, learning_rate)
+    if whole:
+      super()._distributed_tf_update_step(distribution, whole, learning_rate)
+
+
+@keras.saving.register_keras_serializable(package="tf_hsm")
+class LazyAdam(_SlotsInPieces, keras.optimizers.Adam):
+  """Adam that, for a sparse gradient, updates only the touched rows and their moments.
+
+  For a dense gradient this is `keras.optimizers.Adam`, bit for bit. For a
+  `tf.IndexedSlices` gradient (duplicate indices are summed first), the rows r it names
+  get
+
+      m[r] <- m[r] + (1 - beta_1) * (g[r] - m[r])
+      v[r] <- v[r] + (1 - beta_2) * (g[r]^2 - v[r])        (v_hat[r] <- max(v_hat[r], v[r]))
+      var[r] <- var[r] - alpha_t * m[r] / (sqrt(v[r]) + epsilon)
+      alpha_t = learning_rate * sqrt(1 - beta_2^t) / (1 - beta_1^t)
+
+  and every other row, with its m and v, is left alone ("lazy"): its moments do not
+  decay on steps that do not touch it.
+
+  Bias correction uses the optimizer's global step count t = iterations + 1, not a
+  per-row count, as TensorFlow Addons' LazyAdam does. So a row touched on every step
+  follows the trajectory Keras' Adam gives it (the same float operations in the same
+  order; see the module's note on rounding), while a row touched rarely gets the bias
+  correction of a long-running optimizer: its first updates are smaller than a fresh
+  Adam's would be.
+
+  Args: as `keras.optimizers.Adam`.
+  """
+
+  def update_step(self, gradient, variable, learning_rate):
+    if not isinstance(gradient, tf.IndexedSlices):
+      return super().update_step(gradient, variable, learning_rate)
+    dtype = variable.dtype
+    # The same scalar expressions as keras.optimizers.Adam.update_step.
+    lr = ops.cast(learning_rate, dtype)
+    local_step = ops.cast(self.iterations + 1, dtype)
+    beta_1_power = ops.power(ops.cast(self.beta_1, dtype), local_step)
+    beta_2_power = ops.power(ops.cast(self.beta_2, dtype), local_step)
+    alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+
+    index = self._get_variable_index(variable)
+    slots = [self._momentums[index], self._velocities[index]]
+    if self.amsgrad:
+      slots.append(self._velocity_hats[index])
+    constants = (alpha, tf.cast(1 - self.beta_1, dtype), tf.cast(1 - self.beta_2, dtype),
+                 tf.cast(self.epsilon, dtype))
+    _by_piece(self._sparse_rows, gradient, variable, slots, constants)
+
+  def _sparse_rows(self, gradient, table, slots, constants):
+    """The update of one table (or one piece of it) and its slots' rows."""
+    alpha, one_minus_beta_1, one_minus_beta_2, epsilon = constants
+    dtype = table.dtype
+    m, v = slots[0], slots[1]
+    v_hat = slots[2] if self.amsgrad else None
+    fused = _fused_ops([table] + slots)
+    if fused is not None:
+      # One pass over each touched row, repeated rows summed as _merge_duplicates sums
+      # them; the same operations as below, element by element.
+      fused.hsm_sparse_adam_rows(table.handle, m.handle, v.handle,
+                                 (v_hat if self.amsgrad else v).handle, gradient.indices,
+                                 tf.cast(gradient.values, dtype), alpha, one_minus_beta_1,
+                                 one_minus_beta_2, epsilon, amsgrad=self.amsgrad)
+      return
+    indices, grad = _merge_duplicates(gradient, dtype)
+    m_rows = tf.gather(m, indices)
+    v_rows = tf.gather(v, indices)
+    m_rows = m_rows + (grad - m_rows) * one_minus_beta_1
+    v_rows = v_rows + (tf.square(grad) - v_rows) * one_minus_beta_2
+    m.scatter_update(tf.IndexedSlices(m_rows, indices))
+    v.scatter_update(tf.IndexedSlices(v_rows, indices))
+    if self.amsgrad:
+      v_rows = tf.maximum(tf.gather(v_hat, indices), v_rows)
+      v_hat.scatter_update(tf.IndexedSlices(v_rows, indices))
+    step = (m_rows * alpha) / (tf.sqrt(v_rows) + epsilon)
+    table.scatter_sub(tf.IndexedSlices(step, indices))
+
+
+@keras.saving.register_keras_serializable(package="tf_hsm")
+class SparseAdagrad(_SlotsInPieces, keras.optimizers.Adagrad):
+  """Adagrad that, for a sparse gradient, updates only the touched rows and accumulators.
+
+  Adagrad leaves a row with zero gradient unchanged anyway, so this is
+  `keras.optimizers.Adagrad` applied to the densified gradient (duplicate indices
+  summed; see the module's note on rounding), only without touching the other rows:
+
+      acc[r] <- acc[r] + g[r]^2
+      var[r] <- var[r] - learning_rate * g[r] / sqrt(acc[r] + epsilon)
+
+  Dense gradients go through `keras.optimizers.Adagrad` unchanged.
+
+  Args: as `keras.optimizers.Adagrad`.
+  """
+
+  def update_step(self, gradient, variable, learning_rate):
+    if not isinstance(gradient, tf.IndexedSlices):
+      return super().update_step(gradient, variable, learning_rate)
+    dtype = variable.dtype
+    lr = ops.cast(learning_rate, dtype)
+    epsilon = tf.cast(self.epsilon, dtype)
+    acc = self._accumulators[self._get_variable_index(variable)]
+    _by_piece(self._sparse_rows, gradient, variable, [acc], (lr, epsilon))
+
+  def _sparse_rows(self, gradient, table, slots, constants):
+    """The update of one table (or one piece of it) and its accumulator's rows."""
+    lr, epsilon = constants
+    dtype = table.dtype
+    acc = slots[0]
+    fused = _fused_ops([table, acc])
+    if fused is not None:
+      # One pass over each touched row, repeated rows summed as _merge_duplicates sums
+      # them; the same operations as below, element by element.
+      fused.hsm_sparse_adagrad_rows(table.handle, acc.handle, gradient.indices,
+                                    tf.cast(gradient.values, dtype), lr, epsilon)
+      return
+    indices, grad = _merge_duplicates(gradient, dtype)
+    acc_rows = tf.gather(acc, indices) + tf.square(grad)
+    acc.scatter_update(tf.IndexedSlices(acc_rows, indices))
+    step = (lr * grad) / tf.sqrt(acc_rows + epsilon)
+    table.scatter_sub(tf.IndexedSlices(step, indices))
+
+
+@keras.saving.register_keras_serializable(package="tf_hsm")
+class SparseSGD(_SlotsInPieces, keras.optimizers.SGD):
+  """SGD that, for a sparse gradient, updates only the touched rows (and their momentum).
+
+  For a dense gradient this is `keras.optimizers.SGD`, bit for bit. For a
+  `tf.IndexedSlices` gradient (duplicate indices are summed first), the rows r it names
+  get what Keras' SGD gives them:
+
+      without momentum:  var[r] <- var[r] - g[r] * learning_rate
+      with momentum:     m[r] <- m[r] * momentum - g[r] * learning_rate
+                         var[r] <- var[r] + m[r]
+           nesterov:     var[r] <- var[r] + (m[r] * momentum - g[r] * learning_rate)
+
+  Without momentum, Keras' SGD already updates only the touched rows; this one does it
+  in one pass, in place, with no scaled copy of the gradient. With momentum, Keras' SGD
+  densifies the gradient and updates every row and its momentum on every step (an
+  untouched row keeps moving by its decaying momentum). Here a row's momentum changes,
+  and the row moves, only on the steps that touch it ("lazy", as the sparse momentum
+  update of TensorFlow 1's `MomentumOptimizer`). So a row touched on every step follows
+  Keras' trajectory, while a row touched now and then keeps its momentum undecayed
+  until it is touched again.
+
+  Args: as `keras.optimizers.SGD`.
+  """
+
+  def update_step(self, gradient, variable, learning_rate):
+    if not isinstance(gradient, tf.IndexedSlices):
+      return super().update_step(gradient, variable, learning_rate)
+    dtype = variable.dtype
+    lr = ops.cast(learning_rate, dtype)
+    momentum = tf.cast(self.momentum, dtype)
+    slots = [self.momentums[self._get_variable_index(variable)]] if self.momentum != 0 else []
+    _by_piece(self._sparse_rows, gradient, variable, slots, (lr, momentum))
+
+  def _sparse_rows(self, gradient, table, slots, constants):
+    """The update of one table (or one piece of it) and its momentum's rows."""
+    lr, momentum = constants
+    dtype = table.dtype
+    use_momentum = bool(slots)
+    m = slots[0] if use_momentum else None
+    fused = _fused_ops([table] + slots)
+    if fused is not None:
+      # One pass over each touched row, repeated rows summed as _merge_duplicates sums
+      # them; the same operations as below, element by element.
+      fused.hsm_sparse_sgd_rows(table.handle, (m if use_momentum else table).handle,
+                                gradient.indices, tf.cast(gradient.values, dtype), lr,
+                                momentum, use_momentum=use_momentum,
+                                nesterov=bool(self.nesterov))
+      return
+    indices, grad = _merge_duplicates(gradient, dtype)
+    step = grad * lr
+    if not use_momentum:
+      table.scatter_sub(tf.IndexedSlices(step, indices))
+      return
+    m_rows = tf.gather(m, indices) * momentum - step
+    m.scatter_update(tf.IndexedSlices(m_rows, indices))
+    if self.nesterov:
+      table.scatter_add(tf.IndexedSlices(m_rows * momentum - step, indices))
+    else:
+      table.scatter_add(tf.IndexedSlices(m_rows, indices))

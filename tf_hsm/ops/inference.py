@@ -1,0 +1,249 @@
+"""Inference with a hierarchical softmax: exact top-k, every class's log-probability,
+ancestral sampling, and scoring of candidate classes.
+
+All four run the C++ kernels of cc/core/inference_*.cc on the CPU. They have no gradient
+(`tf.no_gradient` is registered for each op); use `tf_hsm.log_prob` to train.
+"""
+
+import math
+import numbers
+
+import numpy as np
+import tensorflow as tf
+
+from tf_hsm.ops import compact as _compact
+from tf_hsm.ops import inputs as _inputs
+from tf_hsm.ops import loader as _loader
+
+__all__ = ["top_k", "log_prob_all", "sample", "log_prob_candidates"]
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+def _tree_args(tree, slot_child=True):
+  """The tree tensors in the order the inference ops take them."""
+  t = _inputs.tree_tensors(tree)
+  args = [t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"]]
+  return args + [t["slot_child"]] if slot_child else args
+
+
+def _whole(weights, biases):
+  """The tables, a table held in pieces read whole: a search or sweep may visit any row
+  (`log_prob_candidates`, which knows its rows, gathers only those)."""
+  return (_compact.whole_table(weights, "weights"),
+          None if biases is None else _compact.whole_table(biases, "biases"))
+
+
+def _is_int(value):
+  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _cast_back(result, out_dtype):
+  return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
+
+
+@_inputs.accepts_ragged
+def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
+  """The k most probable classes of each row, exactly.
+
+  Best-first (branch-and-bound) search over the tree: a priority queue holds nodes and
+  classes keyed by the log-probability of the path to them, which only falls as the path
+  descends. The best node is expanded (one log-softmax over its children) until k
+  classes have left the queue; subtrees that cannot reach the top k are never expanded.
+  The cost therefore depends on how peaked the distribution is: a few nodes per row for
+  a confident model, every node when all classes are about equally likely.
+
+  Ties: classes with equal log-probabilities are ordered by increasing class id; NaN
+  log-probabilities (from NaN inputs) come last. The result is deterministic and does
+  not depend on the number of threads. Rows are searched in groups of up to 64 that
+  share each node's pass over its weights, so a row's number of expanded nodes, and the
+  last bits of its log-probabilities, can depend on the other rows of the batch.
+
+  Args:
+    hidden: [..., D] float32/float64 (float16/bfloat16 are computed in float32), or a
+      `tf.RaggedTensor` [batch, (time), D] whose per-token arguments are ragged alike;
+      the outputs with a token axis are then ragged too.
+    weights: [tree.num_slots, D] table, one row per tree edge.
+    biases: [tree.num_slots] or None.
+    tree: a `tf_hsm.Tree`.
+    k: a Python int, 1 <= k <= tree.num_classes.
+    return_num_expanded: also return the number of internal nodes each row's search
+      expanded (the root included), a measure of the work done.
+
+  Returns:
+    ``(log_probs, classes)``: ``[..., k]`` log-probabilities in decreasing order (dtype
+    of `hidden`) and the int64 classes. With `return_num_expanded`, a third int64
+    tensor with hidden's leading shape.
+
+  Raises:
+    TypeError: `tree` is not a Tree, or wrong dtypes.
+    ValueError: `k` is not an integer in [1, num_classes].
+    tf.errors.InvalidArgumentError: shape mismatches or malformed tree tensors.
+  """
+  tree_args = _tree_args(tree)
+  if not _is_int(k) or not 1 <= k <= tree.num_classes:
+    raise ValueError(f"k must be an integer in [1, num_classes] = [1, {tree.num_classes}], "
+                     f"got {k!r}")
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, *_whole(weights, biases))
+  log_probs, classes, expanded = _loader.ops().hsm_top_k(hidden, weights, biases, *tree_args,
+                                                         k=int(k))
+  log_probs = _cast_back(log_probs, out_dtype)
+  if return_num_expanded:
+    return log_probs, classes, expanded
+  return log_probs, classes
+
+
+@_inputs.accepts_ragged
+def log_prob_all(hidden, weights, biases, tree, class_range=None):
+  """log P(c | hidden) for every class c, or for the classes of a range.
+
+  One pass per row: each internal node's log-softmax is computed once and added to its
+  parent's path log-probability, sweeping the tree level by level; rows are processed in
+  blocks that share each weight block. With `class_range` only the nodes on paths to the
+  classes in the range are evaluated, so a very large output can be produced in chunks,
+  e.g. ``for b in range(0, C, chunk): log_prob_all(..., class_range=(b, min(b + chunk,
+  C)))``; each chunk equals the matching slice of the full result bit for bit.
+
+  Args:
+    hidden: [..., D] float32/float64 (float16/bfloat16 are computed in float32), or a
+      `tf.RaggedTensor` [batch, (time), D] whose per-token arguments are ragged alike;
+      the outputs with a token axis are then ragged too.
+    weights: [tree.num_slots, D] table, one row per tree edge.
+    biases: [tree.num_slots] or None.
+    tree: a `tf_hsm.Tree`.
+    class_range: None for all classes, or ``(begin, end)`` with
+      ``0 <= begin <= end <= num_classes`` (Python ints or an int tensor of shape [2]).
+
+  Returns:
+    ``[..., end - begin]`` log-probabilities (``[..., num_classes]`` without a range);
+    entry j of the last axis is class ``begin + j``. Dtype of `hidden`.
+
+  Raises:
+    TypeError: `tree` is not a Tree, or wrong dtypes.
+    ValueError: a Python `class_range` that is not two integers within the bounds.
+    tf.errors.InvalidArgumentError: a tensor `class_range` out of bounds, shape
+      mismatches, malformed tree tensors.
+  """
+  tree_args = _tree_args(tree)
+  c = tree.num_classes
+  if class_range is None:
+    class_range = (0, c)
+  if isinstance(class_range, (tuple, list)):
+    if (len(class_range) != 2 or not all(_is_int(v) for v in class_range) or
+        not 0 <= class_range[0] <= class_range[1] <= c):
+      raise ValueError(f"class_range must be (begin, end) with 0 <= begin <= end <= "
+                       f"num_classes = {c}, got {class_range!r}")
+    class_range = tf.constant([int(v) for v in class_range], tf.int64)
+  else:
+    class_range = tf.cast(_inputs.class_ids(class_range, "class_range"), tf.int64)
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, *_whole(weights, biases))
+  result = _loader.ops().hsm_log_prob_all(hidden, weights, biases, class_range, *tree_args)
+  return _cast_back(result, out_dtype)
+
+
+@_inputs.accepts_ragged
+def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
+  """One class per row, sampled from the hierarchical softmax.
+
+  Ancestral sampling: starting at the root, a child of the current node is drawn from
+  ``softmax(logits / temperature)`` over the node's children until a class is reached.
+  (With temperature T every node's softmax is tempered, which is the distribution of the
+  model with weights and biases divided by T.)
+
+  Reproducibility: the uniform number used by row i (counting over hidden's flattened
+  leading dimensions) at path depth d is a hash of (seed, i, d), so for a given seed the
+  result depends only on the inputs, never on threading or on the other rows. A row's
+  sample does depend on its position i.
+
+  Args:
+    hidden: [..., D] float32/float64 (float16/bfloat16 are computed in float32), or a
+      `tf.RaggedTensor` [batch, (time), D] whose per-token arguments are ragged alike;
+      the outputs with a token axis are then ragged too.
+    weights: [tree.num_slots, D] table, one row per tree edge.
+    biases: [tree.num_slots] or None.
+    tree: a `tf_hsm.Tree`.
+    seed: a Python int in the int64 range or an int scalar tensor. None draws a fresh
+      seed on each call from TensorFlow's global random state (`tf.random.uniform`), so
+      `tf.random.set_seed` makes a program's samples reproducible, and each call of a
+      `tf.function` gets new samples.
+    temperature: positive and finite; a Python number or a float scalar tensor. Small
+      values approach greedy descent, large values uniform choices at each node.
+
+  Returns:
+    int64 classes with hidden's leading shape. A row whose logits at a visited node are
+    NaN or +inf, or all -inf, has no well-defined distribution and gets -1 (a -inf logit
+    alone, e.g. a -inf bias, only masks its child).
+
+  Raises:
+    TypeError: `tree` is not a Tree, or wrong dtypes.
+    ValueError: a `seed` that is not a scalar, a Python `seed` outside the int64 range,
+      or a Python `temperature` that is not positive and finite.
+    tf.errors.InvalidArgumentError: a tensor temperature that is not positive and
+      finite, shape mismatches, malformed tree tensors.
+  """
+  tree_args = _tree_args(tree)
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, *_whole(weights, biases))
+  del out_dtype  # the result is int64
+  if seed is None:
+    seed = tf.random.uniform([], minval=0, maxval=_INT64_MAX, dtype=tf.int64)
+  elif _is_int(seed):
+    if not _INT64_MIN <= seed <= _INT64_MAX:
+      raise ValueError(f"seed must fit in int64, got {seed}")
+    seed = tf.constant(int(seed), tf.int64)
+  else:
+    seed = tf.cast(_inputs.class_ids(seed, "seed"), tf.int64)
+    if seed.shape.rank not in (None, 0):  # e.g. a [2] pair, as TF's stateless ops take
+      raise ValueError(f"seed must be one integer (a scalar), got shape {seed.shape}")
+  if isinstance(temperature, numbers.Real) and not isinstance(temperature, (bool, np.bool_)):
+    if not (math.isfinite(temperature) and temperature > 0):
+      raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
+    tiny = float(np.finfo(weights.dtype.as_numpy_dtype).tiny)
+    if temperature < tiny:
+      raise ValueError(
+          f"temperature {temperature!r} is below the smallest normal {weights.dtype.name} "
+          f"({tiny:g}): TensorFlow's CPU kernels read subnormal numbers as 0")
+  temperature = _inputs.number_arg(temperature, weights.dtype, "temperature")
+  return _loader.ops().hsm_sample(hidden, weights, biases, seed, temperature, *tree_args)
+
+
+@_inputs.accepts_ragged
+def log_prob_candidates(hidden, weights, biases, tree, candidates):
+  """log P(candidate | hidden) for several candidate classes per row (reranking).
+
+  Equivalent to `tf_hsm.log_prob` with each row repeated once per candidate, but a
+  node's log-sum-exp is computed once per row however many of the row's candidates pass
+  through it, and rows at the same node share its weight block.
+
+  Args:
+    hidden: [..., D] float32/float64 (float16/bfloat16 are computed in float32), or a
+      `tf.RaggedTensor` [batch, (time), D] whose per-token arguments are ragged alike;
+      the outputs with a token axis are then ragged too.
+    weights: [tree.num_slots, D] table, one row per tree edge.
+    biases: [tree.num_slots] or None.
+    tree: a `tf_hsm.Tree`.
+    candidates: int32/int64 ``[..., M]`` class ids in [0, num_classes), whose leading
+      shape is hidden's.
+
+  Returns:
+    log-probabilities with the shape of `candidates` and the dtype of `hidden`.
+
+  Raises:
+    TypeError: `tree` is not a Tree, or wrong dtypes.
+    tf.errors.InvalidArgumentError (or ValueError while tracing): candidates outside
+      [0, num_classes), shape mismatches, malformed tree tensors.
+  """
+  tree_args = _tree_args(tree, slot_child=False)
+  candidates = _inputs.class_ids(candidates, "candidates")
+  if _compact.is_split(weights, biases):
+    weights, biases, tree_args, candidates = _compact.compact_inputs(
+        tree, _inputs.tree_tensors(tree), weights, biases, candidates, "candidates")
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
+  result = _loader.ops().hsm_log_prob_candidates(hidden, weights, biases, candidates,
+                                                 *tree_args)
+  return _cast_back(result, out_dtype)
+
+
+for _op in ("Hsm>TopK", "Hsm>LogProbAll", "Hsm>Sample", "Hsm>LogProbCandidates"):
+  tf.no_gradient(_op)
+del _op

@@ -1,0 +1,260 @@
+"""Python wrappers and registered gradients of the tf_hsm ops."""
+
+import tensorflow as tf
+
+from tf_hsm.ops import compact as _compact
+from tf_hsm.ops import inputs as _inputs
+from tf_hsm.ops import loader as _loader
+
+
+def _table_rows(tree, weights, biases, targets):
+  """(weights, biases, tree_inputs, targets) for the ops: the tree's own tensors and the
+  tables as given, or, where a table is held in pieces (a `ShardedVariable` or a list of
+  row ranges), the compact rows of the batch's paths and the batch tree over them
+  (`tf_hsm.ops.compact`)."""
+  t = _inputs.tree_tensors(tree)
+  targets = _inputs.class_ids(targets, "targets")
+  if _compact.is_split(weights, biases):
+    return _compact.compact_inputs(tree, t, weights, biases, targets, "targets")
+  return (weights, biases, (t["child_begin"], t["path_begin"], t["path_nodes"],
+                            t["path_slots"]), targets)
+
+
+@_inputs.accepts_ragged
+def log_prob(hidden, weights, biases, tree, targets):
+  """log P(targets | hidden) under a hierarchical softmax.
+
+  log P(c | h) = sum over c's root-to-leaf path of z(slot taken) - logsumexp(z over the
+  node's children), with z(s) = weights[s] . h + biases[s].
+
+  Args:
+    hidden: [..., D] float32/float64 (float16/bfloat16 are computed in float32), or a
+      `tf.RaggedTensor` [batch, (time), D] whose per-token arguments are ragged alike;
+      the outputs with a token axis are then ragged too.
+    weights: [tree.num_slots, D] table, one row per tree edge.
+    biases: [tree.num_slots] or None.
+    tree: a `tf_hsm.Tree`.
+    targets: int32/int64 class ids with hidden's leading shape.
+
+  Returns:
+    log-probabilities with the shape of `targets` and the dtype of `hidden`.
+    The gradient for weights and biases is a `tf.IndexedSlices` over the touched rows.
+    On the CPU, when a `tf.GradientTape` is recording where `log_prob` is called (eagerly,
+    or traced inside the tape's block), the op also keeps what the gradient needs short of
+    the upstream factor: the logits of the nodes of more than 8 children along the
+    batch's paths (one per visit and child), the softmax coefficients of the steps through
+    smaller nodes, and each token's gradient with respect to its hidden row (up to 2**25
+    logits and coefficients in all, or as many as the weight gradient has values where
+    that is more). The gradient then reads no weight row for the hidden
+    gradient, computes no logit of a large node again and walks no path through small
+    ones. Without a recording tape the forward skips that work; a gradient taken anyway (a
+    `tf.function` called under a tape outside it) recomputes it, with the same bits.
+
+  Raises:
+    TypeError: wrong dtypes.
+    tf.errors.InvalidArgumentError (or ValueError while tracing): targets outside
+      [0, num_classes), shape mismatches, malformed tree tensors.
+  """
+  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets)
+  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
+  if tf.config.list_logical_devices("GPU") or not _inputs.gradient_may_follow():
+    # Nothing worth keeping when no tape can record.
+    result = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
+  else:
+    result = _loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
+                                                      *tree_inputs)[0]
+  return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
+
+
+@tf.RegisterGradient("Hsm>LogProb")
+def _log_prob_grad(op, upstream):
+  hidden, weights, biases, targets = op.inputs[:4]
+  tree_inputs = op.inputs[4:8]
+  grads = _loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets, *tree_inputs,
+                                          upstream)
+  return _input_grads(weights, biases, *grads) + [None] * 5
+
+
+@tf.RegisterGradient("Hsm>LogProbSavingLogits")
+def _log_prob_saving_logits_grad(op, upstream, unused_saved_grad, unused_directions_grad):
+  """Hsm>LogProbGrad's outputs, bit for bit, from the logits and directions the forward
+  kept."""
+  hidden, weights, biases, targets = op.inputs[:4]
+  tree_inputs = op.inputs[4:8]
+  if upstream is None:
+    return [None] * 8
+  grads = _loader.ops().hsm_log_prob_grad_from_logits(hidden, weights, biases, targets,
+                                                      *tree_inputs, upstream, op.outputs[1],
+                                                      op.outputs[2])
+  return _input_grads(weights, biases, *grads) + [None] * 5
+
+
+@tf.custom_gradient
+def _refusing_identity(gradient):
+  """The identity, whose own gradient raises NotImplementedError."""
+
+  def second_order(unused_upstream):
+    raise NotImplementedError(
+        "tf_hsm computes first derivatives only: the gradient of a gradient of log_prob, "
+        "nll_loss or sgd_step (a second derivative) is not implemented")
+
+  return tf.identity(gradient), second_order
+
+
+def _first_order_only(gradient):
+  """A gradient the ops computed, made to refuse being differentiated again: the gradient
+  ops declare no gradient of their own, so a second derivative through them (a gradient
+  penalty on the hidden states, a Hessian-vector product) would otherwise be None, read
+  by TensorFlow as zero. Executing eagerly with no tape that could record it, nothing can
+  differentiate it, and it is returned as it is (the wrapper costs ~60 us an eager call)."""
+  if tf.executing_eagerly() and not _inputs.gradient_may_follow():
+    return gradient
+  return _refusing_identity(gradient)
+
+
+def _input_grads(weights, biases, hidden_grad, weight_rows, bias_rows, row_ids):
+  """[d hidden, d weights, d biases] from a gradient op's outputs: the table gradients as
+  `tf.IndexedSlices` over the touched rows; an empty biases input stands for "no bias" and
+  gets no gradient. Each refuses to be differentiated again (`_first_order_only`)."""
+  dense_shape = tf.shape(weights, out_type=tf.int64)
+  weight_grad = tf.IndexedSlices(_first_order_only(weight_rows), row_ids, dense_shape)
+  no_bias = biases.shape.rank == 1 and biases.shape[0] == 0
+  bias_grad = None if no_bias else tf.IndexedSlices(_first_order_only(bias_rows), row_ids,
+                                                    dense_shape[:1])
+  return [_first_order_only(hidden_grad), weight_grad, bias_grad]
+
+
+tf.no_gradient("Hsm>LogProbGrad")
+tf.no_gradient("Hsm>LogProbGradFromLogits")
+
+
+def _token_weights(loss_scale, targets, dtype):
+  """loss_scale broadcast to targets' shape; by default 1 / number of tokens (the mean)."""
+  if loss_scale is None:
+    count = tf.cast(tf.size(targets), dtype)
+    return tf.fill(tf.shape(targets), 1.0 / tf.maximum(count, 1.0))
+  scale = _inputs.number_arg(loss_scale, dtype, "loss_scale", scalar=False)
+  try:
+    fits = tf.broadcast_static_shape(scale.shape, targets.shape).is_compatible_with(
+        targets.shape)
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ValueError(f"loss_scale of shape {scale.shape} does not broadcast to targets' "
+                     f"shape {targets.shape}")
+  return tf.broadcast_to(scale, tf.shape(targets))
+
+
+@_inputs.accepts_ragged
+def nll_loss(hidden, weights, biases, tree, targets, loss_scale=None):
+  """The training loss -sum(loss_scale * log_prob), computed with its gradient in one pass.
+
+  The value equals `-tf.reduce_sum(loss_scale * log_prob(...))` up to rounding, and its
+  gradients (hidden, and `tf.IndexedSlices` for weights and biases) equal that
+  expression's bit for bit. On the CPU one op computes the log-probabilities from the
+  logsumexps the gradient needs anyway, so each touched weight row is read once per step
+  instead of once by the forward and again by the gradient; in a step that returns the
+  loss this saves the whole forward pass. The gradient is computed for the loss itself:
+  `tape.gradient(loss, ...)` uses it as is, and any other output gradient (the loss scaled
+  by another op, a second loss sharing the log-probabilities) is recomputed exactly.
+  Where a GPU is visible the loss is computed as the expression above (the GPU kernels).
+
+  Args:
+    hidden: [..., D] float32/float64 (float16/bfloat16 are computed in float32), or a
+      `tf.RaggedTensor` [batch, (time), D] whose per-token arguments are ragged alike;
+      the outputs with a token axis are then ragged too.
+    weights: [tree.num_slots, D] table.
+    biases: [tree.num_slots] or None.
+    tree: a `tf_hsm.Tree`.
+    targets: int32/int64 class ids with hidden's leading shape.
+    loss_scale: weight of each token's negative log-likelihood, broadcastable to targets'
+      shape; default 1 / number of tokens (the mean). Zero for padding tokens (whose
+      targets must still be valid class ids).
+
+  Returns:
+    The scalar loss, in the weights' dtype.
+
+  Raises:
+    as `log_prob`.
+  """
+  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets)
+  hidden, weights, biases, _ = _inputs.dense_inputs(hidden, weights, biases)
+  scale = _token_weights(loss_scale, targets, weights.dtype)
+  if tf.config.list_logical_devices("GPU"):
+    log_probs = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
+  else:
+    log_probs = _loader.ops().hsm_log_prob_and_grad(hidden, weights, biases, targets,
+                                                    *tree_inputs, tf.negative(scale))[0]
+  # d loss / d log_probs = -scale exactly: the upstream the op was given.
+  return tf.negative(tf.reduce_sum(scale * log_probs))
+
+
+@tf.RegisterGradient("Hsm>LogProbAndGrad")
+def _log_prob_and_grad_grad(op, upstream, *unused_output_grads):
+  """The op's own gradient outputs when `upstream` is the gradient it was computed for,
+  otherwise Hsm>LogProbGrad of `upstream` (the gradient outputs are not differentiable)."""
+  hidden, weights, biases, targets = op.inputs[:4]
+  tree_inputs = op.inputs[4:8]
+  expected = op.inputs[8]
+  if upstream is None:
+    return [None] * 9
+
+  def recompute():
+    return list(_loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets,
+                                                *tree_inputs, upstream))
+
+  grads = tf.cond(tf.reduce_all(tf.equal(upstream, expected)), lambda: list(op.outputs[1:]),
+                  recompute)
+  return _input_grads(weights, biases, *grads) + [None] * 6
+
+
+@_inputs.accepts_ragged
+def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=None):
+  """One fused hierarchical-softmax training step with in-place SGD on the table.
+
+  Computes log P(targets | hidden), then updates every visited weight row (and bias) in
+  place, W[s] -= learning_rate * dloss/dW[s] with loss = -sum(loss_scale * log_prob),
+  without materialising a gradient: a step needs no memory beyond the table, the batch and
+  a bounded scratch, and no optimizer pass over gradient rows. The update equals what
+  `tf.keras.optimizers.SGD(learning_rate)` does with the gradient of `log_prob`.
+
+  Args:
+    hidden: [..., D] float32/float64 hidden states, or a `tf.RaggedTensor`
+      [batch, (time), D] with targets (and loss_scale) ragged alike.
+    weights: a `tf.Variable` (or Keras variable) [tree.num_slots, D] of hidden's dtype.
+    biases: a variable [tree.num_slots], or None.
+    tree: a `tf_hsm.Tree`.
+    targets: int32/int64 class ids with hidden's leading shape.
+    learning_rate: scalar.
+    loss_scale: weight of each token's negative log-likelihood, targets' shape; default
+      1 / number of tokens (the mean). Zero for padding tokens.
+
+  Returns:
+    (log_prob, hidden_grad): log-probabilities before the update (targets' shape) and
+    dloss/dhidden (hidden's shape), to continue backpropagation into the model below, e.g.
+    `tape.gradient(hidden, model_vars, output_gradients=hidden_grad)`. As in `nll_loss`,
+    log_prob comes from the logsumexps the update computes anyway, with no separate
+    forward pass: it equals `log_prob(...)` up to rounding, and hidden_grad equals the
+    gradient of `log_prob` bit for bit.
+  """
+  t = _inputs.tree_tensors(tree)
+  hidden = tf.convert_to_tensor(hidden)
+  if hidden.dtype not in _inputs.FLOAT_TYPES:
+    raise TypeError(f"hidden must be float32 or float64, got {hidden.dtype.name}")
+  targets = _inputs.class_ids(targets, "targets")
+  loss_scale = _token_weights(loss_scale, targets, hidden.dtype)
+  if _compact.is_split(weights, biases):
+    raise TypeError("sgd_step updates one variable in place; for a table held in pieces "
+                    "(a ShardedVariable or a list of row ranges) use nll_loss with "
+                    "tf_hsm.optimizers.SparseSGD, which updates each piece's touched rows")
+  weights_handle = _inputs.variable_handle(weights, "weights")
+  biases_handle = weights_handle if biases is None else _inputs.variable_handle(biases, "biases")
+  log_probs, hidden_grad = _loader.ops().hsm_sgd_step(
+      hidden, weights_handle, biases_handle, targets, t["child_begin"], t["path_begin"],
+      t["path_nodes"], t["path_slots"], loss_scale,
+      _inputs.number_arg(learning_rate, hidden.dtype, "learning_rate"),
+      use_bias=biases is not None)
+  return log_probs, _first_order_only(hidden_grad)
+
+
+tf.no_gradient("Hsm>SgdStep")

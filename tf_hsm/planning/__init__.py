@@ -1,0 +1,39 @@
+"""Sizing a model's output layer before training, in NumPy: no TensorFlow is imported
+unless the machine is measured.
+
+- candidates.py: `plan` (a `Report`: one row per candidate layer, and the one to use)
+  and `recommend_tree`;
+- costs.py: a step's work (`Cost`) for full, sampled, hierarchical and adaptive softmax;
+  tree_work.py: what a tree's paths cost a step;
+- pricing.py: a `Cost`'s bytes, peak and step time on a `Machine`;
+- machine.py: `Machine`, the measured rates (cached per CPU); step_fit.py: tf_hsm's
+  training step fitted on this machine (measured with TensorFlow);
+- cutoffs.py: an adaptive softmax's cutoffs, chosen for the step time;
+- cli.py, __main__.py: `python -m tf_hsm.planning`.
+
+Start at candidates.py.
+"""
+
+from tf_hsm.planning.candidates import TREES, Report, plan, recommend_tree
+from tf_hsm.planning.cli import main, parse_bytes, parse_count
+from tf_hsm.planning.costs import (CALLS_PER_STEP, DIV_VALUE, DTYPE_BYTES, OPTIMIZERS,
+                                   SAMPLED, STEP_WORKSPACE_BYTES, TAILS, Cost, Part,
+                                   adaptive_cluster_cost, adaptive_cost,
+                                   adaptive_head_cost, full_softmax_cost, moved_elements,
+                                   pytorch_cutoffs, sampled_softmax_cost, tail_widths,
+                                   tree_cost)
+from tf_hsm.planning.cutoffs import choose_cutoffs, step_cost
+from tf_hsm.planning.machine import Machine
+from tf_hsm.planning.pricing import fixed_step_terms, price, step_terms
+from tf_hsm.planning.tree_work import (TREE_STEP_TERMS, WALK_MAX_BRANCHING, tree_bytes,
+                                       tree_step_terms)
+
+__all__ = [
+    "CALLS_PER_STEP", "Cost", "DIV_VALUE", "DTYPE_BYTES", "Machine", "OPTIMIZERS", "Part",
+    "Report", "SAMPLED", "STEP_WORKSPACE_BYTES", "TAILS", "TREES", "TREE_STEP_TERMS",
+    "WALK_MAX_BRANCHING", "adaptive_cluster_cost", "adaptive_cost", "adaptive_head_cost",
+    "choose_cutoffs", "fixed_step_terms", "full_softmax_cost", "main", "moved_elements",
+    "parse_bytes", "parse_count", "plan", "price", "pytorch_cutoffs", "recommend_tree",
+    "sampled_softmax_cost", "step_cost", "step_terms", "tail_widths", "tree_bytes",
+    "tree_cost", "tree_step_terms",
+]

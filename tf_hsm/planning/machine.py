@@ -1,0 +1,131 @@
+"""The machine the planner prices steps on: its measured rates (`Machine`), measured once
+and cached per CPU, or given to plan for another machine.
+
+Measuring needs TensorFlow and tf_hsm's op library, imported only then
+(`Machine.measure`); everything else in `tf_hsm.planning` is NumPy.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import time
+
+@dataclasses.dataclass
+class Machine:
+  """Rates used for step time: matmul FLOP/s, streaming read bytes/s, seconds per call,
+  seconds per logit of TensorFlow's softmax cross-entropy (forward and backward: its
+  exponentials and divisions, which the matmul and read rates do not bound; 0 for a
+  machine given by its datasheet rates only), and `tree_step`: tf_hsm's training step
+  fitted on this machine, seconds per each of TREE_STEP_TERMS (`tf_hsm.planning.step_fit`);
+  None prices tf_hsm's rows with the roofline instead."""
+  matmul_flops: float
+  read_bytes: float
+  call_seconds: float
+  source: str = "given"
+  softmax_seconds: float = 0.0
+  tree_step: tuple = None
+
+  @classmethod
+  def measure(cls):
+    """Measures this machine (about 20 s): an output layer's float32 matmuls, a large
+    reduction, an empty tf.function call, TensorFlow's softmax cross-entropy, and
+    tf_hsm's training step (`tf_hsm.planning.step_fit`)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    def best(fn, repeats):
+      fn()
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+      return min(times)
+
+    # The matmul rate of an output layer's three products (logits, and the gradients of
+    # the table and of the hidden states), at a table larger than the caches: on 2 vCPUs
+    # about half a square 1024 x 1024 product's rate.
+    tokens, dim, rows = 640, 512, 32768
+    h = tf.random.normal([tokens, dim])
+    table = tf.random.normal([rows, dim])
+
+    @tf.function
+    def matmul():
+      logits = tf.matmul(h, table, transpose_b=True)
+      return (tf.matmul(logits, h, transpose_a=True)[:1, :1] +
+              tf.matmul(logits, table)[:1, :1])
+
+    seconds = best(lambda: matmul().numpy(), 3)
+    matmul_flops = 6.0 * tokens * dim * rows / seconds
+    big = tf.random.normal([64 << 20])  # 256 MiB
+    read = tf.function(lambda: tf.reduce_sum(big))
+    read_seconds = best(lambda: read().numpy(), 5)
+    empty = tf.function(lambda: tf.constant(0))
+    call = best(lambda: empty(), 50)
+    logits = tf.random.normal([256, 32768])
+    labels = tf.zeros([256], tf.int64)
+
+    @tf.function
+    def softmax():
+      with tf.GradientTape() as tape:
+        tape.watch(logits)
+        loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits))
+      return tape.gradient(loss, logits)[:1, :1]
+
+    softmax_seconds = best(lambda: softmax().numpy(), 5) / (256 * 32768)
+    from tf_hsm.planning import step_fit  # pylint: disable=import-outside-toplevel
+    return cls(matmul_flops, big.shape[0] * 4 / read_seconds, call, "measured",
+               softmax_seconds, step_fit.measure())
+
+  @classmethod
+  def cached(cls, path=None, refresh=False):
+    """The measured machine, from `path` (default: the user's cache directory) if it was
+    measured there before for this CPU (and not `refresh`), else measured now and saved.
+    Measure on a quiet machine: other jobs lower the rates."""
+    path = path or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tf_hsm",
+        "machine.json")
+    key = _cpu_key()
+    try:
+      with open(path) as f:
+        saved = json.load(f)
+      if saved.get("cpu") == key and not refresh:
+        return cls(saved["matmul_flops"], saved["read_bytes"], saved["call_seconds"],
+                   "cached", saved["softmax_seconds"], tuple(saved["tree_step"]))
+    except (OSError, ValueError, KeyError):
+      pass
+    machine = cls.measure()
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      with open(path, "w") as f:
+        json.dump(dict(dataclasses.asdict(machine), cpu=key), f)
+    except OSError:
+      pass
+    return machine
+
+
+def _cpu_key():
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = re.search(r"model name\s*:\s*(.*)", f.read())
+    return f"{model.group(1) if model else 'unknown'} x{os.cpu_count()}"
+  except OSError:
+    return f"unknown x{os.cpu_count()}"
+
+
+def resolve(machine):
+  """`machine` as a `Machine`: a dict of its fields, or None for this machine's cached
+  rates (measured now when there are none).
+
+  Raises:
+    TypeError: if machine is neither.
+  """
+  if isinstance(machine, dict):
+    machine = Machine(**machine)
+  if machine is None:
+    machine = Machine.cached()
+  if not isinstance(machine, Machine):
+    raise TypeError(f"machine must be a tf_hsm.planning.Machine or a dict of its fields, "
+                    f"got {type(machine).__name__}")
+  return machine
