@@ -1,4 +1,6 @@
-"""Shared pytest set-up: quiet TensorFlow, fixed seeds, GPU-only cases skipped on CPU."""
+"""Shared pytest set-up: quiet TensorFlow, fixed seeds, GPU-only cases skipped on CPU, and
+every test under tests/integration marked `slow` (so `pytest -m "not slow"` is the quick
+loop). This folder is on sys.path for the tests: `oracle` and `support` import from here."""
 
 import os
 import zlib
@@ -11,10 +13,17 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: needs a CUDA GPU visible to TensorFlow")
-  config.addinivalue_line("markers", "slow: takes more than a few seconds")
+  config.addinivalue_line(
+      "markers", "slow: an integration test, or a unit test of more than a few seconds")
+
+
+_INTEGRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration")
 
 
 def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if str(item.path).startswith(_INTEGRATION + os.sep):
+      item.add_marker(pytest.mark.slow)
   gpu_items = [item for item in items if "gpu" in item.keywords]
   if not gpu_items:
     return

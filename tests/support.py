@@ -11,15 +11,17 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 
 
-def dense(grad, shape=None):
+def dense(grad, shape=None, sparse=False):
   """A gradient as a dense NumPy array: a `tf.IndexedSlices` scattered into zeros of
   `shape` (its dense shape when None) with duplicate rows summed, a tensor as is, None
-  as zeros of `shape`."""
+  as zeros of `shape`. With `sparse`, anything but an IndexedSlices fails the test."""
+  is_slices = hasattr(grad, "indices") and hasattr(grad, "values")
+  assert is_slices or not sparse, f"expected a tf.IndexedSlices, got {type(grad).__name__}"
   if grad is None:
     return np.zeros(shape)
-  values = getattr(grad, "values", None)
-  if values is None or not hasattr(grad, "indices"):
+  if not is_slices:
     return np.asarray(grad)
+  values = grad.values
   if shape is None:
     shape = tuple(int(d) for d in grad.dense_shape)
   out = np.zeros(shape, values.dtype.as_numpy_dtype)

@@ -10,6 +10,8 @@ from tensorflow.python.distribute.sharded_variable import ShardedVariable
 import tf_hsm
 from oracle import random_inputs, random_mixed_tree, trees_of_every_kind
 
+import support
+
 
 def _cuts(rng, rows, count):
   """Row offsets of `count` consecutive ranges of unequal sizes covering `rows` rows."""
@@ -21,9 +23,6 @@ def _split(array, offsets, as_list):
   parts = [tf.Variable(array[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
   return parts if as_list else ShardedVariable(parts)
 
-
-def _dense(grad, shape):
-  return np.zeros(shape) if grad is None else tf.convert_to_tensor(grad).numpy()
 
 
 def _trees(rng):
@@ -58,11 +57,11 @@ def test_training_ops_on_pieces_equal_whole_table(rng, count, dtype):
       for grad in piece_grads + bias_grads:
         assert grad is None or isinstance(grad, tf.IndexedSlices)
       np.testing.assert_array_equal(
-          np.concatenate([_dense(g, p.shape) for g, p in zip(piece_grads, pieces)]),
-          _dense(ref[1], weights.shape))
+          np.concatenate([support.dense(g, p.shape) for g, p in zip(piece_grads, pieces)]),
+          support.dense(ref[1], weights.shape))
       np.testing.assert_array_equal(
-          np.concatenate([_dense(g, p.shape) for g, p in zip(bias_grads, bias_pieces)]),
-          _dense(ref[2], biases.shape))
+          np.concatenate([support.dense(g, p.shape) for g, p in zip(bias_grads, bias_pieces)]),
+          support.dense(ref[2], biases.shape))
       # Only touched rows, each once, travel to a piece.
       for grad, piece in zip(piece_grads, pieces):
         if grad is not None:
@@ -189,9 +188,9 @@ def test_a_table_stored_in_a_row_layout_gives_the_same_bits(rng, as_list):
       expected = op(hidden, whole_w, biases, tree, targets)
       got = op(hidden, layout.table(w_parts), layout.table(b_parts), tree, targets)
     np.testing.assert_array_equal(got.numpy(), expected.numpy())
-    ref = _dense(tape.gradient(expected, whole_w), weights.shape)
+    ref = support.dense(tape.gradient(expected, whole_w), weights.shape)
     grads = tape.gradient(got, pieces)
-    stored = np.concatenate([_dense(g, p.shape) for g, p in zip(grads, pieces)])
+    stored = np.concatenate([support.dense(g, p.shape) for g, p in zip(grads, pieces)])
     np.testing.assert_array_equal(stored[layout.slot_rows], ref)
   for whole, split in [
       (tf_hsm.log_prob_all(hidden, weights, biases, tree),

@@ -1,7 +1,6 @@
 """python -m tf_hsm.demo: the corpus, the vocabulary, the unigram start, and a tiny run."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,7 +10,9 @@ import pytest
 import tf_hsm
 from tf_hsm.demo import run as demo
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import support
+
+_REPO = support.REPO
 
 
 def test_stdlib_corpus_is_real_text_and_deterministic():

@@ -3,7 +3,6 @@ hand-computed values, the search against brute force over the same grid, the dir
 of its choices, and the layer with cutoffs=None."""
 
 import itertools
-import math
 
 import keras
 import numpy as np

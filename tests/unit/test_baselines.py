@@ -9,16 +9,10 @@ from tf_hsm.bench import baselines
 from tf_hsm.tree import Tree
 from oracle import trees_of_every_kind
 
+import support
+
 TOL = 1e-10
 
-
-def _dense(grad, shape):
-  """A gradient (IndexedSlices or dense) as a dense NumPy array, duplicates summed."""
-  if isinstance(grad, tf.IndexedSlices):
-    out = np.zeros(shape, grad.values.dtype.as_numpy_dtype)
-    np.add.at(out, grad.indices.numpy(), grad.values.numpy())
-    return out
-  return grad.numpy()
 
 
 def _inputs(rng, tree, batch_shape, dim, bias=True):
@@ -40,7 +34,7 @@ def _value_and_grads(fn, hidden, weights, biases, *args):
     total = tf.reduce_sum(out * upstream)
   grads = tape.gradient(total, [h, w] + ([b] if b is not None else []))
   shapes = [hidden.shape, weights.shape] + ([biases.shape] if b is not None else [])
-  return out.numpy(), [_dense(g, s) for g, s in zip(grads, shapes)]
+  return out.numpy(), [support.dense(g, s) for g, s in zip(grads, shapes)]
 
 
 @pytest.mark.parametrize("name", sorted(baselines.EXACT_BASELINES))

@@ -18,7 +18,9 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import support
+
+ROOT = support.REPO
 SCRIPT = os.path.join(ROOT, "cc", "gpu_harness.sh")
 
 
@@ -27,8 +29,8 @@ def _nvcc():
 
 
 def _run(args, timeout):
-  result = subprocess.run([SCRIPT] + args, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+  result = support.run([SCRIPT] + args, timeout, cwd=ROOT, env=dict(os.environ),
+                       check=False)
   print(result.stdout[-4000:])
   print(result.stderr[-4000:])
   return result

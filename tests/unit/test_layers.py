@@ -17,7 +17,9 @@ from tf_hsm.keras import losses
 from tf_hsm.keras import optimizers
 from tf_hsm.keras.layers import HierarchicalSoftmax
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import support
+
+_REPO = support.REPO
 
 
 def _tree(rng, num_classes=40):
@@ -34,10 +36,6 @@ def _lm(tree, seq_len, dim=8, mask_zero=False):
   log_probs = HierarchicalSoftmax(tree, name="hsm")(x, targets)
   return keras.Model([tokens, targets], log_probs)
 
-
-def _dense(grad):
-  assert isinstance(grad, tf.IndexedSlices), type(grad)
-  return tf.convert_to_tensor(grad).numpy()
 
 
 @pytest.mark.parametrize("batch_shape", [(7,), (3, 5)])
@@ -95,8 +93,9 @@ def test_padding_targets_give_zero_and_no_gradient(rng):
     ref_loss = -tf.reduce_sum(ref)
   rw, rb = tape.gradient(ref_loss, [layer.kernel, layer.bias])
   np.testing.assert_allclose(out.numpy()[valid], ref.numpy(), rtol=1e-6)
-  np.testing.assert_allclose(_dense(dw), _dense(rw), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(_dense(db), _dense(rb), rtol=1e-5, atol=1e-6)
+  for grad, reference in ((dw, rw), (db, rb)):
+    np.testing.assert_allclose(support.dense(grad, sparse=True),
+                               support.dense(reference, sparse=True), rtol=1e-5, atol=1e-6)
 
 
 def test_explicit_mask_argument(rng):
@@ -252,6 +251,7 @@ def test_save_and_export_reload_in_a_fresh_process(rng, tmp_path):
 # Two logical CPUs must be set before TensorFlow starts, hence a fresh process. It builds
 # the model with this file's _tree and _lm (the tests directory is argv[2]).
 _MIRRORED_SCRIPT = textwrap.dedent("""
+    import os
     import sys
     import numpy as np
     import tensorflow as tf
@@ -260,7 +260,7 @@ _MIRRORED_SCRIPT = textwrap.dedent("""
         cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
     from tf_hsm.keras import losses, optimizers
-    sys.path.insert(0, sys.argv[2])
+    sys.path[:0] = [sys.argv[2], os.path.dirname(sys.argv[2])]  # tests/unit, tests/
     from test_layers import _lm, _tree
 
     make_optimizer = {"SparseSGD": lambda: optimizers.SparseSGD(0.5),

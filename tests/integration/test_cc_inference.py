@@ -3,7 +3,9 @@
 import os
 import subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import support
+
+ROOT = support.REPO
 BINARY = os.path.join(ROOT, "bazel-bin", "cc", "inference_test")
 
 

@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 
+import support
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "mwms_worker.py")
 
@@ -23,8 +25,7 @@ def _free_port():
 
 
 def _env(extra=None):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+  env = support.repo_env()
   env.pop("TF_CONFIG", None)
   env.update(extra or {})
   return env

@@ -9,7 +9,9 @@ import pytest
 
 from tf_hsm.bench import cases
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import support
+
+_ROOT = support.REPO
 
 
 def _bench(tmp_path, *args, timeout=600):

@@ -4,30 +4,19 @@ subprocess of its own that this test bounds in time and always ends)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+import support
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def report():
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
-  process = subprocess.Popen([sys.executable, os.path.join(HERE, "ps_cluster_run.py")],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                             text=True)
-  try:
-    out, err = process.communicate(timeout=300)
-  finally:
-    if process.poll() is None:
-      process.kill()
-      process.communicate()
-  assert process.returncode == 0, err[-4000:]
-  return json.loads(out)
+  result = support.run([os.path.join(HERE, "ps_cluster_run.py")], timeout=300)
+  return json.loads(result.stdout)
 
 
 @pytest.mark.slow

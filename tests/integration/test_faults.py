@@ -1,5 +1,5 @@
 """Faults on a loopback ParameterServerStrategy cluster of processes
-(tests/fault_run.py): a worker killed with SIGKILL mid-training, a checkpoint of the
+(tests/integration/fault_run.py): a worker killed with SIGKILL mid-training, a checkpoint of the
 sharded table and slots restored into another number of shards and into one process,
 and a lost parameter server, after which training resumes from the checkpoint.
 
@@ -8,28 +8,18 @@ Each phase runs in a subprocess bounded in time; the servers it starts die with 
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+import support
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "fault_run.py")
 
 
 def _run(*args):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-  process = subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  try:
-    _, err = process.communicate(timeout=300)
-  finally:
-    if process.poll() is None:
-      process.kill()
-      process.communicate()
-  assert process.returncode == 0, err[-4000:]
+  support.run([SCRIPT, *args], timeout=300)
 
 
 @pytest.fixture(scope="module")

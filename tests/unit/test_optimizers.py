@@ -4,7 +4,6 @@ model.fit."""
 
 import collections
 import functools
-import os
 import platform
 import shutil
 import subprocess
@@ -29,7 +28,7 @@ _MomentumSGD = functools.partial(SparseSGD, momentum=0.9)
 _KerasMomentumSGD = functools.partial(keras.optimizers.SGD, momentum=0.9)
 
 
-def _run(optimizer, gradients, init, sparse=True, use_function=True):
+def _apply(optimizer, gradients, init, sparse=True, use_function=True):
   """Applies a list of (values, indices) gradients to a fresh variable; returns it."""
   variable = keras.Variable(init)
 
@@ -68,8 +67,8 @@ def test_sparse_adagrad_equals_keras_adagrad(rng, use_function, row_path):
   kwargs = dict(learning_rate=0.1, initial_accumulator_value=0.2, epsilon=1e-6)
   mine = SparseAdagrad(**kwargs)
   ref = keras.optimizers.Adagrad(**kwargs)
-  ours = _run(mine, grads, init, use_function=use_function)
-  theirs = _run(ref, grads, init, sparse=False, use_function=use_function)
+  ours = _apply(mine, grads, init, use_function=use_function)
+  theirs = _apply(ref, grads, init, sparse=False, use_function=use_function)
   # Duplicate rows may be summed in another order: a few ulps at most.
   np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-7)
   for a, b in zip(_slots(mine), _slots(ref)):
@@ -99,12 +98,12 @@ def _assert_keras_bits(ours, theirs, row_path):
 def test_sparse_adagrad_is_bitwise_keras_adagrad_without_duplicates(rng, row_path):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   grads = _gradients(rng, 6, duplicates=False)
-  ours = _run(SparseAdagrad(0.05), grads, init)
-  theirs = _run(keras.optimizers.Adagrad(0.05), grads, init, sparse=False)
+  ours = _apply(SparseAdagrad(0.05), grads, init)
+  theirs = _apply(keras.optimizers.Adagrad(0.05), grads, init, sparse=False)
   _assert_keras_bits(ours.numpy(), theirs.numpy(), row_path)
   # Keras' Adagrad given the IndexedSlices itself (unique rows) agrees to an ulp (its
   # sparse path rounds the division differently from its own dense path).
-  theirs = _run(keras.optimizers.Adagrad(0.05), grads, init, sparse=True)
+  theirs = _apply(keras.optimizers.Adagrad(0.05), grads, init, sparse=True)
   np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-7)
 
 
@@ -115,8 +114,8 @@ def test_lazy_adam_equals_adam_on_rows_touched_every_step(rng, amsgrad, row_path
   grads = _gradients(rng, 10, always=always)
   kwargs = dict(learning_rate=0.05, beta_1=0.8, beta_2=0.95, epsilon=1e-5, amsgrad=amsgrad)
   mine, ref = LazyAdam(**kwargs), keras.optimizers.Adam(**kwargs)
-  ours = _run(mine, grads, init)
-  theirs = _run(ref, grads, init, sparse=False)
+  ours = _apply(mine, grads, init)
+  theirs = _apply(ref, grads, init, sparse=False)
   np.testing.assert_allclose(ours.numpy()[always], theirs.numpy()[always], rtol=1e-6,
                              atol=1e-7)
   for a, b in zip(_slots(mine), _slots(ref)):
@@ -127,8 +126,8 @@ def test_lazy_adam_is_bitwise_adam_when_every_row_is_touched(rng, row_path):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   grads = [(rng.normal(size=(_ROWS, _DIM)).astype(np.float32), rng.permutation(_ROWS))
            for _ in range(5)]
-  ours = _run(LazyAdam(0.01), grads, init)
-  theirs = _run(keras.optimizers.Adam(0.01), grads, init, sparse=False)
+  ours = _apply(LazyAdam(0.01), grads, init)
+  theirs = _apply(keras.optimizers.Adam(0.01), grads, init, sparse=False)
   _assert_keras_bits(ours.numpy(), theirs.numpy(), row_path)
 
 
@@ -144,8 +143,8 @@ def test_sparse_sgd_is_bitwise_keras_sgd_on_rows_touched_every_step(rng, kwargs,
   always = [1, 2, 5, 17]
   grads = _gradients(rng, 8, always=always)
   mine, ref = SparseSGD(0.05, **kwargs), keras.optimizers.SGD(0.05, **kwargs)
-  ours = _run(mine, grads, init)
-  theirs = _run(ref, grads, init, sparse=False)
+  ours = _apply(mine, grads, init)
+  theirs = _apply(ref, grads, init, sparse=False)
   np.testing.assert_array_equal(ours.numpy()[always], theirs.numpy()[always])
   for a, b in zip(_slots(mine), _slots(ref)):
     np.testing.assert_array_equal(a[always], b[always])
@@ -158,12 +157,12 @@ def test_sparse_sgd_momentum_is_lazy():
   init = np.zeros((_ROWS, _DIM), np.float32)
   g = np.full((1, _DIM), 2.0, np.float32)
   lr, mu = 0.5, 0.25
-  variable = _run(SparseSGD(lr, momentum=mu), [(g, [3]), (g, [0]), (g, [0]), (g, [3])],
+  variable = _apply(SparseSGD(lr, momentum=mu), [(g, [3]), (g, [0]), (g, [0]), (g, [3])],
                   init)
   m1 = -lr * 2.0
   m2 = m1 * mu - lr * 2.0
   np.testing.assert_allclose(variable.numpy()[3], m1 + m2, rtol=1e-6)
-  keras_variable = _run(keras.optimizers.SGD(lr, momentum=mu),
+  keras_variable = _apply(keras.optimizers.SGD(lr, momentum=mu),
                         [(g, [3]), (g, [0]), (g, [0]), (g, [3])], init)
   assert not np.allclose(keras_variable.numpy()[3], m1 + m2)  # Keras' decays in between
 
@@ -196,7 +195,7 @@ def test_lazy_adam_bias_correction_uses_the_global_step(rng):
   lr, b1, b2, eps = 0.1, 0.9, 0.999, 1e-7
   optimizer = LazyAdam(learning_rate=lr, beta_1=b1, beta_2=b2, epsilon=eps)
   grads = [(g, [0]), (g, [0]), (g, [1])]
-  variable = _run(optimizer, grads, init)
+  variable = _apply(optimizer, grads, init)
   m, v = (1 - b1) * 0.5, (1 - b2) * 0.25
   alpha = lr * np.sqrt(1 - b2**3) / (1 - b1**3)
   np.testing.assert_allclose(variable.numpy()[1], -alpha * m / (np.sqrt(v) + eps), rtol=1e-5)
@@ -209,8 +208,8 @@ def test_dense_gradients_are_the_parent_optimizer_bit_for_bit(rng, make, referen
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   grads = [(rng.normal(size=(_ROWS, _DIM)).astype(np.float32), np.arange(_ROWS))
            for _ in range(4)]
-  ours = _run(make(0.02), grads, init, sparse=False)
-  theirs = _run(reference(0.02), grads, init, sparse=False)
+  ours = _apply(make(0.02), grads, init, sparse=False)
+  theirs = _apply(reference(0.02), grads, init, sparse=False)
   np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
 
 
@@ -218,9 +217,9 @@ def test_dense_gradients_are_the_parent_optimizer_bit_for_bit(rng, make, referen
 def test_duplicate_indices_are_summed(rng, make, row_path):
   init = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
   values = rng.normal(size=(5, _DIM)).astype(np.float32)
-  split = _run(make(0.1), [(values, [4, 9, 4, 2, 9])], init)
+  split = _apply(make(0.1), [(values, [4, 9, 4, 2, 9])], init)
   merged = np.stack([values[0] + values[2], values[1] + values[4], values[3]])
-  summed = _run(make(0.1), [(merged, [4, 9, 2])], init)
+  summed = _apply(make(0.1), [(merged, [4, 9, 2])], init)
   np.testing.assert_allclose(split.numpy(), summed.numpy(), rtol=1e-6, atol=1e-7)
 
 

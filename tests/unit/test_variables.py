@@ -16,7 +16,9 @@ import tf_hsm
 from tf_hsm.keras import layers
 from tf_hsm.keras.layers import HierarchicalSoftmax
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import support
+
+_REPO = support.REPO
 
 
 _MEMORY_HELPERS = """

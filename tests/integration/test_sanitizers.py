@@ -7,7 +7,9 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import support
+
+ROOT = support.REPO
 
 
 @pytest.mark.slow
