@@ -10,7 +10,8 @@ and the one to use.
         --memory 24GiB --zipf 1.0
 
 The figures are expected values for a step of `tokens_per_step` tokens drawn from
-`counts`, computed from the trees themselves: a node's children are read (and get a
+`counts`, computed from the trees' shapes (`tree_work.huffman_work` and `layout_work`:
+the same figures as the built `Tree`, without its paths, so 10M classes take seconds): a node's children are read (and get a
 gradient row) when at least one token visits the node, which a step of T tokens does with
 probability 1 - (1 - p)^T, p the node's probability. Step time is a roofline:
 max(FLOPs / matmul rate, bytes / read bandwidth) plus a per-call overhead, with the
@@ -22,6 +23,7 @@ tf_hsm's own training steps, measured with the rates (`tf_hsm.planning.step_fit`
 import dataclasses
 import math
 import re
+import textwrap
 
 import numpy as np
 
@@ -30,84 +32,203 @@ from tf_hsm.planning.costs import (DIV_VALUE, DTYPE_BYTES, OPTIMIZERS, TAILS,
                                    adaptive_cost, full_softmax_cost, probabilities,
                                    pytorch_cutoffs, sampled_softmax_cost, tail_widths,
                                    tree_cost)
-from tf_hsm.planning.pricing import price
 from tf_hsm.planning.cutoffs import choose_cutoffs
+from tf_hsm.planning.pricing import price
+from tf_hsm.planning.tree_work import huffman_work, layout_work
 from tf_hsm.tree import Tree
+from tf_hsm.tree import builders
+
+
+# Rows whose predicted steps are within this fraction of the fastest are equally fast:
+# the fitted step's own error is 0.85-1.41x, and a remeasured machine moves the rates by
+# more than this. Among them the first in the table is recommended (full softmax, then
+# the trees in `trees` order, then the adaptive rows: exact layers of the full model's
+# width before narrower ones), so noise in the rates cannot flip the choice between two
+# layers a few percent apart; it can only move a layer across the edge of the band.
+STEP_TIE = 0.10
+
+
+@dataclasses.dataclass
+class Layer:
+  """The recommended layer, ready to construct.
+
+  kind: "HierarchicalSoftmax", "AdaptiveSoftmax", "full softmax" or "sampled softmax".
+  method: its row's `method`. code: how to construct it, as Python.
+  kwargs: for AdaptiveSoftmax, `tf_hsm.AdaptiveSoftmax(**kwargs)` (num_classes,
+    cutoffs, div_value, tail, and counts for a two-level tail); for
+    HierarchicalSoftmax, `tf_hsm.HierarchicalSoftmax(**kwargs)` builds the tree on
+    first access (`tree`).
+  """
+  kind: str
+  method: str
+  code: str
+  cutoffs: list = None
+  tail: str = None
+  div_value: float = None
+  num_classes: int = None
+  _build: object = dataclasses.field(default=None, repr=False, compare=False)
+  _counts: object = dataclasses.field(default=None, repr=False, compare=False)
+  _tree: object = dataclasses.field(default=None, repr=False, compare=False)
+
+  @property
+  def tree(self):
+    """The `Tree` of a HierarchicalSoftmax recommendation (built on first access: at
+    10M classes a binary Huffman tree's paths hold a few GB), else None."""
+    if self._tree is None and self._build is not None:
+      self._tree = self._build()
+    return self._tree
+
+  @property
+  def kwargs(self):
+    if self.kind == "HierarchicalSoftmax":
+      return {"tree": self.tree}
+    if self.kind == "AdaptiveSoftmax":
+      kwargs = {"num_classes": self.num_classes, "cutoffs": list(self.cutoffs),
+                "div_value": self.div_value, "tail": self.tail}
+      if self.tail == "two_level" and self._counts is not None:
+        kwargs["counts"] = self._counts
+      return kwargs
+    return {}
+
+  def to_dict(self):
+    return {"kind": self.kind, "method": self.method, "code": self.code,
+            "cutoffs": self.cutoffs, "tail": self.tail, "div_value": self.div_value}
 
 
 @dataclasses.dataclass
 class Report:
-  """The plan: `rows` (one dict per candidate), `recommended` (a row's `method`) and
-  `reason` (one line)."""
+  """The plan: `rows` (one dict per candidate), `recommended` (a row's `method`),
+  `reason` (one line), `layer` (the recommended `Layer`, ready to construct), and
+  `notes` (rows left out and why, and the long names of the table's short ones)."""
   rows: list
   recommended: str
   reason: str
   settings: dict
+  layer: Layer = None
+  notes: list = dataclasses.field(default_factory=list)
 
   def to_dict(self):
     return {"rows": self.rows, "recommended": self.recommended, "reason": self.reason,
-            "settings": self.settings}
+            "settings": self.settings,
+            "layer": self.layer.to_dict() if self.layer else None, "notes": self.notes}
 
   def to_markdown(self):
+    """The table (within 120 columns: short names, the long ones below it; the
+    per-shard column only with shards), then the recommendation and the notes."""
     s = self.settings
+    shards = s["num_shards"] > 1
     lines = [
         f"V={s['num_classes']:,}, D={s['hidden']}, T={s['tokens_per_step']:,} tokens a "
         f"step, {s['optimizer']}, {s['dtype']}"
-        + (f", {s['num_shards']} shards" if s["num_shards"] > 1 else "")
+        + (f", {s['num_shards']} shards" if shards else "")
         + (f", budget {_size(s['memory_budget'])}" if s["memory_budget"] else ""),
-        "",
-        "| method | params | grad | slots | peak | per shard | rows touched | GFLOP | "
-        "MB moved | step | fits |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        ""]
+    header = ["method", "params", "grad", "slots", "peak"] + (["per shard"] if shards
+                                                             else []) + [
+        "rows", "GFLOP", "moved", "step", "fits"]
+    lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    footnotes = []
     for row in self.rows:
-      lines.append(
-          f"| {row['method']} | {_size(row['param_bytes'])} | {_size(row['grad_bytes'])} | "
-          f"{_size(row['slot_bytes'])} | {_size(row['peak_bytes'])} | "
-          f"{_size(row['per_shard_bytes'])} | {row['rows_touched']:,.0f} | "
-          f"{row['flops'] / 1e9:,.2f} | {row['bytes_moved'] / 1e6:,.0f} | "
-          f"{_seconds(row['step_seconds'])} | {'yes' if row['fits'] else 'no'} |")
-    lines += ["", f"Recommended: {self.recommended}: {self.reason}"]
+      label = row.get("label", row["method"])
+      if label != row["method"] and not (
+          label.startswith("HSM ") and row["method"] == "HierarchicalSoftmax " + label[4:]):
+        footnotes.append(f"- {label}: {row['method']}")
+      cells = [label] + [_size(row[k], short=True) for k in (
+          "param_bytes", "grad_bytes", "slot_bytes", "peak_bytes")] + (
+              [_size(row["per_shard_bytes"], short=True)] if shards else []) + [
+          _count(row["rows_touched"]), _count(row["flops"] / 1e9),
+          _size(row["bytes_moved"], short=True), _seconds(row["step_seconds"], short=True),
+          ("yes" if row["fits"] else "no") + ("" if row["exact"] else "*")]
+      lines.append("| " + " | ".join(cells) + " |")
+    text = ["HSM: HierarchicalSoftmax; rows: rows touched a step (expected); GFLOP: forward "
+            "and backward; moved: bytes a step reads and writes; *: approximate, never "
+            "recommended.", *footnotes, "",
+            f"Recommended: {self.recommended}: {self.reason}"]
+    if self.layer is not None and self.layer.code:
+      text.append(f"Construct it: {self.layer.code}")
+    text += [f"Note: {note}" for note in self.notes]
+    lines.append("")
+    for line in text:
+      indent = "  " if line.startswith("- ") else ""
+      lines += textwrap.wrap(line, 120, subsequent_indent=indent) or [""]
     return "\n".join(lines)
 
 
-def _size(value):
+def _size(value, short=False):
   if value is None:
     return "-"
   for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
     if value >= scale:
-      return f"{value / scale:.2f} {unit}"
+      return f"{_sig(value / scale)} {unit}" if short else f"{value / scale:.2f} {unit}"
   return f"{value:.0f} B"
 
 
-def _seconds(value):
+def _sig(value):
+  """Three significant figures, at most: 164, 11.2, 3.66."""
+  return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else \
+      f"{value:.2f}"
+
+
+def _count(value):
+  for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+    if value >= scale:
+      return f"{_sig(value / scale)}{unit}"
+  return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
+def _seconds(value, short=False):
+  if short:
+    return f"{_sig(value * 1e3)} ms" if value < 1 else f"{_sig(value)} s"
   return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
 TREES = ("two_level", "three_level", "huffman2", "huffman8", "huffman32")
 
 
-def _candidate_trees(num_classes, counts, names):
-  """(name, tree) for the hierarchical-softmax rows."""
-  trees = []
+@dataclasses.dataclass
+class _TreeCandidate:
+  name: str  # as the row's method shows it
+  code: str  # how to build it
+  work: object  # its TreeWork
+  build: object  # () -> the Tree
+
+
+def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes):
+  """The hierarchical-softmax candidates: each tree's `TreeWork` from its shape alone
+  (the layout of a two-level or balanced tree, a Huffman tree's merges), never its
+  paths: the `Tree` is built only for the one recommended."""
+  found = []
   huffman_counts = counts if counts is not None else np.ones(num_classes)
-  for name in names:
+  for i, name in enumerate(names):
+    progress(f"pricing tree {i + 1}/{len(names)}: {name}")
     if name == "two_level":
-      trees.append(("two_level(counts)" if counts is not None else "two_level",
-                    Tree.two_level(num_classes, counts=counts)))
+      layout = builders.two_level(num_classes, counts)
+      found.append(_TreeCandidate(
+          "two_level(counts)" if counts is not None else "two_level",
+          "Tree.two_level(num_classes, counts=counts)" if counts is not None else
+          "Tree.two_level(num_classes)", layout_work(*layout, probs, tokens),
+          lambda: Tree.two_level(num_classes, counts=counts)))
     elif name == "three_level":
       branching = max(2, math.ceil(num_classes ** (1 / 3)))
-      trees.append((f"balanced({branching}), three levels",
-                    Tree.balanced(num_classes, branching)))
+      layout = builders.balanced(num_classes, branching)
+      found.append(_TreeCandidate(
+          f"balanced({branching})", f"Tree.balanced(num_classes, {branching})",
+          layout_work(*layout, probs, tokens),
+          lambda b=branching: Tree.balanced(num_classes, b)))
     elif re.fullmatch(r"huffman\d+", name):
       k = int(name[len("huffman"):])
-      if 2 <= k < num_classes:
-        trees.append((f"huffman({k})", Tree.huffman(huffman_counts, branching=k)))
+      if not 2 <= k < num_classes:
+        notes.append(f"no huffman({k}) row: a {k}-ary tree needs 2 <= K < V={num_classes}")
+        continue
+      found.append(_TreeCandidate(
+          f"huffman({k})", f"Tree.huffman(counts, branching={k})",
+          huffman_work(huffman_counts, k, probs, tokens),
+          lambda k=k: Tree.huffman(huffman_counts, branching=k)))
     else:
       raise ValueError(f"unknown tree {name!r}; known: {', '.join(TREES)} (huffmanK for "
                        "any K)")
-  return trees
-
-
+    layout = None
+  return found
 
 
 def _short_list(values):
@@ -115,35 +236,55 @@ def _short_list(values):
 
 
 def _adaptive_layouts(V, D, T, probs, optimizer, dtype, machine, tails, cutoffs,
-                      div_value):
-  """(method, cutoffs, tail) of the adaptive rows: the given cutoffs for each tail, or
-  the cutoffs `choose_cutoffs` picks for each tail and, to compare with, flat tails at
-  PyTorch-style fixed cutoffs."""
+                      div_value, notes):
+  """(method, label, cutoffs, tail) of the adaptive rows: the given cutoffs for each
+  tail, or the cutoffs `choose_cutoffs` picks for each tail and, to compare with, flat
+  tails at PyTorch-style fixed cutoffs. A row that cannot be priced adds a note."""
   if cutoffs is not None:
-    return [(f"AdaptiveSoftmax {tail}, cutoffs", list(cutoffs), tail) for tail in tails]
+    return [(f"AdaptiveSoftmax {tail}, cutoffs", f"adaptive {tail}", list(cutoffs), tail)
+            for tail in tails]
   layouts = []
   for tail in tails:
     try:
       chosen = choose_cutoffs(probs, D, T, div_value, tail, machine, optimizer=optimizer,
                               dtype=dtype)
-    except ValueError:  # D too narrow for a cluster of min_width, or V too small
+    except ValueError as error:  # D too narrow for a cluster of min_width, or V too small
+      notes.append(f"no AdaptiveSoftmax {tail} row at chosen cutoffs: {error}")
       continue
-    layouts.append((f"AdaptiveSoftmax {tail}, chosen cutoffs", chosen, tail))
-  fixed = pytorch_cutoffs(V, D, div_value)
-  if fixed and "flat" in tails:
-    layouts.append(("AdaptiveSoftmax flat, PyTorch-style fixed cutoffs", fixed, "flat"))
+    layouts.append((f"AdaptiveSoftmax {tail}, chosen cutoffs", f"adaptive {tail}", chosen,
+                    tail))
+  if "flat" in tails:
+    fixed = pytorch_cutoffs(V, D, div_value)
+    if fixed:
+      layouts.append(("AdaptiveSoftmax flat, PyTorch-style fixed cutoffs",
+                      "adaptive flat, fixed", fixed, "flat"))
+    else:
+      notes.append(f"no AdaptiveSoftmax row at PyTorch-style cutoffs: V={V} and D={D} "
+                   f"leave no cluster a width of 1 or more at div_value {div_value:g}")
   return layouts
+
+
+def _quiet(text):
+  del text
+
+
+def _pick(candidates):
+  """The fastest of `candidates` (rows, in table order), counting steps within
+  STEP_TIE of the fastest as equal; of those, the first."""
+  fastest = min(r["step_seconds"] for r in candidates)
+  return next(r for r in candidates if r["step_seconds"] <= fastest * (1 + STEP_TIE))
 
 
 def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
          dtype="float32", memory_budget=None, num_shards=1, machine=None, trees=TREES,
-         adaptive=TAILS, cutoffs=None, div_value=DIV_VALUE):
+         adaptive=TAILS, cutoffs=None, div_value=DIV_VALUE, progress=None):
   """Plans the output layer of a model: one row per candidate and a recommendation.
 
   Args:
     num_classes: V.
     hidden: D, the hidden size.
-    tokens_per_step: T, tokens (outputs) in a training step.
+    tokens_per_step: T, the outputs a training step scores: batch x sequence length
+      for a language model.
     counts: class frequencies [V] (uniform if None); class ids by decreasing frequency
       for the adaptive rows, whose head holds the first classes.
     optimizer: one of "sgd", "momentum", "adagrad", "adam", "lazy_adam" (the table's
@@ -152,19 +293,25 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
     memory_budget: bytes available per device (per parameter server with num_shards),
       or None.
     num_shards: parameter servers the table and slots are split over.
-    machine: a `Machine` (default: measured once and cached), or a dict of its fields.
+    machine: a `Machine` (default: this machine's cached rates, measured once, saying
+      so through `progress`), or a dict of its fields.
     trees: the trees of the hierarchical-softmax rows: "two_level" (equal-mass clusters
       with counts), "three_level" (balanced, branching V^(1/3)), "huffmanK" (K-ary
-      Huffman on the counts). Building them is most of the planner's time at 10M classes.
+      Huffman on the counts). They are priced from their shapes, never built; the
+      recommended one is built when `report.layer.tree` is first read.
     adaptive: the tails of the `AdaptiveSoftmax` rows, of "flat" and "two_level" (() for
       none).
     cutoffs: the adaptive rows' cutoffs (default: for each tail those
       `tf_hsm.planning.cutoffs.choose_cutoffs` picks for this step, optimizer and machine, and
       one flat row at `pytorch_cutoffs`).
     div_value: the adaptive rows' div_value.
+    progress: called with a line of text before each slow part (measuring the machine,
+      pricing each tree), or None.
 
   Returns:
-    A `Report`.
+    A `Report`. The recommendation is the fastest exact row that fits, rows within
+    STEP_TIE (10%) of the fastest counting as equally fast (then the first in the
+    table); with none that fits, the exact one that needs the least memory.
   """
   for name, value in (("num_classes", num_classes), ("hidden", hidden),
                       ("tokens_per_step", tokens_per_step), ("num_shards", num_shards)):
@@ -184,60 +331,95 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
   for tail in adaptive:
     if tail not in TAILS:
       raise ValueError(f"adaptive tails must be of {TAILS}, got {tail!r}")
-  machine = machine_lib.resolve(machine)
+  progress = progress or _quiet
+  machine = machine_lib.resolve(machine, progress)
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   probs = probabilities(V, counts)
+  notes = []
 
-  def row(method, cost, exact=True):
-    return price(method, cost, D, T, optimizer, dtype, machine, memory_budget, num_shards,
-                 exact)
+  def row(method, label, cost, exact=True):
+    priced = price(method, cost, D, T, optimizer, dtype, machine, memory_budget,
+                   num_shards, exact)
+    priced["label"] = label
+    return priced
 
-  rows = [row("full softmax", full_softmax_cost(V, D, T)),
-          row("sampled softmax", sampled_softmax_cost(V, D, T, probs), exact=False)]
-  for name, tree in _candidate_trees(V, counts, trees):
-    rows.append(row(f"HierarchicalSoftmax {name}", tree_cost(tree, D, T, probs)))
-  for method, chosen, tail in _adaptive_layouts(V, D, T, probs, optimizer, dtype, machine,
-                                                adaptive, cutoffs, div_value):
+  rows = [row("full softmax", "full softmax", full_softmax_cost(V, D, T)),
+          row("sampled softmax", "sampled softmax", sampled_softmax_cost(V, D, T, probs),
+              exact=False)]
+  layers = [Layer("full softmax", "full softmax", ""), None]
+  for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes):
+    rows.append(row(f"HierarchicalSoftmax {tree.name}", f"HSM {tree.name}",
+                    tree_cost(tree.work, D, T, probs)))
+    layers.append(Layer("HierarchicalSoftmax", rows[-1]["method"],
+                        f"HierarchicalSoftmax({tree.code})", _build=tree.build))
+  progress("choosing the adaptive softmax's cutoffs")
+  for method, label, chosen, tail in _adaptive_layouts(V, D, T, probs, optimizer, dtype,
+                                                       machine, adaptive, cutoffs,
+                                                       div_value, notes):
     widths = ", ".join(map(str, tail_widths(D, len(chosen), div_value)))
+    try:
+      cost = adaptive_cost(V, D, T, chosen, div_value, tail, counts)
+    except ValueError as error:
+      notes.append(f"no {method} {_short_list(chosen)} row: {error}")
+      continue
     rows.append(row(f"{method} {_short_list(chosen)}, div {div_value:g} (tail widths "
-                    f"{widths})", adaptive_cost(V, D, T, chosen, div_value, tail, counts)))
+                    f"{widths})", label, cost))
+    layers.append(Layer(
+        "AdaptiveSoftmax", rows[-1]["method"],
+        f"AdaptiveSoftmax(num_classes, cutoffs={list(chosen)}, div_value={div_value:g}, "
+        f"tail={tail!r}" + (", counts=counts)" if tail == "two_level" and
+                            counts is not None else ")"),
+        list(chosen), tail, float(div_value), V, _counts=counts))
   exact = [r for r in rows if r["exact"] and r["fits"]]
+  full = rows[0]
   if exact:
-    best = min(exact, key=lambda r: r["step_seconds"])
-    full = rows[0]
+    best = _pick(exact)
     reason = (f"the fastest exact layer that fits: {_seconds(best['step_seconds'])} a step "
               f"({full['step_seconds'] / best['step_seconds']:.0f}x full softmax), "
               f"{best['rows_touched']:,.0f} rows touched, peak {_size(best['peak_bytes'])}")
-    recommended = best["method"]
+    fastest = min(r["step_seconds"] for r in exact)
+    if best["step_seconds"] > fastest:
+      reason += (f" (within {STEP_TIE:.0%} of the fastest, {_seconds(fastest)}: "
+                 "equal within the model's error, and earlier in the table)")
   else:
-    smallest = min(rows, key=lambda r: r["per_shard_bytes"])
-    recommended = smallest["method"]
+    best = min((r for r in rows if r["exact"]), key=lambda r: r["per_shard_bytes"])
     reason = (f"nothing exact fits {_size(memory_budget)}; this one needs the least "
-              f"({_size(smallest['per_shard_bytes'])}): add shards or memory")
+              f"({_size(best['per_shard_bytes'])}): add shards or memory")
+  layer = layers[rows.index(best)]
   settings = {"num_classes": V, "hidden": D, "tokens_per_step": T, "optimizer": optimizer,
               "dtype": dtype, "memory_budget": memory_budget, "num_shards": num_shards,
               "machine": dataclasses.asdict(machine)}
-  return Report(rows, recommended, reason, settings)
+  return Report(rows, best["method"], reason, settings, layer, notes)
 
 
 def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
-                   dtype="float32", memory_budget=None, machine=None, trees=TREES):
-  """The `HierarchicalSoftmax` tree the planner prices fastest among `trees` (as `plan`
-  builds them) that fits `memory_budget`, or the smallest when none fits.
+                   dtype="float32", memory_budget=None, machine=None, trees=TREES,
+                   progress=None):
+  """The `HierarchicalSoftmax` tree to use: of `trees` (as `plan` takes them), the one
+  the planner prices fastest (rows within STEP_TIE counting as equal, then the first
+  of `trees`) among those that fit `memory_budget`, or the smallest when none fits.
+  Only that tree is built.
 
   Returns:
     (tree, row): the `tf_hsm.Tree` and its planner row (a dict, as in `plan`'s rows).
+
+  Raises:
+    ValueError: if no tree of `trees` can be built for `num_classes`.
   """
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   probs = probabilities(V, counts)
-  machine = machine_lib.resolve(machine)
-  candidates = [(tree, price(f"HierarchicalSoftmax {name}", tree_cost(tree, D, T, probs),
-                             D, T, optimizer, dtype, machine, memory_budget))
-                for name, tree in _candidate_trees(V, counts, trees)]
+  progress = progress or _quiet
+  machine = machine_lib.resolve(machine, progress)
+  notes = []
+  candidates = [(tree, price(f"HierarchicalSoftmax {tree.name}",
+                             tree_cost(tree.work, D, T, probs), D, T, optimizer, dtype,
+                             machine, memory_budget))
+                for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes)]
   if not candidates:
-    raise ValueError(f"no tree among {list(trees)} can be built for {V} classes")
-  fitting = [c for c in candidates if c[1]["fits"]]
-  if fitting:
-    return min(fitting, key=lambda c: c[1]["step_seconds"])
-  return min(candidates, key=lambda c: c[1]["peak_bytes"])
-
+    raise ValueError(f"no tree among {list(trees)} can be built for {V} classes: "
+                     + "; ".join(notes))
+  fitting = [row for _, row in candidates if row["fits"]]
+  best = _pick(fitting) if fitting else min((row for _, row in candidates),
+                                            key=lambda r: r["peak_bytes"])
+  tree = next(t for t, row in candidates if row is best)
+  return tree.build(), best

@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 
-from tf_hsm.planning.tree_work import (WALK_MAX_BRANCHING, distinct, tree_bytes,
-                                       tree_costs)
+from tf_hsm.planning.tree_work import (WALK_MAX_BRANCHING, TreeWork, distinct,
+                                       work_of_tree)
 from tf_hsm.tree import shards
 
 # only) with tf_hsm's optimizers.
@@ -103,17 +103,19 @@ def sampled_softmax_cost(num_classes, hidden, tokens_per_step, probs,
 
 
 def tree_cost(tree, hidden, tokens_per_step, probs):
-  """A hierarchical softmax over `tree`: the children of every visited node are read and
-  get a gradient row (sparse); the op keeps the logits of its large nodes for the
-  gradient, one per visit and child."""
+  """A hierarchical softmax over `tree` (a `Tree`, or its `TreeWork` computed without
+  building it: `tree_work.huffman_work`, `tree_work.layout_work`): the children of every
+  visited node are read and get a gradient row (sparse); the op keeps the logits of its
+  large nodes for the gradient, one per visit and child."""
   D, T = hidden, tokens_per_step
-  per_token, per_token_small, touched, path_nodes = tree_costs(tree, probs, T)
-  return Cost([Part("table", tree.num_slots * (D + 1), touched * (D + 1), False, True)],
-              touched, 6.0 * T * D * per_token, T * per_token + 3 * T * D,
+  work = tree if isinstance(tree, TreeWork) else work_of_tree(tree, probs, T)
+  per_token = work.per_token
+  return Cost([Part("table", work.num_slots * (D + 1), work.rows * (D + 1), False, True)],
+              work.rows, 6.0 * T * D * per_token, T * per_token + 3 * T * D,
               tree_flops=6.0 * T * D * per_token,
-              node_visits=T * path_nodes, children_scored=T * per_token,
-              small_node_flops=6.0 * T * D * per_token_small,
-              tree_bytes=tree_bytes(tree))
+              node_visits=T * work.path_nodes, children_scored=T * per_token,
+              small_node_flops=6.0 * T * D * work.per_token_small,
+              tree_bytes=work.tree_bytes)
 
 
 def pytorch_cutoffs(num_classes, hidden, div_value=DIV_VALUE):

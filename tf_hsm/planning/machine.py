@@ -27,11 +27,15 @@ class Machine:
   tree_step: tuple = None
 
   @classmethod
-  def measure(cls):
+  def measure(cls, progress=None):
     """Measures this machine (about 20 s): an output layer's float32 matmuls, a large
     reduction, an empty tf.function call, TensorFlow's softmax cross-entropy, and
-    tf_hsm's training step (`tf_hsm.planning.step_fit`)."""
+    tf_hsm's training step (`tf_hsm.planning.step_fit`). `progress(text)`, if given, is
+    called before each part."""
+    progress = progress or (lambda text: None)
+    progress("measuring this machine: importing TensorFlow")
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    progress("measuring this machine: matmul, read bandwidth, call overhead, softmax")
 
     def best(fn, repeats):
       fn()
@@ -76,33 +80,74 @@ class Machine:
     softmax_seconds = best(lambda: softmax().numpy(), 5) / (256 * 32768)
     from tf_hsm.planning import step_fit  # pylint: disable=import-outside-toplevel
     return cls(matmul_flops, big.shape[0] * 4 / read_seconds, call, "measured",
-               softmax_seconds, step_fit.measure())
+               softmax_seconds, step_fit.measure(progress=progress))
 
   @classmethod
-  def cached(cls, path=None, refresh=False):
-    """The measured machine, from `path` (default: the user's cache directory) if it was
-    measured there before for this CPU (and not `refresh`), else measured now and saved.
-    Measure on a quiet machine: other jobs lower the rates."""
-    path = path or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tf_hsm",
-        "machine.json")
-    key = _cpu_key()
-    try:
-      with open(path) as f:
-        saved = json.load(f)
-      if saved.get("cpu") == key and not refresh:
+  def cached(cls, path=None, refresh=False, name=None, progress=None):
+    """This machine's rates from the cache file `path` (default:
+    ~/.cache/tf_hsm/machine.json, or $XDG_CACHE_HOME/tf_hsm), under `name` (default
+    `machine_name()`: the CPU model and count).
+
+    Rates are measured only when the cache has none under `name` (the first run, or a
+    cache written by an older tf_hsm without the fitted tree step) or when `refresh`
+    (`--remeasure`); either way `progress(text)` is told first, so a measurement is
+    never taken silently, and the result is saved under `name` beside the other
+    machines' entries. Otherwise the same cached figures every run: the planner's
+    output is deterministic. Measure on a quiet machine: other jobs lower the rates.
+    """
+    progress = progress or (lambda text: None)
+    path = path or cache_path()
+    name = name or machine_name()
+    entries = _read_cache(path)
+    saved = entries.get(name)
+    if saved is not None and not refresh:
+      try:
         return cls(saved["matmul_flops"], saved["read_bytes"], saved["call_seconds"],
                    "cached", saved["softmax_seconds"], tuple(saved["tree_step"]))
-    except (OSError, ValueError, KeyError):
-      pass
-    machine = cls.measure()
+      except (KeyError, TypeError):
+        progress(f"the cached rates of {name!r} in {path} are incomplete (an older "
+                 "tf_hsm): measuring again")
+    why = "--remeasure" if refresh else f"no rates cached for {name!r} in {path}"
+    progress(f"measuring this machine ({why}; about 20 s, cached after)")
+    machine = cls.measure(progress=progress)
+    entries[name] = dict(dataclasses.asdict(machine),
+                         measured_at=time.strftime("%Y-%m-%d %H:%M"))
     try:
       os.makedirs(os.path.dirname(path), exist_ok=True)
       with open(path, "w") as f:
-        json.dump(dict(dataclasses.asdict(machine), cpu=key), f)
-    except OSError:
-      pass
+        json.dump({"machines": entries}, f, indent=1)
+    except OSError as error:
+      progress(f"could not save the rates to {path}: {error}")
     return machine
+
+
+def cache_path():
+  """Where `Machine.cached` keeps the measured rates."""
+  return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                      "tf_hsm", "machine.json")
+
+
+def _read_cache(path):
+  """{name: fields} of the cache file; a file of the older one-machine format (its
+  fields and "cpu", the CPU key) reads as one entry under that key."""
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  if not isinstance(saved, dict):
+    return {}
+  if isinstance(saved.get("machines"), dict):
+    return dict(saved["machines"])
+  if "cpu" in saved:
+    return {saved["cpu"]: saved}
+  return {}
+
+
+def machine_name():
+  """The default key of this machine's cached rates: its CPU model and count (machines
+  alike in both run at about the same rates; containers' host names change)."""
+  return _cpu_key()
 
 
 def _cpu_key():
@@ -114,9 +159,9 @@ def _cpu_key():
     return f"unknown x{os.cpu_count()}"
 
 
-def resolve(machine):
+def resolve(machine, progress=None):
   """`machine` as a `Machine`: a dict of its fields, or None for this machine's cached
-  rates (measured now when there are none).
+  rates (measured now when there are none, telling `progress`).
 
   Raises:
     TypeError: if machine is neither.
@@ -124,7 +169,7 @@ def resolve(machine):
   if isinstance(machine, dict):
     machine = Machine(**machine)
   if machine is None:
-    machine = Machine.cached()
+    machine = Machine.cached(progress=progress)
   if not isinstance(machine, Machine):
     raise TypeError(f"machine must be a tf_hsm.planning.Machine or a dict of its fields, "
                     f"got {type(machine).__name__}")

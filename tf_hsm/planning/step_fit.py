@@ -125,10 +125,14 @@ def fit(rows):
   return tuple(float(c) for c in coefficients)
 
 
-def measure(shapes=SHAPES, repeats=REPEATS):
-  """The coefficients of `tf_hsm.planning.tree_work.TREE_STEP_TERMS` fitted to `shapes`."""
+def measure(shapes=SHAPES, repeats=REPEATS, progress=None):
+  """The coefficients of `tf_hsm.planning.tree_work.TREE_STEP_TERMS` fitted to `shapes`
+  (`progress(text)` told before each)."""
   rows = []
-  for num_classes, hidden, tokens, kind in shapes:
+  for i, (num_classes, hidden, tokens, kind) in enumerate(shapes):
+    if progress:
+      progress(f"measuring this machine: tf_hsm's step {i + 1}/{len(shapes)} "
+               f"(V={num_classes:,}, D={hidden}, T={tokens:,}, {kind})")
     seconds, tree = time_step(num_classes, hidden, tokens, kind, repeats)
     probs = _zipf(num_classes)
     rows.append(features(tree, hidden, tokens, probs / probs.sum()) + (seconds,))

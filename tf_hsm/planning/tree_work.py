@@ -3,6 +3,8 @@ tokens' paths score, the rows they touch and the index bytes it holds (expected 
 for a step of T tokens drawn from the class probabilities), and the terms
 `Machine.tree_step` prices them by."""
 
+import typing
+
 import numpy as np
 
 from tf_hsm.tree import shards
@@ -48,3 +50,149 @@ def distinct(probs, draws):
   """Expected distinct classes among `draws` samples of `probs`."""
   return float(np.sum(shards.touch_probability(probs, draws)))
 
+
+
+class TreeWork(typing.NamedTuple):
+  """What `tree_costs` and `tree_bytes` give for one tree, without the tree: computed
+  from a tree (`work_of_tree`), from its layout alone (`layout_work`: no paths) or, for
+  a Huffman tree, from the builder's merges alone (`huffman_work`: no layout), which
+  is how the planner prices a 10M-class tree in a second and a few hundred MB."""
+  num_classes: int
+  num_nodes: int
+  per_token: float  # expected children scored a token: sum_n p(n) K(n)
+  per_token_small: float  # ... in nodes of at most WALK_MAX_BRANCHING children
+  rows: float  # expected distinct rows a step: sum_n K(n) (1 - (1 - p(n))^T)
+  path_nodes: float  # expected nodes on a token's path: sum_n p(n)
+  path_steps: int  # P: the length of all the classes' paths together
+
+  @property
+  def num_slots(self):
+    return self.num_classes + self.num_nodes - 1
+
+  @property
+  def tree_bytes(self):
+    """`tree_bytes` of the tree: its int64 arrays (child_begin M+1, slot_child and
+    slot_node S each, node_slot and node_depth M each, class_slot and class depths C
+    each, path_begin C+1, path_nodes and path_slots P each)."""
+    C, M, S, P = self.num_classes, self.num_nodes, self.num_slots, self.path_steps
+    return 8.0 * ((M + 1) + 2 * S + 2 * M + 2 * C + (C + 1) + 2 * P)
+
+
+def _work(num_classes, node_p, sizes, path_steps, tokens):
+  sizes = sizes.astype(np.float64)  # float64 dot products run in BLAS, mixed ones do not
+  small = sizes <= WALK_MAX_BRANCHING
+  per_token = float(np.dot(node_p, sizes))
+  if small.all():
+    per_token_small = per_token
+  else:
+    per_token_small = float(np.dot(node_p, np.where(small, sizes, 0.0)))
+  return TreeWork(int(num_classes), int(sizes.size), per_token, per_token_small,
+                  float(np.dot(sizes, shards.touch_probability(node_p, tokens))),
+                  float(node_p.sum()), int(path_steps))
+
+
+def work_of_tree(tree, probs, tokens):
+  """The `TreeWork` of a built `Tree` (its paths: the reference the others match)."""
+  node_p = shards.node_probabilities(tree, probs)
+  return _work(tree.num_classes, node_p, np.diff(tree.child_begin),
+               tree.path_nodes.size, tokens)
+
+
+def layout_work(child_begin, slot_child, num_classes, probs, tokens):
+  """The `TreeWork` of a BFS layout (`tf_hsm.tree.builders`' `(child_begin, slot_child,
+  num_classes)`), without deriving its paths: node masses and class counts summed up
+  the tree one level at a time (BFS numbers a level contiguously, parents first)."""
+  child_begin = np.asarray(child_begin, np.int64)
+  slot_child = np.asarray(slot_child, np.int64)
+  C = int(num_classes)
+  sizes = np.diff(child_begin)
+  M = sizes.size
+  slot_node = np.repeat(np.arange(M, dtype=np.int64), sizes)
+  internal = slot_child >= C
+  node_parent = slot_node[internal]  # of nodes 1..M-1, in order (BFS), non-decreasing
+  class_node = slot_node[~internal]
+  classes = slot_child[~internal]
+  del slot_node
+  node_p = np.bincount(class_node, weights=np.asarray(probs, np.float64)[classes],
+                       minlength=M)
+  below = np.bincount(class_node, minlength=M).astype(np.float64)  # classes under n
+  del class_node, classes
+  bounds = [0, 1]  # level d holds nodes bounds[d] .. bounds[d+1]-1
+  while bounds[-1] < M:
+    bounds.append(1 + int(np.searchsorted(node_parent, bounds[-1], side="left")))
+  for lo, hi in reversed(list(zip(bounds[1:-1], bounds[2:]))):
+    parents = node_parent[lo - 1:hi - 1]
+    first = int(parents[0])
+    node_p[first:lo] += np.bincount(parents - first, weights=node_p[lo:hi],
+                                    minlength=lo - first)
+    below[first:lo] += np.bincount(parents - first, weights=below[lo:hi],
+                                   minlength=lo - first)
+  return _work(C, node_p, sizes, round(float(below.sum())), tokens)
+
+
+def huffman_work(counts, branching, probs, tokens):
+  """The `TreeWork` of `Tree.huffman(counts, branching)`, from the merges alone.
+
+  The same two-queue merge as `tf_hsm.tree.builders.huffman` (the same batches and
+  ties, so the same tree), keeping each merged node's weight, its number of children
+  and the number of classes below it instead of the nodes themselves: a node's
+  probability is its weight's share, and the classes' path steps add up to the
+  classes below every node. O(C) memory in a few arrays, no layout and no paths.
+  """
+  from tf_hsm.tree.checks import check_int, counts_array  # NumPy only
+  k = check_int(branching, "branching", 2)
+  w = counts_array(counts)
+  n = w.size
+  if n == 1:
+    return TreeWork(1, 1, 1.0, 1.0, 1.0, 1.0, 1)
+  # Sorted ascending (ties in any order: only weights are kept). Counts given by
+  # decreasing frequency, as a vocabulary's usually are, need no sort.
+  if n > 1 and np.all(w[1:] <= w[:-1]):
+    leaf_w = w[::-1].copy()
+  else:
+    leaf_w = np.sort(w, kind="stable")
+  del w
+  first = 2 + (n - 2) % (k - 1)
+  m = 1 + (n - first) // (k - 1)
+  merged_w = np.empty(m, leaf_w.dtype)
+  merged_n = np.empty(m, np.int64)  # classes below each merged node
+  merged_w[0] = leaf_w[:first].sum()
+  merged_n[0] = first
+  li, qi, qn = first, 0, 1
+  while qn < m:
+    head = np.concatenate((leaf_w[li:li + k], merged_w[qi:min(qi + k, qn)]))
+    head.sort()
+    w0 = head[:k].sum()
+    la = li + int(np.searchsorted(leaf_w[li:], w0, side="right"))
+    qa = qi + int(np.searchsorted(merged_w[qi:qn], w0, side="right"))
+    n_leaf, n_merged = la - li, qa - qi
+    groups = min((n_leaf + n_merged) // k, m - qn)
+    assert groups > 0, "Huffman batch made no progress"
+    take = groups * k
+    if n_merged == 0:
+      sel_w, sel_n, used_leaves = leaf_w[li:li + take], np.ones(take, np.int64), take
+    elif n_leaf == 0:
+      sel_w, sel_n, used_leaves = merged_w[qi:qi + take], merged_n[qi:qi + take], 0
+    else:
+      cand = np.concatenate((leaf_w[li:la], merged_w[qi:qa]))
+      sel = np.argsort(cand, kind="stable")[:take]
+      sel_w = cand[sel]
+      is_leaf = sel < n_leaf
+      sel_n = np.where(is_leaf, 1, merged_n[qi + np.maximum(sel - n_leaf, 0)])
+      used_leaves = int(np.count_nonzero(is_leaf))
+    if k == 2:  # the same sums as the builder's reshape(...).sum(axis=1), faster
+      np.add(sel_w[0::2], sel_w[1::2], out=merged_w[qn:qn + groups])
+      np.add(sel_n[0::2], sel_n[1::2], out=merged_n[qn:qn + groups])
+    else:
+      merged_w[qn:qn + groups] = sel_w.reshape(groups, k).sum(axis=1)
+      merged_n[qn:qn + groups] = sel_n.reshape(groups, k).sum(axis=1)
+    li += used_leaves
+    qi += take - used_leaves
+    qn += groups
+  total = float(np.sum(np.asarray(probs, np.float64)))
+  weight = float(merged_w[-1])  # the root's: every class
+  node_p = merged_w.astype(np.float64) * (total / weight) if weight > 0 else \
+      merged_n / n * total
+  sizes = np.full(m, k, np.int64)
+  sizes[0] = first
+  return _work(n, node_p, sizes, int(merged_n.sum()), tokens)
