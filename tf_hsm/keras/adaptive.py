@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_hsm.frontend import hsm as _hsm
 from tf_hsm.planning import cutoffs as _adaptive_cutoffs
 from tf_hsm.ops import inference
 from tf_hsm.planning.costs import TAILS, tail_widths  # noqa: F401 (public here)
@@ -249,6 +250,10 @@ class AdaptiveSoftmax(keras.layers.Layer):
                        "call build(hidden_shape)) first")
 
   # ------------------------------------------------------------------ training
+
+  def __call__(self, *args, **kwargs):
+    _hsm.refuse_other_keras("keras", "AdaptiveSoftmax", (args, kwargs))
+    return super().__call__(*args, **kwargs)
 
   def call(self, hidden, targets, mask=None, hidden_mask=None):
     targets = tf.convert_to_tensor(targets)

@@ -1,17 +1,13 @@
 """`HierarchicalSoftmax`, the Keras 3 layer over `tf_hsm.log_prob`."""
 
-import contextlib
-
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_hsm.frontend import hsm as _hsm
+from tf_hsm.frontend import rebuild as _rebuild
 from tf_hsm.ops import inputs as _inputs
 from tf_hsm.ops import loader as _loader
-from tf_hsm import distribute
-from tf_hsm.tree.checks import counts_array
-from tf_hsm.ops import log_prob
-from tf_hsm.tree import Tree
 
 # Tables larger than this are initialised one block of rows at a time (see
 # `_block_initializer`): a Keras random initializer computes its value with several
@@ -85,20 +81,8 @@ class HierarchicalSoftmax(keras.layers.Layer):
                bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
                kernel_constraint=None, bias_constraint=None, row_layout=None, **kwargs):
     super().__init__(**kwargs)
-    if isinstance(tree, dict):
-      tree = Tree.from_config(tree)
-    if not isinstance(tree, Tree):
-      raise TypeError(f"tree must be a tf_hsm.Tree, got {type(tree).__name__}")
-    self.tree = tree
-    if isinstance(row_layout, dict):
-      row_layout = distribute.RowLayout(tree, **row_layout)
-    if row_layout is not None and not isinstance(row_layout, distribute.RowLayout):
-      raise TypeError("row_layout must be a tf_hsm.distribute.RowLayout or None, got "
-                      f"{type(row_layout).__name__}")
-    if row_layout is not None and row_layout.slot_rows.size != tree.num_slots:
-      raise ValueError(f"row_layout has {row_layout.slot_rows.size} rows; the tree has "
-                       f"{tree.num_slots} slots")
-    self.row_layout = row_layout
+    self.tree = _hsm.checked_tree(tree)
+    self.row_layout = _hsm.checked_row_layout(self.tree, row_layout)
     self.use_bias = bool(use_bias)
     self.kernel_initializer = keras.initializers.get(kernel_initializer)
     self.bias_initializer = keras.initializers.get(bias_initializer)
@@ -144,35 +128,26 @@ class HierarchicalSoftmax(keras.layers.Layer):
 
   def _hidden(self, hidden):
     """hidden in the table's dtype: low-precision activations are computed in float32."""
-    hidden = tf.convert_to_tensor(hidden)
-    dtype = tf.as_dtype(self.kernel.dtype)
-    return hidden if hidden.dtype == dtype else tf.cast(hidden, dtype)
+    return _hsm.hidden_in(hidden, self.kernel.dtype)
 
   def _tables(self):
     """(kernel, bias) as the ops take them: in the row layout, when there is one."""
-    if self.row_layout is None:
-      return self.kernel, self.bias
-    return (self.row_layout.table(self.kernel),
-            None if self.bias is None else self.row_layout.table(self.bias))
+    return _hsm.tables(self.kernel, self.bias, self.row_layout)
 
   def _check_built(self, what):
     if not self.built:
       raise ValueError(f"HierarchicalSoftmax.{what} needs a built layer: call it on data "
                        "(or call build(hidden_shape)) first")
 
+  def __call__(self, *args, **kwargs):
+    _hsm.refuse_other_keras("keras", "HierarchicalSoftmax", (args, kwargs))
+    return super().__call__(*args, **kwargs)
+
   def call(self, hidden, targets, mask=None, hidden_mask=None):
     # `hidden_mask` is filled in by Keras with the mask of `hidden` (multi-input layers
     # receive one `<argument>_mask` per tensor argument).
-    targets = tf.convert_to_tensor(targets)
-    valid = targets >= 0
-    for extra in (mask, hidden_mask):
-      if extra is not None:
-        valid = tf.logical_and(valid, tf.cast(extra, tf.bool))
-    safe_targets = tf.where(valid, targets, tf.zeros_like(targets))
-    out = log_prob(self._hidden(hidden), *self._tables(), self.tree, safe_targets)
-    out = tf.where(valid, out, tf.zeros_like(out))
-    out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
-    return out
+    return _hsm.log_probs(hidden, targets, self.kernel, self.bias, self.tree,
+                          self.row_layout, (mask, hidden_mask))
 
   def compute_mask(self, hidden, previous_mask=None):
     # `call` attaches the real mask (it depends on the targets) to its output.
@@ -255,39 +230,9 @@ class HierarchicalSoftmax(keras.layers.Layer):
         match the layer's classes.
     """
     self._check_built("rebuild_tree")
-    if self.row_layout is not None:
-      raise ValueError("HierarchicalSoftmax.rebuild_tree does not support a row_layout "
-                       "(it is made for one tree): rebuild without one")
-    if distribute.pieces(self.kernel) is not None:
-      raise ValueError("HierarchicalSoftmax.rebuild_tree does not support a table held "
-                       "in pieces (a variable_partitioner)")
-    num_classes = self.num_classes
-    if counts is not None:
-      counts = counts_array(counts)
-      if counts.shape[0] != num_classes:
-        raise ValueError(f"counts has {counts.shape[0]} entries; the layer has "
-                         f"{num_classes} classes")
-    class_rows = tf.gather(self.kernel, self.tree.class_slot).numpy()
-    if tree is None:
-      if vectors is None:
-        vectors = class_rows
-      else:
-        vectors = _vectors_array(vectors, num_classes)
-      tree = Tree.from_vectors(vectors, counts=counts, branching=branching, seed=seed,
-                               head=head)
-    elif vectors is not None:
-      raise ValueError("give rebuild_tree a tree or the vectors to build one from, not "
-                       "both")
-    elif head:
-      raise ValueError("head is an option of the tree rebuild_tree builds; a given tree "
-                       "has its own root")
-    elif not isinstance(tree, Tree):
-      raise ValueError(f"tree must be a tf_hsm.Tree or None, got {type(tree).__name__}")
-    elif tree.num_classes != num_classes:
-      raise ValueError(f"the new tree has {tree.num_classes} classes; the layer has "
-                       f"{num_classes}")
-    mass = _class_masses(counts, num_classes)
-    kernel_values, bias_values = _transferred_weights(tree, class_rows, mass)
+    tree, kernel_values, bias_values = _rebuild.new_tree_and_weights(
+        self.tree, self.kernel, self.row_layout, tree, counts=counts, branching=branching,
+        seed=seed, vectors=vectors, head=head)
     self._replace_weights(tree, kernel_values, bias_values)
     return tree
 
@@ -334,13 +279,7 @@ class HierarchicalSoftmax(keras.layers.Layer):
     return config
 
 
-def _fan_divisor(mode, rows, dim):
-  """What `keras.initializers.VarianceScaling` divides its scale by for a [rows, dim] table."""
-  if mode == "fan_in":
-    return max(1.0, rows)
-  if mode == "fan_out":
-    return max(1.0, dim)
-  return max(1.0, (rows + dim) / 2.0)
+_fan_divisor = _hsm.fan_divisor
 
 
 def _block_initializer(initializer, shape, dtype):
@@ -393,84 +332,15 @@ def _block_initializer(initializer, shape, dtype):
   return lambda block_rows: block_init((block_rows, dim), dtype=dtype)
 
 
-def _partitioning_strategy():
-  """Whether the strategy in scope creates variables in pieces (a ParameterServerStrategy
-  with a `variable_partitioner`; the attribute is not public API)."""
-  if not tf.distribute.has_strategy():
-    return False
-  extended = tf.distribute.get_strategy().extended
-  return getattr(extended, "_variable_partitioner", None) is not None
-
-
-def _piece_sampler(initializer, shape, dtype):
-  """`draw(partition_shape, partition_offset)`: the rows at `partition_offset` of the
-  table `initializer` fills, from the distribution it gives the whole `shape` (its fans
-  are the table's), drawn by a stateless generator keyed by the initializer's seed and
-  the piece's first row. None for initializers whose values are not drawn independently
-  (Orthogonal, Identity, custom callables)."""
-  init = keras.initializers
-  dtype = tf.as_dtype(dtype)
-  kind = type(initializer).__call__
-  if isinstance(initializer, init.Constant) or kind is init.Zeros.__call__ or \
-      kind is init.Ones.__call__:
-    value = {init.Zeros.__call__: 0.0, init.Ones.__call__: 1.0}.get(
-        kind, getattr(initializer, "value", None))
-    if value is None or np.ndim(value) != 0:
-      return None
-    return lambda piece_shape, offset: tf.fill(piece_shape, tf.cast(value, dtype))
-  seed = initializer.seed if isinstance(getattr(initializer, "seed", None), int) else \
-      int(np.random.randint(0, 2**31 - 1))
-
-  def keyed(offset):
-    return tf.constant([seed, offset], tf.int64)
-
-  if kind is init.VarianceScaling.__call__ and len(shape) == 2 and \
-      initializer.input_axes is None and initializer.output_axes is None:
-    scale = initializer.scale / _fan_divisor(initializer.mode, shape[0], shape[1])
-    distribution = initializer.distribution
-    if distribution == "truncated_normal":
-      stddev = np.sqrt(scale) / 0.87962566103423978
-      return lambda s, o: tf.random.stateless_truncated_normal(s, keyed(o), stddev=stddev,
-                                                               dtype=dtype)
-    if distribution == "untruncated_normal":
-      return lambda s, o: tf.random.stateless_normal(s, keyed(o), stddev=np.sqrt(scale),
-                                                     dtype=dtype)
-    limit = np.sqrt(3.0 * scale)
-    return lambda s, o: tf.random.stateless_uniform(s, keyed(o), -limit, limit, dtype=dtype)
-  if kind is init.RandomUniform.__call__:
-    return lambda s, o: tf.random.stateless_uniform(
-        s, keyed(o), initializer.minval, initializer.maxval, dtype=dtype)
-  if kind is init.RandomNormal.__call__:
-    return lambda s, o: tf.random.stateless_normal(
-        s, keyed(o), initializer.mean, initializer.stddev, dtype=dtype)
-  if kind is init.TruncatedNormal.__call__:
-    return lambda s, o: tf.random.stateless_truncated_normal(
-        s, keyed(o), initializer.mean, initializer.stddev, dtype=dtype)
-  return None
-
-
-@contextlib.contextmanager
 def _initialized_in_pieces(initializer, shape, dtype):
   """Under a strategy that creates variables in pieces, makes the variable created here
-  draw its initial value piece by piece, each on its own parameter server. (Given a
-  Keras initializer, TensorFlow computes the whole table on every server and slices it:
-  a table-sized temporary each, 12 GB at 10M x 300.) Elsewhere, nothing changes."""
-  sampler = _piece_sampler(initializer, shape, dtype) if _partitioning_strategy() else None
-  if sampler is None:
-    yield
-    return
-
-  def draw(partition_shape=None, partition_offset=None):
-    piece = tuple(partition_shape) if partition_shape is not None else tuple(shape)
-    offset = int(partition_offset[0]) if partition_offset is not None else 0
-    return sampler(piece, offset)
-
-  def creator(next_creator, **kwargs):
-    kwargs.update(initial_value=draw, shape=shape, dtype=tf.as_dtype(dtype))
-    return next_creator(**kwargs)
-
-  with tf.variable_creator_scope(creator):
-    yield
+  draw its initial value piece by piece, each on its own parameter server
+  (`tf_hsm.frontend.hsm.initialized_in_pieces`). Elsewhere, nothing changes."""
+  sampler = None
+  if _hsm.partitioning_strategy():
+    kind, params = _hsm.describe_initializer(initializer, keras.initializers)
+    sampler = _hsm.piece_sampler(kind, params, shape, dtype)
+  return _hsm.initialized_in_pieces(sampler, shape, dtype)
 
 
 def _in_stateless_scope():
@@ -499,72 +369,6 @@ def _fill_by_blocks(variable, block):
       tf.raw_ops.ResourceStridedSliceAssign(ref=handle, begin=[start, 0], end=[stop, dim],
                                             strides=[1, 1], value=block(stop - start))
     _inputs.read_table(variable)
-
-
-def _vectors_array(vectors, num_classes):
-  """`vectors` as a 2-D NumPy array with a row per class (a NumPy array, memmaps
-  included, is not copied); ValueError naming what does not fit."""
-  if not isinstance(vectors, np.ndarray):
-    try:
-      vectors = vectors.numpy() if hasattr(vectors, "numpy") else np.asarray(vectors)
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"vectors must be a 2-D array of numbers: {e}") from None
-  if vectors.ndim != 2 or vectors.shape[0] != num_classes:
-    raise ValueError(f"vectors must have shape [num_classes, dim] = [{num_classes}, dim], "
-                     f"one row per class, got shape {tuple(vectors.shape)}")
-  return vectors
-
-
-def _class_masses(counts, num_classes):
-  """float64 class masses: the counts, a zero count taking half the smallest positive
-  one (so that every class keeps a finite bias), all ones without counts or when all are
-  zero."""
-  if counts is None:
-    return np.ones(num_classes)
-  mass = np.asarray(counts, np.float64)
-  positive = mass[mass > 0]
-  if positive.size == 0:
-    return np.ones(num_classes)
-  return np.where(mass > 0, mass, 0.5 * positive.min())
-
-
-def _transferred_weights(tree, class_rows, mass):
-  """(kernel [S, D] in the class rows' dtype, bias [S] float64) for `tree`: the class
-  rows at their slots, each internal node's row the mass-weighted mean of the class rows
-  beneath it, and the biases of the unigram model of `mass`.
-
-  Internal nodes are numbered breadth first, so the nodes of one depth are consecutive
-  and own one consecutive range of slots: summing level by level from the deepest,
-  `np.add.reduceat` over that range gives every node of the level its sums at once.
-  """
-  c, m = tree.num_classes, tree.num_nodes
-  dim = class_rows.shape[1]
-  node_mass = np.zeros(m)
-  node_sum = np.zeros((m, dim))
-  depth = tree.node_depth
-  child_begin, slot_child = tree.child_begin, tree.slot_child
-  for level in range(int(depth.max()), -1, -1):
-    nodes = np.flatnonzero(depth == level)
-    first, stop = int(child_begin[nodes[0]]), int(child_begin[nodes[-1] + 1])
-    children = slot_child[first:stop]
-    is_class = children < c
-    child_mass = np.empty(children.size)
-    child_mass[is_class] = mass[children[is_class]]
-    child_mass[~is_class] = node_mass[children[~is_class] - c]
-    child_sum = np.empty((children.size, dim))
-    leaves = children[is_class]
-    child_sum[is_class] = class_rows[leaves] * mass[leaves, None]
-    child_sum[~is_class] = node_sum[children[~is_class] - c]
-    starts = child_begin[nodes] - first
-    node_mass[nodes] = np.add.reduceat(child_mass, starts)
-    node_sum[nodes] = np.add.reduceat(child_sum, starts, axis=0)
-  kernel = np.empty((tree.num_slots, dim), class_rows.dtype)
-  kernel[tree.class_slot] = class_rows
-  kernel[tree.node_slot[1:]] = node_sum[1:] / node_mass[1:, None]
-  child_mass = np.where(slot_child < c, mass[np.minimum(slot_child, c - 1)],
-                        node_mass[np.maximum(slot_child - c, 0)])
-  bias = np.log(child_mass) - np.log(node_mass[tree.slot_node])
-  return kernel, bias
 
 
 def _values(array):

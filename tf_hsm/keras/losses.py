@@ -19,7 +19,8 @@ mask from upstream layers, e.g. `Embedding(mask_zero=True)`).
 """
 
 import keras
-from keras import ops
+
+from tf_hsm.frontend import hsm as _hsm
 
 
 @keras.saving.register_keras_serializable(package="tf_hsm")
@@ -39,11 +40,7 @@ def nll(y_true, y_pred):
   Returns:
     -y_pred, carrying a Keras mask when `y_true` marks padding.
   """
-  losses = ops.negative(y_pred)
-  if y_true is not None and len(y_true.shape) == len(y_pred.shape):
-    # Keras reads a loss's mask from this attribute and averages over the valid entries.
-    losses._keras_mask = ops.greater_equal(y_true, 0)
-  return losses
+  return _hsm.nll(y_true, y_pred)
 
 
 @keras.saving.register_keras_serializable(package="tf_hsm")

@@ -37,69 +37,23 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tf_hsm.ops import compact as _compact
-from tf_hsm.ops import inputs as _inputs
-from tf_hsm.ops import loader as _loader
 from tf_hsm import distribute
+from tf_hsm.frontend import hsm as _hsm
+from tf_hsm.frontend import rows as _rows_lib
+from tf_hsm.ops import compact as _compact
 
 
-def _merge_duplicates(gradient, dtype):
-  """Sums the rows of an IndexedSlices that share an index.
-
-  Returns:
-    (indices, values): unique row ids (in order of first appearance) and the summed
-    rows, cast to `dtype`.
-  """
-  values = tf.cast(gradient.values, dtype)
-  unique, position = tf.unique(gradient.indices)
-  values = tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0])
-  return unique, values
-
-
-def _rows(variable):
-  """The tf.Variable behind a Keras variable (scatter ops need it)."""
-  found = _inputs.tf_variable(variable)
-  return variable if found is None else found
+# The row updates are shared with tf_hsm.tf_keras (tf_hsm/frontend/rows.py); these names
+# stay here for the code and tests that reach them through this module.
+_merge_duplicates = _rows_lib.merge_duplicates
+_rows = _rows_lib.tf_rows
+_by_piece = _rows_lib.by_piece
 
 
 def _fused_ops(variables):
-  """The op library, where the fused row updates can apply to these variables (float32
-  or float64 on the CPU, outside a function that XLA compiles, such as a Keras step
-  compiled with jit_compile=True); None otherwise (the updates then use gathers and
-  scatters, which XLA compiles)."""
-  if _inputs.in_xla_function():
-    return None
-  for variable in variables:
-    if variable.dtype not in (tf.float32, tf.float64):
-      return None
-    if tf.DeviceSpec.from_string(variable.handle.device).device_type != "CPU":
-      return None
-  try:
-    return _loader.ops()
-  except ImportError:
-    return None
-
-
-def _by_piece(update, gradient, variable, slots, constants):
-  """Applies `update(gradient, table, slots, constants)` to a table in one piece, or to
-  each piece of a table held in pieces (a `ShardedVariable`) with its own rows of the
-  gradient and its slots' matching pieces, on that piece's device."""
-  parts = distribute.pieces(variable)
-  if parts is None:
-    update(gradient, _rows(variable), [_rows(slot) for slot in slots], constants)
-    return
-  slot_parts = [distribute.pieces(slot) for slot in slots]
-  for slot, found in zip(slots, slot_parts):
-    if found is None or len(found) != len(parts):
-      raise ValueError(
-          f"the optimizer's slot {getattr(slot, 'name', slot)} is not split like its table "
-          f"({len(parts)} pieces): build the optimizer, and its slots, under the strategy "
-          "scope that made the table")
-  offsets = _compact.row_offsets(parts, "variable", tf.TensorShape(parts[0].shape).rank)
-  for index, (rows, values) in enumerate(distribute.split_rows(gradient, offsets)):
-    with tf.device(parts[index].device):
-      update(tf.IndexedSlices(values, rows), parts[index],
-             [found[index] for found in slot_parts], constants)
+  """The op library where the fused row updates apply to `variables`, else None
+  (`tf_hsm.frontend.rows.fused_ops`)."""
+  return _rows_lib.fused_ops(variables)
 
 
 class _SlotsInPieces:
@@ -130,6 +84,10 @@ class _SlotsInPieces:
     with tf.variable_creator_scope(create_in_pieces):
       return super().add_variable_from_reference(reference_variable, name=name,
                                                  initializer=initializer)
+
+  def __str__(self):
+    # What the other Keras prints when its `compile` is handed this optimizer.
+    return _hsm.other_keras_name("keras", "optimizers", type(self).__name__)
 
   def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
     # Keras hands each variable to `distribution.extended.update`, which colocates the
@@ -193,31 +151,8 @@ class LazyAdam(_SlotsInPieces, keras.optimizers.Adam):
 
   def _sparse_rows(self, gradient, table, slots, constants):
     """The update of one table (or one piece of it) and its slots' rows."""
-    alpha, one_minus_beta_1, one_minus_beta_2, epsilon = constants
-    dtype = table.dtype
-    m, v = slots[0], slots[1]
-    v_hat = slots[2] if self.amsgrad else None
-    fused = _fused_ops([table] + slots)
-    if fused is not None:
-      # One pass over each touched row, repeated rows summed as _merge_duplicates sums
-      # them; the same operations as below, element by element.
-      fused.hsm_sparse_adam_rows(table.handle, m.handle, v.handle,
-                                 (v_hat if self.amsgrad else v).handle, gradient.indices,
-                                 tf.cast(gradient.values, dtype), alpha, one_minus_beta_1,
-                                 one_minus_beta_2, epsilon, amsgrad=self.amsgrad)
-      return
-    indices, grad = _merge_duplicates(gradient, dtype)
-    m_rows = tf.gather(m, indices)
-    v_rows = tf.gather(v, indices)
-    m_rows = m_rows + (grad - m_rows) * one_minus_beta_1
-    v_rows = v_rows + (tf.square(grad) - v_rows) * one_minus_beta_2
-    m.scatter_update(tf.IndexedSlices(m_rows, indices))
-    v.scatter_update(tf.IndexedSlices(v_rows, indices))
-    if self.amsgrad:
-      v_rows = tf.maximum(tf.gather(v_hat, indices), v_rows)
-      v_hat.scatter_update(tf.IndexedSlices(v_rows, indices))
-    step = (m_rows * alpha) / (tf.sqrt(v_rows) + epsilon)
-    table.scatter_sub(tf.IndexedSlices(step, indices))
+    _rows_lib.adam_rows(gradient, table, slots, constants, amsgrad=self.amsgrad,
+                        fused=_fused_ops([table] + list(slots)))
 
 
 @keras.saving.register_keras_serializable(package="tf_hsm")
@@ -247,21 +182,8 @@ class SparseAdagrad(_SlotsInPieces, keras.optimizers.Adagrad):
 
   def _sparse_rows(self, gradient, table, slots, constants):
     """The update of one table (or one piece of it) and its accumulator's rows."""
-    lr, epsilon = constants
-    dtype = table.dtype
-    acc = slots[0]
-    fused = _fused_ops([table, acc])
-    if fused is not None:
-      # One pass over each touched row, repeated rows summed as _merge_duplicates sums
-      # them; the same operations as below, element by element.
-      fused.hsm_sparse_adagrad_rows(table.handle, acc.handle, gradient.indices,
-                                    tf.cast(gradient.values, dtype), lr, epsilon)
-      return
-    indices, grad = _merge_duplicates(gradient, dtype)
-    acc_rows = tf.gather(acc, indices) + tf.square(grad)
-    acc.scatter_update(tf.IndexedSlices(acc_rows, indices))
-    step = (lr * grad) / tf.sqrt(acc_rows + epsilon)
-    table.scatter_sub(tf.IndexedSlices(step, indices))
+    _rows_lib.adagrad_rows(gradient, table, slots, constants,
+                           fused=_fused_ops([table] + list(slots)))
 
 
 @keras.saving.register_keras_serializable(package="tf_hsm")
@@ -300,27 +222,5 @@ class SparseSGD(_SlotsInPieces, keras.optimizers.SGD):
 
   def _sparse_rows(self, gradient, table, slots, constants):
     """The update of one table (or one piece of it) and its momentum's rows."""
-    lr, momentum = constants
-    dtype = table.dtype
-    use_momentum = bool(slots)
-    m = slots[0] if use_momentum else None
-    fused = _fused_ops([table] + slots)
-    if fused is not None:
-      # One pass over each touched row, repeated rows summed as _merge_duplicates sums
-      # them; the same operations as below, element by element.
-      fused.hsm_sparse_sgd_rows(table.handle, (m if use_momentum else table).handle,
-                                gradient.indices, tf.cast(gradient.values, dtype), lr,
-                                momentum, use_momentum=use_momentum,
-                                nesterov=bool(self.nesterov))
-      return
-    indices, grad = _merge_duplicates(gradient, dtype)
-    step = grad * lr
-    if not use_momentum:
-      table.scatter_sub(tf.IndexedSlices(step, indices))
-      return
-    m_rows = tf.gather(m, indices) * momentum - step
-    m.scatter_update(tf.IndexedSlices(m_rows, indices))
-    if self.nesterov:
-      table.scatter_add(tf.IndexedSlices(m_rows * momentum - step, indices))
-    else:
-      table.scatter_add(tf.IndexedSlices(m_rows, indices))
+    _rows_lib.sgd_rows(gradient, table, slots, constants, nesterov=bool(self.nesterov),
+                       fused=_fused_ops([table] + list(slots)))
