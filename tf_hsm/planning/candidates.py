@@ -32,7 +32,7 @@ from tf_hsm.planning.costs import (DIV_VALUE, DTYPE_BYTES, OPTIMIZERS, TAILS,
                                    adaptive_cost, full_softmax_cost, probabilities,
                                    pytorch_cutoffs, sampled_softmax_cost, tail_widths,
                                    tree_cost)
-from tf_hsm.planning.cutoffs import choose_cutoffs
+from tf_hsm.planning.cutoffs import checked_counts, choose_cutoffs
 from tf_hsm.planning.pricing import price
 from tf_hsm.planning.tree_work import huffman_work, layout_work
 from tf_hsm.tree import Tree
@@ -240,6 +240,13 @@ def _adaptive_layouts(V, D, T, probs, optimizer, dtype, machine, tails, cutoffs,
   """(method, label, cutoffs, tail) of the adaptive rows: the given cutoffs for each
   tail, or the cutoffs `choose_cutoffs` picks for each tail and, to compare with, flat
   tails at PyTorch-style fixed cutoffs. A row that cannot be priced adds a note."""
+  if not tails:
+    return []
+  try:
+    checked_counts(probs)  # the head holds the first class ids: they must be sorted
+  except ValueError as error:
+    notes.append(f"no AdaptiveSoftmax rows: {error}")
+    return []
   if cutoffs is not None:
     return [(f"AdaptiveSoftmax {tail}, cutoffs", f"adaptive {tail}", list(cutoffs), tail)
             for tail in tails]

@@ -51,27 +51,92 @@ from tf_hsm.planning.costs import TAILS
 BISECTIONS = 20
 
 
+_INT64_MAX = float(np.iinfo(np.int64).max)
+_SORT_HINT = ("renumber the classes by decreasing frequency (order = np.argsort(-counts, "
+              "kind='stable'); class order[i] becomes class i: remap targets with "
+              "np.argsort(order)), or give the counts in the class order the layer "
+              "already uses")
+_BINCOUNT_HINT = ("pass one frequency per class: counts = np.bincount(samples, "
+                  "minlength=num_classes), then sort the classes by it")
+
+
+def _looks_like_samples(values, total):
+  """Whether an unsorted array of whole numbers looks like draws of class ids (what
+  np.random.zipf returns) rather than one frequency a class: their sum overflows int64
+  (no corpus has 9.2e18 tokens), or ids 1, 2, 3 dominate as a Zipf draw's do (the most
+  common value is the smallest, 1, held by at least a tenth of the entries) with a
+  largest value beyond the number of entries."""
+  if not np.all(values == np.floor(values)):
+    return False
+  if total > _INT64_MAX:
+    return True
+  ones = np.count_nonzero(values == 1)
+  return values.size >= 100 and ones >= 0.1 * values.size and \
+      float(values.max()) > values.size
+
+
 def checked_counts(counts, num_classes=None):
-  """float64 counts, validated: finite, non-negative, not all zero, non-increasing."""
-  counts = np.asarray(counts, np.float64)
+  """float64 class frequencies, validated for `AdaptiveSoftmax` and `choose_cutoffs`:
+  a 1-D array of finite, non-negative numbers, not all zero, non-increasing (class ids
+  sorted by decreasing frequency), one a class.
+
+  The messages name the problem and its fix: draws of class ids passed as counts
+  (`np.random.zipf(1.2, size=100_000)`: use `np.bincount`), counts in another class
+  order (sort the classes by frequency), sums beyond int64 (taken in float64 here;
+  counts whose int64 sum overflows are almost always samples), NaNs, infinities and
+  negative entries (with the index of the first).
+
+  Raises:
+    ValueError: as above; the message starts with "counts must ..." or "counts look
+      like samples".
+  """
+  try:
+    counts = np.asarray(counts, np.float64)
+  except (TypeError, ValueError) as error:
+    raise ValueError(f"counts must be numbers (one frequency a class): {error}") from None
   if counts.ndim != 1 or counts.size < 2:
     raise ValueError(f"counts must be a 1-D array of at least 2 class frequencies, got "
                      f"shape {counts.shape}")
-  if num_classes is not None and counts.shape != (num_classes,):
-    raise ValueError(f"counts must have shape [{num_classes}], got {counts.shape}")
-  # Two passes over the counts (they may hold 10M classes): a NaN or an infinity makes
-  # the sum non-finite, and once they are non-increasing the last is the smallest.
-  total = counts.sum()
+  # One pass finds NaNs and infinities (the sum is not finite), in float64: integer
+  # counts whose int64 sum would overflow sum here without wrapping to a negative.
+  total = float(counts.sum())
   if not math.isfinite(total):
-    raise ValueError("counts must be finite")
+    bad = np.flatnonzero(~np.isfinite(counts))
+    if bad.size:
+      raise ValueError(f"counts must be finite: counts[{int(bad[0])}] is "
+                       f"{counts[bad[0]]}")
+    raise ValueError("counts must be finite: their sum overflows float64 (scale them "
+                     "down: only their ratios matter)")
+  negative = counts < 0
+  if negative.any():
+    first = int(np.argmax(negative))
+    raise ValueError("counts must be non-negative and not all zero: "
+                     f"counts[{first}] = {counts[first]:g}")
+  if total <= 0:
+    raise ValueError("counts must be non-negative and not all zero: they are all zero")
   rising = counts[1:] > counts[:-1]
-  if rising.any():
+  sorted_ = not rising.any()
+  if num_classes is not None and counts.shape != (num_classes,):
+    hint = (f"; they look like samples of class ids, not frequencies: {_BINCOUNT_HINT}"
+            if not sorted_ and _looks_like_samples(counts, total) else "")
+    raise ValueError(f"counts must have shape [{num_classes}], got {counts.shape}{hint}")
+  if not sorted_:
+    if _looks_like_samples(counts, total):
+      why = ("their sum, " + f"{total:.3g}, is beyond int64"
+             if total > _INT64_MAX else
+             f"{np.count_nonzero(counts == 1):,} of the {counts.size:,} are 1 and the "
+             f"largest is {counts.max():.3g}")
+      raise ValueError(f"counts look like samples (draws of class ids, as "
+                       f"np.random.zipf returns), not frequencies: {why}. "
+                       f"{_BINCOUNT_HINT[0].upper()}{_BINCOUNT_HINT[1:]}")
     first = int(np.argmax(rising))
+    whole = np.all(counts == np.floor(counts))
     raise ValueError("counts must be non-increasing (class ids sorted by decreasing "
-                     f"frequency, as AdaptiveSoftmax requires): counts[{first + 1}] > "
-                     f"counts[{first}]")
-  if counts[-1] < 0 or total <= 0:
-    raise ValueError("counts must be non-negative and not all zero")
+                     f"frequency, as AdaptiveSoftmax requires): counts[{first + 1}] = "
+                     f"{counts[first + 1]:g} > counts[{first}] = {counts[first]:g}. To fix: "
+                     f"{_SORT_HINT}" + (
+                         ". If they are samples of class ids rather than one frequency a "
+                         "class, count them first: np.bincount(samples)" if whole else ""))
   return counts
 
 
