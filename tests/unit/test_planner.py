@@ -232,3 +232,211 @@ def test_tree_rows_use_the_fitted_step_and_hold_the_tree():
   assert row["peak_bytes"] == pytest.approx(
       row["param_bytes"] + row["grad_bytes"] + row["slot_bytes"] + row["activation_bytes"]
       + row["tree_bytes"] + planner.STEP_WORKSPACE_BYTES)
+
+
+# --- pricing trees from their shapes, the recommended layer, the command line --------
+
+from tf_hsm.planning import tree_work  # noqa: E402
+from tf_hsm.tree import builders  # noqa: E402
+
+_COUNTS = {
+    "zipf": lambda rng: 1.0 / np.arange(1, 20_001),
+    "integer ties": lambda rng: np.bincount(rng.zipf(1.3, 100_000) % 20_000,
+                                            minlength=20_000),
+    "uniform": lambda rng: np.ones(20_001),
+    "shuffled": lambda rng: rng.permutation(1.0 / np.arange(1, 20_001) ** 0.8),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_COUNTS))
+def test_tree_work_without_the_tree_matches_the_built_tree(kind, rng):
+  """huffman_work (from the merges) and layout_work (from the layout) give the figures
+  of the built Tree's paths: the same nodes and path steps, the same expected children,
+  rows and visits (to rounding), the same index bytes."""
+  counts = _COUNTS[kind](rng)
+  probs = counts / counts.sum()
+  fields = ("per_token", "per_token_small", "rows", "path_nodes")
+  for k in (2, 3, 8, 32):
+    tree = tf_hsm.Tree.huffman(counts, branching=k)
+    exact = tree_work.work_of_tree(tree, probs, 3200)
+    assert exact.tree_bytes == tree_work.tree_bytes(tree)
+    for fast in (tree_work.huffman_work(counts, k, probs, 3200),
+                 tree_work.layout_work(tree.child_begin, tree.slot_child, tree.num_classes,
+                                       probs, 3200)):
+      assert (fast.num_nodes, fast.path_steps) == (exact.num_nodes, exact.path_steps)
+      for field in fields:
+        assert getattr(fast, field) == pytest.approx(getattr(exact, field), rel=1e-9)
+  for layout in (builders.two_level(counts.size, counts), builders.two_level(counts.size),
+                 builders.balanced(counts.size, 28)):
+    tree = tf_hsm.Tree._from_layout(*layout)
+    exact = tree_work.work_of_tree(tree, probs, 512)
+    fast = tree_work.layout_work(*layout, probs, 512)
+    assert fast.path_steps == exact.path_steps and fast.tree_bytes == exact.tree_bytes
+    for field in fields:
+      assert getattr(fast, field) == pytest.approx(getattr(exact, field), rel=1e-9)
+
+
+def test_report_layer_is_ready_to_use():
+  counts = 1.0 / np.arange(1, 30_001)
+  report = tf_hsm.plan(30_000, 64, 512, counts=counts, machine=MACHINE,
+                       trees=("two_level", "huffman8"), adaptive=())
+  layer = report.layer
+  assert layer.kind == "HierarchicalSoftmax" and layer.method == report.recommended
+  expected = (tf_hsm.Tree.huffman(counts, branching=8) if "huffman" in layer.method
+              else tf_hsm.Tree.two_level(30_000, counts=counts))
+  np.testing.assert_array_equal(layer.tree.slot_child, expected.slot_child)
+  assert layer.kwargs["tree"] is layer.tree  # built once
+  assert layer.code.startswith("HierarchicalSoftmax(Tree.")
+  assert report.to_dict()["layer"]["code"] == layer.code
+  adaptive = tf_hsm.plan(30_000, 64, 512, counts=counts, machine=MACHINE, trees=(),
+                         adaptive=("two_level",))
+  kwargs = adaptive.layer.kwargs
+  assert adaptive.layer.kind == "AdaptiveSoftmax" and adaptive.layer.tree is None
+  assert set(kwargs) == {"num_classes", "cutoffs", "div_value", "tail", "counts"}
+  assert kwargs["tail"] == "two_level" and kwargs["num_classes"] == 30_000
+  assert f"cutoffs {', '.join(f'{c:,}' for c in kwargs['cutoffs'])}".replace(
+      "cutoffs ", "cutoffs [") in adaptive.recommended
+
+
+def test_recommend_tree_builds_only_the_chosen_tree():
+  counts = 1.0 / np.arange(1, 20_001)
+  tree, row = planner.recommend_tree(20_000, 64, 512, counts=counts, machine=MACHINE,
+                                     trees=("huffman2", "huffman8"))
+  assert isinstance(tree, tf_hsm.Tree) and row["method"].startswith("HierarchicalSoftmax")
+  k = int(row["method"].split("(")[1].rstrip(")"))
+  np.testing.assert_array_equal(
+      tree.slot_child, tf_hsm.Tree.huffman(counts, branching=k).slot_child)
+  with pytest.raises(ValueError, match="huffman"):
+    planner.recommend_tree(3, 8, 8, machine=MACHINE, trees=("huffman8",))
+
+
+def test_steps_within_the_tie_band_keep_the_table_order():
+  """Rows whose steps are within STEP_TIE of the fastest count as equally fast: the
+  first in the table wins, so rates a few percent off cannot flip the choice."""
+  from tf_hsm.planning import candidates
+  rows = [{"method": "a", "step_seconds": 1.05}, {"method": "b", "step_seconds": 1.0},
+          {"method": "c", "step_seconds": 0.80}]
+  assert candidates._pick(rows[:2])["method"] == "a"
+  assert candidates._pick(rows[1::-1])["method"] == "b"
+  assert candidates._pick(rows)["method"] == "c"
+  counts = 1.0 / np.arange(1, 20_001)
+  for scale in (0.96, 1.0, 1.04):  # the machine's rates 4% either way
+    machine = dict(MACHINE, tree_step=tuple(c * scale for c in
+                                            (2e-11, 9e-11, 3e-10, 4e-7, 2e-8, 5e-4)))
+    assert tf_hsm.plan(20_000, 64, 512, counts=counts, machine=machine).recommended == \
+        tf_hsm.plan(20_000, 64, 512, counts=counts, machine=dict(
+            MACHINE, tree_step=(2e-11, 9e-11, 3e-10, 4e-7, 2e-8, 5e-4))).recommended
+
+
+def test_a_tree_that_cannot_be_built_is_noted():
+  report = tf_hsm.plan(6, 8, 8, machine=MACHINE, trees=("huffman8",), adaptive=())
+  assert any("huffman(8)" in n for n in report.notes)
+  assert "Note: no huffman(8) row" in report.to_markdown()
+
+
+def _cli(*args, timeout=300):
+  return subprocess.run([sys.executable, "-m", "tf_hsm.planning", *args],
+                        capture_output=True, text=True, timeout=timeout)
+
+
+_MACHINE_JSON = '{"matmul_flops": 2e11, "read_bytes": 2e10, "call_seconds": 1e-4}'
+
+
+def test_command_line_table_fits_120_columns():
+  base = ["--classes", "1M", "--hidden", "300", "--tokens", "3200", "--zipf", "1.0",
+          "--optimizer", "lazy_adam", "--memory", "24GiB", "--machine", _MACHINE_JSON]
+  plain = _cli(*base)
+  assert plain.returncode == 0, plain.stderr[-2000:]
+  assert max(map(len, plain.stdout.splitlines())) <= 120
+  assert "per shard" not in plain.stdout
+  assert "Construct it: " in plain.stdout
+  assert "pricing tree 5/5: huffman32" in plain.stderr  # progress, on stderr
+  sharded = _cli(*base, "--shards", "4", "--quiet")
+  assert sharded.returncode == 0, sharded.stderr[-2000:]
+  assert max(map(len, sharded.stdout.splitlines())) <= 120
+  assert "| per shard |" in sharded.stdout and sharded.stderr == ""
+
+
+def test_command_line_errors_are_one_line(tmp_path):
+  bad_text = tmp_path / "bad.txt"
+  bad_text.write_text("1 2 x\n")
+  short = tmp_path / "short.npy"
+  np.save(short, np.ones(10))
+  cases = [
+      (["--classes", "10Q", "--hidden", "8", "--tokens", "8"], "not a count: '10Q'"),
+      (["--classes", "100", "--hidden", "8", "--tokens", "8", "--memory", "lots"],
+       "not a size: 'lots'"),
+      (["--classes", "100", "--hidden", "8", "--tokens", "8", "--counts",
+        str(tmp_path / "missing.npy")], "no such file"),
+      (["--classes", "100", "--hidden", "8", "--tokens", "8", "--counts", str(bad_text)],
+       "cannot read"),
+      (["--classes", "100", "--hidden", "8", "--tokens", "8", "--counts", str(short)],
+       "holds 10 counts but --classes is 100"),
+      (["--classes", "100", "--hidden", "8", "--tokens", "8", "--machine", "{nope"],
+       "not valid JSON"),
+      (["--hidden", "8", "--tokens", "8"], "--classes is required"),
+  ]
+  for args, message in cases:
+    result = _cli(*args, "--quiet", timeout=120)
+    assert result.returncode == 2, (args, result.stdout)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], (args, result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def test_command_line_help_covers_every_flag():
+  result = _cli("--help", timeout=120)
+  assert result.returncode == 0
+  text = " ".join(result.stdout.split())
+  for flag in ("--classes", "--hidden", "--tokens", "--optimizer", "--dtype", "--memory",
+               "--counts", "--zipf", "--shards", "--machine", "--machine-name",
+               "--remeasure", "--json", "--quiet", "--verify"):
+    assert flag in text
+  assert "batch size x sequence length" in text and "10M = 10,000,000" in text
+
+
+def test_machine_cache_is_keyed_by_name_and_measures_only_when_asked(tmp_path,
+                                                                     monkeypatch):
+  measured = []
+
+  def fake_measure(cls, progress=None):
+    measured.append(progress)
+    return cls(1e11, 1e10, 1e-4, "measured", 1e-9, (1e-11,) * 6)
+
+  monkeypatch.setattr(planner.Machine, "measure", classmethod(fake_measure))
+  path = str(tmp_path / "machine.json")
+  said = []
+  first = planner.Machine.cached(path, name="box", progress=said.append)
+  assert len(measured) == 1 and any("measuring this machine" in s for s in said)
+  again = planner.Machine.cached(path, name="box", progress=said.append)
+  assert len(measured) == 1 and again.source == "cached"
+  assert again.matmul_flops == first.matmul_flops
+  planner.Machine.cached(path, name="other", progress=said.append)
+  planner.Machine.cached(path, name="box", refresh=True, progress=said.append)
+  assert len(measured) == 3 and any("--remeasure" in s for s in said)
+  saved = json.load(open(path))["machines"]
+  assert set(saved) == {"box", "other"}
+  # The older one-machine file reads as one entry under its CPU key.
+  old = tmp_path / "old.json"
+  old.write_text(json.dumps(dict(matmul_flops=1.0, read_bytes=2.0, call_seconds=3.0,
+                                 source="measured", softmax_seconds=0.0,
+                                 tree_step=[0.0] * 6, cpu="CPU x2")))
+  assert planner.Machine.cached(str(old), name="CPU x2").read_bytes == 2.0
+  assert len(measured) == 3
+
+
+@pytest.mark.slow
+def test_ten_million_classes_in_seconds_and_under_2_gib():
+  """The issue's command at V=10M: it built every candidate tree (37 s, 13.3 GiB peak);
+  priced from the trees' shapes it takes seconds and stays under 2 GiB."""
+  import resource
+  import time
+  start = time.perf_counter()
+  result = _cli("--classes", "10M", "--hidden", "300", "--tokens", "3200", "--optimizer",
+                "lazy_adam", "--memory", "24GiB", "--zipf", "1.0", "--machine",
+                _MACHINE_JSON, "--quiet")
+  seconds = time.perf_counter() - start
+  assert result.returncode == 0, result.stderr[-2000:]
+  peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+  assert peak < 2 * 2**30, peak
+  assert seconds < 30, seconds  # 5 s on a quiet 2-vCPU machine; loaded ones vary
