@@ -311,14 +311,21 @@ def test_recommend_tree_builds_only_the_chosen_tree():
 
 
 def test_steps_within_the_tie_band_keep_the_table_order():
-  """Rows whose steps are within STEP_TIE of the fastest count as equally fast: the
-  first in the table wins, so rates a few percent off cannot flip the choice."""
+  """Rows whose steps are within STEP_TIE of the fastest count as equally fast: then
+  the kind (a tree before an adaptive softmax), then the least memory, so rates a few
+  percent off cannot flip the choice."""
   from tf_hsm.planning import candidates
-  rows = [{"method": "a", "step_seconds": 1.05}, {"method": "b", "step_seconds": 1.0},
-          {"method": "c", "step_seconds": 0.80}]
-  assert candidates._pick(rows[:2])["method"] == "a"
-  assert candidates._pick(rows[1::-1])["method"] == "b"
-  assert candidates._pick(rows)["method"] == "c"
+
+  def r(method, seconds, peak):
+    return {"method": method, "step_seconds": seconds, "peak_bytes": peak}
+
+  rows = [r("HierarchicalSoftmax huffman(2)", 1.05, 9), r("HierarchicalSoftmax huffman(8)",
+                                                          1.0, 5),
+          r("AdaptiveSoftmax flat", 0.97, 1)]
+  for order in (rows, rows[::-1]):
+    assert candidates._pick(order)["method"] == "HierarchicalSoftmax huffman(8)"
+  assert candidates._pick(rows + [r("AdaptiveSoftmax two_level", 0.8, 1)])["method"] == \
+      "AdaptiveSoftmax two_level"
   counts = 1.0 / np.arange(1, 20_001)
   for scale in (0.96, 1.0, 1.04):  # the machine's rates 4% either way
     machine = dict(MACHINE, tree_step=tuple(c * scale for c in

@@ -41,10 +41,11 @@ from tf_hsm.tree import builders
 
 # Rows whose predicted steps are within this fraction of the fastest are equally fast:
 # the fitted step's own error is 0.85-1.41x, and a remeasured machine moves the rates by
-# more than this. Among them the first in the table is recommended (full softmax, then
-# the trees in `trees` order, then the adaptive rows: exact layers of the full model's
-# width before narrower ones), so noise in the rates cannot flip the choice between two
-# layers a few percent apart; it can only move a layer across the edge of the band.
+# more than this. Among them the choice goes by kind (full softmax, then
+# HierarchicalSoftmax, then AdaptiveSoftmax: layers of the model's full width before
+# narrower ones), then the least peak memory, then the table order; so noise in the
+# rates cannot flip the choice between two layers a few percent apart, and can only move
+# a layer across the edge of the band.
 STEP_TIE = 0.10
 
 
@@ -277,9 +278,21 @@ def _quiet(text):
 
 def _pick(candidates):
   """The fastest of `candidates` (rows, in table order), counting steps within
-  STEP_TIE of the fastest as equal; of those, the first."""
+  STEP_TIE of the fastest as equal; of those, by kind (`_KINDS`), then the least peak
+  memory, then the first."""
   fastest = min(r["step_seconds"] for r in candidates)
-  return next(r for r in candidates if r["step_seconds"] <= fastest * (1 + STEP_TIE))
+  tied = [(i, r) for i, r in enumerate(candidates)
+          if r["step_seconds"] <= fastest * (1 + STEP_TIE)]
+  return min(tied, key=lambda ir: (_kind_rank(ir[1]["method"]), ir[1]["peak_bytes"],
+                                   ir[0]))[1]
+
+
+_KINDS = ("full softmax", "HierarchicalSoftmax", "AdaptiveSoftmax")
+
+
+def _kind_rank(method):
+  return next((i for i, kind in enumerate(_KINDS) if method.startswith(kind)),
+              len(_KINDS))
 
 
 def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
@@ -317,8 +330,9 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
 
   Returns:
     A `Report`. The recommendation is the fastest exact row that fits, rows within
-    STEP_TIE (10%) of the fastest counting as equally fast (then the first in the
-    table); with none that fits, the exact one that needs the least memory.
+    STEP_TIE (10%) of the fastest counting as equally fast (then full softmax before
+    HierarchicalSoftmax before AdaptiveSoftmax, then the least peak memory); with none
+    that fits, the exact one that needs the least memory.
   """
   for name, value in (("num_classes", num_classes), ("hidden", hidden),
                       ("tokens_per_step", tokens_per_step), ("num_shards", num_shards)):
@@ -387,7 +401,7 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
     fastest = min(r["step_seconds"] for r in exact)
     if best["step_seconds"] > fastest:
       reason += (f" (within {STEP_TIE:.0%} of the fastest, {_seconds(fastest)}: "
-                 "equal within the model's error, and earlier in the table)")
+                 "equal within the model's error; of those, by kind, then memory)")
   else:
     best = min((r for r in rows if r["exact"]), key=lambda r: r["per_shard_bytes"])
     reason = (f"nothing exact fits {_size(memory_budget)}; this one needs the least "
@@ -403,8 +417,8 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
                    dtype="float32", memory_budget=None, machine=None, trees=TREES,
                    progress=None):
   """The `HierarchicalSoftmax` tree to use: of `trees` (as `plan` takes them), the one
-  the planner prices fastest (rows within STEP_TIE counting as equal, then the first
-  of `trees`) among those that fit `memory_budget`, or the smallest when none fits.
+  the planner prices fastest (rows within STEP_TIE counting as equal, then the least
+  peak memory) among those that fit `memory_budget`, or the smallest when none fits.
   Only that tree is built.
 
   Returns:
