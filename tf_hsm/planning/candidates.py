@@ -115,7 +115,8 @@ class Report:
 
   def to_markdown(self):
     """The table (within 120 columns: short names, the long ones below it; the
-    per-shard column only with shards), then the recommendation and the notes."""
+    per-shard column only with shards, the slots column only with an optimizer that
+    has slots), then the recommendation and the notes."""
     s = self.settings
     shards = s["num_shards"] > 1
     lines = [
@@ -124,9 +125,9 @@ class Report:
         + (f", {s['num_shards']} shards" if shards else "")
         + (f", budget {_size(s['memory_budget'])}" if s["memory_budget"] else ""),
         ""]
-    header = ["method", "params", "grad", "slots", "peak"] + (["per shard"] if shards
-                                                             else []) + [
-        "rows", "GFLOP", "moved", "step", "fits"]
+    slots = any(row["slot_bytes"] for row in self.rows)  # no column of zeros (sgd)
+    header = ["method", "params", "grad"] + (["slots"] if slots else []) + ["peak"] + (
+        ["per shard"] if shards else []) + ["rows", "GFLOP", "moved", "step", "fits"]
     lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     footnotes = []
     for row in self.rows:
@@ -135,7 +136,8 @@ class Report:
           label.startswith("HSM ") and row["method"] == "HierarchicalSoftmax " + label[4:]):
         footnotes.append(f"- {label}: {row['method']}")
       cells = [label] + [_size(row[k], short=True) for k in (
-          "param_bytes", "grad_bytes", "slot_bytes", "peak_bytes")] + (
+          "param_bytes", "grad_bytes") + (("slot_bytes",) if slots else ()) +
+                                                    ("peak_bytes",)] + (
               [_size(row["per_shard_bytes"], short=True)] if shards else []) + [
           _count(row["rows_touched"]), _count(row["flops"] / 1e9),
           _size(row["bytes_moved"], short=True), _seconds(row["step_seconds"], short=True),
