@@ -1,0 +1,202 @@
+"""tf_keras `model.fit` training a tf_hsm.tf_keras.HierarchicalSoftmax on a cluster, run
+by test_tf_keras_fit.py in processes of their own that it bounds in time.
+
+    tf_keras_fit_run.py ps        # 2 PS + 2 workers on 127.0.0.1 (LoopbackCluster)
+    tf_keras_fit_run.py single    # the same model and steps in one process
+    tf_keras_fit_run.py mirrored  # MirroredStrategy over 2 CPU devices, and one device
+    tf_keras_fit_run.py mwms I PORTS  # worker I of a 2-worker MultiWorkerMirroredStrategy
+
+Each prints one JSON line. The model: features -> Dense -> HierarchicalSoftmax (a
+balanced row layout over 2 shards) trained on one fixed batch repeated, so that the
+steps of asynchronous workers see the same data in any order.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import tf_hsm  # noqa: E402
+from tf_hsm import distribute  # noqa: E402
+from tf_hsm import tf_keras as hk  # noqa: E402
+
+V, F, D, B = 300, 16, 8, 64
+EPOCHS, STEPS = 4, 8
+LR = 0.05
+
+
+def problem():
+  counts = 1.0 / np.arange(1, V + 1)
+  tree = tf_hsm.Tree.huffman(counts, branching=4)
+  rng = np.random.default_rng(0)
+  targets = rng.choice(V, B, p=counts / counts.sum()).astype(np.int32)
+  centers = rng.normal(size=(V, F)).astype(np.float32)
+  features = centers[targets] + 0.1 * rng.normal(size=(B, F)).astype(np.float32)
+  layout = distribute.balanced_layout(tree, 2, B, counts=counts)
+  return tree, layout, features, targets
+
+
+def make_model(tree, layout, optimizer=None):
+  """The model, with the same initial weights whatever the strategy (set after it is
+  built: a partitioned table draws its initial pieces differently)."""
+  features = tf_keras.Input((F,))
+  targets = tf_keras.Input((), dtype="int32")
+  dense = tf_keras.layers.Dense(D)
+  output = hk.HierarchicalSoftmax(tree, row_layout=layout, name="hsm")
+  model = tf_keras.Model([features, targets], output(dense(features), targets))
+  rng = np.random.default_rng(1)
+  dense.kernel.assign(rng.normal(size=(F, D)).astype(np.float32) * 0.3)
+  output.kernel.assign(layout.stored(
+      rng.normal(size=(tree.num_slots, D)).astype(np.float32) * 0.1))
+  model.compile(optimizer=optimizer or hk.optimizers.SparseSGD(LR), loss=hk.losses.nll)
+  return model
+
+
+def weights(model):
+  """The model's weights in slot order, whole (pieces joined)."""
+  layer = model.get_layer("hsm")
+  out = {}
+  for name, variable in (("kernel", layer.kernel), ("bias", layer.bias)):
+    parts = distribute.pieces(variable)
+    value = np.concatenate([p.numpy() for p in parts]) if parts else variable.numpy()
+    out[name] = value[layer.row_layout.slot_rows].tolist() if layer.row_layout else \
+        value.tolist()
+  out["dense"] = [w.tolist() for w in model.layers[1].get_weights()]
+  return out
+
+
+def dataset_fn(features, targets):
+  def fn(input_context=None):
+    del input_context
+    data = tf.data.Dataset.from_tensors(((features, targets), targets))
+    return data.repeat()
+  return fn
+
+
+class Recording(hk.optimizers.SparseSGD):
+  """SparseSGD that notes, while tracing, the gradient each variable receives."""
+  seen = []
+
+  def update_step(self, gradient, variable):
+    Recording.seen.append((variable.name, type(gradient).__name__, variable.device,
+                           [int(d) for d in variable.shape]))
+    return super().update_step(gradient, variable)
+
+
+def run_ps():
+  from tf_hsm.cluster import LoopbackCluster  # pylint: disable=import-outside-toplevel
+  tree, layout, features, targets = problem()
+  result = {}
+  with LoopbackCluster(2, 2) as cluster:
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        cluster.resolver(),
+        variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+            2))
+    with strategy.scope():
+      model = make_model(tree, layout, Recording(LR))
+    layer = model.get_layer("hsm")
+    result["table_pieces"] = [p.device for p in distribute.pieces(layer.kernel)]
+    result["trainable"] = [(v.name, v.device) for v in model.trainable_variables]
+    initial = weights(model)
+    data = tf_keras.utils.experimental.DatasetCreator(dataset_fn(features, targets))
+
+    class KillWorker(tf_keras.callbacks.Callback):
+      def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1 and os.environ.get("TF_HSM_KILL_WORKER"):
+          cluster.kill("worker", 1)
+
+    history = model.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0,
+                        callbacks=[KillWorker()])
+    result["losses"] = history.history["loss"]
+    result["updates"] = Recording.seen
+    result["initial"] = initial
+    result["final"] = weights(model)
+    result["iterations"] = int(model.optimizer.iterations.numpy())
+    # A checkpoint of the table in 2 pieces, restored by `single --restore`.
+    path = os.environ.get("TF_HSM_CKPT")
+    if path:
+      tf.train.Checkpoint(model=model).write(path)
+  result["rows_per_shard"] = distribute.rows_per_shard(tree, targets, 2, layout).tolist()
+  result["rows_per_shard_tree_order"] = distribute.rows_per_shard(tree, targets, 2).tolist()
+  result["num_slots"] = tree.num_slots
+  print(json.dumps(result))
+
+
+def run_single(steps, restore=None):
+  tree, layout, features, targets = problem()
+  model = make_model(tree, layout)
+  result = {"initial": weights(model)}
+  if restore:
+    tf.train.Checkpoint(model=model).read(restore).expect_partial()
+    result["restored"] = weights(model)
+    print(json.dumps(result))
+    return
+  data = tf.data.Dataset.from_tensors(((features, targets), targets)).repeat(steps)
+  history = model.fit(data, epochs=1, verbose=0)
+  result["losses"] = history.history["loss"]
+  result["final"] = weights(model)
+  print(json.dumps(result))
+
+
+def _mirrored_problem():
+  tree, layout, features, targets = problem()
+  data = tf.data.Dataset.from_tensor_slices(((features, targets), targets)).batch(B)
+  return tree, layout, data.repeat(STEPS)
+
+
+class SeenSGD(hk.optimizers.SparseSGD):
+  seen = []
+
+  def update_step(self, gradient, variable):
+    SeenSGD.seen.append((variable.name, type(gradient).__name__))
+    return super().update_step(gradient, variable)
+
+
+def _fit_under(strategy, tree, layout, data):
+  with strategy.scope():
+    model = make_model(tree, layout, SeenSGD(LR))
+  model.fit(data, epochs=1, verbose=0)
+  return weights(model)
+
+
+def run_mirrored():
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+  tree, layout, data = _mirrored_problem()
+  one = _fit_under(tf.distribute.get_strategy(), tree, layout, data)
+  SeenSGD.seen.clear()
+  two = _fit_under(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tree, layout, data)
+  print(json.dumps({"one": one, "two": two, "seen": SeenSGD.seen}))
+
+
+def run_mwms(index, ports):
+  ports = ports.split(",")
+  os.environ["TF_CONFIG"] = json.dumps({
+      "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+      "task": {"type": "worker", "index": int(index)}})
+  strategy = tf.distribute.MultiWorkerMirroredStrategy()
+  tree, layout, data = _mirrored_problem()
+  options = tf.data.Options()
+  options.experimental_distribute.auto_shard_policy = \
+      tf.data.experimental.AutoShardPolicy.DATA
+  result = _fit_under(strategy, tree, layout, data.with_options(options))
+  print(json.dumps({"weights": result, "seen": SeenSGD.seen}))
+
+
+if __name__ == "__main__":
+  mode = sys.argv[1]
+  if mode == "ps":
+    run_ps()
+  elif mode == "single":
+    run_single(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+  elif mode == "mirrored":
+    run_mirrored()
+  else:
+    run_mwms(sys.argv[2], sys.argv[3])
