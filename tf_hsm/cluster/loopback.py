@@ -1,6 +1,7 @@
 """A loopback ParameterServerStrategy cluster of processes, and a training run on it.
 
     python -m tf_hsm.cluster --ps 4 --workers 2 --classes 2M --hidden 300 --tokens 3200
+    python -m tf_hsm.cluster --mode fit ...   # tf_keras' model.fit instead of the loop
 
 starts N parameter servers and M workers as processes on 127.0.0.1, trains an output
 table of `--classes` x `--hidden` with LazyAdam (table and slots split over the
@@ -221,8 +222,62 @@ def train(args, strategy=None, coordinator=None):
   return seconds, [float(loss) for loss in results]
 
 
+def train_fit(args, strategy=None):
+  """`--mode fit`: tf_keras' `model.fit` trains a tf_hsm.tf_keras.HierarchicalSoftmax
+  (under the strategy's scope: table and LazyAdam's slots in pieces) on the same
+  synthetic data as `train`, through a `DatasetCreator` on a cluster; returns (seconds
+  per step, the loss of each of its 2 epochs)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import tf_keras  # pylint: disable=import-outside-toplevel
+  from tf_hsm import distribute  # pylint: disable=import-outside-toplevel
+  from tf_hsm import tf_keras as hk  # pylint: disable=import-outside-toplevel
+  tree, counts = zipf_tree(args.classes, args.branching)
+  layout = None
+  if args.layout == "balanced" and strategy is not None:
+    layout = distribute.balanced_layout(tree, args.ps, args.tokens, counts=counts)
+  log_classes = float(np.log(args.classes))
+  rng = np.random.default_rng(0)
+  frequencies = rng.uniform(0.0, 1.0, args.hidden).astype(np.float32)
+  phases = rng.uniform(0.0, 2 * np.pi, args.hidden).astype(np.float32)
+
+  def batch(seed):
+    uniform = tf.random.stateless_uniform([args.tokens], [seed, 1], dtype=tf.float64)
+    targets = tf.cast(tf.floor(tf.exp(uniform * log_classes)), tf.int32) - 1
+    hidden = tf.sin(tf.cast(targets[:, None], tf.float32) * frequencies + phases)
+    hidden += 0.1 * tf.random.stateless_normal([args.tokens, args.hidden], [seed, 2])
+    return (hidden, targets), targets
+
+  def dataset_fn(input_context=None):
+    del input_context
+    return tf.data.Dataset.range(1, 1 << 30).map(batch).prefetch(2)
+
+  scope = strategy.scope() if strategy else tf.init_scope()
+  with scope:
+    hidden = tf_keras.Input((args.hidden,))
+    targets = tf_keras.Input((), dtype="int32")
+    output = hk.HierarchicalSoftmax(tree, use_bias=False, row_layout=layout,
+                                    kernel_initializer=tf_keras.initializers.RandomNormal(
+                                        stddev=0.01, seed=0))
+    model = tf_keras.Model([hidden, targets], output(hidden, targets))
+    model.compile(optimizer=hk.optimizers.LazyAdam(1e-2), loss=hk.losses.nll)
+  data = tf_keras.utils.experimental.DatasetCreator(dataset_fn) if strategy else \
+      dataset_fn()
+  per_epoch = max(1, args.steps // 2)
+  model.fit(data, epochs=1, steps_per_epoch=1, verbose=0)  # traces, registers
+  start = time.perf_counter()
+  history = model.fit(data, epochs=2, steps_per_epoch=per_epoch, verbose=0)
+  seconds = (time.perf_counter() - start) / (2 * per_epoch)
+  return seconds, [float(loss) for loss in history.history["loss"]]
+
+
+def _train(args, strategy=None, coordinator=None):
+  if args.mode == "fit":
+    return train_fit(args, strategy)
+  return train(args, strategy, coordinator)
+
+
 def _single(args):
-  seconds, losses = train(args)
+  seconds, losses = _train(args)
   print(json.dumps({"seconds_per_step": seconds, "losses": losses,
                     "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
@@ -234,8 +289,9 @@ def _cluster(args):
         cluster.resolver(),
         variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(
             args.ps))
-    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-    seconds, losses = train(args, strategy, coordinator)
+    coordinator = None if args.mode == "fit" else \
+        tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    seconds, losses = _train(args, strategy, coordinator)
     rss = {f"{job} {index}": value for (job, index), value in cluster.peak_rss().items()}
   rss["coordinator"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return {"seconds_per_step": seconds, "losses": losses, "peak_rss": rss}
@@ -254,8 +310,9 @@ def report(args, cluster_result, single_result):
                       0)
   table_bytes = tree.num_slots * args.hidden * 4
   gib = 2.0**30
+  how = "tf_keras model.fit" if args.mode == "fit" else "custom loop"
   lines = [
-      f"V={args.classes:,}, D={args.hidden}, {args.branching}-ary Huffman tree, "
+      f"{how}: V={args.classes:,}, D={args.hidden}, {args.branching}-ary Huffman tree, "
       f"T={args.tokens:,} Zipf tokens a step, LazyAdam: table + slots "
       f"{3 * table_bytes / gib:.2f} GiB",
       "",
@@ -271,7 +328,7 @@ def report(args, cluster_result, single_result):
       f"Distinct rows each parameter server sends and updates a step ({args.layout} "
       "layout): "
       + " / ".join(f"{value / 1e3:.1f}K" for value in per_shard),
-      f"Loss, first and last step: cluster {cluster_result['losses'][0]:.4f} -> "
+      f"Loss, first and last {'epoch' if args.mode == 'fit' else 'step'}: cluster {cluster_result['losses'][0]:.4f} -> "
       f"{cluster_result['losses'][-1]:.4f}; one process {single_result['losses'][0]:.4f}"
       f" -> {single_result['losses'][-1]:.4f}"]
   return "\n".join(lines)
@@ -292,6 +349,10 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--layout", choices=("tree", "balanced"), default="balanced",
                       help="row layout of the table on the parameter servers")
+  parser.add_argument("--mode", choices=("loop", "fit"), default="loop",
+                      help="loop: a custom training loop on a ClusterCoordinator (Keras 3 "
+                      "optimizer); fit: tf_keras' model.fit with tf_hsm.tf_keras (the "
+                      "losses reported are then the 2 epochs')")
   parser.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.single:
