@@ -5,7 +5,12 @@ The package by concern (each subpackage's docstring says where to start):
 - `tf_hsm.tree`: the class tree, NumPy only;
 - `tf_hsm.ops`: the compiled ops and their gradients (TensorFlow);
 - `tf_hsm.distribute`: tables in pieces over `tf.distribute`;
-- `tf_hsm.keras`: the Keras 3 layers, losses, optimizers and callbacks;
+- `tf_hsm.frontend`: what the two Keras front ends share (the layer's call, the
+  optimizers' row updates, the tree rebuild), in TensorFlow alone;
+- `tf_hsm.keras`: the Keras 3 layers, losses, optimizers, metrics and callbacks;
+  `tf_hsm.tf_keras`: the same for tf_keras (Keras 2) models;
+- `tf_hsm.serving`: inference in stock TensorFlow ops, and the export that needs no
+  tf_hsm;
 - `tf_hsm.planning`: sizing an output layer before training, NumPy only;
 - the commands: `python -m tf_hsm.bench`, `tf_hsm.demo`, `tf_hsm.cluster`,
   `tf_hsm.planning`.
@@ -19,9 +24,16 @@ for `keras.models.load_model` (`import tf_hsm.keras` does it in any order).
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 
 __version__ = "0.1.0"
+
+# The Keras front end the top-level names resolve to: tf_keras (Keras 2) where
+# TF_USE_LEGACY_KERAS selects it for tf.keras too, else Keras 3. Both are always
+# importable by name: tf_hsm.keras and tf_hsm.tf_keras.
+_KERAS = ("tf_hsm.tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS", "").strip().lower()
+          in ("1", "true", "yes") else "tf_hsm.keras")
 
 # Public name -> (module, attribute; None for the module itself).
 _PUBLIC = {
@@ -33,13 +45,17 @@ _PUBLIC = {
     "log_prob_all": ("tf_hsm.ops", "log_prob_all"),
     "sample": ("tf_hsm.ops", "sample"),
     "log_prob_candidates": ("tf_hsm.ops", "log_prob_candidates"),
-    "HierarchicalSoftmax": ("tf_hsm.keras", "HierarchicalSoftmax"),
-    "AdaptiveSoftmax": ("tf_hsm.keras", "AdaptiveSoftmax"),
+    "HierarchicalSoftmax": (_KERAS, "HierarchicalSoftmax"),
+    "AdaptiveSoftmax": ("tf_hsm.keras", "AdaptiveSoftmax"),  # Keras 3 only
     "plan": ("tf_hsm.planning", "plan"),
-    "losses": ("tf_hsm.keras.losses", None),
-    "optimizers": ("tf_hsm.keras.optimizers", None),
-    "callbacks": ("tf_hsm.keras.callbacks", None),
+    "losses": (_KERAS + ".losses", None),
+    "optimizers": (_KERAS + ".optimizers", None),
+    "callbacks": (_KERAS + ".callbacks", None),
+    "metrics": ("tf_hsm.keras.metrics", None),
     "distribute": ("tf_hsm.distribute", None),
+    "serving": ("tf_hsm.serving", None),
+    "keras": ("tf_hsm.keras", None),
+    "tf_keras": ("tf_hsm.tf_keras", None),
     "inference": ("tf_hsm.ops.inference", None),
     "planner": ("tf_hsm.planning", None),
     "baselines": ("tf_hsm.bench.baselines", None),
@@ -58,7 +74,10 @@ _MOVED = {
     "tf_hsm.baselines": "tf_hsm.bench.baselines",
 }
 
-__all__ = sorted(name for name in _PUBLIC if name not in ("inference", "planner"))
+# `from tf_hsm import *`: the functions, classes and modules a model uses (not the old
+# module paths kept for compatibility, nor the tf_keras front end, which needs tf-keras).
+__all__ = sorted(name for name in _PUBLIC
+                 if name not in ("inference", "planner", "baselines", "tf_keras"))
 
 
 def __getattr__(name):
@@ -100,4 +119,4 @@ if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
 
 
 if sys.modules.get("keras") is not None or sys.modules.get("tensorflow") is not None:
-  importlib.import_module("tf_hsm.keras")
+  importlib.import_module(_KERAS)

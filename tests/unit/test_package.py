@@ -14,14 +14,17 @@ from support import REPO
 
 PACKAGE = os.path.join(REPO, "tf_hsm")
 # Who may import whom (module-level imports): a subpackage's allowed tf_hsm targets.
-# tree <- ops <- distribute <- keras; tree <- planning; keras -> planning (cutoffs);
+# tree <- ops <- distribute <- frontend <- keras, tf_keras; tree <- planning;
+# keras -> planning (cutoffs); serving stands alone (stock TensorFlow only);
 # the commands (bench, demo, cluster) import the library, never the reverse.
 ALLOWED = {
     "tree": {"tree"},
     "ops": {"tree", "ops"},
     "distribute": {"tree", "ops", "distribute"},
     "planning": {"tree", "planning"},
-    "keras": {"tree", "ops", "distribute", "planning", "keras"},
+    "frontend": {"tree", "ops", "distribute", "frontend"},
+    "keras": {"tree", "ops", "distribute", "frontend", "planning", "keras"},
+    "tf_keras": {"tree", "ops", "distribute", "frontend", "tf_keras"},
     "serving": {"tree", "serving"},
 }
 LIBRARY = set(ALLOWED)
@@ -147,8 +150,8 @@ def test_plan_stays_the_function_after_the_command_is_imported():
 
 PUBLIC = ["log_prob", "nll_loss", "sgd_step", "top_k", "log_prob_all", "sample",
           "log_prob_candidates", "Tree", "HierarchicalSoftmax", "AdaptiveSoftmax", "plan",
-          "optimizers", "losses", "callbacks", "distribute", "inference", "planner",
-          "baselines"]
+          "optimizers", "losses", "callbacks", "metrics", "distribute", "inference",
+          "planner", "baselines", "serving", "keras", "tf_keras"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)
