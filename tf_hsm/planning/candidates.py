@@ -354,8 +354,9 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
   for tail in adaptive:
     if tail not in TAILS:
       raise ValueError(f"adaptive tails must be of {TAILS}, got {tail!r}")
-  progress = progress or _quiet
+  # A measurement of the machine is announced on stderr even without `progress`.
   machine = machine_lib.resolve(machine, progress)
+  progress = progress or _quiet
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   probs = probabilities(V, counts)
   notes = []
@@ -431,8 +432,8 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
   """
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   probs = probabilities(V, counts)
-  progress = progress or _quiet
   machine = machine_lib.resolve(machine, progress)
+  progress = progress or _quiet
   notes = []
   candidates = [(tree, price(f"HierarchicalSoftmax {tree.name}",
                              tree_cost(tree.work, D, T, probs), D, T, optimizer, dtype,

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import time
 
 @dataclasses.dataclass
@@ -90,12 +91,12 @@ class Machine:
 
     Rates are measured only when the cache has none under `name` (the first run, or a
     cache written by an older tf_hsm without the fitted tree step) or when `refresh`
-    (`--remeasure`); either way `progress(text)` is told first, so a measurement is
-    never taken silently, and the result is saved under `name` beside the other
+    (`--remeasure`); either way `progress(text)` (default: a line on stderr) is told
+    first, so a measurement is never taken silently, and the result is saved under `name` beside the other
     machines' entries. Otherwise the same cached figures every run: the planner's
     output is deterministic. Measure on a quiet machine: other jobs lower the rates.
     """
-    progress = progress or (lambda text: None)
+    progress = progress or _to_stderr  # a measurement (~20 s) is always announced
     path = path or cache_path()
     name = name or machine_name()
     entries = _read_cache(path)
@@ -119,6 +120,11 @@ class Machine:
     except OSError as error:
       progress(f"could not save the rates to {path}: {error}")
     return machine
+
+
+def _to_stderr(text):
+  sys.stderr.write(f"tf_hsm.planning: {text}\n")
+  sys.stderr.flush()
 
 
 def cache_path():
