@@ -15,6 +15,8 @@ import tensorflow as tf
 
 from tf_hsm import distribute
 from tf_hsm.ops import log_prob
+from tf_hsm.serving import hsm as stock_hsm
+from tf_hsm.serving import stock
 from tf_hsm.tree import Tree
 
 
@@ -75,8 +77,16 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=()):
     if extra is not None:
       valid = tf.logical_and(valid, tf.cast(extra, tf.bool))
   safe_targets = tf.where(valid, targets, tf.zeros_like(targets))
-  out = log_prob(hidden_in(hidden, kernel.dtype), *tables(kernel, bias, row_layout), tree,
-                 safe_targets)
+  if stock.active():  # tf_hsm.serving.stock_ops(): what is traced needs no op library
+    if row_layout is not None or distribute.pieces(kernel) is not None:
+      raise ValueError("tf_hsm.serving.stock_ops() exports a table held in one variable; "
+                       "this layer's is in pieces or a row layout: restore it into one "
+                       "process first (tf_hsm.distribute.checkpoint)")
+    out = stock_hsm.log_prob(hidden_in(hidden, kernel.dtype), kernel, bias, tree,
+                             safe_targets)
+  else:
+    out = log_prob(hidden_in(hidden, kernel.dtype), *tables(kernel, bias, row_layout),
+                   tree, safe_targets)
   out = tf.where(valid, out, tf.zeros_like(out))
   out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
   return out

@@ -1,13 +1,15 @@
 """The Keras 3 front end: layers.py (`HierarchicalSoftmax`), adaptive.py
 (`AdaptiveSoftmax`), losses.py (`nll`), optimizers.py (`LazyAdam`, `SparseAdagrad`,
-`SparseSGD`: touched rows only) and callbacks.py (`RebuildTree`).
+`SparseSGD`: touched rows only), metrics.py (`Perplexity`, `TopKAccuracy`) and
+callbacks.py (`RebuildTree`).
 
 The layers call the ops of `tf_hsm.ops`; `AdaptiveSoftmax` asks `tf_hsm.planning` for
 its cutoffs. Start at layers.py.
 """
 
-from tf_hsm.keras import callbacks, losses, optimizers
+from tf_hsm.keras import callbacks, losses, metrics, optimizers
 from tf_hsm.keras.adaptive import AdaptiveSoftmax
 from tf_hsm.keras.layers import HierarchicalSoftmax
 
-__all__ = ["AdaptiveSoftmax", "HierarchicalSoftmax", "callbacks", "losses", "optimizers"]
+__all__ = ["AdaptiveSoftmax", "HierarchicalSoftmax", "callbacks", "losses", "metrics",
+           "optimizers"]

@@ -10,6 +10,7 @@ from tf_hsm.serving.adaptive import (adaptive_log_prob, adaptive_log_prob_all,
                                      adaptive_sample, adaptive_top_k, AdaptiveWeights)
 from tf_hsm.serving.export import export, ServingModule
 from tf_hsm.serving._tree import StockTree, stock_tree
+from tf_hsm.serving.stock import stock_ops
 
 __all__ = [
     "AdaptiveWeights",
@@ -23,6 +24,7 @@ __all__ = [
     "log_prob",
     "log_prob_all",
     "sample",
+    "stock_ops",
     "stock_tree",
     "top_k",
 ]
