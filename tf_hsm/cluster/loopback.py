@@ -339,7 +339,8 @@ def main(argv=None):
   if argv[:1] == ["--serve"]:
     serve(argv[1], int(argv[2]), json.loads(argv[3]))
     return 0
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m tf_hsm.cluster",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--ps", type=int, default=4)
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--classes", type=_human, default=2_000_000)
