@@ -353,6 +353,200 @@ def _rates(rates):
           f"call, softmax {rates['softmax_seconds'] * 1e9:.1f} ns a logit")
 
 
+# ---------------------------------------------------------------------------------------
+# Whole models: the body's step and the output layer's, in `model.fit`.
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BodyCase:
+  """A whole model measured in `model.fit`: its body, the output layer's V and tree, the
+  batch and the optimizer (the planner's name)."""
+  name: str
+  vocab: int
+  batch: int
+  seq: int  # positions a sequence (1: one output a row)
+  tree: str = "two_level"
+  optimizer: str = "lazy_adam"
+  note: str = ""
+
+  @property
+  def tokens(self):
+    return self.batch * self.seq
+
+
+BODY_CASES = {
+    "lstm": BodyCase("lstm", 20_000, 64, 32, note="Embedding(128) -> LSTM(128), the "
+                     "demo's language model at V=20K"),
+    "transformer": BodyCase("transformer", 20_000, 32, 64, note="Embedding(128) -> a "
+                            "Transformer block (MultiHeadAttention 4 x 32, LayerNorm, "
+                            "Dense 512 -> 128, LayerNorm)"),
+    "mlp": BodyCase("mlp", 100_000, 1024, 1, note="a recommender tower: 256 features "
+                    "-> Dense 512 -> 256 -> 128"),
+}
+
+
+def build_body_model(case):
+  """The case's Keras model (its body -> HierarchicalSoftmax over a tree of Zipf(1)
+  counts), compiled with the case's optimizer, and its counts."""
+  import keras  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from tf_hsm.keras import losses, optimizers  # pylint: disable=import-outside-toplevel
+  from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=import-outside-toplevel
+  from tf_hsm.tree import Tree  # pylint: disable=import-outside-toplevel
+  keras.utils.set_random_seed(0)
+  counts = 1.0 / np.arange(1, case.vocab + 1)
+  if case.name == "mlp":
+    inputs = keras.Input((256,), name="features")
+    x = keras.layers.Dense(512, activation="relu")(inputs)
+    x = keras.layers.Dense(256, activation="relu")(x)
+    x = keras.layers.Dense(128)(x)
+    targets = keras.Input((), dtype="int32", name="targets")
+  else:
+    inputs = keras.Input((case.seq,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(case.vocab, 128)(inputs)
+    if case.name == "lstm":
+      x = keras.layers.LSTM(128, return_sequences=True)(x)
+    else:
+      a = keras.layers.MultiHeadAttention(4, 32)(x, x)
+      x = keras.layers.LayerNormalization()(keras.layers.Add()([x, a]))
+      f = keras.layers.Dense(512, activation="relu")(x)
+      f = keras.layers.Dense(128)(f)
+      x = keras.layers.LayerNormalization()(keras.layers.Add()([x, f]))
+    targets = keras.Input((case.seq,), dtype="int32", name="targets")
+  tree = (Tree.two_level(case.vocab, counts=counts) if case.tree == "two_level" else
+          Tree.huffman(counts, branching=int(case.tree[len("huffman"):] or 2)))
+  out = HierarchicalSoftmax(tree, name="hsm")(x, targets)
+  model = keras.Model([inputs, targets], out)
+  opt = {"lazy_adam": lambda: optimizers.LazyAdam(1e-3),
+         "sgd": lambda: optimizers.SparseSGD(0.1)}[case.optimizer]()
+  model.compile(optimizer=opt, loss=losses.nll)
+  return model, counts
+
+
+def _rss(field):
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024
+  return None
+
+
+def _measure_apart():
+  """`planner.Machine.measure()` in a child process (its 256 MiB probe and tf_hsm steps
+  stay out of this process's peak)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  code = ("import dataclasses, json; from tf_hsm.planning import Machine; "
+          "print(json.dumps(dataclasses.asdict(Machine.measure())))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  fields = json.loads(out.stdout.strip().splitlines()[-1])
+  fields["tree_step"] = tuple(fields["tree_step"])
+  return planner.Machine(**fields)
+
+
+def body_worker(name, steps):
+  """In a fresh process: the planner's whole-model figures for the case, then its
+  `model.fit` steps timed and its peak RSS less the RSS before the model was built."""
+  import time  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import keras  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  del tf
+  case = BODY_CASES[name]
+  rng = np.random.default_rng(0)
+  n = case.batch * steps
+  counts = 1.0 / np.arange(1, case.vocab + 1)
+  cdf = np.cumsum(counts) / counts.sum()
+  shape = (n,) if case.seq == 1 else (n, case.seq)
+  y = np.minimum(np.searchsorted(cdf, rng.random(shape)), case.vocab - 1).astype(np.int32)
+  x = (rng.standard_normal((n, 256)).astype(np.float32) if name == "mlp" else
+       np.minimum(np.searchsorted(cdf, rng.random(shape)), case.vocab - 1).astype(np.int32))
+  # The machine's rates in this process's conditions (load, CPU affinity), measured in
+  # a child process before and after the steps so that its memory is not this one's.
+  before = _measure_apart()
+  start_rss = _rss("VmRSS")  # TensorFlow, the data; not the model, not the step
+  model, counts = build_body_model(case)
+  times = []
+
+  class Timer(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+      self.t = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+      times.append(time.perf_counter() - self.t)
+
+  model.fit([x, y], y, batch_size=case.batch, epochs=1, verbose=0, shuffle=False,
+            callbacks=[Timer()])
+  measured = sorted(times[2:])
+  peak_rss = _rss("VmHWM")
+  after = _measure_apart()
+  machine = _best(before, after)  # the faster: other jobs only slow the machine
+  return {"case": name, "steps": len(times),
+          "measured_step": measured[len(measured) // 2],
+          "measured_peak": peak_rss - start_rss, "peak_rss": peak_rss,
+          "planned": _plan_body(case, model, counts, machine),
+          "rates": dataclasses.asdict(machine)}
+
+
+def _plan_body(case, model, counts, machine=None):
+  """The planner's figures for the whole model: the body, the output layer's row for
+  the case's tree, their sum."""
+  report = planner.plan(model=model, tokens_per_step=case.tokens, counts=counts,
+                        optimizer=case.optimizer, machine=machine, trees=(case.tree,),
+                        adaptive=())
+  row = next(r for r in report.rows if r["method"].startswith("HierarchicalSoftmax"))
+  return {"body": {k: v for k, v in report.body.items() if k != "layers"},
+          "body_layers": report.body["layers"], "output": row,
+          "predicted_step": row["whole_step_seconds"],
+          "predicted_peak": row["whole_peak_bytes"], "notes": report.notes}
+
+
+def run_bodies(names=None, steps=40, progress=None):
+  """Each body case in a fresh process (`body_worker`); one result a case."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  names = list(names or BODY_CASES)
+  progress = progress or (lambda message: print(message, file=sys.stderr, flush=True))
+  results = []
+  for name in names:
+    if name not in BODY_CASES:
+      raise ValueError(f"unknown body case {name!r}; known: {', '.join(BODY_CASES)}")
+    progress(f"{name}: {BODY_CASES[name].note}, model.fit for {steps} steps")
+    out = subprocess.run(
+        [sys.executable, "-m", "tf_hsm.bench.plan_verify", "--body-worker", name,
+         "--steps", str(steps)], capture_output=True, text=True, check=False,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    if out.returncode:
+      raise RuntimeError(f"body case {name} failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["time_ratio"] = result["measured_step"] / result["planned"]["predicted_step"]
+    result["peak_ratio"] = result["measured_peak"] / result["planned"]["predicted_peak"]
+    result["time_ok"] = 1 / TIME_FACTOR <= result["time_ratio"] <= TIME_FACTOR
+    result["peak_ok"] = abs(result["peak_ratio"] - 1) <= PEAK_TOLERANCE
+    results.append(result)
+  return results
+
+
+def bodies_markdown(results):
+  lines = ["| model | body step predicted | output layer | whole step predicted | "
+           "measured | ratio | peak predicted | measured | ratio | verdict |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for r in results:
+    p = r["planned"]
+    lines.append(
+        f"| {r['case']}: {BODY_CASES[r['case']].note} | {_time(p['body']['step_seconds'])}"
+        f" | {_time(p['output']['step_seconds'])} | {_time(p['predicted_step'])} | "
+        f"{_time(r['measured_step'])} | {r['time_ratio']:.2f} | "
+        f"{_gb(p['predicted_peak'])} | {_gb(r['measured_peak'])} | {r['peak_ratio']:.2f}"
+        f" | {'step ok' if r['time_ok'] else '**step misses**'}, "
+        f"{'peak ok' if r['peak_ok'] else '**peak misses**'} |")
+  lines += ["", "Body layers (predicted):"]
+  for r in results:
+    lines.append(f"- {r['case']}: " + "; ".join(
+        f"{l['name']} ({l['priced_as']}) {_time(l['step_seconds'])}"
+        for l in r["planned"]["body_layers"]))
+  return "\n".join(lines)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(prog="python -m tf_hsm.planning --verify",
                                    description=__doc__.split("\n\n")[0])
@@ -370,7 +564,25 @@ def main(argv=None):
                       "rates measured around each case")
   parser.add_argument("--json", action="store_true", help="print the results as JSON")
   parser.add_argument("--save", metavar="FILE", help="also write the results as JSON")
+  parser.add_argument("--bodies", nargs="*", metavar="MODEL",
+                      help="instead: whole models in model.fit (of "
+                           f"{', '.join(BODY_CASES)}; default all), the planner's body "
+                           "and output layer beside the measured step and peak")
+  parser.add_argument("--steps", type=int, default=40,
+                      help="model.fit steps a body case (default 40; median after 2)")
+  parser.add_argument("--body-worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.body_worker:
+    print(json.dumps(body_worker(args.body_worker, args.steps), default=float))
+    return 0
+  if args.bodies is not None:
+    results = run_bodies(args.bodies, args.steps)
+    if args.save:
+      with open(args.save, "w") as f:
+        json.dump(results, f, indent=1, default=float)
+    print(json.dumps(results, indent=1, default=float) if args.json else
+          bodies_markdown(results))
+    return 0
   names = [n for value in args.cases or [] for n in value.replace(",", " ").split()]
   table = QUICK_CASES if args.quick else CASES
   for name in names:

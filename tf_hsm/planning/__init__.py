@@ -12,13 +12,17 @@ unless the machine is measured.
   training step fitted on this machine (measured with TensorFlow);
 - cutoffs.py: an adaptive softmax's cutoffs, chosen for the step time, and
   `checked_counts`, the class frequencies' validation;
+- body.py: the rest of a Keras model (`plan(model=...)`): its layers' parameters,
+  FLOPs, activations and step time, by duck typing (no Keras imported);
+- quality.py: each layer's measured perplexity against full softmax (the evidence);
 - cli.py, __main__.py: `python -m tf_hsm.planning`.
 
 Start at candidates.py.
 """
 
-from tf_hsm.planning.candidates import (STEP_TIE, TREES, Layer, Report, plan,
-                                        recommend_tree)
+from tf_hsm.planning.body import Body, body_cost, body_price
+from tf_hsm.planning.candidates import (HSM_TREES, QUALITY_MARGIN, QUALITY_TIE, STEP_TIE,
+                                        TREES, Layer, Report, plan, recommend_tree)
 from tf_hsm.planning.cli import main, parse_bytes, parse_count
 from tf_hsm.planning.costs import (CALLS_PER_STEP, DIV_VALUE, DTYPE_BYTES, OPTIMIZERS,
                                    SAMPLED, STEP_WORKSPACE_BYTES, TAILS, Cost, Part,
@@ -28,13 +32,15 @@ from tf_hsm.planning.costs import (CALLS_PER_STEP, DIV_VALUE, DTYPE_BYTES, OPTIM
                                    tree_cost)
 from tf_hsm.planning.cutoffs import checked_counts, choose_cutoffs, step_cost
 from tf_hsm.planning.machine import Machine, machine_name
+from tf_hsm.planning.quality import EVIDENCE, quality_of
 from tf_hsm.planning.pricing import fixed_step_terms, price, step_terms
 from tf_hsm.planning.tree_work import (TREE_STEP_TERMS, WALK_MAX_BRANCHING, TreeWork,
                                        huffman_work, layout_work, tree_bytes,
                                        tree_step_terms, work_of_tree)
 
 __all__ = [
-    "CALLS_PER_STEP", "Cost", "DIV_VALUE", "DTYPE_BYTES", "Layer", "Machine", "OPTIMIZERS",
+    "Body", "EVIDENCE", "HSM_TREES", "QUALITY_MARGIN", "QUALITY_TIE", "body_cost",
+    "body_price", "quality_of", "CALLS_PER_STEP", "Cost", "DIV_VALUE", "DTYPE_BYTES", "Layer", "Machine", "OPTIMIZERS",
     "Part", "Report", "SAMPLED", "STEP_TIE", "STEP_WORKSPACE_BYTES", "TAILS", "TREES",
     "TREE_STEP_TERMS", "TreeWork", "WALK_MAX_BRANCHING", "adaptive_cluster_cost",
     "adaptive_cost", "adaptive_head_cost", "checked_counts", "choose_cutoffs",

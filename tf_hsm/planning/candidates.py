@@ -27,7 +27,9 @@ import textwrap
 
 import numpy as np
 
+from tf_hsm.planning import body as body_lib
 from tf_hsm.planning import machine as machine_lib
+from tf_hsm.planning import quality as quality_lib
 from tf_hsm.planning.costs import (DIV_VALUE, DTYPE_BYTES, OPTIMIZERS, TAILS,
                                    adaptive_cost, full_softmax_cost, probabilities,
                                    pytorch_cutoffs, sampled_softmax_cost, tail_widths,
@@ -47,6 +49,13 @@ from tf_hsm.tree import builders
 # rates cannot flip the choice between two layers a few percent apart, and can only move
 # a layer across the edge of the band.
 STEP_TIE = 0.10
+# The recommendation takes the most accurate layer (by the project's measured perplexity
+# against full softmax, `tf_hsm.planning.quality`) whose whole step (the body's, with a
+# model, and the output layer's) is within this fraction of the fastest whole step;
+# measured perplexity ratios within QUALITY_TIE of the best count as equally accurate
+# (then the fastest, as `STEP_TIE`).
+QUALITY_MARGIN = 0.20
+QUALITY_TIE = 0.005
 
 
 @dataclasses.dataclass
@@ -107,10 +116,11 @@ class Report:
   settings: dict
   layer: Layer = None
   notes: list = dataclasses.field(default_factory=list)
+  body: dict = None  # with a model: the body's figures (`tf_hsm.planning.body`)
 
   def to_dict(self):
     return {"rows": self.rows, "recommended": self.recommended, "reason": self.reason,
-            "settings": self.settings,
+            "settings": self.settings, "body": self.body,
             "layer": self.layer.to_dict() if self.layer else None, "notes": self.notes}
 
   def to_markdown(self):
@@ -126,8 +136,10 @@ class Report:
         + (f", budget {_size(s['memory_budget'])}" if s["memory_budget"] else ""),
         ""]
     slots = any(row["slot_bytes"] for row in self.rows)  # no column of zeros (sgd)
+    whole = self.body is not None
     header = ["method", "params", "grad"] + (["slots"] if slots else []) + ["peak"] + (
-        ["per shard"] if shards else []) + ["rows", "GFLOP", "moved", "step", "fits"]
+        ["per shard"] if shards else []) + ["rows", "GFLOP", "moved", "step"] + (
+            ["whole", "whole peak"] if whole else []) + ["ppl+%", "fits"]
     lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     footnotes = []
     for row in self.rows:
@@ -140,12 +152,17 @@ class Report:
                                                     ("peak_bytes",)] + (
               [_size(row["per_shard_bytes"], short=True)] if shards else []) + [
           _count(row["rows_touched"]), _count(row["flops"] / 1e9),
-          _size(row["bytes_moved"], short=True), _seconds(row["step_seconds"], short=True),
+          _size(row["bytes_moved"], short=True), _seconds(row["step_seconds"], short=True)] + (
+              [_seconds(row["whole_step_seconds"], short=True),
+               _size(row["whole_peak_bytes"], short=True)] if whole else []) + [
+          _quality_cell(row.get("quality")),
           ("yes" if row["fits"] else "no") + ("" if row["exact"] else "*")]
       lines.append("| " + " | ".join(cells) + " |")
     text = ["HSM: HierarchicalSoftmax; rows: rows touched a step (expected); GFLOP: forward "
-            "and backward; moved: bytes a step reads and writes; *: approximate, never "
-            "recommended.", *footnotes, "",
+            "and backward; moved: bytes a step reads and writes; ppl+%: measured perplexity "
+            "over full softmax's, in % (?: not measured); *: approximate, never "
+            "recommended." + (" whole: with the body's step and memory." if whole else ""),
+            *footnotes, ""] + ([s["body"], ""] if whole else []) + [
             f"Recommended: {self.recommended}: {self.reason}"]
     if self.layer is not None and self.layer.code:
       text.append(f"Construct it: {self.layer.code}")
@@ -155,6 +172,13 @@ class Report:
       indent = "  " if line.startswith("- ") else ""
       lines += textwrap.wrap(line, 120, subsequent_indent=indent) or [""]
     return "\n".join(lines)
+
+
+def _quality_cell(ratio):
+  if ratio is None:
+    return "?"
+  percent = (ratio - 1) * 100
+  return f"{percent:.1f}" if abs(percent) < 10 else f"{percent:.0f}"
 
 
 def _size(value, short=False):
@@ -185,7 +209,30 @@ def _seconds(value, short=False):
   return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
-TREES = ("two_level", "three_level", "huffman2", "huffman8", "huffman32")
+HSM_TREES = ("two_level", "three_level", "huffman2", "huffman8", "huffman32")
+# "learned": the demo's learned tree (a head of the most frequent classes at the root,
+# the rest in about sqrt(V) similarity clusters, rebuilt from trained embeddings after
+# epoch 1 by `tf_hsm.callbacks.RebuildTree`), priced as that shape with clusters of
+# equal size (similarity clusters mix frequencies); its layer starts on the two-level
+# tree of the counts.
+TREES = HSM_TREES + ("learned",)
+LEARNED_HEAD = 128
+
+
+def learned_layout(num_classes, counts):
+  """The learned tree's shape: (child_begin, slot_child, num_classes, head, width)."""
+  C = int(num_classes)
+  head = min(LEARNED_HEAD, C // 8)
+  width = max(2, math.ceil(math.sqrt(C)))
+  order = (np.arange(C) if counts is None else
+           np.argsort(-np.asarray(counts, np.float64), kind="stable"))
+  top, rest = order[:head], order[head:]
+  K = max(1, min(width, rest.size))
+  members = [rest[i::K] for i in range(K)]
+  sizes = np.array([m.size for m in members], np.int64)
+  child_begin = np.concatenate([[0, K + head], K + head + np.cumsum(sizes)])
+  slot_child = np.concatenate([C + np.arange(1, K + 1), top] + members).astype(np.int64)
+  return child_begin, slot_child, C, head, width
 
 
 @dataclasses.dataclass
@@ -218,6 +265,15 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes)
           f"balanced({branching})", f"Tree.balanced(num_classes, {branching})",
           layout_work(*layout, probs, tokens),
           lambda b=branching: Tree.balanced(num_classes, b)))
+    elif name == "learned":
+      *layout, head, width = learned_layout(num_classes, counts)
+      found.append(_TreeCandidate(
+          f"learned(head={head}, width={width})",
+          "Tree.two_level(num_classes, counts=counts)); rebuilt after epoch 1 by "
+          f"tf_hsm.callbacks.RebuildTree(layer, branching=[{width}, {width}], "
+          f"counts=counts, vectors=embedding_layer, head={head}, after_epoch=1",
+          layout_work(*layout, probs, tokens),
+          lambda: Tree.two_level(num_classes, counts=counts)))
     elif re.fullmatch(r"huffman\d+", name):
       k = int(name[len("huffman"):])
       if not 2 <= k < num_classes:
@@ -251,8 +307,8 @@ def _adaptive_layouts(V, D, T, probs, optimizer, dtype, machine, tails, cutoffs,
     notes.append(f"no AdaptiveSoftmax rows: {error}")
     return []
   if cutoffs is not None:
-    return [(f"AdaptiveSoftmax {tail}, cutoffs", f"adaptive {tail}", list(cutoffs), tail)
-            for tail in tails]
+    return [(f"AdaptiveSoftmax {tail}, cutoffs", f"adaptive {tail}", list(cutoffs), tail,
+             div_value) for tail in tails]
   layouts = []
   for tail in tails:
     try:
@@ -262,15 +318,20 @@ def _adaptive_layouts(V, D, T, probs, optimizer, dtype, machine, tails, cutoffs,
       notes.append(f"no AdaptiveSoftmax {tail} row at chosen cutoffs: {error}")
       continue
     layouts.append((f"AdaptiveSoftmax {tail}, chosen cutoffs", f"adaptive {tail}", chosen,
-                    tail))
+                    tail, div_value))
   if "flat" in tails:
     fixed = pytorch_cutoffs(V, D, div_value)
     if fixed:
       layouts.append(("AdaptiveSoftmax flat, PyTorch-style fixed cutoffs",
-                      "adaptive flat, fixed", fixed, "flat"))
+                      "adaptive fixed", fixed, "flat", div_value))
     else:
       notes.append(f"no AdaptiveSoftmax row at PyTorch-style cutoffs: V={V} and D={D} "
                    f"leave no cluster a width of 1 or more at div_value {div_value:g}")
+    demo = quality_lib.demo_cutoffs(V)
+    if demo and min(tail_widths(D, len(demo), 2.0)) >= 1:
+      # The layout whose quality the project measured (docs/demo.md).
+      layouts.append(("AdaptiveSoftmax flat, the demo's cutoffs", "adaptive demo",
+                      demo, "flat", 2.0))
   return layouts
 
 
@@ -278,13 +339,13 @@ def _quiet(text):
   del text
 
 
-def _pick(candidates):
-  """The fastest of `candidates` (rows, in table order), counting steps within
+def _pick(candidates, key="step_seconds"):
+  """The fastest of `candidates` (rows, in table order) by `key`, counting steps within
   STEP_TIE of the fastest as equal; of those, by kind (`_KINDS`), then the least peak
   memory, then the first."""
-  fastest = min(r["step_seconds"] for r in candidates)
+  fastest = min(r[key] for r in candidates)
   tied = [(i, r) for i, r in enumerate(candidates)
-          if r["step_seconds"] <= fastest * (1 + STEP_TIE)]
+          if r[key] <= fastest * (1 + STEP_TIE)]
   return min(tied, key=lambda ir: (_kind_rank(ir[1]["method"]), ir[1]["peak_bytes"],
                                    ir[0]))[1]
 
@@ -297,14 +358,15 @@ def _kind_rank(method):
               len(_KINDS))
 
 
-def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
-         dtype="float32", memory_budget=None, num_shards=1, machine=None, trees=TREES,
-         adaptive=TAILS, cutoffs=None, div_value=DIV_VALUE, progress=None):
+def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
+         optimizer="sgd", dtype="float32", memory_budget=None, num_shards=1, machine=None,
+         trees=TREES, adaptive=TAILS, cutoffs=None, div_value=DIV_VALUE, progress=None,
+         model=None):
   """Plans the output layer of a model: one row per candidate and a recommendation.
 
   Args:
-    num_classes: V.
-    hidden: D, the hidden size.
+    num_classes: V (default with a `model` holding a tf_hsm layer: its num_classes).
+    hidden: D, the hidden size (default with a `model`: its hidden states' width).
     tokens_per_step: T, the outputs a training step scores: batch x sequence length
       for a language model.
     counts: class frequencies [V] (uniform if None); class ids by decreasing frequency
@@ -329,13 +391,38 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
     div_value: the adaptive rows' div_value.
     progress: called with a line of text before each slow part (measuring the machine,
       pricing each tree), or None.
+    model: a built Keras model, inspected by duck typing (`tf_hsm.planning.body`):
+      the body up to the hidden states, or a model holding a HierarchicalSoftmax or
+      AdaptiveSoftmax layer (its body: every other layer). Its step and memory are added
+      to every row (`whole_step_seconds`, `whole_peak_bytes`); `report.body` holds its
+      figures, a row per layer.
 
   Returns:
-    A `Report`. The recommendation is the fastest exact row that fits, rows within
-    STEP_TIE (10%) of the fastest counting as equally fast (then full softmax before
-    HierarchicalSoftmax before AdaptiveSoftmax, then the least peak memory); with none
-    that fits, the exact one that needs the least memory.
+    A `Report`. Every row carries `quality`: its measured perplexity against full
+    softmax's (`tf_hsm.planning.quality`; None when the project has not measured that
+    layer). The recommendation is the most accurate exact row that fits whose whole
+    step is within QUALITY_MARGIN (20%) of the fastest whole step (ratios within
+    QUALITY_TIE counting as equal, then the fastest); rows of unknown quality are taken
+    only when no row in the margin has a measured one, and then the fastest (steps
+    within STEP_TIE equal; then full softmax before HierarchicalSoftmax before
+    AdaptiveSoftmax, then the least peak memory). With none that fits, the exact one that
+    needs the least memory.
   """
+  body = None
+  if model is not None:
+    if tokens_per_step is None:
+      raise ValueError("tokens_per_step is required with a model: the outputs a "
+                       "training step scores (batch x sequence length)")
+    body = body_lib.body_cost(model, tokens_per_step)
+    if hidden is None:
+      hidden = body.hidden
+    if num_classes is None:
+      num_classes = body.num_classes
+      if num_classes is None and counts is not None:
+        num_classes = len(counts)
+    if num_classes is None:
+      raise ValueError("num_classes is required: the model holds no tf_hsm output layer "
+                       "to read it from")
   for name, value in (("num_classes", num_classes), ("hidden", hidden),
                       ("tokens_per_step", tokens_per_step), ("num_shards", num_shards)):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -360,6 +447,12 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   probs = probabilities(V, counts)
   notes = []
+  body_row = None
+  if body is not None:
+    body_row = body_lib.body_price(body, optimizer, dtype, machine)
+    notes += body.notes
+    if body.hidden != D:
+      notes.append(f"the model's hidden states are {body.hidden} wide, planned at D={D}")
 
   def row(method, label, cost, exact=True):
     priced = price(method, cost, D, T, optimizer, dtype, machine, memory_budget,
@@ -368,43 +461,52 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
     return priced
 
   rows = [row("full softmax", "full softmax", full_softmax_cost(V, D, T)),
-          row("sampled softmax", "sampled softmax", sampled_softmax_cost(V, D, T, probs),
+          row("sampled softmax", "sampled", sampled_softmax_cost(V, D, T, probs),
               exact=False)]
   layers = [Layer("full softmax", "full softmax", ""), None]
   for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes):
-    rows.append(row(f"HierarchicalSoftmax {tree.name}", f"HSM {tree.name}",
+    rows.append(row(f"HierarchicalSoftmax {tree.name}",
+                    "HSM " + re.sub(r"\(.*", "", tree.name) if tree.name.startswith(
+                        ("learned", "two_level")) else f"HSM {tree.name}",
                     tree_cost(tree.work, D, T, probs)))
     layers.append(Layer("HierarchicalSoftmax", rows[-1]["method"],
                         f"HierarchicalSoftmax({tree.code})", _build=tree.build))
   progress("choosing the adaptive softmax's cutoffs")
-  for method, label, chosen, tail in _adaptive_layouts(V, D, T, probs, optimizer, dtype,
-                                                       machine, adaptive, cutoffs,
-                                                       div_value, notes):
-    widths = ", ".join(map(str, tail_widths(D, len(chosen), div_value)))
+  for method, label, chosen, tail, div in _adaptive_layouts(V, D, T, probs, optimizer,
+                                                            dtype, machine, adaptive,
+                                                            cutoffs, div_value, notes):
+    widths = ", ".join(map(str, tail_widths(D, len(chosen), div)))
     try:
-      cost = adaptive_cost(V, D, T, chosen, div_value, tail, counts)
+      cost = adaptive_cost(V, D, T, chosen, div, tail, counts)
     except ValueError as error:
       notes.append(f"no {method} {_short_list(chosen)} row: {error}")
       continue
-    rows.append(row(f"{method} {_short_list(chosen)}, div {div_value:g} (tail widths "
+    rows.append(row(f"{method} {_short_list(chosen)}, div {div:g} (tail widths "
                     f"{widths})", label, cost))
+    rows[-1]["cutoffs"], rows[-1]["div_value"] = list(chosen), float(div)
     layers.append(Layer(
         "AdaptiveSoftmax", rows[-1]["method"],
-        f"AdaptiveSoftmax(num_classes, cutoffs={list(chosen)}, div_value={div_value:g}, "
+        f"AdaptiveSoftmax(num_classes, cutoffs={list(chosen)}, div_value={div:g}, "
         f"tail={tail!r}" + (", counts=counts)" if tail == "two_level" and
                             counts is not None else ")"),
-        list(chosen), tail, float(div_value), V, _counts=counts))
+        list(chosen), tail, float(div), V, _counts=counts))
+  for r in rows:
+    kind = quality_lib.kind_of(r["method"], r.get("cutoffs"), r.get("div_value"), V)
+    r["quality"], _ = quality_lib.quality_of(kind) if kind else (None, [])
+    r["quality_kind"] = kind
+    r["quality_evidence"] = quality_lib.describe(kind) if kind else "not measured"
+    r["body_seconds"] = body_row["step_seconds"] if body_row else 0.0
+    r["whole_step_seconds"] = r["step_seconds"] + r["body_seconds"]
+    # One step's workspace: the body's peak adds its tensors only.
+    r["whole_peak_bytes"] = r["peak_bytes"] + (body_row["peak_bytes"] if body_row else 0)
+  unknown = [r["label"] for r in rows if r["quality"] is None]
+  if unknown:
+    notes.append("quality not measured (no documented perplexity; docs/planner.md, "
+                 "Quality): " + ", ".join(unknown))
   exact = [r for r in rows if r["exact"] and r["fits"]]
   full = rows[0]
   if exact:
-    best = _pick(exact)
-    reason = (f"the fastest exact layer that fits: {_seconds(best['step_seconds'])} a step "
-              f"({full['step_seconds'] / best['step_seconds']:.0f}x full softmax), "
-              f"{best['rows_touched']:,.0f} rows touched, peak {_size(best['peak_bytes'])}")
-    fastest = min(r["step_seconds"] for r in exact)
-    if best["step_seconds"] > fastest:
-      reason += (f" (within {STEP_TIE:.0%} of the fastest, {_seconds(fastest)}: "
-                 "equal within the model's error; of those, by kind, then memory)")
+    best, reason = _choose(exact, full, body_row is not None)
   else:
     best = min((r for r in rows if r["exact"]), key=lambda r: r["per_shard_bytes"])
     reason = (f"nothing exact fits {_size(memory_budget)}; this one needs the least "
@@ -413,11 +515,45 @@ def plan(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
   settings = {"num_classes": V, "hidden": D, "tokens_per_step": T, "optimizer": optimizer,
               "dtype": dtype, "memory_budget": memory_budget, "num_shards": num_shards,
               "machine": dataclasses.asdict(machine)}
-  return Report(rows, best["method"], reason, settings, layer, notes)
+  if body_row is not None:
+    settings["body"] = body_lib.describe(body_row)
+  return Report(rows, best["method"], reason, settings, layer, notes, body_row)
+
+
+def _choose(exact, full, whole):
+  """(row, one-line reason): the most accurate of `exact` whose whole step is within
+  QUALITY_MARGIN of the fastest whole step; the fastest when none there has a measured
+  quality."""
+  key = "whole_step_seconds"
+  step = "whole step" if whole else "step"
+  fastest = min(r[key] for r in exact)
+  margin = [r for r in exact if r[key] <= fastest * (1 + QUALITY_MARGIN)]
+  known = [r for r in margin if r["quality"] is not None]
+  if not known:
+    best = _pick(margin, key)
+    return best, (
+        f"no layer within {QUALITY_MARGIN:.0%} of the fastest {step} has a measured "
+        f"quality: the fastest, {_seconds(best[key])} a {step} "
+        f"({full[key] / best[key]:.1f}x full softmax), peak {_size(best['peak_bytes'])}, "
+        "quality unknown")
+  top = min(r["quality"] for r in known)
+  best = _pick([r for r in known if r["quality"] <= top * (1 + QUALITY_TIE)], key)
+  faster = [r for r in exact if r[key] < best[key] * (1 - 1e-9)]
+  worse = ""
+  if faster:
+    quickest = min(faster, key=lambda r: r[key])
+    worse = (f"; the fastest, {quickest['label']} ({_seconds(quickest[key])}), "
+             + ("quality unknown" if quickest["quality"] is None else
+                f"{quickest['quality'] - 1:+.1%} perplexity"))
+  return best, (
+      f"the most accurate measured layer within {QUALITY_MARGIN:.0%} of the fastest "
+      f"{step}: {best['quality'] - 1:+.1%} perplexity against full softmax "
+      f"({best['quality_evidence']}), {_seconds(best[key])} a {step} "
+      f"({best[key] / fastest - 1:+.0%} over the fastest){worse}")
 
 
 def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
-                   dtype="float32", memory_budget=None, machine=None, trees=TREES,
+                   dtype="float32", memory_budget=None, machine=None, trees=HSM_TREES,
                    progress=None):
   """The `HierarchicalSoftmax` tree to use: of `trees` (as `plan` takes them), the one
   the planner prices fastest (rows within STEP_TIE counting as equal, then the least
