@@ -4,16 +4,19 @@
 
 Every op used here is one that TensorFlow, XLA and TFLite's builtin op set all accept:
 gathers, (batch) matmuls, elementwise math, reductions, unsorted segment reductions,
-`tf.math.top_k`, `tf.cond` and `tf.while_loop`. Python loops are unrolled at trace time
-and bounded by the tree's max depth; `tf.while_loop`s only walk the children of wide
-nodes in chunks of `CHUNK` (bounded by ``ceil(max_branching / CHUNK)``).
+`tf.math.top_k`, scatter_nd, `tf.cond` and `tf.while_loop`. Python loops are unrolled at
+trace time and bounded by the tree's max depth; `tf.while_loop`s walk the children of
+wide nodes in chunks of `CHUNK` (bounded by ``ceil(max_branching / CHUNK)``), top_k's
+search (at most `SEARCH_ITERATIONS`) and the rows it leaves unproved.
 
-`top_k` is exact. It runs a level-synchronous beam search whose every row carries a proof:
-the best score it pruned bounds every class below the pruned item (log-probabilities only
-fall along a path, and the scores here are computed so that this holds in floating point
-too), so a row whose k-th score beats that bound has its exact top k. Rows without the
-proof are searched again with an 8x wider beam, and rows failing that too get the
-exhaustive `log_prob_all` + `tf.math.top_k`.
+`top_k` is exact. It runs a batched best-first (branch-and-bound) search, as the op does:
+the top levels of the tree are scored in one matmul, then a bounded `tf.while_loop`
+expands every row's best frontier nodes (a node's path log-probability bounds every class
+below it: log-probabilities only fall along a path, and the scores here are computed so
+that this holds in floating point too) until no frontier node of any row can beat or tie
+its k-th class. Rows without that proof (out of iterations, a node or a tied class that
+the fixed-size state dropped) are searched again one at a time by the beam searches and,
+failing those, the exhaustive `log_prob_all` + `tf.math.top_k`.
 """
 
 import tensorflow as tf
@@ -29,6 +32,19 @@ CHUNK = 64
 BEAM_FACTOR = 2
 BEAM_MIN = 16
 WIDEN = 8
+# The best-first search (see `_best_first`): the top levels of at most PREFIX_SLOTS slots
+# are scored in one matmul; then each iteration expands every row's best EXPAND frontier
+# nodes (fewer where nodes are wide: EXPAND * branching <= EXPAND_SLOTS), for at most
+# SEARCH_ITERATIONS iterations, keeping the FRONTIER best unexpanded nodes per row.
+PREFIX_SLOTS = 1024
+EXPAND = 8
+EXPAND_SLOTS = 64
+SEARCH_ITERATIONS = 16
+# The frontier starts from the FRONTIER_START best of the prefix's nodes, and each
+# iteration adds the KEEP_NODES best of its new nodes (the rest are remembered by their
+# best score: a row whose k-th class does not beat it is not proved).
+FRONTIER_START = 64
+KEEP_NODES = 32
 
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
 
@@ -81,7 +97,8 @@ def _targets(targets):
 def _logits(h, weights, biases, slots):
   """z[n, x] = weights[slots[n, x]] . h[n] + biases[slots[n, x]]; slots [N, X] valid."""
   rows = tf.gather(weights, slots)                        # [N, X, D]
-  z = tf.squeeze(tf.matmul(rows, h[:, :, None]), -1)      # [N, X]
+  # A product and a sum: on CPU a batch of matrix-vector products costs far more.
+  z = tf.reduce_sum(rows * h[:, None, :], -1)             # [N, X]
   if biases is not None:
     z = z + tf.gather(biases, slots)
   return z
@@ -153,14 +170,13 @@ def _node_lse(tree, h, weights, biases, begin, count, extra=None):
 # --------------------------------------------------------------------------- log_prob
 
 def _path_slots(tree, targets):
-  """[N, max_depth] slots of each target's path, leaf first, -1 past the root."""
+  """[N, max_depth] slots of each target's path, leaf first, num_slots past the root
+  (one gather of `slot_up` per step)."""
   slot = tf.gather(tree.class_slot, targets)
-  steps = []
-  for _ in range(tree.max_depth):
+  steps = [slot]
+  for _ in range(tree.max_depth - 1):
+    slot = tf.gather(tree.slot_up, slot)
     steps.append(slot)
-    node = tf.gather(tree.slot_node, tf.maximum(slot, 0))
-    parent_slot = tf.gather(tree.node_slot, node)
-    slot = tf.where(slot >= 0, parent_slot, slot)
   return tf.stack(steps, axis=1)
 
 
@@ -187,11 +203,9 @@ def log_prob(hidden, weights, biases, tree, targets):
   valid = tf.logical_and(targets >= 0, tf.logical_not(too_big))
   safe = tf.where(valid, targets, tf.zeros_like(targets))
   slots = _path_slots(tree, safe)                              # [N, L]
-  on_path = slots >= 0
-  node = tf.gather(tree.slot_node, tf.maximum(slots, 0))
-  begin = tf.gather(tree.child_begin, node)
-  count = tf.where(on_path, tf.gather(tree.child_begin, node + 1) - begin,
-                   tf.zeros_like(begin))
+  on_path = slots < tree.num_slots
+  begin = tf.gather(tree.slot_begin, slots)
+  count = tf.gather(tree.slot_count, slots)                    # 0 past the root
   lse, picked = _node_lse(tree, h, weights, biases, begin, count, extra=slots - begin)
   steps = tf.where(on_path, picked - lse, tf.zeros_like(lse))
   out = tf.reduce_sum(steps, -1)
@@ -330,6 +344,183 @@ def _proven(best, bound, k):
   return best[:, k - 1] > bound
 
 
+def _sorted_by_class(values, codes):
+  """values and codes reordered so that codes increase (empty codes, -1, last)."""
+  big = tf.constant(2**31 - 1, tf.int32)
+  _, order = tf.math.top_k(-tf.where(codes < 0, big, codes), codes.shape[1])
+  return tf.gather(values, order, batch_dims=1), tf.gather(codes, order, batch_dims=1)
+
+
+def _pad_to(values, codes, width):
+  """values, codes with at least `width` columns (padding: -inf, -1)."""
+  have = values.shape[1]
+  if have >= width:
+    return values, codes
+  n = tf.shape(values)[0]
+  return (tf.concat([values, tf.fill([n, width - have],
+                                     tf.constant(-float("inf"), values.dtype))], 1),
+          tf.concat([codes, tf.fill([n, width - have], tf.constant(-1, codes.dtype))], 1))
+
+
+def _prefix_scores(prefix, h, weights, biases):
+  """[N, prefix.num_slots] path log-probabilities of the prefix's slots' children."""
+  dtype = h.dtype
+  rows = tf.range(prefix.num_slots, dtype=tf.int32)
+  logits = tf.matmul(tf.gather(weights, rows), h, transpose_b=True)     # [S0, N]
+  if biases is not None:
+    logits = logits + tf.gather(biases, rows)[:, None]
+  m = tf.math.unsorted_segment_max(logits, prefix.slot_node, prefix.num_nodes)
+  m = tf.where(tf.math.is_finite(m), m, tf.zeros_like(m))
+  s = tf.math.unsorted_segment_sum(tf.exp(logits - tf.gather(m, prefix.slot_node)),
+                                   prefix.slot_node, prefix.num_nodes)
+  step = logits - tf.gather(_lse_finish(m, s), prefix.slot_node)       # [S0, N]
+  node_lp = tf.zeros([1, tf.shape(h)[0]], dtype)
+  for slots, parents in zip(prefix.level_slots, prefix.level_parents):
+    node_lp = tf.concat([node_lp, tf.gather(node_lp, parents) + tf.gather(step, slots)], 0)
+  return tf.transpose(tf.gather(node_lp, prefix.slot_node) + step)
+
+
+def search_sizes(tree, k):
+  """(prefix, expand, start, keep, iterations) of the best-first search: the
+  `SearchPrefix`, the nodes each row expands per iteration, the frontier's columns
+  taken from the prefix and per iteration, the iteration bound."""
+  del k
+  prefix = tree.search_prefix(PREFIX_SLOTS)
+  expand = max(1, min(EXPAND, EXPAND_SLOTS // max(1, prefix.branching)))
+  start = max(expand, min(FRONTIER_START, int(prefix.nodes.shape[0])))
+  keep = max(1, min(KEEP_NODES, expand * prefix.branching))
+  return prefix, expand, start, keep, SEARCH_ITERATIONS
+
+
+def _best_first(tree, h, weights, biases, k):
+  """Best-first (branch-and-bound) search of every row's top k.
+
+  Per row: the best k classes found so far (`found`), the best value of any class that
+  `found` could not keep (`dropped`), and a frontier of unexpanded nodes scored by their
+  path log-probability, which bounds every class below them (every step adds
+  z - lse <= 0, also in floating point). The top levels (`SearchPrefix`) are scored in
+  one matmul; then each iteration takes the best `expand` frontier nodes of every row
+  whose best one is not below its k-th class, scores their children (one gather of
+  their weight rows, one batched product, a log-softmax per node), merges the classes
+  into `found` and writes the nodes into the frontier's block for that iteration (the
+  frontier has a fixed capacity: the prefix's nodes and `expand * branching` columns
+  per iteration; it is never full).
+
+  A row is proved when no frontier node is at or above its k-th class (so no class
+  below one can beat or tie it) and no dropped class ties it (the tie order, increasing
+  class, is then only needed inside `found`).
+
+  Returns (values [N, k], classes [N, k] int32, proved [N] bool, iterations run): where
+  proved, the row's exact top k, equal values in increasing class order.
+  """
+  dtype = h.dtype
+  c = tree.num_classes
+  prefix, expand, start, keep, iterations = search_sizes(tree, k)
+  neg_inf = tf.constant(-float("inf"), dtype)
+  n = tf.shape(h)[0]
+  scores = _prefix_scores(prefix, h, weights, biases)                   # [N, S0]
+  cls_v, cls_c = _pad_to(tf.gather(scores, prefix.class_slots, axis=1),
+                         tf.tile(prefix.classes[None], [n, 1]), k + 1)
+  found_v, found_c = _top(cls_v, cls_c, k + 1)
+  dropped = found_v[:, k]
+  found_v, found_c = found_v[:, :k], found_c[:, :k]
+  if prefix.complete:
+    found_v, found_c = _sorted_by_class(found_v, found_c)
+    best, where = tf.math.top_k(found_v, k)
+    return best, tf.gather(found_c, where, batch_dims=1), tf.fill([n], True), tf.constant(
+        0, tf.int32)
+  branching = prefix.branching
+  block = expand * branching
+  width = start + iterations * keep
+  node_v = tf.gather(scores, prefix.node_slots, axis=1)
+  node_v = tf.where(node_v >= found_v[:, k - 1:], node_v, neg_inf)
+  fr_v, fr_n = _top(node_v, tf.tile(prefix.nodes[None], [n, 1]), start + 1)
+  lost = fr_v[:, start]
+  fr_v, fr_n = _pad_to(fr_v[:, :start], fr_n[:, :start], width)
+  column = tf.range(width, dtype=tf.int32)
+  rows = tf.tile(tf.range(n)[:, None], [1, expand])
+
+  def state(found_v, dropped, lost, fr_v):
+    """(open: a frontier node not below the k-th class; stuck: a class that ties the
+    k-th was dropped, or a node not below it lost: more search cannot prove the row)."""
+    kth = found_v[:, k - 1]
+    top = tf.reduce_max(fr_v, -1)
+    is_open = tf.logical_and(top >= kth, top > neg_inf)
+    stuck = tf.logical_and(tf.maximum(dropped, lost) >= kth, kth > neg_inf)
+    return is_open, stuck
+
+  def cond(i, found_v, found_c, dropped, lost, fr_v, fr_n):
+    del found_c, fr_n
+    is_open, stuck = state(found_v, dropped, lost, fr_v)
+    return tf.logical_and(i < iterations,
+                          tf.reduce_any(tf.logical_and(is_open, tf.logical_not(stuck))))
+
+  def body(i, found_v, found_c, dropped, lost, fr_v, fr_n):
+    is_open, stuck = state(found_v, dropped, lost, fr_v)
+    active = tf.logical_and(is_open, tf.logical_not(stuck))
+    kth = found_v[:, k - 1]
+    sel_v, sel_at = tf.math.top_k(fr_v, expand)                            # [N, E]
+    go = tf.logical_and(tf.logical_and(active[:, None], sel_v > neg_inf),
+                        sel_v >= kth[:, None])
+    node = tf.where(go, tf.gather(fr_n, sel_at, batch_dims=1), tf.zeros_like(sel_at))
+    # The selected of active rows leave the frontier (those not expanded are below the
+    # k-th class).
+    taken = tf.scatter_nd(tf.reshape(tf.stack([rows, sel_at], -1), [-1, 2]),
+                          tf.reshape(tf.cast(active[:, None], tf.int32) + 0 * sel_at, [-1]),
+                          tf.stack([n, width]))
+    fr_v = tf.where(taken > 0, neg_inf, fr_v)
+    begin = tf.gather(tree.child_begin, node)
+    count = tf.where(go, tf.gather(tree.child_begin, node + 1) - begin, tf.zeros_like(begin))
+    pos = tf.range(branching, dtype=tf.int32)
+    valid = pos < count[..., None]                                          # [N, E, B]
+    slots = tf.where(valid, begin[..., None] + pos, tf.zeros_like(pos))
+    z = tf.reshape(_logits(h, weights, biases, tf.reshape(slots, [-1, block])),
+                   [-1, expand, branching])
+    z = tf.where(valid, z, neg_inf)
+    m = tf.reduce_max(z, -1)
+    m = tf.where(tf.math.is_finite(m), m, tf.zeros_like(m))
+    lse = _lse_finish(m, tf.reduce_sum(tf.exp(z - m[..., None]), -1))
+    cand = tf.reshape(tf.where(valid, sel_v[..., None] + (z - lse[..., None]), neg_inf),
+                      [-1, block])
+    child = tf.reshape(tf.gather(tree.slot_child, slots), [-1, block])
+    valid = tf.reshape(valid, [-1, block])
+    is_class = tf.logical_and(valid, child < c)
+    found_v, found_c = _top(tf.concat([found_v, tf.where(is_class, cand, neg_inf)], 1),
+                            tf.concat([found_c, tf.where(is_class, child, -tf.ones_like(child))],
+                                      1), k + 1)
+    dropped = tf.maximum(dropped, found_v[:, k])
+    found_v, found_c = found_v[:, :k], found_c[:, :k]
+    kth = found_v[:, k - 1]
+    # The best `keep` children that are nodes (not below the k-th class) take this
+    # iteration's columns of the frontier.
+    is_node = tf.logical_and(tf.logical_and(valid, child >= c), cand >= kth[:, None])
+    new_v, new_n = _top(tf.where(is_node, cand, neg_inf),
+                        tf.where(is_node, child - c, -tf.ones_like(child)), keep + 1)
+    lost = tf.maximum(lost, new_v[:, keep])
+    mine = tf.logical_and(column >= start, tf.equal((column - start) // keep, i))[None]
+    tiles = width // keep + 1
+    fr_v = tf.where(mine, tf.tile(new_v[:, :keep], [1, tiles])[:, -width:], fr_v)
+    fr_n = tf.where(mine, tf.tile(new_n[:, :keep], [1, tiles])[:, -width:], fr_n)
+    out = (found_v, found_c, dropped, lost, fr_v, fr_n)
+    for new_t, old_t in zip(out, shapes):
+      new_t.set_shape(old_t)       # the batch size, where known, is kept
+    return (i + 1,) + out
+
+  init = (found_v, found_c, dropped, lost, fr_v, fr_n)
+  shapes = [t.shape for t in init]
+  steps, found_v, found_c, dropped, lost, fr_v, _ = tf.while_loop(
+      cond, body, (tf.constant(0, tf.int32),) + init, maximum_iterations=iterations)
+  is_open, _ = state(found_v, dropped, lost, fr_v)
+  kth = found_v[:, k - 1]
+  bound = tf.maximum(dropped, lost)
+  # Nothing left at or above the k-th class (all -inf: every class found, or -inf ties).
+  proved = tf.logical_and(tf.logical_not(is_open),
+                          tf.logical_or(bound < kth, bound == neg_inf))
+  found_v, found_c = _sorted_by_class(found_v, found_c)
+  best, where = tf.math.top_k(found_v, k)
+  return best, tf.gather(found_c, where, batch_dims=1), proved, steps
+
+
 def _search(tree, h, weights, biases, k, widths):
   """(log_probs, classes int32) for the first beam width of `widths` that proves each
   row's top k, the exhaustive computation where none does."""
@@ -357,6 +548,29 @@ def beam_widths(k, num_classes):
   return [first, min(first * WIDEN, num_classes)]
 
 
+def _top_k_rows(tree, h, weights, biases, k):
+  """(log_probs, classes int32) [N, k]: the best-first search, then, one row at a time
+  (a tf.while_loop over the rows it did not prove, run only when there are any), the
+  beam searches and the exhaustive pass."""
+  best, classes, proved, _ = _best_first(tree, h, weights, biases, k)
+  widths = beam_widths(k, tree.num_classes)
+  rows = tf.range(tf.shape(h)[0], dtype=tf.int32)
+
+  def cond(pending, best, classes):
+    del best, classes
+    return tf.reduce_any(pending)
+
+  def body(pending, best, classes):
+    row = tf.argmax(tf.cast(pending, tf.int32), output_type=tf.int32)
+    one_v, one_c = _search(tree, h[row:row + 1], weights, biases, k, widths)
+    here = tf.equal(rows, row)
+    return (tf.logical_and(pending, tf.logical_not(here)),
+            tf.where(here[:, None], one_v, best), tf.where(here[:, None], one_c, classes))
+
+  _, best, classes = tf.while_loop(cond, body, (tf.logical_not(proved), best, classes))
+  return best, classes
+
+
 def top_k(hidden, weights, biases, tree, k):
   """The k most probable classes of each row, exactly, as `tf_hsm.top_k`.
 
@@ -378,7 +592,7 @@ def top_k(hidden, weights, biases, tree, k):
     raise ValueError(f"k must be a Python int >= 1, got {k!r}")
   k = min(k, tree.num_classes)
   h, leading, weights, biases, out_dtype = _inputs(hidden, weights, biases)
-  best, classes = _search(tree, h, weights, biases, k, beam_widths(k, tree.num_classes))
+  best, classes = _top_k_rows(tree, h, weights, biases, k)
   shape = tf.concat([leading, [k]], 0)
   return (_cast_back(tf.reshape(best, shape), out_dtype),
           tf.reshape(tf.cast(classes, tf.int64), shape))
