@@ -408,39 +408,10 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     AdaptiveSoftmax, then the least peak memory). With none that fits, the exact one that
     needs the least memory.
   """
-  body = None
-  if model is not None:
-    if tokens_per_step is None:
-      raise ValueError("tokens_per_step is required with a model: the outputs a "
-                       "training step scores (batch x sequence length)")
-    body = body_lib.body_cost(model, tokens_per_step)
-    if hidden is None:
-      hidden = body.hidden
-    if num_classes is None:
-      num_classes = body.num_classes
-      if num_classes is None and counts is not None:
-        num_classes = len(counts)
-    if num_classes is None:
-      raise ValueError("num_classes is required: the model holds no tf_hsm output layer "
-                       "to read it from")
-  for name, value in (("num_classes", num_classes), ("hidden", hidden),
-                      ("tokens_per_step", tokens_per_step), ("num_shards", num_shards)):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-      raise ValueError(f"{name} must be a positive int, got {value!r}")
-  if num_classes < 2:
-    raise ValueError("num_classes must be at least 2")
-  if optimizer not in OPTIMIZERS:
-    raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
-  if dtype not in DTYPE_BYTES:
-    raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-  if (isinstance(div_value, bool) or not isinstance(div_value, (int, float, np.number)) or
-      not math.isfinite(div_value) or div_value <= 0):
-    raise ValueError(f"div_value must be a positive number, got {div_value!r}")
-  if isinstance(adaptive, str):
-    raise TypeError(f"adaptive must be a list of tails, got {adaptive!r}")
-  for tail in adaptive:
-    if tail not in TAILS:
-      raise ValueError(f"adaptive tails must be of {TAILS}, got {tail!r}")
+  body, num_classes, hidden = _model_sizes(model, num_classes, hidden, tokens_per_step,
+                                           counts)
+  _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
+                        dtype, div_value, adaptive)
   # A measurement of the machine is announced on stderr even without `progress`.
   machine = machine_lib.resolve(machine, progress)
   progress = progress or _quiet
@@ -490,19 +461,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
         f"tail={tail!r}" + (", counts=counts)" if tail == "two_level" and
                             counts is not None else ")"),
         list(chosen), tail, float(div), V, _counts=counts))
-  for r in rows:
-    kind = quality_lib.kind_of(r["method"], r.get("cutoffs"), r.get("div_value"), V)
-    r["quality"], _ = quality_lib.quality_of(kind) if kind else (None, [])
-    r["quality_kind"] = kind
-    r["quality_evidence"] = quality_lib.describe(kind) if kind else "not measured"
-    r["body_seconds"] = body_row["step_seconds"] if body_row else 0.0
-    r["whole_step_seconds"] = r["step_seconds"] + r["body_seconds"]
-    # One step's workspace: the body's peak adds its tensors only.
-    r["whole_peak_bytes"] = r["peak_bytes"] + (body_row["peak_bytes"] if body_row else 0)
-  unknown = [r["label"] for r in rows if r["quality"] is None]
-  if unknown:
-    notes.append("quality not measured (no documented perplexity; docs/planner.md, "
-                 "Quality): " + ", ".join(unknown))
+  _add_quality_and_body(rows, body_row, V, notes)
   exact = [r for r in rows if r["exact"] and r["fits"]]
   full = rows[0]
   if exact:
@@ -518,6 +477,68 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   if body_row is not None:
     settings["body"] = body_lib.describe(body_row)
   return Report(rows, best["method"], reason, settings, layer, notes, body_row)
+
+
+def _model_sizes(model, num_classes, hidden, tokens_per_step, counts):
+  """(the body's cost or None, num_classes, hidden): the sizes a `model` gives where
+  they are not given."""
+  if model is None:
+    return None, num_classes, hidden
+  if tokens_per_step is None:
+    raise ValueError("tokens_per_step is required with a model: the outputs a "
+                     "training step scores (batch x sequence length)")
+  body = body_lib.body_cost(model, tokens_per_step)
+  if hidden is None:
+    hidden = body.hidden
+  if num_classes is None:
+    num_classes = body.num_classes
+    if num_classes is None and counts is not None:
+      num_classes = len(counts)
+  if num_classes is None:
+    raise ValueError("num_classes is required: the model holds no tf_hsm output layer "
+                     "to read it from")
+  return body, num_classes, hidden
+
+
+def _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
+                          dtype, div_value, adaptive):
+  for name, value in (("num_classes", num_classes), ("hidden", hidden),
+                      ("tokens_per_step", tokens_per_step), ("num_shards", num_shards)):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if num_classes < 2:
+    raise ValueError("num_classes must be at least 2")
+  if optimizer not in OPTIMIZERS:
+    raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+  if dtype not in DTYPE_BYTES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+  if (isinstance(div_value, bool) or not isinstance(div_value, (int, float, np.number)) or
+      not math.isfinite(div_value) or div_value <= 0):
+    raise ValueError(f"div_value must be a positive number, got {div_value!r}")
+  if isinstance(adaptive, str):
+    raise TypeError(f"adaptive must be a list of tails, got {adaptive!r}")
+  for tail in adaptive:
+    if tail not in TAILS:
+      raise ValueError(f"adaptive tails must be of {TAILS}, got {tail!r}")
+
+
+def _add_quality_and_body(rows, body_row, num_classes, notes):
+  """Adds to each row its measured quality (`tf_hsm.planning.quality`) and the whole
+  step and peak with the model's body; notes the rows of unknown quality."""
+  for r in rows:
+    kind = quality_lib.kind_of(r["method"], r.get("cutoffs"), r.get("div_value"),
+                               num_classes)
+    r["quality"], _ = quality_lib.quality_of(kind) if kind else (None, [])
+    r["quality_kind"] = kind
+    r["quality_evidence"] = quality_lib.describe(kind) if kind else "not measured"
+    r["body_seconds"] = body_row["step_seconds"] if body_row else 0.0
+    r["whole_step_seconds"] = r["step_seconds"] + r["body_seconds"]
+    # One step's workspace: the body's peak adds its tensors only.
+    r["whole_peak_bytes"] = r["peak_bytes"] + (body_row["peak_bytes"] if body_row else 0)
+  unknown = [r["label"] for r in rows if r["quality"] is None]
+  if unknown:
+    notes.append("quality not measured (no documented perplexity; docs/planner.md, "
+                 "Quality): " + ", ".join(unknown))
 
 
 def _choose(exact, full, whole):
