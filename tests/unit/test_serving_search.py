@@ -179,3 +179,18 @@ def test_tflite_builtins_only_in_litert(tight, monkeypatch, rng, tmp_path):
   want_v, want_c = serving.top_k(hidden, weights, None, tree, 5)
   np.testing.assert_allclose(got_v, want_v, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(got_c, want_c)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
+def test_a_static_batch_of_one_through_the_fallback(jit, monkeypatch, rng):
+  monkeypatch.setattr(hsm, "PREFIX_SLOTS", 0)
+  monkeypatch.setattr(hsm, "SEARCH_ITERATIONS", 1)
+  tree, hidden, weights = _confident_problem(rng, classes=300, batch=1)
+
+  @tf.function(input_signature=[tf.TensorSpec([1, 16], tf.float32)], jit_compile=jit)
+  def top(hidden):
+    return serving.top_k(hidden, weights, None, tree, 4)
+
+  values, classes = top(tf.constant(hidden))
+  assert values.shape == (1, 4)
+  _check(values, classes, tf_hsm.log_prob_all(hidden, weights, None, tree).numpy(), 4, 1e-4)

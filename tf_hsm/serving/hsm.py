@@ -562,10 +562,13 @@ def _top_k_rows(tree, h, weights, biases, k):
 
   def body(pending, best, classes):
     row = tf.argmax(tf.cast(pending, tf.int32), output_type=tf.int32)
-    one_v, one_c = _search(tree, h[row:row + 1], weights, biases, k, widths)
+    one_v, one_c = _search(tree, tf.gather(h, row[None]), weights, biases, k, widths)
     here = tf.equal(rows, row)
-    return (tf.logical_and(pending, tf.logical_not(here)),
-            tf.where(here[:, None], one_v, best), tf.where(here[:, None], one_c, classes))
+    new_v = tf.where(here[:, None], one_v, best)
+    new_c = tf.where(here[:, None], one_c, classes)
+    new_v.set_shape(best.shape)    # a static batch of 1 is kept
+    new_c.set_shape(classes.shape)
+    return tf.logical_and(pending, tf.logical_not(here)), new_v, new_c
 
   _, best, classes = tf.while_loop(cond, body, (tf.logical_not(proved), best, classes))
   return best, classes
