@@ -141,9 +141,13 @@ import sys
 import numpy as np
 from ai_edge_litert.interpreter import Interpreter
 interpreter = Interpreter(model_path=sys.argv[1])
-runner = interpreter.get_signature_runner()
-hidden = np.load(sys.argv[2])
-out = runner(hidden=hidden)
+interpreter.allocate_tensors()
+interpreter.set_tensor(interpreter.get_input_details()[0]["index"], np.load(sys.argv[2]))
+interpreter.invoke()
+out = {}
+for detail in interpreter.get_output_details():   # classes int64, log_probs float32
+  value = interpreter.get_tensor(detail["index"])
+  out["classes" if value.dtype == np.int64 else "log_probs"] = value
 np.savez(sys.argv[3], **out)
 assert "tensorflow" not in sys.modules
 """

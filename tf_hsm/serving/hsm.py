@@ -595,7 +595,10 @@ def top_k(hidden, weights, biases, tree, k):
     raise ValueError(f"k must be a Python int >= 1, got {k!r}")
   k = min(k, tree.num_classes)
   h, leading, weights, biases, out_dtype = _inputs(hidden, weights, biases)
-  best, classes = _top_k_rows(tree, h, weights, biases, k)
+  # An empty batch skips the search (LiteRT rejects some of its ops on zero rows).
+  best, classes = tf.cond(
+      tf.shape(h)[0] > 0, lambda: _top_k_rows(tree, h, weights, biases, k),
+      lambda: (tf.zeros([0, k], h.dtype), tf.zeros([0, k], tf.int32)))
   shape = tf.concat([leading, [k]], 0)
   return (_cast_back(tf.reshape(best, shape), out_dtype),
           tf.reshape(tf.cast(classes, tf.int64), shape))
