@@ -48,7 +48,8 @@ def _blocks(path):
 
 
 @pytest.mark.parametrize("path", ["README.md", "docs/usage.md"])
-def test_code_blocks_run(path, capsys):
+def test_code_blocks_run(path, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # what the blocks write ("exported/") lands there
   namespace = {}
   exec(compile(PRELUDE, "prelude", "exec"), namespace)  # pylint: disable=exec-used
   for number, block in enumerate(_blocks(path), 1):
