@@ -36,15 +36,9 @@ SMALLER = [(r"\b100_000\b", "24_000"), (r"epochs=[35]\b", "epochs=1"),
            (r"\[32, 20\]", "[4, 20]"), (r"\[32, 20, 5\]", "[4, 20, 5]")]
 
 
-# A block that starts with this comment needs a cluster of processes: the integration
-# test it names runs that code (tests/integration/test_tf_keras_fit.py).
-ON_A_CLUSTER = "# On a cluster"
-
-
 def _blocks(path):
   text = open(os.path.join(support.REPO, path)).read()
-  return [block for block in re.findall(r"```python\n(.*?)```", text, flags=re.S)
-          if not block.startswith(ON_A_CLUSTER)]
+  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
 @pytest.mark.parametrize("path", ["README.md", "docs/usage.md"])

@@ -48,8 +48,8 @@ def serve(job, index, spec):
   The op library is loaded first: a parameter server runs the optimizers' row updates
   and a worker the ops."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tf_hsm.ops import loader as _loader  # pylint: disable=import-outside-toplevel
-  _loader.ops()
+  from tf_hsm.ops import loader  # pylint: disable=import-outside-toplevel
+  loader.ops()
   server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=job,
                                 task_index=index, protocol="grpc", start=True)
   print(_READY, flush=True)

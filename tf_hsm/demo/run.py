@@ -264,11 +264,11 @@ def head_two_level_tree(counts, head):
   the clusters of `Tree.two_level` over the rest: the layout of an adaptive softmax,
   with frequency clusters; against the learned tree it shows what grouping the rest by
   similarity adds to the head."""
-  from tf_hsm.tree import vectors as _tree_vectors  # pylint: disable=g-import-not-at-top
+  from tf_hsm.tree import vectors as tree_vectors  # pylint: disable=g-import-not-at-top
   from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
   counts = np.asarray(counts, np.float64)
   c = len(counts)
-  top = _tree_vectors.head_classes(counts, head)
+  top = tree_vectors.head_classes(counts, head)
   rest = np.setdiff1d(np.arange(c), top)
   sub = Tree.two_level(len(rest), counts[rest])
   # The sub-tree's parents (entries: its classes, then C_sub + node), renumbered into

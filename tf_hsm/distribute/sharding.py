@@ -38,8 +38,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_hsm.ops import compact as _compact
-from tf_hsm.tree import shards as _shard_layout
+from tf_hsm.ops import compact
+from tf_hsm.tree import shards as shard_layout
 
 __all__ = ["RowLayout", "balanced_layout", "checkpoint", "gradients", "pieces",
            "rows_per_shard"]
@@ -48,7 +48,7 @@ __all__ = ["RowLayout", "balanced_layout", "checkpoint", "gradients", "pieces",
 def pieces(variable):
   """The row-range variables of a table held in pieces (a `ShardedVariable`, or a Keras
   variable holding one), in row order; None for a variable in one piece."""
-  found = _compact.pieces(variable, "variable")
+  found = compact.pieces(variable, "variable")
   return None if isinstance(variable, (list, tuple)) else found
 
 
@@ -98,7 +98,7 @@ def _join(parts, grads):
   """One gradient for a variable from its pieces' gradients."""
   if all(grad is None for grad in grads):
     return None
-  offsets = _compact.row_offsets(parts, "variable", tf.TensorShape(parts[0].shape).rank)
+  offsets = compact.row_offsets(parts, "variable", tf.TensorShape(parts[0].shape).rank)
   dense_shape = tf.constant([offsets[-1]] + tf.TensorShape(parts[0].shape).as_list()[1:],
                             tf.int64)
   if all(grad is None or isinstance(grad, tf.IndexedSlices) for grad in grads):
@@ -172,7 +172,7 @@ class RowLayout:
       # instead of embedding it as a constant.
       with tf.init_scope(), tf.device("/cpu:0"):
         self._slot_rows_tensor = tf.constant(self.slot_rows)
-    return _compact.RowOrdered(table, self._slot_rows_tensor)
+    return compact.RowOrdered(table, self._slot_rows_tensor)
 
 
 def balanced_layout(tree, num_shards, tokens_per_step, counts=None):
@@ -196,7 +196,7 @@ def balanced_layout(tree, num_shards, tokens_per_step, counts=None):
   Returns:
     A `RowLayout`.
   """
-  return RowLayout(tree, _shard_layout.balanced_slot_rows(tree, counts, num_shards,
+  return RowLayout(tree, shard_layout.balanced_slot_rows(tree, counts, num_shards,
                                                           tokens_per_step), num_shards)
 
 
@@ -215,7 +215,7 @@ def rows_per_shard(tree, targets, num_shards, layout=None):
     int64 array [num_shards].
   """
   slot_rows = None if layout is None else layout.slot_rows
-  return _shard_layout.rows_touched_per_shard(tree, slot_rows, num_shards, targets)
+  return shard_layout.rows_touched_per_shard(tree, slot_rows, num_shards, targets)
 
 
 def checkpoint(**objects):
@@ -239,11 +239,11 @@ def checkpoint(**objects):
   """
   def underlying(variable):
     inner = getattr(variable, "value", None)
-    return inner if isinstance(inner, (tf.Variable, _compact.ShardedVariable)) else variable
+    return inner if isinstance(inner, (tf.Variable, compact.ShardedVariable)) else variable
 
   tracked = {}
   for name, obj in objects.items():
-    if isinstance(obj, (keras.Variable, tf.Variable, _compact.ShardedVariable)):
+    if isinstance(obj, (keras.Variable, tf.Variable, compact.ShardedVariable)):
       tracked[name] = underlying(obj)
     elif hasattr(obj, "variables"):
       tracked[name] = [underlying(variable) for variable in obj.variables]

@@ -12,11 +12,9 @@ of them to each piece of a table held in pieces.
 import tensorflow as tf
 
 from tf_hsm import distribute
-from tf_hsm.ops import compact as _compact
-from tf_hsm.ops import inputs as _inputs
-from tf_hsm.ops import loader as _loader
-
-
+from tf_hsm.ops import compact
+from tf_hsm.ops import inputs
+from tf_hsm.ops import loader
 def merge_duplicates(gradient, dtype):
   """Sums the rows of an IndexedSlices that share an index.
 
@@ -32,7 +30,7 @@ def merge_duplicates(gradient, dtype):
 
 def tf_rows(variable):
   """The tf.Variable behind a Keras variable (scatter ops need it)."""
-  found = _inputs.tf_variable(variable)
+  found = inputs.tf_variable(variable)
   return variable if found is None else found
 
 
@@ -41,7 +39,7 @@ def fused_ops(variables):
   or float64 on the CPU, outside a function that XLA compiles, such as a Keras step
   compiled with jit_compile=True); None otherwise (the updates then use gathers and
   scatters, which XLA compiles)."""
-  if _inputs.in_xla_function():
+  if inputs.in_xla_function():
     return None
   for variable in variables:
     if variable.dtype not in (tf.float32, tf.float64):
@@ -49,7 +47,7 @@ def fused_ops(variables):
     if tf.DeviceSpec.from_string(variable.handle.device).device_type != "CPU":
       return None
   try:
-    return _loader.ops()
+    return loader.ops()
   except ImportError:
     return None
 
@@ -69,7 +67,7 @@ def by_piece(update, gradient, variable, slots, constants):
           f"the optimizer's slot {getattr(slot, 'name', slot)} is not split like its table "
           f"({len(parts)} pieces): build the optimizer, and its slots, under the strategy "
           "scope that made the table")
-  offsets = _compact.row_offsets(parts, "variable", tf.TensorShape(parts[0].shape).rank)
+  offsets = compact.row_offsets(parts, "variable", tf.TensorShape(parts[0].shape).rank)
   for index, (rows, values) in enumerate(distribute.split_rows(gradient, offsets)):
     with tf.device(parts[index].device):
       update(tf.IndexedSlices(values, rows), parts[index],

@@ -27,8 +27,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_hsm.frontend import hsm as _hsm
-from tf_hsm.planning import cutoffs as _adaptive_cutoffs
+from tf_hsm.frontend import hsm
+from tf_hsm.planning import cutoffs as cutoff_search
 from tf_hsm.ops import inference
 from tf_hsm.planning.costs import TAILS, tail_widths  # noqa: F401 (public here)
 from tf_hsm.planning.cutoffs import choose_cutoffs, step_cost  # noqa: F401 (public here)
@@ -130,7 +130,7 @@ class AdaptiveSoftmax(keras.layers.Layer):
       if (isinstance(tokens_per_step, bool) or
           not isinstance(tokens_per_step, numbers.Integral) or tokens_per_step < 1):
         raise ValueError(f"tokens_per_step must be a positive int, got {tokens_per_step!r}")
-      counts = _adaptive_cutoffs.checked_counts(counts, self.num_classes)
+      counts = cutoff_search.checked_counts(counts, self.num_classes)
       # Chosen in build, where D is known.
       self._pending = dict(counts=counts, tokens_per_step=int(tokens_per_step),
                            machine=machine)
@@ -252,7 +252,7 @@ class AdaptiveSoftmax(keras.layers.Layer):
   # ------------------------------------------------------------------ training
 
   def __call__(self, *args, **kwargs):
-    _hsm.refuse_other_keras("keras", "AdaptiveSoftmax", (args, kwargs))
+    hsm.refuse_other_keras("keras", "AdaptiveSoftmax", (args, kwargs))
     return super().__call__(*args, **kwargs)
 
   def call(self, hidden, targets, mask=None, hidden_mask=None):

@@ -26,10 +26,10 @@ What Keras 3 does with the old variables, and what is done about it here:
 
 import keras
 
-from tf_hsm.frontend import rebuild as _rebuild
+from tf_hsm.frontend import rebuild as frontend_rebuild
 from tf_hsm.keras.layers import HierarchicalSoftmax
 
-_FRONT_END = _rebuild.FrontEnd(
+_FRONT_END = frontend_rebuild.FrontEnd(
     HierarchicalSoftmax, keras.layers.Layer,
     lambda optimizer: isinstance(optimizer, keras.optimizers.Optimizer) and optimizer.built)
 
@@ -61,12 +61,12 @@ def rebuild_tree(model, layer=None, tree=None, *, counts=None, branching=2, seed
       whose state cannot be matched to the new variables, and whatever
       `HierarchicalSoftmax.rebuild_tree` raises.
   """
-  return _rebuild.rebuild_in_model(model, layer, _FRONT_END, tree, counts=counts,
+  return frontend_rebuild.rebuild_in_model(model, layer, _FRONT_END, tree, counts=counts,
                                    branching=branching, seed=seed, vectors=vectors,
                                    head=head)
 
 
-class RebuildTree(_rebuild.RebuildSchedule, keras.callbacks.Callback):
+class RebuildTree(frontend_rebuild.RebuildSchedule, keras.callbacks.Callback):
   """Rebuilds a `HierarchicalSoftmax`'s tree once, at the end of epoch `after_epoch` (or
   of training batch `after_batch`).
 

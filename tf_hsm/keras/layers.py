@@ -4,12 +4,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_hsm.frontend import hsm as _hsm
-from tf_hsm.frontend import rebuild as _rebuild
-from tf_hsm.ops import inputs as _inputs
-from tf_hsm.ops import loader as _loader
-
-# Tables larger than this are initialised one block of rows at a time (see
+from tf_hsm.frontend import hsm
+from tf_hsm.frontend import rebuild as frontend_rebuild
+from tf_hsm.ops import inputs
+from tf_hsm.ops import loader  # Tables larger than this are initialised one block of rows at a time (see
 # `_block_initializer`): a Keras random initializer computes its value with several
 # table-sized temporaries, which at 10M x 300 (12 GB) would not fit beside the table.
 _INIT_BLOCK_BYTES = 32 << 20
@@ -18,7 +16,7 @@ _INIT_BLOCK_BYTES = 32 << 20
 # are registered; do that on import when the library is there, and leave the error for
 # the first op call otherwise.
 try:
-  _loader.ops()
+  loader.ops()
 except ImportError:
   pass
 
@@ -81,8 +79,8 @@ class HierarchicalSoftmax(keras.layers.Layer):
                bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
                kernel_constraint=None, bias_constraint=None, row_layout=None, **kwargs):
     super().__init__(**kwargs)
-    self.tree = _hsm.checked_tree(tree)
-    self.row_layout = _hsm.checked_row_layout(self.tree, row_layout)
+    self.tree = hsm.checked_tree(tree)
+    self.row_layout = hsm.checked_row_layout(self.tree, row_layout)
     self.use_bias = bool(use_bias)
     self.kernel_initializer = keras.initializers.get(kernel_initializer)
     self.bias_initializer = keras.initializers.get(bias_initializer)
@@ -128,11 +126,11 @@ class HierarchicalSoftmax(keras.layers.Layer):
 
   def _hidden(self, hidden):
     """hidden in the table's dtype: low-precision activations are computed in float32."""
-    return _hsm.hidden_in(hidden, self.kernel.dtype)
+    return hsm.hidden_in(hidden, self.kernel.dtype)
 
   def _tables(self):
     """(kernel, bias) as the ops take them: in the row layout, when there is one."""
-    return _hsm.tables(self.kernel, self.bias, self.row_layout)
+    return hsm.tables(self.kernel, self.bias, self.row_layout)
 
   def _check_built(self, what):
     if not self.built:
@@ -140,13 +138,13 @@ class HierarchicalSoftmax(keras.layers.Layer):
                        "(or call build(hidden_shape)) first")
 
   def __call__(self, *args, **kwargs):
-    _hsm.refuse_other_keras("keras", "HierarchicalSoftmax", (args, kwargs))
+    hsm.refuse_other_keras("keras", "HierarchicalSoftmax", (args, kwargs))
     return super().__call__(*args, **kwargs)
 
   def call(self, hidden, targets, mask=None, hidden_mask=None):
     # `hidden_mask` is filled in by Keras with the mask of `hidden` (multi-input layers
     # receive one `<argument>_mask` per tensor argument).
-    return _hsm.log_probs(hidden, targets, self.kernel, self.bias, self.tree,
+    return hsm.log_probs(hidden, targets, self.kernel, self.bias, self.tree,
                           self.row_layout, (mask, hidden_mask))
 
   def compute_mask(self, hidden, previous_mask=None):
@@ -230,7 +228,7 @@ class HierarchicalSoftmax(keras.layers.Layer):
         match the layer's classes.
     """
     self._check_built("rebuild_tree")
-    tree, kernel_values, bias_values = _rebuild.new_tree_and_weights(
+    tree, kernel_values, bias_values = frontend_rebuild.new_tree_and_weights(
         self.tree, self.kernel, self.row_layout, tree, counts=counts, branching=branching,
         seed=seed, vectors=vectors, head=head)
     self._replace_weights(tree, kernel_values, bias_values)
@@ -279,7 +277,7 @@ class HierarchicalSoftmax(keras.layers.Layer):
     return config
 
 
-_fan_divisor = _hsm.fan_divisor
+_fan_divisor = hsm.fan_divisor
 
 
 def _block_initializer(initializer, shape, dtype):
@@ -337,10 +335,10 @@ def _initialized_in_pieces(initializer, shape, dtype):
   draw its initial value piece by piece, each on its own parameter server
   (`tf_hsm.frontend.hsm.initialized_in_pieces`). Elsewhere, nothing changes."""
   sampler = None
-  if _hsm.partitioning_strategy():
-    kind, params = _hsm.describe_initializer(initializer, keras.initializers)
-    sampler = _hsm.piece_sampler(kind, params, shape, dtype)
-  return _hsm.initialized_in_pieces(sampler, shape, dtype)
+  if hsm.partitioning_strategy():
+    kind, params = hsm.describe_initializer(initializer, keras.initializers)
+    sampler = hsm.piece_sampler(kind, params, shape, dtype)
+  return hsm.initialized_in_pieces(sampler, shape, dtype)
 
 
 def _in_stateless_scope():
@@ -368,7 +366,7 @@ def _fill_by_blocks(variable, block):
       stop = min(rows, start + block_rows)
       tf.raw_ops.ResourceStridedSliceAssign(ref=handle, begin=[start, 0], end=[stop, dim],
                                             strides=[1, 1], value=block(stop - start))
-    _inputs.read_table(variable)
+    inputs.read_table(variable)
 
 
 def _values(array):

@@ -20,9 +20,7 @@ mask from upstream layers, e.g. `Embedding(mask_zero=True)`).
 
 import keras
 
-from tf_hsm.frontend import hsm as _hsm
-
-
+from tf_hsm.frontend import hsm
 @keras.saving.register_keras_serializable(package="tf_hsm")
 def nll(y_true, y_pred):
   """Negative log-likelihood per position, for `model.compile(loss=nll)`.
@@ -40,7 +38,7 @@ def nll(y_true, y_pred):
   Returns:
     -y_pred, carrying a Keras mask when `y_true` marks padding.
   """
-  return _hsm.nll(y_true, y_pred)
+  return hsm.nll(y_true, y_pred)
 
 
 @keras.saving.register_keras_serializable(package="tf_hsm")

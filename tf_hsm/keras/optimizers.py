@@ -38,22 +38,19 @@ import tensorflow as tf
 from keras import ops
 
 from tf_hsm import distribute
-from tf_hsm.frontend import hsm as _hsm
-from tf_hsm.frontend import rows as _rows_lib
-from tf_hsm.ops import compact as _compact
-
-
-# The row updates are shared with tf_hsm.tf_keras (tf_hsm/frontend/rows.py); these names
+from tf_hsm.frontend import hsm
+from tf_hsm.frontend import rows as row_updates
+from tf_hsm.ops import compact  # The row updates are shared with tf_hsm.tf_keras (tf_hsm/frontend/rows.py); these names
 # stay here for the code and tests that reach them through this module.
-_merge_duplicates = _rows_lib.merge_duplicates
-_rows = _rows_lib.tf_rows
-_by_piece = _rows_lib.by_piece
+_merge_duplicates = row_updates.merge_duplicates
+_rows = row_updates.tf_rows
+_by_piece = row_updates.by_piece
 
 
 def _fused_ops(variables):
   """The op library where the fused row updates apply to `variables`, else None
   (`tf_hsm.frontend.rows.fused_ops`)."""
-  return _rows_lib.fused_ops(variables)
+  return row_updates.fused_ops(variables)
 
 
 class _SlotsInPieces:
@@ -79,7 +76,7 @@ class _SlotsInPieces:
         args = dict(kwargs, shape=shape, name=f"{base}/part_{index}", colocate_with=part,
                     initial_value=lambda shape=shape, dtype=part.dtype: fill(shape, dtype))
         made.append(next_creator(**args))
-      return _compact.ShardedVariable(made)
+      return compact.ShardedVariable(made)
 
     with tf.variable_creator_scope(create_in_pieces):
       return super().add_variable_from_reference(reference_variable, name=name,
@@ -87,7 +84,7 @@ class _SlotsInPieces:
 
   def __str__(self):
     # What the other Keras prints when its `compile` is handed this optimizer.
-    return _hsm.other_keras_name("keras", "optimizers", type(self).__name__)
+    return hsm.other_keras_name("keras", "optimizers", type(self).__name__)
 
   def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
     # Keras hands each variable to `distribution.extended.update`, which colocates the
@@ -151,7 +148,7 @@ class LazyAdam(_SlotsInPieces, keras.optimizers.Adam):
 
   def _sparse_rows(self, gradient, table, slots, constants):
     """The update of one table (or one piece of it) and its slots' rows."""
-    _rows_lib.adam_rows(gradient, table, slots, constants, amsgrad=self.amsgrad,
+    row_updates.adam_rows(gradient, table, slots, constants, amsgrad=self.amsgrad,
                         fused=_fused_ops([table] + list(slots)))
 
 
@@ -182,7 +179,7 @@ class SparseAdagrad(_SlotsInPieces, keras.optimizers.Adagrad):
 
   def _sparse_rows(self, gradient, table, slots, constants):
     """The update of one table (or one piece of it) and its accumulator's rows."""
-    _rows_lib.adagrad_rows(gradient, table, slots, constants,
+    row_updates.adagrad_rows(gradient, table, slots, constants,
                            fused=_fused_ops([table] + list(slots)))
 
 
@@ -222,5 +219,5 @@ class SparseSGD(_SlotsInPieces, keras.optimizers.SGD):
 
   def _sparse_rows(self, gradient, table, slots, constants):
     """The update of one table (or one piece of it) and its momentum's rows."""
-    _rows_lib.sgd_rows(gradient, table, slots, constants, nesterov=bool(self.nesterov),
+    row_updates.sgd_rows(gradient, table, slots, constants, nesterov=bool(self.nesterov),
                        fused=_fused_ops([table] + list(slots)))

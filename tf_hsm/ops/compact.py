@@ -14,8 +14,7 @@ rows; no piece is read whole and no dense gradient of a piece is built.
 
 import tensorflow as tf
 
-from tf_hsm.ops import inputs as _inputs
-
+from tf_hsm.ops import inputs
 try:  # ShardedVariable's home in TensorFlow 2.x; not part of the public API.
   from tensorflow.python.distribute.sharded_variable import ShardedVariable
 except ImportError:  # pragma: no cover
@@ -91,7 +90,7 @@ def gather_rows(parts, offsets, rows):
 def _one_piece(part):
   """A piece as something tf.gather reads only rows of: the tf.Variable behind a Keras
   variable (gathering from the Keras variable would read it whole), else a tensor."""
-  variable = _inputs.tf_variable(part)
+  variable = inputs.tf_variable(part)
   if variable is not None:
     return variable
   return part if isinstance(part, (tf.Variable, tf.Tensor)) else tf.convert_to_tensor(part)
@@ -122,7 +121,7 @@ def batch_tree(tree_tensors, classes):
   """The tree restricted to the paths of `classes`, renumbered for a compact table.
 
   Args:
-    tree_tensors: the tree's tensors (`_inputs.tree_tensors`).
+    tree_tensors: the tree's tensors (`inputs.tree_tensors`).
     classes: int64 class ids, any shape, already checked to be in range.
 
   Returns:

@@ -11,10 +11,9 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
-from tf_hsm.ops import compact as _compact
-from tf_hsm.ops import inputs as _inputs
-from tf_hsm.ops import loader as _loader
-
+from tf_hsm.ops import compact
+from tf_hsm.ops import inputs as op_inputs
+from tf_hsm.ops import loader
 __all__ = ["top_k", "log_prob_all", "sample", "log_prob_candidates"]
 
 _INT64_MIN = -(2**63)
@@ -23,7 +22,7 @@ _INT64_MAX = 2**63 - 1
 
 def _tree_args(tree, slot_child=True):
   """The tree tensors in the order the inference ops take them."""
-  t = _inputs.tree_tensors(tree)
+  t = op_inputs.tree_tensors(tree)
   args = [t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"]]
   return args + [t["slot_child"]] if slot_child else args
 
@@ -31,8 +30,8 @@ def _tree_args(tree, slot_child=True):
 def _whole(weights, biases):
   """The tables, a table held in pieces read whole: a search or sweep may visit any row
   (`log_prob_candidates`, which knows its rows, gathers only those)."""
-  return (_compact.whole_table(weights, "weights"),
-          None if biases is None else _compact.whole_table(biases, "biases"))
+  return (compact.whole_table(weights, "weights"),
+          None if biases is None else compact.whole_table(biases, "biases"))
 
 
 def _is_int(value):
@@ -43,7 +42,7 @@ def _cast_back(result, out_dtype):
   return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
 
 
-@_inputs.accepts_ragged
+@op_inputs.accepts_ragged
 def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
   """The k most probable classes of each row, exactly.
 
@@ -85,8 +84,8 @@ def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
   if not _is_int(k) or not 1 <= k <= tree.num_classes:
     raise ValueError(f"k must be an integer in [1, num_classes] = [1, {tree.num_classes}], "
                      f"got {k!r}")
-  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, *_whole(weights, biases))
-  log_probs, classes, expanded = _loader.ops().hsm_top_k(hidden, weights, biases, *tree_args,
+  hidden, weights, biases, out_dtype = op_inputs.dense_inputs(hidden, *_whole(weights, biases))
+  log_probs, classes, expanded = loader.ops().hsm_top_k(hidden, weights, biases, *tree_args,
                                                          k=int(k))
   log_probs = _cast_back(log_probs, out_dtype)
   if return_num_expanded:
@@ -94,7 +93,7 @@ def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
   return log_probs, classes
 
 
-@_inputs.accepts_ragged
+@op_inputs.accepts_ragged
 def log_prob_all(hidden, weights, biases, tree, class_range=None):
   """log P(c | hidden) for every class c, or for the classes of a range.
 
@@ -136,13 +135,13 @@ def log_prob_all(hidden, weights, biases, tree, class_range=None):
                        f"num_classes = {c}, got {class_range!r}")
     class_range = tf.constant([int(v) for v in class_range], tf.int64)
   else:
-    class_range = tf.cast(_inputs.class_ids(class_range, "class_range"), tf.int64)
-  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, *_whole(weights, biases))
-  result = _loader.ops().hsm_log_prob_all(hidden, weights, biases, class_range, *tree_args)
+    class_range = tf.cast(op_inputs.class_ids(class_range, "class_range"), tf.int64)
+  hidden, weights, biases, out_dtype = op_inputs.dense_inputs(hidden, *_whole(weights, biases))
+  result = loader.ops().hsm_log_prob_all(hidden, weights, biases, class_range, *tree_args)
   return _cast_back(result, out_dtype)
 
 
-@_inputs.accepts_ragged
+@op_inputs.accepts_ragged
 def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
   """One class per row, sampled from the hierarchical softmax.
 
@@ -183,7 +182,7 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
       finite, shape mismatches, malformed tree tensors.
   """
   tree_args = _tree_args(tree)
-  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, *_whole(weights, biases))
+  hidden, weights, biases, out_dtype = op_inputs.dense_inputs(hidden, *_whole(weights, biases))
   del out_dtype  # the result is int64
   if seed is None:
     seed = tf.random.uniform([], minval=0, maxval=_INT64_MAX, dtype=tf.int64)
@@ -192,7 +191,7 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
       raise ValueError(f"seed must fit in int64, got {seed}")
     seed = tf.constant(int(seed), tf.int64)
   else:
-    seed = tf.cast(_inputs.class_ids(seed, "seed"), tf.int64)
+    seed = tf.cast(op_inputs.class_ids(seed, "seed"), tf.int64)
     if seed.shape.rank not in (None, 0):  # e.g. a [2] pair, as TF's stateless ops take
       raise ValueError(f"seed must be one integer (a scalar), got shape {seed.shape}")
   if isinstance(temperature, numbers.Real) and not isinstance(temperature, (bool, np.bool_)):
@@ -203,11 +202,11 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
       raise ValueError(
           f"temperature {temperature!r} is below the smallest normal {weights.dtype.name} "
           f"({tiny:g}): TensorFlow's CPU kernels read subnormal numbers as 0")
-  temperature = _inputs.number_arg(temperature, weights.dtype, "temperature")
-  return _loader.ops().hsm_sample(hidden, weights, biases, seed, temperature, *tree_args)
+  temperature = op_inputs.number_arg(temperature, weights.dtype, "temperature")
+  return loader.ops().hsm_sample(hidden, weights, biases, seed, temperature, *tree_args)
 
 
-@_inputs.accepts_ragged
+@op_inputs.accepts_ragged
 def log_prob_candidates(hidden, weights, biases, tree, candidates):
   """log P(candidate | hidden) for several candidate classes per row (reranking).
 
@@ -234,12 +233,12 @@ def log_prob_candidates(hidden, weights, biases, tree, candidates):
       [0, num_classes), shape mismatches, malformed tree tensors.
   """
   tree_args = _tree_args(tree, slot_child=False)
-  candidates = _inputs.class_ids(candidates, "candidates")
-  if _compact.is_split(weights, biases):
-    weights, biases, tree_args, candidates = _compact.compact_inputs(
-        tree, _inputs.tree_tensors(tree), weights, biases, candidates, "candidates")
-  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
-  result = _loader.ops().hsm_log_prob_candidates(hidden, weights, biases, candidates,
+  candidates = op_inputs.class_ids(candidates, "candidates")
+  if compact.is_split(weights, biases):
+    weights, biases, tree_args, candidates = compact.compact_inputs(
+        tree, op_inputs.tree_tensors(tree), weights, biases, candidates, "candidates")
+  hidden, weights, biases, out_dtype = op_inputs.dense_inputs(hidden, weights, biases)
+  result = loader.ops().hsm_log_prob_candidates(hidden, weights, biases, candidates,
                                                  *tree_args)
   return _cast_back(result, out_dtype)
 

@@ -2,25 +2,23 @@
 
 import tensorflow as tf
 
-from tf_hsm.ops import compact as _compact
-from tf_hsm.ops import inputs as _inputs
-from tf_hsm.ops import loader as _loader
-
-
+from tf_hsm.ops import compact as compact_tables
+from tf_hsm.ops import inputs
+from tf_hsm.ops import loader
 def _table_rows(tree, weights, biases, targets):
   """(weights, biases, tree_inputs, targets) for the ops: the tree's own tensors and the
   tables as given, or, where a table is held in pieces (a `ShardedVariable` or a list of
   row ranges), the compact rows of the batch's paths and the batch tree over them
   (`tf_hsm.ops.compact`)."""
-  t = _inputs.tree_tensors(tree)
-  targets = _inputs.class_ids(targets, "targets")
-  if _compact.is_split(weights, biases):
-    return _compact.compact_inputs(tree, t, weights, biases, targets, "targets")
+  t = inputs.tree_tensors(tree)
+  targets = inputs.class_ids(targets, "targets")
+  if compact_tables.is_split(weights, biases):
+    return compact_tables.compact_inputs(tree, t, weights, biases, targets, "targets")
   return (weights, biases, (t["child_begin"], t["path_begin"], t["path_nodes"],
                             t["path_slots"]), targets)
 
 
-@_inputs.accepts_ragged
+@inputs.accepts_ragged
 def log_prob(hidden, weights, biases, tree, targets):
   """log P(targets | hidden) under a hierarchical softmax.
 
@@ -56,12 +54,12 @@ def log_prob(hidden, weights, biases, tree, targets):
       [0, num_classes), shape mismatches, malformed tree tensors.
   """
   weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets)
-  hidden, weights, biases, out_dtype = _inputs.dense_inputs(hidden, weights, biases)
-  if tf.config.list_logical_devices("GPU") or not _inputs.gradient_may_follow():
+  hidden, weights, biases, out_dtype = inputs.dense_inputs(hidden, weights, biases)
+  if tf.config.list_logical_devices("GPU") or not inputs.gradient_may_follow():
     # Nothing worth keeping when no tape can record.
-    result = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
+    result = loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
   else:
-    result = _loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
+    result = loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
                                                       *tree_inputs)[0]
   return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
 
@@ -70,7 +68,7 @@ def log_prob(hidden, weights, biases, tree, targets):
 def _log_prob_grad(op, upstream):
   hidden, weights, biases, targets = op.inputs[:4]
   tree_inputs = op.inputs[4:8]
-  grads = _loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets, *tree_inputs,
+  grads = loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets, *tree_inputs,
                                           upstream)
   return _input_grads(weights, biases, *grads) + [None] * 5
 
@@ -83,7 +81,7 @@ def _log_prob_saving_logits_grad(op, upstream, unused_saved_grad, unused_directi
   tree_inputs = op.inputs[4:8]
   if upstream is None:
     return [None] * 8
-  grads = _loader.ops().hsm_log_prob_grad_from_logits(hidden, weights, biases, targets,
+  grads = loader.ops().hsm_log_prob_grad_from_logits(hidden, weights, biases, targets,
                                                       *tree_inputs, upstream, op.outputs[1],
                                                       op.outputs[2])
   return _input_grads(weights, biases, *grads) + [None] * 5
@@ -107,7 +105,7 @@ def _first_order_only(gradient):
   penalty on the hidden states, a Hessian-vector product) would otherwise be None, read
   by TensorFlow as zero. Executing eagerly with no tape that could record it, nothing can
   differentiate it, and it is returned as it is (the wrapper costs ~60 us an eager call)."""
-  if tf.executing_eagerly() and not _inputs.gradient_may_follow():
+  if tf.executing_eagerly() and not inputs.gradient_may_follow():
     return gradient
   return _refusing_identity(gradient)
 
@@ -133,7 +131,7 @@ def _token_weights(loss_scale, targets, dtype):
   if loss_scale is None:
     count = tf.cast(tf.size(targets), dtype)
     return tf.fill(tf.shape(targets), 1.0 / tf.maximum(count, 1.0))
-  scale = _inputs.number_arg(loss_scale, dtype, "loss_scale", scalar=False)
+  scale = inputs.number_arg(loss_scale, dtype, "loss_scale", scalar=False)
   try:
     fits = tf.broadcast_static_shape(scale.shape, targets.shape).is_compatible_with(
         targets.shape)
@@ -145,7 +143,7 @@ def _token_weights(loss_scale, targets, dtype):
   return tf.broadcast_to(scale, tf.shape(targets))
 
 
-@_inputs.accepts_ragged
+@inputs.accepts_ragged
 def nll_loss(hidden, weights, biases, tree, targets, loss_scale=None):
   """The training loss -sum(loss_scale * log_prob), computed with its gradient in one pass.
 
@@ -178,12 +176,12 @@ def nll_loss(hidden, weights, biases, tree, targets, loss_scale=None):
     as `log_prob`.
   """
   weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets)
-  hidden, weights, biases, _ = _inputs.dense_inputs(hidden, weights, biases)
+  hidden, weights, biases, _ = inputs.dense_inputs(hidden, weights, biases)
   scale = _token_weights(loss_scale, targets, weights.dtype)
   if tf.config.list_logical_devices("GPU"):
-    log_probs = _loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
+    log_probs = loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
   else:
-    log_probs = _loader.ops().hsm_log_prob_and_grad(hidden, weights, biases, targets,
+    log_probs = loader.ops().hsm_log_prob_and_grad(hidden, weights, biases, targets,
                                                     *tree_inputs, tf.negative(scale))[0]
   # d loss / d log_probs = -scale exactly: the upstream the op was given.
   return tf.negative(tf.reduce_sum(scale * log_probs))
@@ -200,7 +198,7 @@ def _log_prob_and_grad_grad(op, upstream, *unused_output_grads):
     return [None] * 9
 
   def recompute():
-    return list(_loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets,
+    return list(loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets,
                                                 *tree_inputs, upstream))
 
   grads = tf.cond(tf.reduce_all(tf.equal(upstream, expected)), lambda: list(op.outputs[1:]),
@@ -208,7 +206,7 @@ def _log_prob_and_grad_grad(op, upstream, *unused_output_grads):
   return _input_grads(weights, biases, *grads) + [None] * 6
 
 
-@_inputs.accepts_ragged
+@inputs.accepts_ragged
 def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=None):
   """One fused hierarchical-softmax training step with in-place SGD on the table.
 
@@ -237,22 +235,22 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
     forward pass: it equals `log_prob(...)` up to rounding, and hidden_grad equals the
     gradient of `log_prob` bit for bit.
   """
-  t = _inputs.tree_tensors(tree)
+  t = inputs.tree_tensors(tree)
   hidden = tf.convert_to_tensor(hidden)
-  if hidden.dtype not in _inputs.FLOAT_TYPES:
+  if hidden.dtype not in inputs.FLOAT_TYPES:
     raise TypeError(f"hidden must be float32 or float64, got {hidden.dtype.name}")
-  targets = _inputs.class_ids(targets, "targets")
+  targets = inputs.class_ids(targets, "targets")
   loss_scale = _token_weights(loss_scale, targets, hidden.dtype)
-  if _compact.is_split(weights, biases):
+  if compact_tables.is_split(weights, biases):
     raise TypeError("sgd_step updates one variable in place; for a table held in pieces "
                     "(a ShardedVariable or a list of row ranges) use nll_loss with "
                     "tf_hsm.optimizers.SparseSGD, which updates each piece's touched rows")
-  weights_handle = _inputs.variable_handle(weights, "weights")
-  biases_handle = weights_handle if biases is None else _inputs.variable_handle(biases, "biases")
-  log_probs, hidden_grad = _loader.ops().hsm_sgd_step(
+  weights_handle = inputs.variable_handle(weights, "weights")
+  biases_handle = weights_handle if biases is None else inputs.variable_handle(biases, "biases")
+  log_probs, hidden_grad = loader.ops().hsm_sgd_step(
       hidden, weights_handle, biases_handle, targets, t["child_begin"], t["path_begin"],
       t["path_nodes"], t["path_slots"], loss_scale,
-      _inputs.number_arg(learning_rate, hidden.dtype, "learning_rate"),
+      inputs.number_arg(learning_rate, hidden.dtype, "learning_rate"),
       use_bias=biases is not None)
   return log_probs, _first_order_only(hidden_grad)
 

@@ -7,7 +7,7 @@ functions."""
 
 import tf_keras
 
-from tf_hsm.frontend import rebuild as _rebuild
+from tf_hsm.frontend import rebuild as frontend_rebuild
 from tf_hsm.tf_keras.layers import HierarchicalSoftmax
 
 
@@ -16,19 +16,19 @@ def _built(optimizer):
       bool(getattr(optimizer, "_index_dict", None))
 
 
-_FRONT_END = _rebuild.FrontEnd(HierarchicalSoftmax, tf_keras.layers.Layer, _built)
+_FRONT_END = frontend_rebuild.FrontEnd(HierarchicalSoftmax, tf_keras.layers.Layer, _built)
 
 
 def rebuild_tree(model, layer=None, tree=None, *, counts=None, branching=2, seed=0,
                  vectors=None, head=0):
   """Rebuilds the tree of a tf_hsm.tf_keras `HierarchicalSoftmax` in `model`, which then
   trains with it: `tf_hsm.keras.callbacks.rebuild_tree` for tf_keras (same arguments)."""
-  return _rebuild.rebuild_in_model(model, layer, _FRONT_END, tree, counts=counts,
+  return frontend_rebuild.rebuild_in_model(model, layer, _FRONT_END, tree, counts=counts,
                                    branching=branching, seed=seed, vectors=vectors,
                                    head=head)
 
 
-class RebuildTree(_rebuild.RebuildSchedule, tf_keras.callbacks.Callback):
+class RebuildTree(frontend_rebuild.RebuildSchedule, tf_keras.callbacks.Callback):
   """Rebuilds a `HierarchicalSoftmax`'s tree once, at the end of epoch `after_epoch` (or
   of training batch `after_batch`): `tf_hsm.keras.callbacks.RebuildTree` for tf_keras
   (same arguments and attributes)."""

@@ -4,13 +4,11 @@
 import tensorflow as tf
 import tf_keras
 
-from tf_hsm.frontend import hsm as _hsm
-from tf_hsm.frontend import rebuild as _rebuild
-from tf_hsm.ops import loader as _loader
-
-# As in the Keras 3 layer: a SavedModel with Hsm> ops loads only once they are registered.
+from tf_hsm.frontend import hsm as frontend_hsm
+from tf_hsm.frontend import rebuild
+from tf_hsm.ops import loader  # As in the Keras 3 layer: a SavedModel with Hsm> ops loads only once they are registered.
 try:
-  _loader.ops()
+  loader.ops()
 except ImportError:
   pass
 
@@ -39,8 +37,8 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
                bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
                kernel_constraint=None, bias_constraint=None, row_layout=None, **kwargs):
     super().__init__(**kwargs)
-    self.tree = _hsm.checked_tree(tree)
-    self.row_layout = _hsm.checked_row_layout(self.tree, row_layout)
+    self.tree = frontend_hsm.checked_tree(tree)
+    self.row_layout = frontend_hsm.checked_row_layout(self.tree, row_layout)
     self.use_bias = bool(use_bias)
     self.kernel_initializer = tf_keras.initializers.get(kernel_initializer)
     self.bias_initializer = tf_keras.initializers.get(bias_initializer)
@@ -56,11 +54,11 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
 
   def _weight(self, name, shape, initializer, regularizer, constraint):
     kind, params = (None, None)
-    if _hsm.partitioning_strategy():
-      kind, params = _hsm.describe_initializer(initializer, tf_keras.initializers)
+    if frontend_hsm.partitioning_strategy():
+      kind, params = frontend_hsm.describe_initializer(initializer, tf_keras.initializers)
     dtype = self.dtype or tf.float32
-    sampler = _hsm.piece_sampler(kind, params, shape, dtype)
-    with _hsm.initialized_in_pieces(sampler, shape, dtype):
+    sampler = frontend_hsm.piece_sampler(kind, params, shape, dtype)
+    with frontend_hsm.initialized_in_pieces(sampler, shape, dtype):
       return self.add_weight(name=name, shape=shape, initializer=initializer,
                              regularizer=regularizer, constraint=constraint,
                              experimental_autocast=False)
@@ -80,12 +78,12 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
     self.built = True
 
   def __call__(self, *args, **kwargs):
-    _hsm.refuse_other_keras("tf_keras", "HierarchicalSoftmax", (args, kwargs))
+    frontend_hsm.refuse_other_keras("tf_keras", "HierarchicalSoftmax", (args, kwargs))
     return super().__call__(*args, **kwargs)
 
   def call(self, hidden, targets, mask=None):
     # tf_keras fills `mask` with the mask of `hidden` (its first argument) unless given.
-    return _hsm.log_probs(hidden, targets, self.kernel, self.bias, self.tree,
+    return frontend_hsm.log_probs(hidden, targets, self.kernel, self.bias, self.tree,
                           self.row_layout, (mask,))
 
   def compute_mask(self, inputs, mask=None):
@@ -102,8 +100,8 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
                        "(or call build(hidden_shape)) first")
 
   def _args(self, hidden):
-    return (_hsm.hidden_in(hidden, self.kernel.dtype),
-            *_hsm.tables(self.kernel, self.bias, self.row_layout), self.tree)
+    return (frontend_hsm.hidden_in(hidden, self.kernel.dtype),
+            *frontend_hsm.tables(self.kernel, self.bias, self.row_layout), self.tree)
 
   def top_k(self, hidden, k):
     """The k most probable classes: (log_probs, classes), each `[..., k]`."""
@@ -131,7 +129,7 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
     also give the model an optimizer for the new variables.
     """
     self._check_built("rebuild_tree")
-    tree, kernel_values, bias_values = _rebuild.new_tree_and_weights(
+    tree, kernel_values, bias_values = rebuild.new_tree_and_weights(
         self.tree, self.kernel, self.row_layout, tree, counts=counts, branching=branching,
         seed=seed, vectors=vectors, head=head)
     dtype = self.kernel.dtype

@@ -3,14 +3,12 @@
 
 import tf_keras
 
-from tf_hsm.frontend import hsm as _hsm
-
-
+from tf_hsm.frontend import hsm
 @tf_keras.saving.register_keras_serializable(package="tf_hsm")
 def nll(y_true, y_pred):
   """Negative log-likelihood per position, for `model.compile(loss=nll)`: `-y_pred`,
   masked where `y_true` marks padding (< 0); tf_keras averages it over valid positions."""
-  return _hsm.nll(y_true, y_pred)
+  return hsm.nll(y_true, y_pred)
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_hsm")

@@ -15,8 +15,8 @@ import functools
 import tensorflow as tf
 import tf_keras
 
-from tf_hsm.frontend import hsm as _hsm
-from tf_hsm.frontend import rows as _rows
+from tf_hsm.frontend import hsm
+from tf_hsm.frontend import rows as row_updates
 
 
 class _Rows:
@@ -27,7 +27,7 @@ class _Rows:
 
   def __str__(self):
     # What Keras 3 prints when its `compile` is handed this optimizer.
-    return _hsm.other_keras_name("tf_keras", "optimizers", type(self).__name__)
+    return hsm.other_keras_name("tf_keras", "optimizers", type(self).__name__)
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_hsm")
@@ -52,7 +52,7 @@ class LazyAdam(_Rows, tf_keras.optimizers.Adam):
       slots.append(self._slot(self._velocity_hats, variable))
     constants = (alpha, tf.cast(1 - self.beta_1, dtype), tf.cast(1 - self.beta_2, dtype),
                  tf.cast(epsilon, dtype))
-    _rows.by_piece(functools.partial(_rows.adam_rows, amsgrad=self.amsgrad), gradient,
+    row_updates.by_piece(functools.partial(row_updates.adam_rows, amsgrad=self.amsgrad), gradient,
                    variable, slots, constants)
 
 
@@ -66,7 +66,7 @@ class SparseAdagrad(_Rows, tf_keras.optimizers.Adagrad):
       return super().update_step(gradient, variable)
     dtype = variable.dtype
     constants = (tf.cast(self.learning_rate, dtype), tf.cast(self.epsilon, dtype))
-    _rows.by_piece(_rows.adagrad_rows, gradient, variable,
+    row_updates.by_piece(row_updates.adagrad_rows, gradient, variable,
                    [self._slot(self._accumulators, variable)], constants)
 
 
@@ -81,5 +81,5 @@ class SparseSGD(_Rows, tf_keras.optimizers.SGD):
     dtype = variable.dtype
     slots = [self._slot(self.momentums, variable)] if self.momentum != 0 else []
     constants = (tf.cast(self.learning_rate, dtype), tf.cast(self.momentum, dtype))
-    _rows.by_piece(functools.partial(_rows.sgd_rows, nesterov=bool(self.nesterov)),
+    row_updates.by_piece(functools.partial(row_updates.sgd_rows, nesterov=bool(self.nesterov)),
                    gradient, variable, slots, constants)

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tf_hsm.tree import builders as _tree_builders
-from tf_hsm.tree import convert as _tree_convert
-from tf_hsm.tree import io as _tree_io
-from tf_hsm.tree import vectors as _tree_vectors
+from tf_hsm.tree import builders
+from tf_hsm.tree import convert
+from tf_hsm.tree import io
+from tf_hsm.tree import vectors as tree_vectors
 from tf_hsm.tree.checks import check_int
 from tf_hsm.tree.layout import derive_layout
 
@@ -139,7 +139,7 @@ class Tree:
         Raises:
           ValueError: if num_classes < 1 or branching < 2 (or not integers).
         """
-        return cls._from_layout(*_tree_builders.balanced(num_classes, branching))
+        return cls._from_layout(*builders.balanced(num_classes, branching))
 
     @classmethod
     def two_level(cls, num_classes, counts=None):
@@ -177,7 +177,7 @@ class Tree:
           ValueError: if num_classes < 1, or counts has the wrong length, is
             negative or not finite.
         """
-        return cls._from_layout(*_tree_builders.two_level(num_classes, counts))
+        return cls._from_layout(*builders.two_level(num_classes, counts))
 
     @classmethod
     def huffman(cls, counts, branching=2):
@@ -208,7 +208,7 @@ class Tree:
           ValueError: if counts is empty, not 1-D, negative or not finite, or
             branching < 2.
         """
-        return cls._from_layout(*_tree_builders.huffman(counts, branching))
+        return cls._from_layout(*builders.huffman(counts, branching))
 
     @classmethod
     def from_parents(cls, parents, num_classes=None):
@@ -234,7 +234,7 @@ class Tree:
             internal nodes are not reachable from the root (a cycle), or an
             internal node has no children.
         """
-        return cls._from_layout(*_tree_convert.from_parents(parents, num_classes))
+        return cls._from_layout(*convert.from_parents(parents, num_classes))
 
     @classmethod
     def from_vectors(cls, vectors, counts=None, branching=2, seed=0, head=0):
@@ -269,9 +269,9 @@ class Tree:
             wrong length or not finite and non-negative, branching < 2, a head that is
             negative, not below the number of classes, or given without counts.
         """
-        vectors, counts, branching, seed, head = _tree_vectors.checked_arguments(
+        vectors, counts, branching, seed, head = tree_vectors.checked_arguments(
             vectors, counts, branching, seed, head)
-        parents = _tree_vectors.parents_from_vectors(vectors, counts, branching, seed,
+        parents = tree_vectors.parents_from_vectors(vectors, counts, branching, seed,
                                                      head)
         return cls.from_parents(parents, num_classes=vectors.shape[0])
 
@@ -297,7 +297,7 @@ class Tree:
             prefix of another (a leaf that is also an internal node), or the
             child positions of some node are not exactly 0..k-1.
         """
-        return cls._from_layout(*_tree_convert.from_paths(paths))
+        return cls._from_layout(*convert.from_paths(paths))
 
     @classmethod
     def from_nested(cls, nested):
@@ -319,7 +319,7 @@ class Tree:
             list/tuple, a negative, missing or repeated class, or a list that
             contains itself.
         """
-        return cls._from_layout(*_tree_convert.from_nested(nested))
+        return cls._from_layout(*convert.from_nested(nested))
 
     # ------------------------------------------------------------------ #
     # Persistence
@@ -335,7 +335,7 @@ class Tree:
         Args:
           path: a file name / os.PathLike, or a writable binary file object.
         """
-        _tree_io.save(self, path)
+        io.save(self, path)
 
     @classmethod
     def load(cls, path):
@@ -352,7 +352,7 @@ class Tree:
             newer format version, or holds an invalid layout.
           OSError: if the file cannot be opened (e.g. FileNotFoundError).
         """
-        return _tree_io.load(path, cls._from_layout)
+        return io.load(path, cls._from_layout)
 
     def get_config(self):
         """Returns a JSON-serializable dict that `from_config` turns back into the tree.
@@ -360,7 +360,7 @@ class Tree:
         The layout arrays are stored as compact strings (see `from_config`), so the
         config of a 10M-class tree stays well under a megabyte for the usual trees.
         """
-        return _tree_io.config_of(self)
+        return io.config_of(self)
 
     @classmethod
     def from_config(cls, config):
@@ -379,7 +379,7 @@ class Tree:
           ValueError: if a key is missing, the encoding is unknown or corrupt, or
             the layout is invalid.
         """
-        return cls._from_layout(*_tree_io.layout_from_config(config))
+        return cls._from_layout(*io.layout_from_config(config))
 
     def __reduce__(self):
         # Pickle / copy through the validating constructor, so that an
