@@ -46,7 +46,7 @@ _PUBLIC = {
     "sample": ("tf_hsm.ops", "sample"),
     "log_prob_candidates": ("tf_hsm.ops", "log_prob_candidates"),
     "HierarchicalSoftmax": (_KERAS, "HierarchicalSoftmax"),
-    "AdaptiveSoftmax": ("tf_hsm.keras", "AdaptiveSoftmax"),  # Keras 3 only
+    "AdaptiveSoftmax": (_KERAS, "AdaptiveSoftmax"),
     "plan": ("tf_hsm.planning", "plan"),
     "losses": (_KERAS + ".losses", None),
     "optimizers": (_KERAS + ".optimizers", None),

@@ -15,7 +15,8 @@ from support import REPO
 PACKAGE = os.path.join(REPO, "tf_hsm")
 # Who may import whom (module-level imports): a subpackage's allowed tf_hsm targets.
 # tree <- ops <- distribute <- frontend <- keras, tf_keras; tree <- planning;
-# keras -> planning (cutoffs); frontend -> serving (stock_ops); serving imports nothing
+# frontend, keras -> planning (AdaptiveSoftmax's cutoffs); frontend -> serving (stock ops,
+# the adaptive class order); serving imports nothing
 # of tf_hsm (stock TensorFlow only);
 # the commands (bench, demo, cluster) import the library, never the reverse.
 ALLOWED = {
@@ -23,9 +24,9 @@ ALLOWED = {
     "ops": {"tree", "ops"},
     "distribute": {"tree", "ops", "distribute"},
     "planning": {"tree", "planning"},
-    "frontend": {"tree", "ops", "distribute", "serving", "frontend"},
+    "frontend": {"tree", "ops", "distribute", "planning", "serving", "frontend"},
     "keras": {"tree", "ops", "distribute", "frontend", "planning", "keras"},
-    "tf_keras": {"tree", "ops", "distribute", "frontend", "tf_keras"},
+    "tf_keras": {"tree", "ops", "distribute", "frontend", "planning", "tf_keras"},
     "serving": {"tree", "serving"},
 }
 LIBRARY = set(ALLOWED)

@@ -247,11 +247,6 @@ def refuse_other_keras(own, layer_name, values):
     if found is not None and found != own:
       _, package, where = _FRONT_ENDS[found]
       mine = _FRONT_ENDS[own][0]
-      if layer_name == "AdaptiveSoftmax" and found == "tf_keras":
-        raise TypeError(
-            "tf_hsm.keras.AdaptiveSoftmax is a Keras 3 layer and was called on tf_keras "
-            "tensors; tf_hsm has no tf_keras AdaptiveSoftmax yet: build the model with "
-            "Keras 3 (keras.Input), or use tf_hsm.tf_keras.HierarchicalSoftmax")
       raise TypeError(
           f"{_FRONT_ENDS[own][1]}.{layer_name} is a {mine} layer and was called on "
           f"{_FRONT_ENDS[found][0]} tensors: in {where} use {package}.{layer_name}. "

@@ -7,13 +7,83 @@ is the cluster's whole softmax per row (what `AdaptiveSoftmax.log_prob_all` cost
 tree tail costs its path (log_prob) or its beam search (top_k).
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tf_hsm.serving import hsm
 from tf_hsm.serving._tree import stock_tree
 
-__all__ = ["AdaptiveWeights", "adaptive_log_prob", "adaptive_top_k",
+__all__ = ["AdaptiveWeights", "ClassOrder", "adaptive_log_prob", "adaptive_top_k",
            "adaptive_log_prob_all", "adaptive_sample"]
+
+
+class ClassOrder:
+  """An `AdaptiveSoftmax`'s vocabulary ids and its classes: the layer's class r (its
+  r-th most frequent, what the head and clusters are laid out by) is vocabulary id
+  `order[r]`. Ids that `order` leaves out (padding, say id 0) are not classes.
+
+  One piece of code for training and serving: stock gathers only (TFLite builtins).
+
+  Args:
+    order: 1-D distinct ints in [0, vocabulary_size), most frequent first, at least 2.
+    vocabulary_size: V, the number of ids.
+  """
+
+  def __init__(self, order, vocabulary_size):
+    vocabulary_size = int(vocabulary_size)
+    try:
+      order = np.asarray(order)
+    except (TypeError, ValueError) as error:
+      raise ValueError(f"class_order must be a list of int ids: {error}") from None
+    if order.ndim != 1 or order.size < 2 or not (
+        np.issubdtype(order.dtype, np.integer) or
+        (order.dtype == object and all(isinstance(v, (int, np.integer)) for v in order))):
+      raise ValueError("class_order must be a 1-D list of at least 2 int ids (the vocabulary "
+                       f"ids from the most to the least frequent), got shape {order.shape} "
+                       f"and dtype {order.dtype}")
+    order = order.astype(np.int64)
+    outside = (order < 0) | (order >= vocabulary_size)
+    if outside.any():
+      first = int(np.argmax(outside))
+      raise ValueError(f"class_order must hold ids in [0, num_classes={vocabulary_size}): "
+                       f"class_order[{first}] = {int(order[first])}")
+    rank_of_id = np.full(vocabulary_size, -1, np.int64)
+    rank_of_id[order] = np.arange(order.size)
+    if np.count_nonzero(rank_of_id >= 0) != order.size:
+      values, seen = np.unique(order, return_counts=True)
+      raise ValueError(f"class_order must list each id once: {int(values[seen > 1][0])} "
+                       "appears more than once")
+    self.order = order
+    self.rank_of_id = rank_of_id
+    self.vocabulary_size = vocabulary_size
+
+  @property
+  def num_classes(self):
+    """How many ids are classes (the layer's head and clusters share these)."""
+    return int(self.order.size)
+
+  def ranks(self, ids):
+    """(ranks, is_class) of int `ids` in [0, V): is_class is False where an id is not a
+    class (its rank is then 0, a safe index)."""
+    ids = tf.convert_to_tensor(ids)
+    ranks = tf.gather(tf.constant(self.rank_of_id, ids.dtype), ids)
+    is_class = ranks >= 0
+    return tf.where(is_class, ranks, tf.zeros_like(ranks)), is_class
+
+  def ids(self, ranks):
+    """The vocabulary ids of the layer's classes `ranks`."""
+    ranks = tf.convert_to_tensor(ranks)
+    return tf.gather(tf.constant(self.order, ranks.dtype), ranks)
+
+  def columns(self, by_rank):
+    """[N, num_classes] values by rank -> [N, V] by id, -inf at ids that are not classes."""
+    safe = np.maximum(self.rank_of_id, 0)
+    out = tf.gather(by_rank, tf.constant(safe, tf.int32), axis=-1)
+    not_class = tf.constant(self.rank_of_id < 0)
+    return tf.where(not_class, tf.constant(-np.inf, by_rank.dtype), out)
+
+  def get_config(self):
+    return [int(i) for i in self.order]
 
 
 class AdaptiveWeights:
@@ -21,15 +91,20 @@ class AdaptiveWeights:
   tensors), cutoffs and tail trees.
 
   Attributes:
-    num_classes: V. cutoffs: list of ints (head size first). head_kernel [H, D],
-    head_bias [H] or None, projections [D, d_i], tail_kernels [rows_i, d_i],
-    tail_biases [rows_i] or None each, tail_trees: None (flat tails) or a `StockTree`
-    per cluster.
+    num_classes: the number of classes. cutoffs: list of ints (head size first), in the
+    layer's class order. head_kernel [H, D], head_bias [H] or None, projections [D, d_i],
+    tail_kernels [rows_i, d_i], tail_biases [rows_i] or None each, tail_trees: None (flat
+    tails) or a `StockTree` per cluster. class_order: None (ids are the classes) or a
+    `ClassOrder` (ids in [0, vocabulary_size) in and out). vocabulary_size: the ids
+    accepted (num_classes without a class order).
   """
 
   def __init__(self, num_classes, cutoffs, head_kernel, head_bias, projections,
-               tail_kernels, tail_biases=None, tail_trees=None):
+               tail_kernels, tail_biases=None, tail_trees=None, class_order=None):
     self.num_classes = int(num_classes)
+    self.class_order = class_order
+    self.vocabulary_size = (self.num_classes if class_order is None
+                            else class_order.vocabulary_size)
     self.cutoffs = [int(c) for c in cutoffs]
     bounds = self.cutoffs + [self.num_classes]
     self.cluster_ranges = [(bounds[i], bounds[i + 1]) for i in range(len(self.cutoffs))]
@@ -48,9 +123,11 @@ class AdaptiveWeights:
     tf_hsm module is imported here)."""
     if not getattr(layer, "built", False):
       raise ValueError("the AdaptiveSoftmax layer is not built")
-    return cls(layer.num_classes, layer.cutoffs, layer.head_kernel,
-               layer.head_bias_weight, layer.tail_projections, layer.tail_kernels,
-               layer.tail_biases, layer.tail_trees if layer.tail == "two_level" else None)
+    order = getattr(layer, "class_order", None)
+    return cls(layer.num_classes if order is None else order.num_classes, layer.cutoffs,
+               layer.head_kernel, layer.head_bias_weight, layer.tail_projections,
+               layer.tail_kernels, layer.tail_biases,
+               layer.tail_trees if layer.tail == "two_level" else None, order)
 
 
 def _flat(weights, hidden):
@@ -97,9 +174,12 @@ def adaptive_log_prob(weights, hidden, targets):
   if not targets.dtype.is_integer:
     raise TypeError(f"targets must be integer class ids, got {targets.dtype.name}")
   targets = tf.reshape(tf.cast(targets, tf.int32), [-1])
-  too_big = targets >= weights.num_classes
+  too_big = targets >= weights.vocabulary_size
   valid = tf.logical_and(targets >= 0, tf.logical_not(too_big))
   safe = tf.where(valid, targets, tf.zeros_like(targets))
+  if weights.class_order is not None:  # ids that are not classes count as padding
+    safe, is_class = weights.class_order.ranks(safe)
+    valid = tf.logical_and(valid, is_class)
   # 0: head, i + 1: cluster i (a sum of comparisons: TFLite has no searchsorted).
   tier = tf.reduce_sum(tf.cast(safe[:, None] >= tf.constant(weights.cutoffs, tf.int32),
                                tf.int32), -1)
@@ -132,7 +212,9 @@ def adaptive_log_prob_all(weights, hidden):
     token = weights.cutoffs[0] + i
     parts.append(_cluster_all(weights, i, projected) + head[:, token:token + 1])
   out = tf.concat(parts, -1)
-  return tf.reshape(out, tf.concat([leading, [weights.num_classes]], 0))
+  if weights.class_order is not None:
+    out = weights.class_order.columns(out)
+  return tf.reshape(out, tf.concat([leading, [weights.vocabulary_size]], 0))
 
 
 def adaptive_top_k(weights, hidden, k):
@@ -141,7 +223,8 @@ def adaptive_top_k(weights, hidden, k):
 
   Returns:
     (log_probs, int64 classes), each [..., min(k, num_classes)], best first, equal
-    values in increasing class order.
+    values in increasing class order (the layer's order: frequency rank with a class
+    order).
   """
   if isinstance(k, bool) or not isinstance(k, int) or k < 1:
     raise ValueError(f"k must be a Python int >= 1, got {k!r}")
@@ -164,6 +247,8 @@ def adaptive_top_k(weights, hidden, k):
     classes.append(tf.cast(tier_classes, tf.int64) + lo)
   best, where = tf.math.top_k(tf.concat(values, -1), k)
   chosen = tf.gather(tf.concat(classes, -1), where, batch_dims=1)
+  if weights.class_order is not None:
+    chosen = weights.class_order.ids(chosen)
   shape = tf.concat([leading, [k]], 0)
   return tf.reshape(best, shape), tf.reshape(chosen, shape)
 
@@ -197,4 +282,6 @@ def adaptive_sample(weights, hidden, seed, temperature=1.0):
                                  weights.tail_trees[i], seed * 7919 + i + 1, temperature),
                       tf.int32)
     choice = tf.where(choice == weights.cutoffs[0] + i, local + lo, choice)
+  if weights.class_order is not None:
+    choice = weights.class_order.ids(choice)
   return tf.reshape(tf.cast(choice, tf.int64), leading)

@@ -120,12 +120,13 @@ class ServingModule(tf.Module):
           [_variable(t, f"tail_kernel_{i}") for i, t in enumerate(w.tail_kernels)],
           [None if b is None else _variable(b, f"tail_bias_{i}")
            for i, b in enumerate(w.tail_biases)],
-          w.tail_trees)
+          w.tail_trees, w.class_order)
       self.adaptive_variables = [v for v in
                                  [self._adaptive.head_kernel, self._adaptive.head_bias]
                                  + self._adaptive.projections + self._adaptive.tail_kernels
                                  + self._adaptive.tail_biases if v is not None]
-    self.k = min(int(k), self.num_classes)
+    self.k = min(int(k), self.num_classes if self.kind == "hsm"
+                 else self._adaptive.num_classes)
     self.dtype = tf.as_dtype(
         (layer.kernel if self.kind == "hsm" else layer.head_kernel).dtype)
     if log_prob_all is None:

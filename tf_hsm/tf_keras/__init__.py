@@ -1,7 +1,7 @@
 """The tf_keras ("Keras 2") front end: tf_hsm in `tf_keras` models, and so in `tf.keras`
 models under `TF_USE_LEGACY_KERAS=1`.
 
-layers.py (`HierarchicalSoftmax`), losses.py (`nll`), optimizers.py (`LazyAdam`,
+layers.py (`HierarchicalSoftmax`), adaptive.py (`AdaptiveSoftmax`), losses.py (`nll`), optimizers.py (`LazyAdam`,
 `SparseAdagrad`, `SparseSGD`: touched rows only) and callbacks.py (`RebuildTree`) are
 thin tf_keras classes over the helpers that `tf_hsm.keras` (Keras 3) calls too
 (`tf_hsm/frontend/`): the same op calls, tree handling, tables in pieces and row
@@ -10,7 +10,7 @@ updates. This package imports `tf_keras` directly, so it needs no environment va
 Keep each model in one Keras: a Keras 3 tf_hsm layer called on tf_keras tensors (or the
 reverse) raises a TypeError that names the class to use, and so does `compile` given
 the other Keras' optimizer (its error names it). Under `TF_USE_LEGACY_KERAS=1` the
-top-level `tf_hsm.HierarchicalSoftmax` is this package's class
+top-level `tf_hsm.HierarchicalSoftmax` and `tf_hsm.AdaptiveSoftmax` are this package's classes
 (`tf_hsm.frontend.keras_package()`).
 
 Under `tf.distribute`, `model.fit` trains the layer with `ParameterServerStrategy`
@@ -19,6 +19,7 @@ and `MirroredStrategy` (docs/distributed.md).
 """
 
 from tf_hsm.tf_keras import callbacks, losses, optimizers
+from tf_hsm.tf_keras.adaptive import AdaptiveSoftmax
 from tf_hsm.tf_keras.layers import HierarchicalSoftmax
 
-__all__ = ["HierarchicalSoftmax", "callbacks", "losses", "optimizers"]
+__all__ = ["AdaptiveSoftmax", "HierarchicalSoftmax", "callbacks", "losses", "optimizers"]
