@@ -310,6 +310,81 @@ def test_recommend_tree_builds_only_the_chosen_tree():
     planner.recommend_tree(3, 8, 8, machine=MACHINE, trees=("huffman8",))
 
 
+def _evidence(monkeypatch, ratios):
+  """Replaces the measured quality with `ratios` (kind -> perplexity over full's)."""
+  from tf_hsm.planning import quality
+  monkeypatch.setattr(quality, "EVIDENCE", tuple(
+      quality.Figure(kind, quality.STDLIB, ratio * quality.FULL[quality.STDLIB], "test")
+      for kind, ratio in ratios.items()))
+
+
+def _hsm_steps(V, D, T, counts, trees):
+  """The planner's predicted step of each tree row (plan's rows, the same pricing)."""
+  report = tf_hsm.plan(V, D, T, counts=counts, machine=MACHINE, trees=trees, adaptive=())
+  return {r["quality_kind"] or r["method"]: r["step_seconds"] for r in report.rows
+          if r["method"].startswith("HierarchicalSoftmax")}
+
+
+def test_recommend_tree_takes_the_most_accurate_within_the_margin(monkeypatch):
+  """recommend_tree chooses as plan does: the most accurate measured tree within 20% of
+  the fastest step, not the fastest (the speed-only rule's pick)."""
+  V, D, T = 6205, 128, 2048
+  counts = 1.0 / np.arange(1, V + 1)
+  _evidence(monkeypatch, {"full": 1.0, "huffman2": 1.20, "huffman8": 1.10,
+                          "three_level": 1.02, "huffman32": 1.00, "two_level": 1.00})
+  steps = _hsm_steps(V, D, T, counts, planner.HSM_TREES)
+  fastest = min(steps.values())
+  ratios = {"huffman2": 1.20, "huffman8": 1.10, "three_level": 1.02, "huffman32": 1.00,
+            "two_level": 1.00}
+  within = [k for k in steps if steps[k] <= fastest * (1 + planner.QUALITY_MARGIN)]
+  expected = min(within, key=lambda k: (ratios[k], steps[k]))
+  # The case discriminates: the most accurate tree in the margin is not the fastest,
+  # and a more accurate one lies outside the margin.
+  assert steps[expected] > fastest * (1 + planner.STEP_TIE), steps
+  assert any(ratios[k] < ratios[expected] for k in steps if k not in within), steps
+  tree, row = planner.recommend_tree(V, D, T, counts=counts, machine=MACHINE)
+  assert row["quality_kind"] == expected and row["quality"] == pytest.approx(
+      ratios[expected])
+  assert row["step_seconds"] > fastest * (1 + planner.STEP_TIE)
+  if expected == "three_level":
+    branching = int(row["method"].split("(")[1].rstrip(")"))
+    np.testing.assert_array_equal(tree.slot_child,
+                                  tf_hsm.Tree.balanced(V, branching).slot_child)
+  # Only measured figures within QUALITY_TIE are equal: then the faster.
+  _evidence(monkeypatch, {"full": 1.0, "huffman8": 1.10, "three_level": 1.098})
+  steps = _hsm_steps(V, D, T, counts, ("huffman8", "three_level"))
+  faster = min(steps, key=steps.get)
+  _, row = planner.recommend_tree(V, D, T, counts=counts, machine=MACHINE,
+                                  trees=("huffman8", "three_level"))
+  assert row["quality_kind"] == faster
+
+
+def test_recommend_tree_takes_unknown_quality_only_without_a_measured_one(monkeypatch):
+  V, D, T = 6205, 128, 2048
+  counts = 1.0 / np.arange(1, V + 1)
+  trees = ("huffman2", "huffman8", "three_level")
+  steps = _hsm_steps(V, D, T, counts, trees)
+  fastest = min(steps, key=steps.get)
+  assert fastest != "three_level" and steps["three_level"] <= steps[fastest] * (
+      1 + planner.QUALITY_MARGIN), steps
+  # A measured tree in the margin beats faster ones of unknown quality.
+  _evidence(monkeypatch, {"full": 1.0, "three_level": 1.3})
+  _, row = planner.recommend_tree(V, D, T, counts=counts, machine=MACHINE, trees=trees)
+  assert row["quality_kind"] == "three_level" and row["quality"] == pytest.approx(1.3)
+  # Nothing measured in the margin (the only figure is outside it): the fastest.
+  _evidence(monkeypatch, {"full": 1.0, "huffman32": 1.0})
+  steps = _hsm_steps(V, D, T, counts, trees + ("huffman32",))
+  assert steps["huffman32"] > min(steps.values()) * (1 + planner.QUALITY_MARGIN), steps
+  _, row = planner.recommend_tree(V, D, T, counts=counts, machine=MACHINE,
+                                  trees=trees + ("huffman32",))
+  assert row["quality"] is None
+  assert row["step_seconds"] <= min(steps.values()) * (1 + planner.STEP_TIE)
+  _evidence(monkeypatch, {"full": 1.0})
+  _, row = planner.recommend_tree(V, D, T, counts=counts, machine=MACHINE, trees=trees)
+  assert row["quality"] is None and row["step_seconds"] <= min(steps.values()) * (
+      1 + planner.STEP_TIE)
+
+
 def test_steps_within_the_tie_band_keep_the_table_order():
   """Rows whose steps are within STEP_TIE of the fastest count as equally fast: then
   the kind (a tree before an adaptive softmax), then the least memory, so rates a few

@@ -541,24 +541,34 @@ def _add_quality_and_body(rows, body_row, num_classes, notes):
                  "Quality): " + ", ".join(unknown))
 
 
-def _choose(exact, full, whole):
-  """(row, one-line reason): the most accurate of `exact` whose whole step is within
-  QUALITY_MARGIN of the fastest whole step; the fastest when none there has a measured
-  quality."""
-  key = "whole_step_seconds"
-  step = "whole step" if whole else "step"
+def _quality_pick(exact, key="whole_step_seconds"):
+  """(row, measured): the quality rule, shared by `plan` and `recommend_tree`. Of
+  `exact` (rows carrying `quality` and `key`), the most accurate whose `key` is within
+  QUALITY_MARGIN of the fastest (ratios within QUALITY_TIE of the best count as equal,
+  then the fastest by `_pick`); rows of unknown quality only when none in the margin
+  has a measured one, and then the fastest (`_pick`). `measured`: whether the row was
+  chosen by its quality."""
   fastest = min(r[key] for r in exact)
   margin = [r for r in exact if r[key] <= fastest * (1 + QUALITY_MARGIN)]
   known = [r for r in margin if r["quality"] is not None]
   if not known:
-    best = _pick(margin, key)
+    return _pick(margin, key), False
+  top = min(r["quality"] for r in known)
+  return _pick([r for r in known if r["quality"] <= top * (1 + QUALITY_TIE)], key), True
+
+
+def _choose(exact, full, whole):
+  """(row, one-line reason): `_quality_pick` of `exact` by whole step, and why."""
+  key = "whole_step_seconds"
+  step = "whole step" if whole else "step"
+  fastest = min(r[key] for r in exact)
+  best, measured = _quality_pick(exact, key)
+  if not measured:
     return best, (
         f"no layer within {QUALITY_MARGIN:.0%} of the fastest {step} has a measured "
         f"quality: the fastest, {_seconds(best[key])} a {step} "
         f"({full[key] / best[key]:.1f}x full softmax), peak {_size(best['peak_bytes'])}, "
         "quality unknown")
-  top = min(r["quality"] for r in known)
-  best = _pick([r for r in known if r["quality"] <= top * (1 + QUALITY_TIE)], key)
   faster = [r for r in exact if r[key] < best[key] * (1 - 1e-9)]
   worse = ""
   if faster:
@@ -576,13 +586,20 @@ def _choose(exact, full, whole):
 def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
                    dtype="float32", memory_budget=None, machine=None, trees=HSM_TREES,
                    progress=None):
-  """The `HierarchicalSoftmax` tree to use: of `trees` (as `plan` takes them), the one
-  the planner prices fastest (rows within STEP_TIE counting as equal, then the least
-  peak memory) among those that fit `memory_budget`, or the smallest when none fits.
-  Only that tree is built.
+  """The `HierarchicalSoftmax` tree to use, chosen by `plan`'s rule (the same code,
+  `_quality_pick`) among the hierarchical rows alone: of `trees` (as `plan` takes them)
+  that fit `memory_budget`, the most accurate by the project's measured perplexity
+  against full softmax (`tf_hsm.planning.quality`) among those whose predicted step is
+  within QUALITY_MARGIN (20%) of the fastest's, ratios within QUALITY_TIE counting as
+  equal, then the faster (steps within STEP_TIE equal, then the least peak memory);
+  trees of unknown quality only when none within the margin has a measured one, and
+  then the fastest. When none fits, the smallest. Only that tree is built. ("learned"
+  is not among the defaults: its layer starts on the two-level tree, which is what it
+  would return, and needs `tf_hsm.callbacks.RebuildTree` to become the learned tree.)
 
   Returns:
-    (tree, row): the `tf_hsm.Tree` and its planner row (a dict, as in `plan`'s rows).
+    (tree, row): the `tf_hsm.Tree` and its planner row (a dict, as in `plan`'s rows,
+    with `quality`, None where not measured).
 
   Raises:
     ValueError: if no tree of `trees` can be built for `num_classes`.
@@ -599,8 +616,11 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
   if not candidates:
     raise ValueError(f"no tree among {list(trees)} can be built for {V} classes: "
                      + "; ".join(notes))
-  fitting = [row for _, row in candidates if row["fits"]]
-  best = _pick(fitting) if fitting else min((row for _, row in candidates),
-                                            key=lambda r: r["peak_bytes"])
+  rows = [row for _, row in candidates]
+  for row in rows:
+    row["label"] = row["method"]
+  _add_quality_and_body(rows, None, V, notes)
+  fitting = [row for row in rows if row["fits"]]
+  best = _quality_pick(fitting)[0] if fitting else min(rows, key=lambda r: r["peak_bytes"])
   tree = next(t for t, row in candidates if row is best)
   return tree.build(), best
