@@ -216,22 +216,24 @@ def sequences(ids, seq_len):
 # Models
 # ---------------------------------------------------------------------------------------
 
-def make_tree(kind, counts, head=0):
+def make_tree(kind, counts, head=0, branching=None):
   """The HSM's tree. "learned" starts from the two-level tree (without a head: it has
   one after the rebuild, see `learned_tree_callback`). With `head`, the two-level tree's
   root also holds the `head` most frequent words as leaves (the clusters then split the
-  other words)."""
+  other words). `branching`: children per node of a "huffman" tree (`Tree.huffman(counts,
+  branching=K)`, default 2) or a "balanced" one (default ceil(sqrt(V)))."""
   from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
   if kind == "learned":
     kind, head = "two_level", 0
   if head and kind == "two_level":
     return head_two_level_tree(counts, head)
   if kind == "huffman":
-    return Tree.huffman(counts)
+    return Tree.huffman(counts, branching=branching or 2)
   if kind == "two_level":
     return Tree.two_level(len(counts), counts)
   if kind == "balanced":
-    return Tree.balanced(len(counts), max(2, math.ceil(math.sqrt(len(counts)))))
+    return Tree.balanced(len(counts),
+                         branching or max(2, math.ceil(math.sqrt(len(counts)))))
   raise ValueError(f"unknown tree kind {kind!r}")
 
 
@@ -407,21 +409,57 @@ def adaptive_cutoffs(vocab_size):
   return [c for c in cutoffs if c < vocab_size]
 
 
-def adaptive_model(counts, hidden, seq_len, learning_rate):
-  """[tokens, targets] -> log P(targets) with `tf_hsm.AdaptiveSoftmax` (flat tails, div
-  value 2); the head's biases start at the unigram masses of its words and clusters."""
+def layout_cutoffs(name, counts, hidden, tokens_per_step, div_value=2.0, tail="flat",
+                   machine=None):
+  """The adaptive softmax's cutoffs by name: "demo" (`adaptive_cutoffs`: 1/8 and 1/2 of
+  the vocabulary), "planned" (those `tf_hsm.planning.cutoffs.choose_cutoffs` picks for
+  this vocabulary's counts, `hidden`, `tokens_per_step` tokens a step, LazyAdam, the tail
+  and div value, at this machine's cached rates: the planner's adaptive rows), "pytorch"
+  (`tf_hsm.planning.pytorch_cutoffs`: the planner's "adaptive fixed" row), or a list of
+  ints.
+
+  The words are ids by decreasing training count but for `<unk>` (id 0, wherever its
+  count ranks), so "planned" chooses on the counts sorted: the cutoffs count classes,
+  and `<unk>` is in the head either way unless the head is smaller than its rank."""
+  if not isinstance(name, str):
+    return [int(c) for c in name]
+  if name == "demo":
+    return adaptive_cutoffs(len(counts))
+  from tf_hsm import planning  # pylint: disable=g-import-not-at-top
+  if name == "planned":
+    from tf_hsm.planning.cutoffs import choose_cutoffs  # pylint: disable=g-import-not-at-top
+    ranked = np.sort(np.asarray(counts, np.float64))[::-1]
+    return list(choose_cutoffs(ranked, hidden, tokens_per_step,
+                               div_value, tail, machine, optimizer="lazy_adam"))
+  if name == "pytorch":
+    return list(planning.pytorch_cutoffs(len(counts), hidden, div_value))
+  raise ValueError(f"unknown cutoffs {name!r}: demo, planned, pytorch or a list of ints")
+
+
+def adaptive_model(counts, hidden, seq_len, learning_rate, cutoffs=None, div_value=2.0,
+                   tail="flat"):
+  """[tokens, targets] -> log P(targets) with `tf_hsm.AdaptiveSoftmax` (by default the
+  demo's layout: flat tails, `adaptive_cutoffs`, div value 2); the head's biases start at
+  the unigram masses of its words and clusters."""
   import keras  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras import losses, optimizers  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.adaptive import AdaptiveSoftmax  # pylint: disable=g-import-not-at-top
-  cutoffs = adaptive_cutoffs(len(counts))
+  cutoffs = list(cutoffs) if cutoffs is not None else adaptive_cutoffs(len(counts))
   log_p = unigram_log_probs(counts)
   bounds = cutoffs + [len(counts)]
   head = list(log_p[:cutoffs[0]]) + [np.logaddexp.reduce(log_p[lo:hi])
                                      for lo, hi in zip(bounds[:-1], bounds[1:])]
   tokens, x = _body(keras, len(counts), hidden, seq_len)
   targets = keras.Input((seq_len,), dtype="int32", name="targets")
-  layer = AdaptiveSoftmax(len(counts), cutoffs, div_value=2.0, head_bias=True,
-                          name="adaptive")
+  tail_counts = None
+  if tail == "two_level":
+    # The tails' trees are built from the counts of their own classes; the layer checks
+    # that all are non-increasing, which they are not where `<unk>` (id 0, in the head)
+    # is rarer than a word: the head's counts, not used, are given as the largest.
+    tail_counts = np.asarray(counts, np.float64).copy()
+    tail_counts[:cutoffs[0]] = tail_counts.max()
+  layer = AdaptiveSoftmax(len(counts), cutoffs, div_value=div_value, head_bias=True,
+                          tail=tail, counts=tail_counts, name="adaptive")
   log_probs = layer(x, targets)
   layer.head_bias_weight.assign(np.asarray(head, np.float32))
   model = keras.Model([tokens, targets], log_probs, name="adaptive_lm")
@@ -580,6 +618,10 @@ def parse_args(argv=None):
                       "vocabulary's counts, --hidden and --batch x --seq-len tokens a "
                       "step with LazyAdam; its table is printed). "
                       "Default: %(default)s")
+  p.add_argument("--branching", type=int, default=None,
+                 help="children per node of --tree huffman (Tree.huffman(counts, "
+                      "branching=K); default 2, binary) or --tree balanced (default "
+                      "ceil(sqrt(V)))")
   p.add_argument("--head", type=int, default=None,
                  help="how many of the most frequent words sit directly under the root "
                       "(less than the vocabulary): of the rebuilt tree with --tree "
@@ -625,6 +667,18 @@ def parse_args(argv=None):
                       " (sampled: tf.nn.sampled_softmax_loss with --num-sampled "
                       "candidates; adaptive: tf_hsm.AdaptiveSoftmax). Default: "
                       "%(default)s")
+  p.add_argument("--cutoffs", default="demo",
+                 help="the adaptive softmax's cutoffs: demo (1/8 and 1/2 of the "
+                      "vocabulary), planned (those the planner's choose_cutoffs picks "
+                      "for this vocabulary, --hidden, --batch x --seq-len tokens a step "
+                      "and LazyAdam, with --tail and --div-value, at this machine's "
+                      "cached rates), pytorch (the planner's PyTorch-style fixed "
+                      "cutoffs) or comma-separated ints (default: %(default)s)")
+  p.add_argument("--div-value", type=float, default=2.0,
+                 help="the adaptive softmax's div_value: cluster i is "
+                      "int(hidden // div_value^(i+1)) wide (default: %(default)s)")
+  p.add_argument("--tail", choices=("flat", "two_level"), default="flat",
+                 help="the adaptive softmax's tails (default: %(default)s)")
   p.add_argument("--num-sampled", type=int, default=DEFAULTS["num_sampled"],
                  help="sampled softmax candidates per batch (default: %(default)s)")
   p.add_argument("--skip-full", action="store_true",
@@ -649,6 +703,16 @@ def parse_args(argv=None):
     p.error("--rebuild-after-batches must be positive")
   if args.width is not None and args.width < 2:
     p.error("--width must be at least 2")
+  if args.branching is not None and (args.branching < 2 or
+                                     args.tree not in ("huffman", "balanced")):
+    p.error("--branching takes an int >= 2, with --tree huffman or balanced")
+  if not (args.div_value > 0 and math.isfinite(args.div_value)):
+    p.error("--div-value must be a positive number")
+  if args.cutoffs not in ("demo", "planned", "pytorch"):
+    try:
+      args.cutoffs = [int(c) for c in args.cutoffs.split(",")]
+    except ValueError:
+      p.error("--cutoffs takes demo, planned, pytorch or comma-separated ints")
   return args
 
 
@@ -678,17 +742,26 @@ def main(argv=None):
   if args.tree == "planned":
     tree = planned_tree(counts, args.hidden, args.batch * args.seq_len)
   else:
-    tree = make_tree(args.tree, counts, head)
+    tree = make_tree(args.tree, counts, head, args.branching)
   print(f"corpus: {source}\n  {len(train_tokens):,} training and {len(held_out_tokens):,} "
         f"held-out tokens; vocabulary {len(words):,} words incl. <unk> "
         f"({100 * unk_rate:.1f}% of held-out tokens are <unk>)\n"
-        f"  HSM tree: {args.tree}, {tree.num_slots:,} weight rows, depth "
+        f"  HSM tree: {args.tree}"
+        f"{f'({args.branching})' if args.branching else ''}, {tree.num_slots:,} weight "
+        "rows, depth "
         f"{tree.max_depth}, max branching {tree.max_branching}"
         f"{f', head {head} words' if head else ''}", flush=True)
 
   # Progress bars where a person watches; one line per epoch in logs, where each bar's
   # redraws would otherwise become hundreds of lines.
   verbose = 0 if args.quiet else 1 if sys.stdout.isatty() else 2
+  cutoffs = None
+  if "adaptive" in args.models:
+    cutoffs = layout_cutoffs(args.cutoffs, counts, args.hidden, args.batch * args.seq_len,
+                             args.div_value, args.tail)
+    named = args.cutoffs if isinstance(args.cutoffs, str) else "given"
+    print(f"  adaptive softmax: {args.tail} tails, cutoffs {cutoffs} ({named}), div "
+          f"{args.div_value:g}", flush=True)
   histories = []
   for kind in args.models:
     keras.utils.set_random_seed(args.seed)
@@ -712,7 +785,8 @@ def main(argv=None):
       data, held_out = ([x, y], y), ([hx, hy], hy)
     else:
       name = "adaptive"
-      model = adaptive_model(counts, args.hidden, args.seq_len, args.learning_rate)
+      model = adaptive_model(counts, args.hidden, args.seq_len, args.learning_rate,
+                             cutoffs, args.div_value, args.tail)
       data, held_out = ([x, y], y), ([hx, hy], hy)
     histories.append(train(name, model, data, held_out, args.epochs, args.batch, verbose,
                            extra))
@@ -724,7 +798,10 @@ def main(argv=None):
   results = {"settings": settings, "corpus": source, "vocab_size": len(words),
              "held_out_unk_rate": unk_rate, "tree": {"kind": args.tree, "head": head,
                                                      "num_slots": tree.num_slots,
-                                                     "max_depth": tree.max_depth},
+                                                     "max_depth": tree.max_depth,
+                                                     "branching": args.branching},
+             "adaptive": None if cutoffs is None else {
+                 "cutoffs": cutoffs, "div_value": args.div_value, "tail": args.tail},
              "models": histories, "total_seconds": time.perf_counter() - wall_start}
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
