@@ -3,13 +3,24 @@ by test_tf_keras_fit.py in processes of their own that it bounds in time.
 
     tf_keras_fit_run.py ps        # 2 PS + 2 workers on 127.0.0.1 (LoopbackCluster)
     tf_keras_fit_run.py single    # the same model and steps in one process
+    tf_keras_fit_run.py resume N  # LazyAdam's fit resumed from the backup `ps` made,
+                                  # on N PS + 1 worker (N = 0: in one process)
     tf_keras_fit_run.py mirrored  # MirroredStrategy over 2 CPU devices, and one device
     tf_keras_fit_run.py mwms I PORTS  # worker I of a 2-worker MultiWorkerMirroredStrategy
 
 Each prints one JSON line. The model: features -> Dense -> HierarchicalSoftmax (a
 balanced row layout over 2 shards) trained on one fixed batch repeated, so that the
 steps of asynchronous workers see the same data in any order.
+
+With TF_HSM_BACKUP set, `ps` then trains the same model with LazyAdam for
+ADAM_EPOCHS epochs under tf_keras' `BackupAndRestore` (a checkpoint of the model and
+the optimizer, the table and the slots in 2 pieces, at the end of each epoch), and
+`resume N` continues that training to 2 x ADAM_EPOCHS epochs from the backup, its table
+and slots in N pieces (the row layout stays the layer's, made for 2 shards: it is part
+of the layer's config), reporting the values it restored.
 """
+
+import contextlib
 
 import json
 import os
@@ -30,6 +41,7 @@ from tf_hsm import tf_keras as hk  # noqa: E402
 V, F, D, B = 300, 16, 8, 64
 EPOCHS, STEPS = 4, 8
 LR = 0.05
+ADAM_EPOCHS, ADAM_LR = 2, 0.01
 
 
 def problem():
@@ -60,16 +72,94 @@ def make_model(tree, layout, optimizer=None):
 
 
 def weights(model):
-  """The model's weights in slot order, whole (pieces joined)."""
+  """The model's weights, whole (pieces joined), the layer's in slot order."""
   layer = model.get_layer("hsm")
+  dense = model.layers[1]
   out = {}
-  for name, variable in (("kernel", layer.kernel), ("bias", layer.bias)):
+  for name, variable in (("kernel", layer.kernel), ("bias", layer.bias),
+                         ("dense_kernel", dense.kernel), ("dense_bias", dense.bias)):
     parts = distribute.pieces(variable)
     value = np.concatenate([p.numpy() for p in parts]) if parts else variable.numpy()
-    out[name] = value[layer.row_layout.slot_rows].tolist() if layer.row_layout else \
-        value.tolist()
-  out["dense"] = [w.tolist() for w in model.layers[1].get_weights()]
+    if not name.startswith("dense") and layer.row_layout:
+      value = value[layer.row_layout.slot_rows]
+    out[name] = value.tolist()
   return out
+
+
+def slots(model):
+  """LazyAdam's slots of the model's weights, whole and in slot order: {"m": {name:
+  value}, "v": ...} for the layer's kernel and bias and the Dense layer's kernel."""
+  optimizer = model.optimizer
+  layer = model.get_layer("hsm")
+  dense = model.layers[1]
+  out = {}
+  for slot, values in (("m", optimizer._momentums), ("v", optimizer._velocities)):
+    out[slot] = {}
+    for name, variable in (("kernel", layer.kernel), ("bias", layer.bias),
+                           ("dense", dense.kernel)):
+      parts = distribute.pieces(variable) or [variable]
+      value = np.concatenate(
+          [values[optimizer._index_dict[optimizer._var_key(p)]].numpy() for p in parts])
+      if name != "dense" and layer.row_layout:
+        value = value[layer.row_layout.slot_rows]
+      out[slot][name] = value.tolist()
+  return out
+
+
+class SlotInitialValues:
+  """A variable creator that notes, for each optimizer slot made under it, whether its
+  initial value is computed where the variable is placed (a callable) or passed as a
+  tensor made where the optimizer is built (the coordinator, under a
+  ParameterServerStrategy)."""
+
+  def __init__(self):
+    self.seen = []
+
+  def __call__(self, next_creator, **kwargs):
+    name = str(kwargs.get("name"))
+    if name.startswith(("m/", "v/")):
+      self.seen.append((name, callable(kwargs.get("initial_value"))))
+    return next_creator(**kwargs)
+
+
+class Snapshot(tf_keras.callbacks.Callback):
+  """Notes, when training begins (after BackupAndRestore restored its backup), the
+  weights, LazyAdam's slots and the iteration count."""
+
+  def __init__(self):
+    super().__init__()
+    self.values = None
+
+  def on_train_begin(self, logs=None):
+    self.values = {"weights": weights(self.model), "slots": slots(self.model),
+                   "iterations": int(self.model.optimizer.iterations.numpy())}
+
+
+def fit_with_backup(strategy, tree, layout, features, targets, backup, epochs):
+  """LazyAdam's fit of the model under BackupAndRestore(backup) up to `epochs`: resumes
+  from the backup when there is one. Returns the losses, the values when training began
+  and when it ended, and how the slots' initial values were given."""
+  def scope():
+    return strategy.scope() if strategy else contextlib.nullcontext()
+
+  with scope():
+    model = make_model(tree, layout, hk.optimizers.LazyAdam(ADAM_LR))
+  if strategy:
+    data = tf_keras.utils.experimental.DatasetCreator(dataset_fn(features, targets))
+  else:
+    data = dataset_fn(features, targets)()
+  snapshot = Snapshot()
+  initial_values = SlotInitialValues()
+  with scope(), tf.variable_creator_scope(initial_values):
+    history = model.fit(data, epochs=epochs, steps_per_epoch=STEPS, verbose=0,
+                        callbacks=[tf_keras.callbacks.BackupAndRestore(
+                            backup, delete_checkpoint=False), snapshot])
+  return {"losses": history.history["loss"], "begin": snapshot.values,
+          "end": {"weights": weights(model), "slots": slots(model),
+                  "iterations": int(model.optimizer.iterations.numpy())},
+          "slot_initial_values": initial_values.seen,
+          "table_pieces": [p.device for p in distribute.pieces(
+              model.get_layer("hsm").kernel) or []]}
 
 
 def dataset_fn(features, targets):
@@ -123,6 +213,12 @@ def run_ps():
     path = os.environ.get("TF_HSM_CKPT")
     if path:
       tf.train.Checkpoint(model=model).write(path)
+    # LazyAdam under BackupAndRestore, restored by `resume N`, on the same cluster
+    # (worker 1 stays dead: the other worker runs it).
+    backup = os.environ.get("TF_HSM_BACKUP")
+    if backup:
+      result["adam"] = fit_with_backup(strategy, tree, layout, features, targets, backup,
+                                       ADAM_EPOCHS)
   result["rows_per_shard"] = distribute.rows_per_shard(tree, targets, 2, layout).tolist()
   result["rows_per_shard_tree_order"] = distribute.rows_per_shard(tree, targets, 2).tolist()
   result["num_slots"] = tree.num_slots
@@ -142,6 +238,26 @@ def run_single(steps, restore=None):
   history = model.fit(data, epochs=1, verbose=0)
   result["losses"] = history.history["loss"]
   result["final"] = weights(model)
+  print(json.dumps(result))
+
+
+def run_resume(num_ps, backup):
+  """Resumes the LazyAdam training that `ps` backed up (2 pieces) with the table and
+  slots in `num_ps` pieces on num_ps parameter servers and 1 worker, or in one process
+  (num_ps = 0)."""
+  from tf_hsm.cluster import LoopbackCluster  # pylint: disable=import-outside-toplevel
+  tree, layout, features, targets = problem()
+  if num_ps == 0:
+    result = fit_with_backup(None, tree, layout, features, targets, backup,
+                             2 * ADAM_EPOCHS)
+  else:
+    with LoopbackCluster(num_ps, 1) as cluster:
+      strategy = tf.distribute.experimental.ParameterServerStrategy(
+          cluster.resolver(),
+          variable_partitioner=tf.distribute.experimental.partitioners
+          .FixedShardsPartitioner(num_ps))
+      result = fit_with_backup(strategy, tree, layout, features, targets, backup,
+                               2 * ADAM_EPOCHS)
   print(json.dumps(result))
 
 
@@ -196,6 +312,8 @@ if __name__ == "__main__":
     run_ps()
   elif mode == "single":
     run_single(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+  elif mode == "resume":
+    run_resume(int(sys.argv[2]), sys.argv[3])
   elif mode == "mirrored":
     run_mirrored()
   else:
