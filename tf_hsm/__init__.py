@@ -47,6 +47,7 @@ _PUBLIC = {
     "log_prob_candidates": ("tf_hsm.ops", "log_prob_candidates"),
     "HierarchicalSoftmax": (_KERAS, "HierarchicalSoftmax"),
     "AdaptiveSoftmax": (_KERAS, "AdaptiveSoftmax"),
+    "inference_model": (_KERAS + ".predict", "inference_model"),
     "plan": ("tf_hsm.planning", "plan"),
     "losses": (_KERAS + ".losses", None),
     "optimizers": (_KERAS + ".optimizers", None),

@@ -153,7 +153,7 @@ def test_plan_stays_the_function_after_the_command_is_imported():
 PUBLIC = ["log_prob", "nll_loss", "sgd_step", "top_k", "log_prob_all", "sample",
           "log_prob_candidates", "Tree", "HierarchicalSoftmax", "AdaptiveSoftmax", "plan",
           "optimizers", "losses", "callbacks", "metrics", "distribute", "inference",
-          "planner", "baselines", "serving", "keras", "tf_keras"]
+          "planner", "baselines", "serving", "keras", "tf_keras", "inference_model"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)

@@ -2,7 +2,8 @@
 
 `HierarchicalSoftmax` returns log P(target | hidden); training maximises it, so the loss
 is its negative mean over the tokens that are not padding. Use it with `model.fit` by
-feeding the targets both as a model input (the layer needs them) and as `y`:
+feeding the targets both as a model input (the layer needs them) and as `y` (or compile
+with `loss=NegativeLogLikelihood()`, which needs no `y`: `model.fit([x, y])`):
 
     tokens = keras.Input((None,), dtype="int32")
     targets = keras.Input((None,), dtype="int32")
@@ -43,7 +44,11 @@ def nll(y_true, y_pred):
 
 @keras.saving.register_keras_serializable(package="tf_hsm")
 class NegativeLogLikelihood(keras.losses.Loss):
-  """`nll` as a `keras.losses.Loss` object (for a name, a reduction or a dtype).
+  """`nll` as a `keras.losses.Loss` object (for a name, a reduction or a dtype), which
+  also needs no `y`: `model.fit([x, targets])` trains a model whose targets are an input
+  (Keras 3 hands a function loss such as `nll` a missing `y` as None, which fails before
+  the loss runs: "None values not supported"; give `y` there, or use this class).
+  Padding is then known from the output's mask only (targets < 0, upstream masks).
 
   Args:
     reduction: as `keras.losses.Loss`; the default averages over valid positions.
@@ -53,6 +58,11 @@ class NegativeLogLikelihood(keras.losses.Loss):
 
   def __init__(self, reduction="sum_over_batch_size", name="nll", dtype=None):
     super().__init__(name=name, reduction=reduction, dtype=dtype)
+
+  def __call__(self, y_true, y_pred, sample_weight=None):
+    if y_true is None:  # fit without y: the targets are a model input
+      y_true = 0  # a scalar, which `nll` ignores
+    return super().__call__(y_true, y_pred, sample_weight)
 
   def call(self, y_true, y_pred):
     return nll(y_true, y_pred)

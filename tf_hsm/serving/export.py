@@ -12,7 +12,7 @@ from tf_hsm.serving import adaptive as adaptive_serving
 from tf_hsm.serving import hsm
 from tf_hsm.serving._tree import StockTree
 
-__all__ = ["export", "ServingModule", "LOG_PROB_ALL_MAX_CLASSES"]
+__all__ = ["export", "ModelCut", "ServingModule", "LOG_PROB_ALL_MAX_CLASSES"]
 
 # "log_prob_all" is exported only up to this many classes: its output is [..., C] floats
 # per row (4 MB a row at 1M classes), and its one matmul reads the whole table.
@@ -63,6 +63,75 @@ def _tf_variables(layers_variables):
   return out
 
 
+def _keras_of(model):
+  """The Keras package `model` belongs to: tf_keras or Keras 3."""
+  if type(model).__module__.split(".")[0] == "tf_keras":
+    import tf_keras  # pylint: disable=import-outside-toplevel
+    return tf_keras
+  import keras  # pylint: disable=import-outside-toplevel
+  return keras
+
+
+def _call_arguments(node):
+  """(args, kwargs) a functional model's node called its layer with, in either Keras."""
+  if hasattr(node, "arguments"):  # Keras 3
+    return list(node.arguments.args), dict(node.arguments.kwargs)
+  return list(node.call_args), dict(node.call_kwargs)  # tf_keras
+
+
+def _same_tensor(a, b):
+  """Whether two symbolic tensors of a functional model are one (tf_keras may hold
+  copies of a tensor, so compare where they come from too)."""
+  if a is b:
+    return True
+  ha, hb = getattr(a, "_keras_history", None), getattr(b, "_keras_history", None)
+  return ha is not None and hb is not None and tuple(ha)[0] is tuple(hb)[0] and \
+      tuple(ha)[1:] == tuple(hb)[1:]
+
+
+class ModelCut:
+  """A functional model cut at its tf_hsm layer: what `export` and the front ends'
+  `inference_model` serve. Works on Keras 3 and tf_keras models.
+
+  Attributes:
+    layer: the HierarchicalSoftmax or AdaptiveSoftmax layer. kind: "hsm" or "adaptive".
+    inputs: the model's inputs; target_index: which of them are the layer's targets;
+    feature_inputs: the others. hidden: the symbolic hidden states the layer reads.
+    encoder: `Model(feature_inputs, hidden)`, in the model's Keras.
+  """
+
+  def __init__(self, model):
+    layer = _find_layer(model)
+    self.layer, self.kind = layer, _kind(layer)
+    nodes = getattr(layer, "_inbound_nodes", [])
+    if len(nodes) != 1:
+      raise ValueError(f"the tf_hsm layer {layer.name!r} must be called once in the model, "
+                       f"it is called {len(nodes)} times")
+    args, kwargs = _call_arguments(nodes[0])
+    hidden = args[0] if args else kwargs.pop("hidden")
+    targets = args[1] if len(args) > 1 else kwargs.get("targets")
+    if kwargs.get("mask") is not None:
+      raise ValueError("a tf_hsm layer called with an explicit mask cannot be cut out of "
+                       "its model: let the mask come from the hidden states")
+    self.inputs = list(model.inputs)
+    target_index = [i for i, t in enumerate(self.inputs) if _same_tensor(t, targets)]
+    if not target_index:
+      raise ValueError("the tf_hsm layer's targets must be one of the model's inputs")
+    self.target_index = target_index[0]
+    outputs = model.outputs
+    if len(outputs) != 1 or not _same_tensor(outputs[0],
+                                             tf.nest.flatten(nodes[0].outputs)[0]):
+      raise ValueError("the model's one output must be the tf_hsm layer's "
+                       "log-probabilities")
+    self.feature_inputs = [t for i, t in enumerate(self.inputs) if i != self.target_index]
+    self.hidden = hidden
+    try:
+      self.encoder = _keras_of(model).Model(self.feature_inputs, hidden)
+    except ValueError as e:
+      raise ValueError("the tf_hsm layer's hidden input must depend on the model's inputs "
+                       f"other than the targets: {e}") from None
+
+
 class ServingModule(tf.Module):
   """What `export` saves: the encoder (the model up to the tf_hsm layer's input), the
   layer's weights as variables, its tree(s) as constants, and the signature functions.
@@ -71,34 +140,11 @@ class ServingModule(tf.Module):
 
   def __init__(self, model, k=10, log_prob_all=None, sample=True):
     super().__init__(name="tf_hsm_serving")
-    import keras  # pylint: disable=import-outside-toplevel
-    layer = _find_layer(model)
-    self.kind = _kind(layer)
-    nodes = getattr(layer, "_inbound_nodes", [])
-    if len(nodes) != 1:
-      raise ValueError(f"the tf_hsm layer {layer.name!r} must be called once in the model, "
-                       f"it is called {len(nodes)} times")
-    args = list(nodes[0].arguments.args)
-    kwargs = dict(nodes[0].arguments.kwargs)
-    hidden = args[0] if args else kwargs.pop("hidden")
-    targets = args[1] if len(args) > 1 else kwargs.get("targets")
-    if nodes[0].arguments.kwargs.get("mask") is not None:
-      raise ValueError("export does not serve a tf_hsm layer called with an explicit mask")
-    inputs = list(model.inputs)
-    target_index = [i for i, t in enumerate(inputs) if t is targets]
-    if not target_index:
-      raise ValueError("the tf_hsm layer's targets must be one of the model's inputs")
-    self._target_index = target_index[0]
-    outputs = model.outputs
-    if len(outputs) != 1 or outputs[0] is not nodes[0].outputs[0]:
-      raise ValueError("export needs a model whose one output is the tf_hsm layer's "
-                       "log-probabilities")
-    feature_inputs = [t for i, t in enumerate(inputs) if i != self._target_index]
-    try:
-      self._encoder = keras.Model(feature_inputs, hidden)
-    except ValueError as e:
-      raise ValueError("the tf_hsm layer's hidden input must depend on the model's inputs "
-                       f"other than the targets: {e}") from None
+    cut = ModelCut(model)
+    layer, self.kind = cut.layer, cut.kind
+    self._target_index = cut.target_index
+    self._encoder = cut.encoder
+    inputs = cut.inputs
     self.encoder_variables = _tf_variables(self._encoder.weights)
     self.input_names = [t.name for t in inputs]
     self._specs = [tf.TensorSpec([None if d is None else d for d in t.shape],

@@ -2,7 +2,7 @@
 models under `TF_USE_LEGACY_KERAS=1`.
 
 layers.py (`HierarchicalSoftmax`), adaptive.py (`AdaptiveSoftmax`), losses.py (`nll`), optimizers.py (`LazyAdam`,
-`SparseAdagrad`, `SparseSGD`: touched rows only) and callbacks.py (`RebuildTree`) are
+`SparseAdagrad`, `SparseSGD`: touched rows only) and callbacks.py (`RebuildTree`), with predict.py (`inference_model`), are
 thin tf_keras classes over the helpers that `tf_hsm.keras` (Keras 3) calls too
 (`tf_hsm/frontend/`): the same op calls, tree handling, tables in pieces and row
 updates. This package imports `tf_keras` directly, so it needs no environment variable.
@@ -21,5 +21,7 @@ and `MirroredStrategy` (docs/distributed.md).
 from tf_hsm.tf_keras import callbacks, losses, optimizers
 from tf_hsm.tf_keras.adaptive import AdaptiveSoftmax
 from tf_hsm.tf_keras.layers import HierarchicalSoftmax
+from tf_hsm.tf_keras.predict import inference_model
 
-__all__ = ["AdaptiveSoftmax", "HierarchicalSoftmax", "callbacks", "losses", "optimizers"]
+__all__ = ["AdaptiveSoftmax", "HierarchicalSoftmax", "callbacks", "inference_model",
+           "losses", "optimizers"]

@@ -1,0 +1,25 @@
+"""`inference_model` for Keras 3 models (the code is `tf_hsm/frontend/predict.py`)."""
+
+import keras
+
+from tf_hsm.frontend import predict
+
+
+def inference_model(model, k=10):
+  """The model that predicts: the trained `model`'s inputs other than the targets ->
+  `{"classes": int64 [..., k], "log_probs": float32 [..., k]}`, the k most probable
+  classes best first (exact: the layer's `top_k`), sharing `model`'s layers and weights.
+
+      predictor = tf_hsm.inference_model(model, k=5)
+      best = predictor.predict(tokens)["classes"]      # [batch, time, 5]
+
+  Padded positions get predictions too (drop them with your mask). For serving without
+  tf_hsm, `tf_hsm.serving.export(model, directory, k)` cuts the model the same way.
+
+  Args:
+    model: a functional Keras 3 model with one `HierarchicalSoftmax` or
+      `AdaptiveSoftmax`, called on hidden states and one of the model's inputs as its
+      targets, whose output is the model's output.
+    k: how many classes each position gets.
+  """
+  return predict.inference_model(model, k, keras)
