@@ -6,7 +6,6 @@ without a separate `y`."""
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_hsm
 from tf_hsm import keras as hk3
