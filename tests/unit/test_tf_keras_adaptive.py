@@ -144,3 +144,10 @@ def test_legacy_keras_resolves_to_the_tf_keras_layer():
   out = support.run([sys.executable, "-c", code], timeout=120,
                     env=support.repo_env(TF_USE_LEGACY_KERAS="1")).stdout.split()
   assert out == ["tf_hsm.tf_keras.adaptive"]
+
+
+def test_each_table_draws_its_own_initial_values():
+  layer = hk2.AdaptiveSoftmax(V, [5, 15], div_value=1.0)  # the two tails: [D, D] each
+  layer.build((None, D))
+  first, second = (p.numpy() for p in layer.tail_projections)
+  assert not np.array_equal(first, second)

@@ -33,6 +33,9 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, tf_keras.layers.Layer):
                         tail_trees, tokens_per_step, machine, class_order)
 
   def _add_table(self, name, shape, initializer):
+    if isinstance(initializer, tf_keras.initializers.Initializer):
+      # A tf_keras initializer called twice unseeded repeats its values: one per table.
+      initializer = initializer.__class__.from_config(initializer.get_config())
     return self.add_weight(name=name, shape=shape, initializer=initializer,
                            experimental_autocast=False)
 
