@@ -7,15 +7,14 @@ starts N parameter servers and M workers as processes on 127.0.0.1, trains an ou
 table of `--classes` x `--hidden` with LazyAdam (table and slots split over the
 parameter servers, only each step's touched rows moving), then trains the same model in
 one process, and reports steps/s, the rows each shard serves a step, and the peak RSS of
-every process. `LoopbackCluster` is what the tests use to start, kill and restart
-servers; every process it starts ends when it is closed.
+every process (VmHWM from /proc/<pid>/status). `LoopbackCluster` is what the tests use
+to start, kill and restart servers; every process it starts ends when it is closed.
 """
 
 import argparse
 import json
 import os
 import re
-import resource
 import signal
 import socket
 import subprocess
@@ -166,8 +165,25 @@ def partitioned_table(shape, stddev, name):
     return keras.Variable(np.zeros(0, np.float32), shape=shape, name=name)
 
 
-def train(args, strategy=None, coordinator=None):
-  """Trains the output table for args.steps steps; returns (seconds per step, losses)."""
+def settle(variables):
+  """Returns once every variable (each piece of one in pieces) exists with its value:
+  a read of one element of each waits for the operations that made it, on its server."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tf_hsm import distribute  # pylint: disable=import-outside-toplevel
+  from tf_hsm.ops import inputs  # pylint: disable=import-outside-toplevel
+  for variable in variables:
+    for piece in distribute.pieces(variable) or [variable]:
+      found = inputs.tf_variable(piece)  # a Keras 3 variable's tf.Variable
+      piece = piece if found is None else found
+      with tf.device(piece.device):  # only one element comes back
+        element = tf.reshape(piece, [-1])[:1]
+      element.numpy()
+
+
+def train(args, strategy=None, coordinator=None, on_built=None):
+  """Trains the output table for args.steps steps; returns (seconds per step, losses).
+  `on_built()`, if given, is called once the table and the optimizer's slots exist,
+  before the first step."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   import tf_hsm  # pylint: disable=import-outside-toplevel
   tree, counts = zipf_tree(args.classes, args.branching)
@@ -179,6 +195,9 @@ def train(args, strategy=None, coordinator=None):
     table = partitioned_table((tree.num_slots, args.hidden), 0.01, "table")
     optimizer = tf_hsm.optimizers.LazyAdam(1e-2)
     optimizer.build([table])
+  if on_built:
+    settle([table] + list(optimizer.variables))
+    on_built()
   log_classes = float(np.log(args.classes))
   rng = np.random.default_rng(0)
   frequencies = tf.constant(rng.uniform(0.0, 1.0, args.hidden), tf.float32)
@@ -222,11 +241,12 @@ def train(args, strategy=None, coordinator=None):
   return seconds, [float(loss) for loss in results]
 
 
-def train_fit(args, strategy=None):
+def train_fit(args, strategy=None, on_built=None):
   """`--mode fit`: tf_keras' `model.fit` trains a tf_hsm.tf_keras.HierarchicalSoftmax
   (under the strategy's scope: table and LazyAdam's slots in pieces) on the same
   synthetic data as `train`, through a `DatasetCreator` on a cluster; returns (seconds
-  per step, the loss of each of its 2 epochs)."""
+  per step, the loss of each of its 2 epochs). `on_built` as in `train` (the optimizer
+  is then built before `fit`, as `fit` would build it, under the strategy's scope)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   import tf_keras  # pylint: disable=import-outside-toplevel
   from tf_hsm import distribute  # pylint: disable=import-outside-toplevel
@@ -260,6 +280,11 @@ def train_fit(args, strategy=None):
                                         stddev=0.01, seed=0))
     model = tf_keras.Model([hidden, targets], output(hidden, targets))
     model.compile(optimizer=hk.optimizers.LazyAdam(1e-2), loss=hk.losses.nll)
+    if on_built:
+      model.optimizer.build(model.trainable_variables)
+  if on_built:
+    settle(model.trainable_variables + list(model.optimizer.variables))
+    on_built()
   data = tf_keras.utils.experimental.DatasetCreator(dataset_fn) if strategy else \
       dataset_fn()
   per_epoch = max(1, args.steps // 2)
@@ -270,16 +295,16 @@ def train_fit(args, strategy=None):
   return seconds, [float(loss) for loss in history.history["loss"]]
 
 
-def _train(args, strategy=None, coordinator=None):
+def _train(args, strategy=None, coordinator=None, on_built=None):
   if args.mode == "fit":
-    return train_fit(args, strategy)
-  return train(args, strategy, coordinator)
+    return train_fit(args, strategy, on_built)
+  return train(args, strategy, coordinator, on_built)
 
 
 def _single(args):
   seconds, losses = _train(args)
   print(json.dumps({"seconds_per_step": seconds, "losses": losses,
-                    "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                    "peak_rss": peak_rss_bytes(os.getpid())}))
 
 
 def _cluster(args):
@@ -291,10 +316,18 @@ def _cluster(args):
             args.ps))
     coordinator = None if args.mode == "fit" else \
         tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-    seconds, losses = _train(args, strategy, coordinator)
+    built = {}
+
+    def on_built():
+      built.update({f"{job} {index}": value
+                    for (job, index), value in cluster.peak_rss().items()},
+                   coordinator=peak_rss_bytes(os.getpid()))
+
+    seconds, losses = _train(args, strategy, coordinator, on_built)
     rss = {f"{job} {index}": value for (job, index), value in cluster.peak_rss().items()}
-  rss["coordinator"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  return {"seconds_per_step": seconds, "losses": losses, "peak_rss": rss}
+  rss["coordinator"] = peak_rss_bytes(os.getpid())
+  return {"seconds_per_step": seconds, "losses": losses, "peak_rss": rss,
+          "peak_rss_built": built}
 
 
 def report(args, cluster_result, single_result):
@@ -325,6 +358,9 @@ def report(args, cluster_result, single_result):
       + ", ".join(f"{name} {value / gib:.2f} GiB"
                   for name, value in sorted(cluster_result["peak_rss"].items())) + " |",
       "",
+      "Peak RSS once the table and the optimizer's slots exist, before the first step: "
+      + ", ".join(f"{name} {value / gib:.2f} GiB"
+                  for name, value in sorted(cluster_result["peak_rss_built"].items())),
       f"Distinct rows each parameter server sends and updates a step ({args.layout} "
       "layout): "
       + " / ".join(f"{value / 1e3:.1f}K" for value in per_shard),
