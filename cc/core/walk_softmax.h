@@ -1,7 +1,8 @@
 // The softmax of a token's steps through walked nodes (at most kWalkMaxBranching
 // children, visit_plan.h): several steps packed into the lanes of one vector, so that the
 // max, the exponential, the sum and the log are paid once per vector, with the same bits
-// for a step alone or in any batch. Used by log_prob.cc's forward, backward and fused SGD.
+// for a step alone or in any batch. Used by log_prob.cc's forward and by
+// log_prob_backward.cc's backward and fused SGD.
 #ifndef TF_HSM_CC_CORE_WALK_SOFTMAX_H_
 #define TF_HSM_CC_CORE_WALK_SOFTMAX_H_
 
