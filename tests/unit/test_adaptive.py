@@ -259,3 +259,32 @@ def test_bad_calls(rng):
   state = torch_state_dict(rng, 20, 16, [5, 10], 2.0, False)
   with pytest.raises(ValueError, match="shape"):
     AdaptiveSoftmax.from_torch_state_dict(state, [5, 10], 4.0)
+
+
+@pytest.mark.parametrize("initializer", ["glorot_uniform", keras.initializers.RandomNormal(),
+                                         keras.initializers.GlorotUniform(seed=3)])
+def test_each_table_draws_its_own_initial_values(initializer):
+  layer = AdaptiveSoftmax(40, [5, 15], div_value=1.0, kernel_initializer=initializer)
+  layer.build((None, 8))  # the two tails' projections are [8, 8] each, the head [7, 8]
+  first, second = (p.numpy() for p in layer.tail_projections)
+  assert not np.array_equal(first, second)
+  head, tail = layer.head_kernel.numpy().ravel(), layer.tail_kernels[0].numpy().ravel()
+  assert abs(np.corrcoef(head[:40], tail[:40])[0, 1]) < 0.9
+
+
+@pytest.mark.parametrize("tail", ["flat", "two_level"])
+def test_mixed_precision_keeps_the_tables_and_log_probs_float32(tail, rng):
+  keras.mixed_precision.set_global_policy("mixed_float16")
+  try:
+    hidden = keras.Input((8,))
+    targets = keras.Input((), dtype="int32")
+    layer = AdaptiveSoftmax(40, [4, 12], div_value=2.0, tail=tail)
+    model = keras.Model([hidden, targets], layer(hidden, targets))
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  assert all(w.dtype == "float32" for w in layer.weights)
+  x = rng.normal(size=(6, 8)).astype(np.float32)
+  y = rng.integers(0, 40, 6).astype(np.int32)
+  out = model([x, y])
+  assert out.dtype == tf.float32
+  np.testing.assert_allclose(np.exp(layer.log_prob_all(x).numpy()).sum(-1), 1.0, rtol=1e-5)

@@ -92,3 +92,30 @@ def test_the_cut_names_what_it_needs():
     hk3.inference_model(model)
   with pytest.raises(ValueError, match="found none"):
     hk3.inference_model(keras.Model(hidden, keras.layers.Dense(3)(hidden)))
+
+
+def test_the_other_keras_and_k_are_named_or_clamped():
+  model = _model(tf_keras, hk2, "hsm")
+  with pytest.raises(TypeError, match=r"use tf_hsm\.tf_keras\.inference_model"):
+    hk3.inference_model(model)
+  with pytest.raises(TypeError, match=r"use tf_hsm\.keras\.inference_model"):
+    hk2.inference_model(_model(keras, hk3, "hsm"))
+  with pytest.raises(ValueError, match="k must be an int >= 1, got 0"):
+    hk2.inference_model(model, k=0)
+  out = hk2.inference_model(model, k=100).predict(np.ones((2, 3), np.int32), verbose=0)
+  assert out["classes"].shape == (2, 3, V)  # clamped, as the export clamps
+
+
+def test_a_subclassed_tf_keras_model_is_cut_as_tf_keras(rng):
+  class Subclassed(tf_keras.Model):
+    pass
+
+  tokens = tf_keras.Input((None,), dtype="int32")
+  targets = tf_keras.Input((None,), dtype="int32")
+  hidden = tf_keras.layers.Embedding(V, D)(tokens)
+  model = Subclassed([tokens, targets], _layer(hk2, "adaptive")(hidden, targets))
+  x = rng.integers(0, V, (3, T)).astype(np.int32)
+  out = hk2.inference_model(model, k=2).predict(x, verbose=0)
+  assert out["classes"].shape == (3, T, 2)
+  np.testing.assert_array_equal(ServingModule(model, k=2).top_k(x)["classes"].numpy(),
+                                out["classes"])

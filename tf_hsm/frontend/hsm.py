@@ -163,6 +163,21 @@ def piece_sampler(kind, params, shape, dtype):
   return None
 
 
+def initializer_for_table(initializer, index):
+  """A fresh copy of `initializer` (Keras 3 or tf_keras) for a layer's table number
+  `index`, so that one initializer argument shared by several tables does not give them
+  the same values: both Keras repeat an initializer object's draws when it is called
+  again (unseeded: tf_keras; Keras 3 too), and a seeded copy would repeat its seed, so a
+  given seed becomes seed + index. Strings and callables that are not initializer
+  objects are returned as they are."""
+  if not (hasattr(initializer, "get_config") and hasattr(initializer, "from_config")):
+    return initializer
+  config = dict(initializer.get_config())
+  if config.get("seed") is not None and isinstance(config["seed"], int):
+    config["seed"] = config["seed"] + index
+  return type(initializer).from_config(config)
+
+
 def describe_initializer(initializer, module):
   """(kind, params) of `piece_sampler` for an initializer of `module` (Keras 3's
   `keras.initializers` or `tf_keras.initializers`: their classes and attributes agree);

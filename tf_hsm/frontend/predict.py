@@ -4,7 +4,11 @@ log-probabilities), for either Keras. The model is cut at its tf_hsm layer by th
 export's `ModelCut`, so what `predict` returns here is what `tf_hsm.serving.export`'s
 "top_k" signature serves (the export in stock ops, this model with tf_hsm's op)."""
 
-from tf_hsm.serving.export import ModelCut
+import numbers
+
+from tf_hsm.serving.export import ModelCut, keras_of
+
+_FRONT_END = {"keras": "tf_hsm.keras", "tf_keras": "tf_hsm.tf_keras"}
 
 
 def inference_model(model, k, keras_module):
@@ -19,10 +23,18 @@ def inference_model(model, k, keras_module):
 
   Returns:
     A `keras_module.Model` from the model's inputs other than the targets to
-    `{"classes": int [..., k], "log_probs": float [..., k]}`, sharing the model's layers
-    and weights.
+    `{"classes": int [..., k], "log_probs": float [..., k]}` (k clamped to the number of
+    classes, as the export clamps it), sharing the model's layers and weights.
   """
+  own, theirs = keras_module.__name__, keras_of(model).__name__
+  if own != theirs:
+    raise TypeError(f"{_FRONT_END[own]}.inference_model takes {own} models; this is a "
+                    f"{theirs} model: use {_FRONT_END[theirs]}.inference_model")
+  if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+    raise ValueError(f"k must be an int >= 1, got {k!r}")
   cut = ModelCut(model)
+  classes = getattr(cut.layer, "num_ranked", None) or cut.layer.num_classes
+  k = min(int(k), classes)
 
   class TopK(keras_module.layers.Layer):
     """The output layer's `top_k` as a layer of the prediction model."""

@@ -9,6 +9,7 @@ file adds only the weights' creation and the initializer in the config.
 import keras
 
 from tf_hsm.frontend import adaptive as core
+from tf_hsm.frontend import hsm
 from tf_hsm.planning.costs import TAILS, tail_widths  # noqa: F401 (public here)
 from tf_hsm.planning.cutoffs import choose_cutoffs, step_cost  # noqa: F401 (public here)
 
@@ -101,7 +102,11 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, keras.layers.Layer):
                           machine=machine, **kwargs)
 
   def _add_table(self, name, shape, initializer):
-    return self.add_weight(name=name, shape=shape, initializer=initializer)
+    # autocast=False: under mixed precision the tables stay float32 in `call` (and the
+    # log-probabilities float32), as in HierarchicalSoftmax.
+    return self.add_weight(
+        name=name, shape=shape, autocast=False,
+        initializer=hsm.initializer_for_table(initializer, len(self.weights)))
 
   def build(self, hidden_shape, targets_shape=None):
     self._build_adaptive(hidden_shape, self.kernel_initializer)

@@ -7,6 +7,8 @@ is the cluster's whole softmax per row (what `AdaptiveSoftmax.log_prob_all` cost
 tree tail costs its path (log_prob) or its beam search (top_k).
 """
 
+import numbers
+
 import numpy as np
 import tensorflow as tf
 
@@ -226,8 +228,9 @@ def adaptive_top_k(weights, hidden, k):
     values in increasing class order (the layer's order: frequency rank with a class
     order).
   """
-  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-    raise ValueError(f"k must be a Python int >= 1, got {k!r}")
+  if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+    raise ValueError(f"k must be an int >= 1, got {k!r}")
+  k = int(k)
   k = min(k, weights.num_classes)
   flat, leading, _ = _flat(weights, hidden)
   head = _head(weights, flat)

@@ -63,9 +63,10 @@ def _tf_variables(layers_variables):
   return out
 
 
-def _keras_of(model):
-  """The Keras package `model` belongs to: tf_keras or Keras 3."""
-  if type(model).__module__.split(".")[0] == "tf_keras":
+def keras_of(model):
+  """The Keras package `model` belongs to: tf_keras or Keras 3 (by its classes, so that
+  a subclass of `tf_keras.Model` defined elsewhere counts as tf_keras)."""
+  if any(cls.__module__.split(".")[0] == "tf_keras" for cls in type(model).__mro__):
     import tf_keras  # pylint: disable=import-outside-toplevel
     return tf_keras
   import keras  # pylint: disable=import-outside-toplevel
@@ -126,7 +127,7 @@ class ModelCut:
     self.feature_inputs = [t for i, t in enumerate(self.inputs) if i != self.target_index]
     self.hidden = hidden
     try:
-      self.encoder = _keras_of(model).Model(self.feature_inputs, hidden)
+      self.encoder = keras_of(model).Model(self.feature_inputs, hidden)
     except ValueError as e:
       raise ValueError("the tf_hsm layer's hidden input must depend on the model's inputs "
                        f"other than the targets: {e}") from None
