@@ -168,11 +168,22 @@ def test_every_row_carries_its_quality_or_unknown():
   assert kinds["full softmax"] == "full" and kinds["HSM huffman(2)"] == "huffman2"
   assert kinds["HSM two_level"] == "two_level" and kinds["HSM learned"] == "learned"
   assert kinds["adaptive demo"] == "adaptive_demo"
+  # The planner's own adaptive layouts (div 4): measured at the cutoffs it chose.
+  assert kinds["adaptive two_level"] == "adaptive_two_level"
+  assert kinds["adaptive flat"] == "adaptive_flat"
+  assert kinds["adaptive fixed"] == "adaptive_fixed"
   assert report.rows[0]["quality"] == 1.0
-  unknown = [r["label"] for r in report.rows if r["quality"] is None]
-  assert "adaptive two_level" in unknown
-  assert any("quality not measured" in note for note in report.notes)
-  assert "?" in report.to_markdown()
+  assert all(r["quality"] is not None for r in report.rows)
+  # A layout or tree the project has not measured: unknown, and said so.
+  other = tf_hsm.plan(20_000, 128, 2048, counts=counts, machine=MACHINE,
+                      trees=("huffman5",), adaptive=("flat",), cutoffs=[500, 4000],
+                      div_value=2.0)
+  unknown = [r["label"] for r in other.rows if r["quality"] is None]
+  assert unknown == ["HSM huffman(5)", "adaptive flat"]
+  assert any("quality not measured" in note for note in other.notes)
+  assert "?" in other.to_markdown()
+  assert quality.kind_of("AdaptiveSoftmax two_level, chosen cutoffs [9, 99], div 2",
+                         [9, 99], 2.0, 20_000) is None
   for figure in quality.EVIDENCE:
     assert figure.source and figure.perplexity > 0
 

@@ -175,10 +175,12 @@ class Report:
 
 
 def _quality_cell(ratio):
+  """The ppl+% cell: one decimal below 5%, whole percents above (the table fits 120
+  columns; the row's `quality` and the reason keep the figure)."""
   if ratio is None:
     return "?"
   percent = (ratio - 1) * 100
-  return f"{percent:.1f}" if abs(percent) < 10 else f"{percent:.0f}"
+  return f"{percent:.1f}" if abs(percent) < 5 else f"{percent:.0f}"
 
 
 def _size(value, short=False):

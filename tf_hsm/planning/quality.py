@@ -5,10 +5,11 @@ has no figure: its rows say "unknown".
 
 The evidence is the demo's word-level LSTM language model (`python -m tf_hsm.demo`:
 Embedding -> LSTM(128) -> the output layer, LazyAdam 6e-3, batch 64 x 32 tokens, 3
-epochs, best held-out perplexity) on two corpora: the Python standard library's
-docstrings (V=6,205) and the King James Bible (V=4,989). A layer's figure is the mean
-over the corpora measured of its best perplexity over full softmax's in the same
-setting; `EVIDENCE` lists every figure with its source.
+epochs, best held-out perplexity) on three corpora: the Python standard library's
+docstrings (V=6,205), the King James Bible (V=4,989) and Debian's fortunes
+(V=10,000), every row re-made by `python -m tf_hsm.bench.quality_runs CORPUS`. A
+layer's figure is the mean over the corpora measured of its best perplexity over full
+softmax's in the same setting; `EVIDENCE` lists every figure with its source.
 """
 
 import dataclasses
@@ -16,8 +17,9 @@ import re
 
 STDLIB = "standard library (V=6,205)"
 KJV = "King James Bible (V=4,989)"
-# full softmax's best held-out perplexity on each corpus (docs/demo.md).
-FULL = {STDLIB: 79.4, KJV: 52.5}
+FORTUNES = "fortunes (V=10,000)"
+# full softmax's best held-out perplexity on each corpus (`EVIDENCE`).
+FULL = {STDLIB: 79.5, KJV: 52.5, FORTUNES: 120.3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,25 +36,49 @@ class Figure:
     return self.perplexity / FULL[self.corpus]
 
 
-_DEMO = "docs/demo.md, Results"
+# Every figure: `python -m tf_hsm.bench.quality_runs CORPUS`, one row each (AMD EPYC, 2
+# vCPUs, each run pinned to one; 2026-11-25), in docs/planner.md's quality table.
+_RUNS = ("docs/planner.md, Quality (python -m tf_hsm.bench.quality_runs {}, row {}, "
+         "2026-11-25)")
 EVIDENCE = (
-    Figure("full", STDLIB, 79.4, _DEMO),
-    Figure("full", KJV, 52.5, _DEMO),
-    Figure("sampled", STDLIB, 79.5, _DEMO),
-    Figure("sampled", KJV, 52.8, _DEMO),
-    Figure("two_level", STDLIB, 82.5, _DEMO),
-    Figure("two_level", KJV, 54.9, _DEMO),
-    Figure("learned", STDLIB, 80.1, _DEMO),
-    Figure("learned", KJV, 52.9, _DEMO),
-    Figure("adaptive_demo", STDLIB, 80.6, _DEMO + "; docs/adaptive.md"),
-    Figure("adaptive_demo", KJV, 52.8, _DEMO),
-    Figure("three_level", STDLIB, 84.4, "docs/demo.md, The planner's tree (balanced(19))"),
-    Figure("huffman2", STDLIB, 90.1, "docs/planner.md, Quality (demo --tree huffman, "
-           "2026-11-25)"),
-    Figure("huffman8", STDLIB, 87.3, "docs/planner.md, Quality (8-ary Huffman in the "
-           "demo, 2026-11-25)"),
-    Figure("huffman32", STDLIB, 84.0, "docs/planner.md, Quality (32-ary Huffman in the "
-           "demo, 2026-11-25)"),
+    Figure("full", STDLIB, 79.5, _RUNS.format("stdlib", "full")),
+    Figure("full", KJV, 52.5, _RUNS.format("kjv", "full")),
+    Figure("full", FORTUNES, 120.3, _RUNS.format("fortunes", "full")),
+    Figure("sampled", STDLIB, 79.2, _RUNS.format("stdlib", "sampled")),
+    Figure("sampled", KJV, 52.8, _RUNS.format("kjv", "sampled")),
+    Figure("sampled", FORTUNES, 117.9, _RUNS.format("fortunes", "sampled")),
+    Figure("learned", STDLIB, 80.0, _RUNS.format("stdlib", "learned")),
+    Figure("learned", KJV, 52.9, _RUNS.format("kjv", "learned")),
+    Figure("learned", FORTUNES, 119.1, _RUNS.format("fortunes", "learned")),
+    Figure("two_level", STDLIB, 82.4, _RUNS.format("stdlib", "two_level")),
+    Figure("two_level", KJV, 54.9, _RUNS.format("kjv", "two_level")),
+    Figure("two_level", FORTUNES, 123.2, _RUNS.format("fortunes", "two_level")),
+    Figure("huffman2", STDLIB, 90.1, _RUNS.format("stdlib", "huffman2")),
+    Figure("huffman2", KJV, 59.6, _RUNS.format("kjv", "huffman2")),
+    Figure("huffman2", FORTUNES, 130.2, _RUNS.format("fortunes", "huffman2")),
+    Figure("huffman8", STDLIB, 87.3, _RUNS.format("stdlib", "huffman8")),
+    Figure("huffman8", KJV, 57.0, _RUNS.format("kjv", "huffman8")),
+    Figure("huffman8", FORTUNES, 126.2, _RUNS.format("fortunes", "huffman8")),
+    Figure("huffman32", STDLIB, 84.0, _RUNS.format("stdlib", "huffman32")),
+    Figure("huffman32", KJV, 55.3, _RUNS.format("kjv", "huffman32")),
+    Figure("huffman32", FORTUNES, 123.8, _RUNS.format("fortunes", "huffman32")),
+    Figure("three_level", STDLIB, 84.6, _RUNS.format("stdlib", "balanced")),
+    Figure("three_level", KJV, 55.3, _RUNS.format("kjv", "balanced")),
+    Figure("three_level", FORTUNES, 123.2, _RUNS.format("fortunes", "balanced")),
+    Figure("adaptive_demo", STDLIB, 80.6, _RUNS.format("stdlib", "adaptive_demo")),
+    Figure("adaptive_demo", KJV, 52.8, _RUNS.format("kjv", "adaptive_demo")),
+    Figure("adaptive_demo", FORTUNES, 121.4, _RUNS.format("fortunes", "adaptive_demo")),
+    Figure("adaptive_flat", STDLIB, 80.8, _RUNS.format("stdlib", "adaptive_flat")),
+    Figure("adaptive_flat", KJV, 53.5, _RUNS.format("kjv", "adaptive_flat")),
+    Figure("adaptive_flat", FORTUNES, 118.1, _RUNS.format("fortunes", "adaptive_flat")),
+    Figure("adaptive_two_level", STDLIB, 86.7,
+           _RUNS.format("stdlib", "adaptive_two_level")),
+    Figure("adaptive_two_level", KJV, 57.1, _RUNS.format("kjv", "adaptive_two_level")),
+    Figure("adaptive_two_level", FORTUNES, 123.5,
+           _RUNS.format("fortunes", "adaptive_two_level")),
+    Figure("adaptive_fixed", STDLIB, 81.2, _RUNS.format("stdlib", "adaptive_fixed")),
+    Figure("adaptive_fixed", KJV, 52.7, _RUNS.format("kjv", "adaptive_fixed")),
+    Figure("adaptive_fixed", FORTUNES, 123.4, _RUNS.format("fortunes", "adaptive_fixed")),
 )
 # What the kinds are, for the table and the notes.
 KINDS = {
@@ -67,6 +93,12 @@ KINDS = {
     "learned": "HierarchicalSoftmax, learned tree: a head of the 128 most frequent classes "
                "at the root, the rest rebuilt by similarity after epoch 1",
     "adaptive_demo": "AdaptiveSoftmax, flat tails, cutoffs [V/8, V/2], div 2 (the demo's)",
+    "adaptive_flat": "AdaptiveSoftmax, flat tails, div 4, at the cutoffs the planner "
+                     "chooses for the step (choose_cutoffs)",
+    "adaptive_two_level": "AdaptiveSoftmax, two-level tails, div 4, at the cutoffs the "
+                          "planner chooses for the step (choose_cutoffs)",
+    "adaptive_fixed": "AdaptiveSoftmax, flat tails, div 4, PyTorch-style fixed cutoffs "
+                      "(2,000 x 10^i)",
 }
 
 
@@ -102,6 +134,15 @@ def kind_of(method, cutoffs=None, div_value=None, num_classes=None):
       num_classes is not None and div_value == 2.0 and
       list(cutoffs) == demo_cutoffs(num_classes)):
     return "adaptive_demo"
+  if div_value == 4.0:
+    # The planner's layouts, measured at the cutoffs it chose for the demo's step.
+    for prefix, kind in (("AdaptiveSoftmax flat, chosen cutoffs", "adaptive_flat"),
+                         ("AdaptiveSoftmax two_level, chosen cutoffs",
+                          "adaptive_two_level"),
+                         ("AdaptiveSoftmax flat, PyTorch-style fixed cutoffs",
+                          "adaptive_fixed")):
+      if method.startswith(prefix):
+        return kind
   return None
 
 
