@@ -1,6 +1,7 @@
 """python -m tf_hsm.demo: the corpus, the vocabulary, the unigram start, and a tiny run."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -225,3 +226,36 @@ def test_planned_tree_is_the_planners_tree(capsys):
                                              optimizer="lazy_adam", memory_budget=1,
                                              machine=machine)
   assert not row["fits"] and row["peak_bytes"] == min(r["peak_bytes"] for r in rows)
+
+
+def test_quality_runs_commands_and_summary(tmp_path, capsys):
+  """`python -m tf_hsm.bench.quality_runs`: one demo command per planner row (the
+  balanced tree at ceil(V^(1/3))), and the summary against full softmax's best."""
+  from tf_hsm.bench import quality_runs
+  corpus = tmp_path / "corpus.txt"
+  words = [f"w{i}" for i in range(40)]
+  corpus.write_text("\n\n".join(" ".join(words[(i * 7 + j) % 40] for j in range(30))
+                                for i in range(60)))
+  out = tmp_path / "runs"
+  assert quality_runs.main([str(corpus), "--dry-run", "--out", str(out), "--cpu", "-1"]) == 0
+  commands = [line[2:].split() for line in capsys.readouterr().out.splitlines()
+              if line.startswith("$ ")]
+  assert len(commands) == len(quality_runs.ROWS)
+  vocab = quality_runs.vocabulary_size(str(corpus))
+  by_row = {c[c.index("--out") + 1].rsplit("/", 1)[-1]: c for c in commands}
+  assert by_row["balanced"][by_row["balanced"].index("--branching") + 1] == str(
+      math.ceil(vocab ** (1 / 3) - 1e-9))
+  assert "--branching" in by_row["huffman8"] and "8" in by_row["huffman8"]
+  assert by_row["adaptive_two_level"][-6:-4] == ["--tail", "two_level"] or \
+      "two_level" in by_row["adaptive_two_level"]
+  assert all(c[c.index("--corpus") + 1] == str(corpus) for c in commands)
+  for row, ppl in (("full", [90.0, 80.0, 81.0]), ("huffman2", [99.0, 88.0, 86.0])):
+    (out / row).mkdir(parents=True)
+    (out / row / "results.json").write_text(json.dumps({
+        "models": [{"name": row, "held_out_perplexity": [200.0] + ppl,
+                    "train_cpu_seconds": [3.0, 2.0, 2.2]}],
+        "vocab_size": vocab, "tree": None, "adaptive": None, "settings": {}}))
+  rows, table = quality_runs.summary(str(out))
+  assert [r["row"] for r in rows] == ["full", "huffman2"]
+  assert rows[1]["ratio"] == pytest.approx(86.0 / 80.0) and rows[1]["best"] == 86.0
+  assert rows[1]["cpu_seconds_per_epoch"] == pytest.approx(2.1) and "+7.5%" in table

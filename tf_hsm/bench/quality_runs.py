@@ -17,8 +17,9 @@ CORPUS is one of
   /usr/share/games/fortunes, one document per fortune (the '%' lines separate them);
 - a path: a UTF-8 text file, as `python -m tf_hsm.demo --corpus` takes it.
 
-Each row writes OUT/ROW/results.json (the demo's); OUT/summary.json and OUT/summary.md
-hold the table. `--rows` runs some rows only (a summary then covers those found in OUT,
+Each row writes OUT/ROW/results.json (the demo's; OUT is demo_results/quality_runs/CORPUS
+unless --out says); OUT/summary.json and OUT/summary.md hold the table; `--acceptance`
+adds the planner's pick for the demo's model (OUT/acceptance.json). `--rows` runs some rows only (a summary then covers those found in OUT,
 so rows can be re-run one at a time); `--dry-run` prints the commands.
 """
 
@@ -28,6 +29,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -152,8 +154,8 @@ def summary(out):
         "row": row, "kind": ROWS[row][0], "model": model["name"],
         "vocab_size": result["vocab_size"], "perplexity_per_epoch": ppl,
         "best": min(ppl), "ratio": None if full is None else min(ppl) / full,
-        "cpu_seconds_per_epoch": sorted(cpu[1:])[len(cpu[1:]) // 2] if len(cpu) > 1
-                                 else cpu[0],
+        # The demo's figure: the median of the epochs after the first (tracing).
+        "cpu_seconds_per_epoch": statistics.median(cpu[1:] if len(cpu) > 1 else cpu),
         "tree": result.get("tree"), "adaptive": result.get("adaptive"),
         "settings": result["settings"]})
   lines = ["| row (kind) | model | V | perplexity per epoch | best | vs full | CPU s/epoch "
@@ -175,6 +177,50 @@ def summary(out):
   return rows, "\n".join(lines)
 
 
+def acceptance(corpus, out):
+  """The planner's pick for the demo's model on this corpus (docs/planner.md, "On the
+  demo's model: the acceptance"), beside the perplexities and CPU times measured in OUT.
+
+  `tf_hsm.plan(model=hsm_model, tokens_per_step=2048, counts=..., optimizer=
+  "lazy_adam")` at this machine's cached rates, with the corpus's real training counts
+  renumbered by decreasing frequency (the demo's ids are, but for `<unk>` at 0; the
+  adaptive rows need them sorted).
+
+  Returns:
+    A dict: the pick, the fastest row, their predicted whole steps, and for every row
+    measured in OUT its best perplexity and CPU s an epoch.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tf_hsm  # pylint: disable=g-import-not-at-top
+  from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
+  documents = run.file_documents(corpus) if corpus else run.stdlib_documents()
+  train, _ = run.split_corpus(documents, run.DEFAULTS["max_tokens"], run.DEFAULTS["seed"])
+  _, counts = run.build_vocab(train, run.DEFAULTS["vocab"], run.DEFAULTS["min_count"])
+  counts = np.sort(counts)[::-1]
+  d, seq, batch = run.DEFAULTS["hidden"], run.DEFAULTS["seq_len"], run.DEFAULTS["batch"]
+  model = run.hsm_model(tf_hsm.Tree.two_level(len(counts), counts), counts, d, seq,
+                        run.DEFAULTS["learning_rate"])
+  report = tf_hsm.plan(model=model, tokens_per_step=batch * seq, counts=counts,
+                       optimizer="lazy_adam")
+  measured = {r["kind"]: r for r in summary(out)[0]}
+  exact = [r for r in report.rows if r["exact"] and r["fits"]]
+  fastest = min(exact, key=lambda r: r["whole_step_seconds"])
+  pick = next(r for r in report.rows if r["method"] == report.recommended)
+
+  def figures(row):
+    m = measured.get(row["quality_kind"])
+    return {"label": row["label"], "method": row["method"], "kind": row["quality_kind"],
+            "whole_step_ms": 1e3 * row["whole_step_seconds"],
+            "quality": row["quality"], "cutoffs": row.get("cutoffs"),
+            "perplexity": m and m["best"], "cpu_seconds_per_epoch":
+                m and m["cpu_seconds_per_epoch"]}
+
+  rows = [figures(r) for r in exact]
+  return {"vocab_size": len(counts), "body_ms": 1e3 * pick["body_seconds"],
+          "pick": figures(pick), "fastest": figures(fastest), "rows": rows,
+          "reason": report.reason, "table": report.to_markdown()}
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m tf_hsm.bench.quality_runs",
                               description=__doc__.split("\n\n")[0])
@@ -183,18 +229,22 @@ def main(argv=None):
                  help="comma-separated rows to run, of " + ", ".join(ROWS) +
                       " (default: all)")
   p.add_argument("--out", default=None,
-                 help="directory for the results (default: quality_runs/CORPUS)")
+                 help="directory for the results (default: demo_results/quality_runs/CORPUS)")
   p.add_argument("--cpu", type=int, default=1,
                  help="the CPU every run is pinned to with taskset (default: "
                       "%(default)s; -1: not pinned)")
   p.add_argument("--dry-run", action="store_true", help="print the commands only")
+  p.add_argument("--acceptance", action="store_true",
+                 help="then the planner's pick for the demo's model on this corpus "
+                      "(real counts, cached rates) beside the measured rows, written to "
+                      "OUT/acceptance.json (with --rows '': that alone)")
   args = p.parse_args(argv)
   rows = [r for r in args.rows.split(",") if r]
   unknown = [r for r in rows if r not in ROWS]
-  if unknown or not rows:
+  if unknown or not (rows or args.acceptance):
     p.error(f"--rows takes rows of {', '.join(ROWS)}; got {unknown or 'none'}")
   name = os.path.splitext(os.path.basename(args.corpus))[0]
-  out = args.out or os.path.join("quality_runs", name)
+  out = args.out or os.path.join("demo_results", "quality_runs", name)
   os.makedirs(out, exist_ok=True)
   corpus = corpus_file(args.corpus, out)
   vocab = vocabulary_size(corpus) if any("{cbrt}" in " ".join(ROWS[r][1])
@@ -212,6 +262,17 @@ def main(argv=None):
   with open(os.path.join(out, "summary.md"), "w") as f:
     f.write(table + "\n")
   print(table, flush=True)
+  if args.acceptance:
+    result = acceptance(corpus, out)
+    with open(os.path.join(out, "acceptance.json"), "w") as f:
+      json.dump(result, f, indent=2)
+    print(result["table"], flush=True)
+    for row in result["rows"]:
+      print(f"{row['label']:22} whole step {row['whole_step_ms']:6.1f} ms, "
+            f"perplexity {row['perplexity'] or '-'}, CPU s/epoch "
+            f"{row['cpu_seconds_per_epoch'] or '-'}, cutoffs {row['cutoffs'] or ''}")
+    print(f"pick: {result['pick']['label']}; fastest: {result['fastest']['label']}",
+          flush=True)
   return 0
 
 
