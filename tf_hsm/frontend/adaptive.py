@@ -26,6 +26,14 @@ way out (`tf_hsm.serving.adaptive.ClassOrder`, the same code the serving export 
 Each tier is one batched computation over the tokens whose targets fall in it (found with
 `tf.where`, no per-token Python): dense tiers use TensorFlow's matmul and fused softmax
 cross-entropy, tree tiers `tf_hsm.log_prob` and `tf_hsm.inference`.
+
+Tables in pieces (a `ShardedVariable` from a `ParameterServerStrategy` with a
+`variable_partitioner`): a tree tier hands its kernel and bias, in pieces, to
+`tf_hsm.log_prob`, which gathers only the rows the batch's paths touch from each piece
+and gives each piece a `tf.IndexedSlices` of them (`tf_hsm/ops/compact.py`); the head,
+flat tiers and projections are matmuls over all their rows, so TensorFlow reads their
+pieces whole (concatenated) and each gets a dense gradient. `top_k`, `log_prob_all`
+and `sample` read tree tiers' pieces whole too (a search may visit any row).
 """
 
 import math

@@ -5,6 +5,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_hsm.frontend import adaptive as core
+from tf_hsm.frontend import hsm as frontend_hsm
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_hsm")
@@ -18,6 +19,14 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, tf_keras.layers.Layer):
   `log_prob_all`, `sample`); see that class. Under mixed precision the tables stay
   float32 and are never cast (made with `experimental_autocast=False`), and the
   log-probabilities are float32.
+
+  Under a `ParameterServerStrategy` with a `variable_partitioner` the tables are
+  `ShardedVariable`s (the model's `trainable_variables` hold their pieces, each on its
+  parameter server), each drawn piece by piece on its server as `HierarchicalSoftmax`'s
+  are, and tf_keras' `model.fit` trains them: a two-level tail's kernel and bias pieces
+  receive a `tf.IndexedSlices` of the rows the batch's paths touch (gathered from each
+  piece where it lives), while the head, the flat tails and the projections are read
+  whole and get dense gradients (every row of a softmax gets one).
   """
 
   _KERAS = "tf_keras"
@@ -36,8 +45,17 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, tf_keras.layers.Layer):
     if isinstance(initializer, tf_keras.initializers.Initializer):
       # A tf_keras initializer called twice unseeded repeats its values: one per table.
       initializer = initializer.__class__.from_config(initializer.get_config())
-    return self.add_weight(name=name, shape=shape, initializer=initializer,
-                           experimental_autocast=False)
+    initializer = tf_keras.initializers.get(initializer)
+    kind, params = (None, None)
+    if frontend_hsm.partitioning_strategy():
+      kind, params = frontend_hsm.describe_initializer(initializer, tf_keras.initializers)
+    dtype = self.dtype or tf.float32
+    # Under a strategy that makes tables in pieces, each piece is drawn on its server
+    # (the whole table is never computed on the coordinator and sent).
+    sampler = frontend_hsm.piece_sampler(kind, params, shape, dtype)
+    with frontend_hsm.initialized_in_pieces(sampler, shape, dtype):
+      return self.add_weight(name=name, shape=shape, initializer=initializer,
+                             experimental_autocast=False)
 
   def build(self, hidden_shape, targets_shape=None):
     self._build_adaptive(tf.TensorShape(hidden_shape), self.kernel_initializer)
