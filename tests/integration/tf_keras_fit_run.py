@@ -2,15 +2,18 @@
 by test_tf_keras_fit.py in processes of their own that it bounds in time.
 
     tf_keras_fit_run.py ps        # 2 PS + 2 workers on 127.0.0.1 (LoopbackCluster)
-    tf_keras_fit_run.py single    # the same model and steps in one process
+    tf_keras_fit_run.py single    # the same models and steps in one process
     tf_keras_fit_run.py resume N  # LazyAdam's fit resumed from the backup `ps` made,
-                                  # on N PS + 1 worker (N = 0: in one process)
+                                  # on N PS + 1 worker (N = 0: in one process); on
+                                  # N PS also the AdaptiveSoftmax model's fit
     tf_keras_fit_run.py mirrored  # MirroredStrategy over 2 CPU devices, and one device
     tf_keras_fit_run.py mwms I PORTS  # worker I of a 2-worker MultiWorkerMirroredStrategy
 
 Each prints one JSON line. The model: features -> Dense -> HierarchicalSoftmax (a
 balanced row layout over 2 shards) trained on one fixed batch repeated, so that the
-steps of asynchronous workers see the same data in any order.
+steps of asynchronous workers see the same data in any order. `ps` (first, on both
+workers) and `single` also train, the same way, features -> Dense -> AdaptiveSoftmax
+(two-level tails, a class order leaving id 0 out) with LazyAdam (`fit_adaptive`).
 
 With TF_HSM_BACKUP set, `ps` then trains the same model with LazyAdam for
 ADAM_EPOCHS epochs under tf_keras' `BackupAndRestore` (a checkpoint of the model and
@@ -42,6 +45,10 @@ V, F, D, B = 300, 16, 8, 64
 EPOCHS, STEPS = 4, 8
 LR = 0.05
 ADAM_EPOCHS, ADAM_LR = 2, 0.01
+# The AdaptiveSoftmax model: hidden width, cutoffs (head of 20 classes, clusters of 80
+# and 199: id 0 is left out by the class order), div_value, LazyAdam's epochs and rate.
+AD, CUTOFFS, DIV = 16, [20, 100], 2.0
+ADAPTIVE_EPOCHS, ADAPTIVE_LR = 3, 0.01
 
 
 def problem():
@@ -180,6 +187,105 @@ class Recording(hk.optimizers.SparseSGD):
     return super().update_step(gradient, variable)
 
 
+def adaptive_problem():
+  """Counts by id with counts[0] = 0 (id 0 is padding: the class order leaves it out),
+  one fixed batch of targets drawn from them, and features near a centre per id."""
+  counts = 1.0 / np.arange(1, V + 1)
+  counts[0] = 0.0
+  order = hk.AdaptiveSoftmax.frequency_order(counts)
+  rng = np.random.default_rng(2)
+  targets = rng.choice(V, B, p=counts / counts.sum()).astype(np.int32)
+  centers = rng.normal(size=(V, F)).astype(np.float32)
+  features = centers[targets] + 0.1 * rng.normal(size=(B, F)).astype(np.float32)
+  return counts, order, features, targets
+
+
+ADAPTIVE_TABLES = ("head_kernel", "tail_projection_0", "tail_kernel_0", "tail_bias_0",
+                   "tail_projection_1", "tail_kernel_1", "tail_bias_1")
+
+
+def adaptive_tables(layer):
+  return dict(zip(ADAPTIVE_TABLES, (
+      layer.head_kernel, layer.tail_projections[0], layer.tail_kernels[0],
+      layer.tail_biases[0], layer.tail_projections[1], layer.tail_kernels[1],
+      layer.tail_biases[1])))
+
+
+def make_adaptive_model(counts, order, optimizer):
+  """features -> Dense(AD) -> AdaptiveSoftmax(two-level tails, class_order), with the
+  same initial weights whatever the strategy (set after it is built)."""
+  features = tf_keras.Input((F,))
+  targets = tf_keras.Input((), dtype="int32")
+  dense = tf_keras.layers.Dense(AD, name="adaptive_dense")
+  output = hk.AdaptiveSoftmax(V, CUTOFFS, div_value=DIV, tail="two_level", counts=counts,
+                              class_order=order, name="adaptive")
+  model = tf_keras.Model([features, targets], output(dense(features), targets))
+  rng = np.random.default_rng(3)
+  dense.kernel.assign(rng.normal(size=(F, AD)).astype(np.float32) * 0.3)
+  for name, variable in adaptive_tables(output).items():
+    scale = 0.0 if name.startswith("tail_bias") else 0.3
+    variable.assign(rng.normal(size=variable.shape).astype(np.float32) * scale)
+  model.compile(optimizer=optimizer, loss=hk.losses.nll)
+  return model
+
+
+def adaptive_weights(model):
+  """The adaptive model's weights, whole (pieces joined)."""
+  layer = model.get_layer("adaptive")
+  dense = model.get_layer("adaptive_dense")
+  out = {}
+  for name, variable in dict(adaptive_tables(layer), dense_kernel=dense.kernel,
+                             dense_bias=dense.bias).items():
+    parts = distribute.pieces(variable)
+    value = np.concatenate([p.numpy() for p in parts]) if parts else variable.numpy()
+    out[name] = value.tolist()
+  return out
+
+
+class RecordingAdam(hk.optimizers.LazyAdam):
+  """LazyAdam that notes, while tracing, the gradient each variable receives."""
+  seen = []
+
+  def update_step(self, gradient, variable):
+    RecordingAdam.seen.append((variable.name, type(gradient).__name__, variable.device,
+                               [int(d) for d in variable.shape]))
+    return super().update_step(gradient, variable)
+
+
+def fit_adaptive(strategy):
+  """The adaptive model trained by LazyAdam for ADAPTIVE_EPOCHS x STEPS steps on one
+  fixed batch: under `strategy` (a DatasetCreator), or in one process (None)."""
+  counts, order, features, targets = adaptive_problem()
+  scope = strategy.scope() if strategy else contextlib.nullcontext()
+  with scope:
+    model = make_adaptive_model(counts, order, RecordingAdam(ADAPTIVE_LR))
+  layer = model.get_layer("adaptive")
+  result = {"initial": adaptive_weights(model)}
+  if strategy:
+    data = tf_keras.utils.experimental.DatasetCreator(dataset_fn(features, targets))
+    history = model.fit(data, epochs=ADAPTIVE_EPOCHS, steps_per_epoch=STEPS, verbose=0)
+  else:
+    data = tf.data.Dataset.from_tensors(((features, targets), targets))
+    history = model.fit(data.repeat(ADAPTIVE_EPOCHS * STEPS), epochs=ADAPTIVE_EPOCHS,
+                        steps_per_epoch=STEPS, verbose=0)
+  result["losses"] = history.history["loss"]
+  result["final"] = adaptive_weights(model)
+  result["iterations"] = int(model.optimizer.iterations.numpy())
+  result["updates"] = list(RecordingAdam.seen)
+  result["pieces"] = {name: [(p.device, [int(d) for d in p.shape])
+                             for p in distribute.pieces(variable) or []]
+                      for name, variable in adaptive_tables(layer).items()}
+  # The rows of each two-level tail (a tree over its cluster) that the batch's paths
+  # touch in each half of its table: what each piece sends and has updated a step.
+  ranks = layer.class_order.rank_of_id[targets]
+  result["tail_rows"] = []
+  for i, (lo, hi) in enumerate(layer.cluster_ranges):
+    local = ranks[(ranks >= lo) & (ranks < hi)] - lo
+    result["tail_rows"].append(
+        distribute.rows_per_shard(layer.tail_trees[i], local, 2).tolist())
+  return result
+
+
 def run_ps():
   from tf_hsm.cluster import LoopbackCluster  # pylint: disable=import-outside-toplevel
   tree, layout, features, targets = problem()
@@ -189,6 +295,8 @@ def run_ps():
         cluster.resolver(),
         variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(
             2))
+    # The AdaptiveSoftmax model first, while both workers run.
+    result["adaptive"] = fit_adaptive(strategy)
     with strategy.scope():
       model = make_model(tree, layout, Recording(LR))
     layer = model.get_layer("hsm")
@@ -238,6 +346,7 @@ def run_single(steps, restore=None):
   history = model.fit(data, epochs=1, verbose=0)
   result["losses"] = history.history["loss"]
   result["final"] = weights(model)
+  result["adaptive"] = fit_adaptive(None)
   print(json.dumps(result))
 
 
@@ -258,6 +367,9 @@ def run_resume(num_ps, backup):
           .FixedShardsPartitioner(num_ps))
       result = fit_with_backup(strategy, tree, layout, features, targets, backup,
                                2 * ADAM_EPOCHS)
+      # The AdaptiveSoftmax model with its tables in num_ps pieces and one worker, which
+      # runs the steps in order (no concurrent updates): what `single` computes.
+      result["adaptive"] = fit_adaptive(strategy)
   print(json.dumps(result))
 
 
