@@ -40,6 +40,8 @@ def test_frequency_order_leaves_padding_out_and_breaks_ties_by_id():
   np.testing.assert_array_equal(order, [2, 1, 3, 4])
   np.testing.assert_array_equal(AdaptiveSoftmax.frequency_order([0, 5, 9], padding=()),
                                 [2, 1, 0])
+  np.testing.assert_array_equal(AdaptiveSoftmax.frequency_order([7, 5, 9], padding=None),
+                                [2, 0, 1])
 
 
 @pytest.mark.parametrize("tail", ["flat", "two_level"])
@@ -114,6 +116,12 @@ def test_counts_by_id_choose_what_sorted_counts_choose(rng):
     ({"class_order": None, "counts": np.arange(V, dtype=float), "cutoffs": [2, 9],
       "tail": "two_level"},
      r"counts must be non-increasing.*class_order=AdaptiveSoftmax\.frequency_order"),
+    ({"counts": np.arange(V, dtype=float), "cutoffs": [2, 9], "tail": "flat"},
+     r"counts must be non-increasing"),
+    ({"counts": [3.0, 2.0], "cutoffs": [1], "tail": "flat"},
+     r"counts must have shape \[31\]"),
+    ({"class_order": [1, 2, 3], "counts": np.arange(V, dtype=float), "cutoffs": [1],
+      "tail": "flat"}, r"counts\[class_order\] must be non-increasing"),
 ])
 def test_bad_orders_say_what_is_wrong(kwargs, message):
   kwargs = {"cutoffs": [1], **kwargs}

@@ -146,8 +146,10 @@ def test_legacy_keras_resolves_to_the_tf_keras_layer():
   assert out == ["tf_hsm.tf_keras.adaptive"]
 
 
-def test_each_table_draws_its_own_initial_values():
-  layer = hk2.AdaptiveSoftmax(V, [5, 15], div_value=1.0)  # the two tails: [D, D] each
-  layer.build((None, D))
+@pytest.mark.parametrize("initializer", ["glorot_uniform",
+                                         tf_keras.initializers.GlorotUniform(seed=3)])
+def test_each_table_draws_its_own_initial_values(initializer):
+  layer = hk2.AdaptiveSoftmax(V, [5, 15], div_value=1.0, kernel_initializer=initializer)
+  layer.build((None, D))  # the two tails' projections: [D, D] each
   first, second = (p.numpy() for p in layer.tail_projections)
   assert not np.array_equal(first, second)

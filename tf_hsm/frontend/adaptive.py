@@ -54,7 +54,8 @@ from tf_hsm.tree import Tree
 DEFAULT_TOKENS_PER_STEP = 1024
 
 _ORDER_HINT = ("; or keep the ids and give the layer class_order=AdaptiveSoftmax."
-               "frequency_order(counts) (counts then stay indexed by id)")
+               "frequency_order(counts, padding=...) (counts then stay indexed by id; "
+               "padding: the ids that are not classes, () if every id is one)")
 
 
 def checked_cutoffs(cutoffs, num_classes, what="num_classes"):
@@ -81,15 +82,17 @@ def frequency_order(counts, padding=(0,)):
 
   Args:
     counts: one frequency per vocabulary id, `[V]`.
-    padding: ids that are not classes (default: id 0, `Embedding(mask_zero=True)`'s
-      padding); () keeps every id.
+    padding: ids that are not classes. The default, (0,), is for the vocabularies of
+      `Embedding(mask_zero=True)`, whose id 0 is padding: where id 0 is a real class,
+      pass () (or None), which keeps every id.
   """
   counts = np.asarray(counts, np.float64)
   if counts.ndim != 1:
     raise ValueError(f"counts must be a 1-D array (one frequency per id), got shape "
                      f"{counts.shape}")
   order = np.argsort(-counts, kind="stable")
-  return order[~np.isin(order, np.asarray(list(padding), np.int64))]
+  padding = np.asarray([] if padding is None else list(padding), np.int64)
+  return order[~np.isin(order, padding)]
 
 
 def _ranked_counts(counts, class_order, num_ranked):
@@ -164,8 +167,11 @@ class AdaptiveSoftmaxCore:
                            tokens_per_step=int(tokens_per_step), machine=machine)
     else:
       what = "num_classes" if self.class_order is None else "len(class_order)"
-      self._set_cutoffs(checked_cutoffs(cutoffs, self.num_ranked, what), counts,
-                        tail_trees)
+      # Counts are checked whatever the tail (flat tails do not use them, but counts
+      # out of order mean class ids the layer will misread).
+      self._set_cutoffs(checked_cutoffs(cutoffs, self.num_ranked, what),
+                        None if counts is None else self._counts_by_rank(counts),
+                        tail_trees, ranked=True)
     self.supports_masking = True
     self.supports_jit = False  # the tree tails' ops have no XLA kernel
 
@@ -421,7 +427,9 @@ class AdaptiveSoftmaxCore:
       state_dict: a mapping from PyTorch's parameter names (`head.weight`, `head.bias`,
         `tail.{i}.0.weight`, `tail.{i}.1.weight`) to arrays (NumPy arrays, or anything
         `np.asarray` reads, such as `module.state_dict()`'s CPU tensors).
-      cutoffs, div_value, head_bias: the PyTorch module's arguments.
+      cutoffs, div_value, head_bias: the PyTorch module's arguments. PyTorch's classes
+        are the layer's ranks: the layer has no `class_order` (to serve ids in another
+        order, map them to the module's class ids before and after).
       **kwargs: further layer arguments (name, dtype).
 
     Returns:

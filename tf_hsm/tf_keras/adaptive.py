@@ -42,10 +42,8 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, tf_keras.layers.Layer):
                         tail_trees, tokens_per_step, machine, class_order)
 
   def _add_table(self, name, shape, initializer):
-    if isinstance(initializer, tf_keras.initializers.Initializer):
-      # A tf_keras initializer called twice unseeded repeats its values: one per table.
-      initializer = initializer.__class__.from_config(initializer.get_config())
-    initializer = tf_keras.initializers.get(initializer)
+    initializer = frontend_hsm.initializer_for_table(tf_keras.initializers.get(initializer),
+                                                     len(self.weights))
     kind, params = (None, None)
     if frontend_hsm.partitioning_strategy():
       kind, params = frontend_hsm.describe_initializer(initializer, tf_keras.initializers)
