@@ -163,3 +163,19 @@ def test_one_vocabulary_with_mask_zero_trains_and_serves(rng, tmp_path):
   loaded = keras.models.load_model(path)
   np.testing.assert_array_equal(loaded.get_layer("adaptive").class_order.order, order)
   np.testing.assert_allclose(loaded.predict([x, y], verbose=0), log_probs, rtol=1e-6)
+
+
+def test_the_config_carries_the_order_compactly(rng):
+  ordered, _, order = _pair(rng, "two_level")
+  config = ordered.get_config()
+  assert set(config["class_order"]) == {"encoding", "ids"}
+  assert isinstance(config["class_order"]["ids"], str)
+  again = AdaptiveSoftmax.from_config(config)
+  np.testing.assert_array_equal(again.class_order.order, order)
+  config["class_order"] = {"encoding": config["class_order"]["encoding"], "ids": "@@"}
+  with pytest.raises((TypeError, ValueError), match="class_order.s ids is corrupt"):
+    AdaptiveSoftmax.from_config(config)
+  config["class_order"] = {"ids": []}
+  with pytest.raises((TypeError, ValueError),
+                     match="class_order must be a list of ids or the dict"):
+    AdaptiveSoftmax.from_config(config)

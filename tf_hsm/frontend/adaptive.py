@@ -49,6 +49,7 @@ from tf_hsm.planning import cutoffs as cutoff_search
 from tf_hsm.planning.costs import TAILS, tail_widths
 from tf_hsm.serving.adaptive import ClassOrder
 from tf_hsm.tree import Tree
+from tf_hsm.tree import io as tree_io
 
 # Tokens a step assumed by cutoffs=None when tokens_per_step is not given.
 DEFAULT_TOKENS_PER_STEP = 1024
@@ -115,6 +116,15 @@ def _ranked_counts(counts, class_order, num_ranked):
     raise
 
 
+def _decoded_order(config):
+  """The ids of a class order's config (`_adaptive_config`'s dict)."""
+  if config.get("encoding") != tree_io.CONFIG_ENCODING or "ids" not in config:
+    raise ValueError(f"class_order must be a list of ids or the dict get_config writes "
+                     f"(encoding {tree_io.CONFIG_ENCODING!r} and ids), got keys "
+                     f"{sorted(config)}")
+  return tree_io.decode_ints(config["ids"], "ids", owner="class_order")
+
+
 def _positive_number(name, value):
   if (isinstance(value, bool) or not isinstance(value, numbers.Real) or
       not math.isfinite(value) or value <= 0):
@@ -139,6 +149,8 @@ class AdaptiveSoftmaxCore:
     if num_classes < 2:
       raise ValueError(f"num_classes must be >= 2, got {num_classes}")
     self.num_classes = int(num_classes)
+    if isinstance(class_order, dict):  # as get_config writes it
+      class_order = _decoded_order(class_order)
     self.class_order = (None if class_order is None
                         else ClassOrder(class_order, self.num_classes))
     if cutoffs is None and counts is None:
@@ -469,8 +481,11 @@ class AdaptiveSoftmaxCore:
         "tail": self.tail,
         "tail_trees": (None if self.tail_trees is None
                        else [t.get_config() for t in self.tail_trees]),
-        "class_order": (None if self.class_order is None
-                        else self.class_order.get_config()),
+        # Compact, as a tree's config is: a JSON list of 1M ids would be ~7 MB of
+        # Python ints that Keras walks one by one when it loads the layer.
+        "class_order": (None if self.class_order is None else
+                        {"encoding": tree_io.CONFIG_ENCODING,
+                         "ids": tree_io.encode_ints(self.class_order.order)}),
     }
 
 

@@ -84,9 +84,6 @@ class ClassOrder:
     not_class = tf.constant(self.rank_of_id < 0)
     return tf.where(not_class, tf.constant(-np.inf, by_rank.dtype), out)
 
-  def get_config(self):
-    return [int(i) for i in self.order]
-
 
 class AdaptiveWeights:
   """What the serving functions read of an `AdaptiveSoftmax`: its tables (variables or

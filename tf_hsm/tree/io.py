@@ -28,23 +28,23 @@ FORMAT_VERSION = 1
 CONFIG_ENCODING = "int64-delta-zlib-base64"
 
 
-def _encode_ints(values):
-    """An int64 array as the `CONFIG_ENCODING` string."""
+def encode_ints(values):
+    """An int64 array as the `CONFIG_ENCODING` string (also used for a layer's class order)."""
     deltas = np.diff(np.asarray(values, np.int64), prepend=np.int64(0))
     return base64.b64encode(zlib.compress(deltas.astype("<i8").tobytes(), 6)).decode("ascii")
 
 
-def _decode_ints(text, name):
-    """Inverse of `_encode_ints`; ValueError naming `name` if `text` is not one."""
+def decode_ints(text, name, owner="tree config"):
+    """Inverse of `encode_ints`; ValueError naming `owner`'s `name` if `text` is not one."""
     if not isinstance(text, str):
-        raise ValueError(f"tree config's {name} must be a string in the "
+        raise ValueError(f"{owner}'s {name} must be a string in the "
                          f"{CONFIG_ENCODING!r} encoding, got {type(text).__name__}")
     try:
         raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
     except (binascii.Error, UnicodeEncodeError, zlib.error) as e:
-        raise ValueError(f"tree config's {name} is corrupt: {e}") from None
+        raise ValueError(f"{owner}'s {name} is corrupt: {e}") from None
     if len(raw) % 8:
-        raise ValueError(f"tree config's {name} is corrupt: {len(raw)} bytes is not "
+        raise ValueError(f"{owner}'s {name} is corrupt: {len(raw)} bytes is not "
                          "a whole number of int64 values")
     # Wrapping int64 sums undo wrapping differences, so every int64 array round-trips.
     return np.cumsum(np.frombuffer(raw, "<i8"), dtype=np.int64)
@@ -120,8 +120,8 @@ def config_of(tree):
     return {
         "num_classes": tree.num_classes,
         "encoding": CONFIG_ENCODING,
-        "child_begin": _encode_ints(tree.child_begin),
-        "slot_child": _encode_ints(tree.slot_child),
+        "child_begin": encode_ints(tree.child_begin),
+        "slot_child": encode_ints(tree.slot_child),
     }
 
 
@@ -145,6 +145,6 @@ def layout_from_config(config):
             raise ValueError(
                 f"tree config has an unknown encoding {encoding!r}; this tf_hsm "
                 f"reads {CONFIG_ENCODING!r} or plain lists")
-        child_begin = _decode_ints(child_begin, "child_begin")
-        slot_child = _decode_ints(slot_child, "slot_child")
+        child_begin = decode_ints(child_begin, "child_begin")
+        slot_child = decode_ints(slot_child, "slot_child")
     return child_begin, slot_child, num_classes
