@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from tf_hsm.bench import worker
 from tf_hsm.bench.cases import zipf_targets, zipf_weights
 
 GIB = 2**30
@@ -79,6 +80,10 @@ def run(args):
   keras.utils.set_random_seed(args.seed)
   tf.constant(0).numpy()  # TensorFlow's runtime up: the baseline RSS
   baseline = _rss()
+  # The peak of this run, not of whatever ran in the process before (a test session):
+  # VmHWM from here on. (ru_maxrss lags: Linux updates its high-water mark lazily, and
+  # it read below the current RSS in a full test run.)
+  worker.reset_peak_rss()
   counts = zipf_weights(args.classes)
   start = time.perf_counter()
   layer, layout = output_layer(args, counts)
@@ -100,7 +105,7 @@ def run(args):
   model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0, shuffle=False,
             callbacks=[timer.callback])
   steady = timer.times[2:] or timer.times
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  peak = max(worker.status_bytes("VmHWM") or 0, _rss())
   weights_bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
                       for w in layer.weights)
   if args.layer == "adaptive":
