@@ -7,6 +7,7 @@ by test_tf_keras_fit.py in processes of their own that it bounds in time.
                                   # on N PS + 1 worker (N = 0: in one process); on
                                   # N PS also the AdaptiveSoftmax model's fit
     tf_keras_fit_run.py mirrored  # MirroredStrategy over 2 CPU devices, and one device
+                                  # (HierarchicalSoftmax, then AdaptiveSoftmax)
     tf_keras_fit_run.py mwms I PORTS  # worker I of a 2-worker MultiWorkerMirroredStrategy
 
 Each prints one JSON line. The model: features -> Dense -> HierarchicalSoftmax (a
@@ -394,14 +395,31 @@ def _fit_under(strategy, tree, layout, data):
   return weights(model)
 
 
+def _fit_adaptive_under(strategy):
+  """The adaptive model trained by SparseSGD for STEPS steps of one fixed batch (split
+  over the replicas under a MirroredStrategy): its whole weights."""
+  counts, order, features, targets = adaptive_problem()
+  with strategy.scope():
+    model = make_adaptive_model(counts, order, SeenSGD(LR))
+  data = tf.data.Dataset.from_tensor_slices(((features, targets), targets)).batch(B)
+  model.fit(data.repeat(STEPS), epochs=1, verbose=0)
+  return adaptive_weights(model)
+
+
 def run_mirrored():
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
   tree, layout, data = _mirrored_problem()
   one = _fit_under(tf.distribute.get_strategy(), tree, layout, data)
   SeenSGD.seen.clear()
-  two = _fit_under(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tree, layout, data)
-  print(json.dumps({"one": one, "two": two, "seen": SeenSGD.seen}))
+  mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  two = _fit_under(mirrored, tree, layout, data)
+  seen = list(SeenSGD.seen)
+  adaptive_one = _fit_adaptive_under(tf.distribute.get_strategy())
+  SeenSGD.seen.clear()
+  adaptive_two = _fit_adaptive_under(mirrored)
+  print(json.dumps({"one": one, "two": two, "seen": seen, "adaptive_one": adaptive_one,
+                    "adaptive_two": adaptive_two, "adaptive_seen": SeenSGD.seen}))
 
 
 def run_mwms(index, ports):
