@@ -209,13 +209,18 @@ def describe_initializer(initializer, module):
 
 
 @contextlib.contextmanager
-def initialized_in_pieces(sampler, shape, dtype):
+def initialized_in_pieces(initializer, shape, dtype, module):
   """Under a strategy that creates variables in pieces, makes the variable created here
-  draw its initial value piece by piece with `sampler` (from `piece_sampler`), each on
-  its own parameter server. (Given a Keras initializer, TensorFlow computes the whole
-  table on every server and slices it: a table-sized temporary each, 12 GB at
-  10M x 300.) Elsewhere, or with no sampler, nothing changes."""
-  if sampler is None or not partitioning_strategy():
+  draw its initial value piece by piece from the distribution `initializer` (of Keras
+  `module`: `keras.initializers` or `tf_keras.initializers`) gives the whole table, each
+  piece on its own parameter server (`piece_sampler`). (Given a Keras initializer,
+  TensorFlow computes the whole table on every server and slices it: a table-sized
+  temporary each, 12 GB at 10M x 300.) Elsewhere, or for an initializer whose values
+  are not drawn independently, nothing changes."""
+  sampler = None
+  if partitioning_strategy():
+    sampler = piece_sampler(*describe_initializer(initializer, module), shape, dtype)
+  if sampler is None:
     yield
     return
 

@@ -106,7 +106,8 @@ class HierarchicalSoftmax(keras.layers.Layer):
     block = _block_initializer(self.kernel_initializer, shape, self.variable_dtype)
     # autocast=False: under mixed precision the op reads the float32 table directly;
     # Keras' autocast would copy the whole table to float16/bfloat16 on every call.
-    with _initialized_in_pieces(self.kernel_initializer, shape, self.variable_dtype):
+    with hsm.initialized_in_pieces(self.kernel_initializer, shape, self.variable_dtype,
+                                   keras.initializers):
       self.kernel = self.add_weight(
           name="kernel", shape=shape,
           initializer="zeros" if block else self.kernel_initializer,
@@ -115,8 +116,8 @@ class HierarchicalSoftmax(keras.layers.Layer):
     if block:
       _fill_by_blocks(self.kernel, block)
     if self.use_bias:
-      with _initialized_in_pieces(self.bias_initializer, (self.tree.num_slots,),
-                                  self.variable_dtype):
+      with hsm.initialized_in_pieces(self.bias_initializer, (self.tree.num_slots,),
+                                     self.variable_dtype, keras.initializers):
         self.bias = self.add_weight(
             name="bias", shape=(self.tree.num_slots,), initializer=self.bias_initializer,
             regularizer=self.bias_regularizer, constraint=self.bias_constraint,
@@ -328,17 +329,6 @@ def _block_initializer(initializer, shape, dtype):
   else:
     block_init = init.TruncatedNormal(initializer.mean, initializer.stddev, seed=seed)
   return lambda block_rows: block_init((block_rows, dim), dtype=dtype)
-
-
-def _initialized_in_pieces(initializer, shape, dtype):
-  """Under a strategy that creates variables in pieces, makes the variable created here
-  draw its initial value piece by piece, each on its own parameter server
-  (`tf_hsm.frontend.hsm.initialized_in_pieces`). Elsewhere, nothing changes."""
-  sampler = None
-  if hsm.partitioning_strategy():
-    kind, params = hsm.describe_initializer(initializer, keras.initializers)
-    sampler = hsm.piece_sampler(kind, params, shape, dtype)
-  return hsm.initialized_in_pieces(sampler, shape, dtype)
 
 
 def _in_stateless_scope():

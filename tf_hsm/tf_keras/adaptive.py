@@ -44,14 +44,10 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, tf_keras.layers.Layer):
   def _add_table(self, name, shape, initializer):
     initializer = frontend_hsm.initializer_for_table(tf_keras.initializers.get(initializer),
                                                      len(self.weights))
-    kind, params = (None, None)
-    if frontend_hsm.partitioning_strategy():
-      kind, params = frontend_hsm.describe_initializer(initializer, tf_keras.initializers)
-    dtype = self.dtype or tf.float32
     # Under a strategy that makes tables in pieces, each piece is drawn on its server
     # (the whole table is never computed on the coordinator and sent).
-    sampler = frontend_hsm.piece_sampler(kind, params, shape, dtype)
-    with frontend_hsm.initialized_in_pieces(sampler, shape, dtype):
+    with frontend_hsm.initialized_in_pieces(initializer, shape, self.dtype or tf.float32,
+                                            tf_keras.initializers):
       return self.add_weight(name=name, shape=shape, initializer=initializer,
                              experimental_autocast=False)
 

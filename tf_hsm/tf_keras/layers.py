@@ -53,12 +53,8 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
     return self.tree.num_classes
 
   def _weight(self, name, shape, initializer, regularizer, constraint):
-    kind, params = (None, None)
-    if frontend_hsm.partitioning_strategy():
-      kind, params = frontend_hsm.describe_initializer(initializer, tf_keras.initializers)
-    dtype = self.dtype or tf.float32
-    sampler = frontend_hsm.piece_sampler(kind, params, shape, dtype)
-    with frontend_hsm.initialized_in_pieces(sampler, shape, dtype):
+    with frontend_hsm.initialized_in_pieces(initializer, shape, self.dtype or tf.float32,
+                                            tf_keras.initializers):
       return self.add_weight(name=name, shape=shape, initializer=initializer,
                              regularizer=regularizer, constraint=constraint,
                              experimental_autocast=False)
