@@ -244,13 +244,16 @@ def test_mwms_fit_equals_one_process_on_the_combined_batch():
     for name in ("kernel", "bias"):
       np.testing.assert_allclose(np.array(out["weights"][name]), np.array(one[name]),
                                  rtol=2e-5, atol=2e-6)
-  # The AdaptiveSoftmax (two-level tails, a class order) under MirroredStrategy: its tree
-  # tails' gradients combined as IndexedSlices, the weights those of one device.
-  seen = dict(mirrored["adaptive_seen"])
-  assert any("tail_kernel" in name for name in seen), seen
-  assert all(kind == "IndexedSlices" for name, kind in seen.items()
-             if "tail_kernel" in name or "tail_bias" in name), seen
-  for name, value in mirrored["adaptive_one"].items():
-    moved = np.abs(np.array(value)).max()
-    np.testing.assert_allclose(np.array(mirrored["adaptive_two"][name]), np.array(value),
-                               rtol=2e-5, atol=2e-6 * max(moved, 1.0), err_msg=name)
+  # The AdaptiveSoftmax (two-level tails, a class order) under MirroredStrategy and
+  # MultiWorkerMirroredStrategy: its tree tails' gradients combined as IndexedSlices, the
+  # weights those of one device on the combined batch.
+  for seen, weights in [(mirrored["adaptive_seen"], mirrored["adaptive_two"])] + [
+      (out["adaptive_seen"], out["adaptive"]) for out in outs]:
+    seen = dict(seen)
+    assert any("tail_kernel" in name for name in seen), seen
+    assert all(kind == "IndexedSlices" for name, kind in seen.items()
+               if "tail_kernel" in name or "tail_bias" in name), seen
+    for name, value in mirrored["adaptive_one"].items():
+      moved = np.abs(np.array(value)).max()
+      np.testing.assert_allclose(np.array(weights[name]), np.array(value), rtol=2e-5,
+                                 atol=2e-6 * max(moved, 1.0), err_msg=name)

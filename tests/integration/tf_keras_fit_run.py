@@ -9,6 +9,7 @@ by test_tf_keras_fit.py in processes of their own that it bounds in time.
     tf_keras_fit_run.py mirrored  # MirroredStrategy over 2 CPU devices, and one device
                                   # (HierarchicalSoftmax, then AdaptiveSoftmax)
     tf_keras_fit_run.py mwms I PORTS  # worker I of a 2-worker MultiWorkerMirroredStrategy
+                                      # (HierarchicalSoftmax, then AdaptiveSoftmax)
 
 Each prints one JSON line. The model: features -> Dense -> HierarchicalSoftmax (a
 balanced row layout over 2 shards) trained on one fixed batch repeated, so that the
@@ -395,14 +396,16 @@ def _fit_under(strategy, tree, layout, data):
   return weights(model)
 
 
-def _fit_adaptive_under(strategy):
+def _fit_adaptive_under(strategy, options=None):
   """The adaptive model trained by SparseSGD for STEPS steps of one fixed batch (split
-  over the replicas under a MirroredStrategy): its whole weights."""
+  over the replicas under a MirroredStrategy, or over the workers with `options`'
+  sharding): its whole weights."""
   counts, order, features, targets = adaptive_problem()
   with strategy.scope():
     model = make_adaptive_model(counts, order, SeenSGD(LR))
   data = tf.data.Dataset.from_tensor_slices(((features, targets), targets)).batch(B)
-  model.fit(data.repeat(STEPS), epochs=1, verbose=0)
+  data = data.repeat(STEPS)
+  model.fit(data if options is None else data.with_options(options), epochs=1, verbose=0)
   return adaptive_weights(model)
 
 
@@ -433,7 +436,11 @@ def run_mwms(index, ports):
   options.experimental_distribute.auto_shard_policy = \
       tf.data.experimental.AutoShardPolicy.DATA
   result = _fit_under(strategy, tree, layout, data.with_options(options))
-  print(json.dumps({"weights": result, "seen": SeenSGD.seen}))
+  seen = list(SeenSGD.seen)
+  SeenSGD.seen.clear()
+  adaptive = _fit_adaptive_under(strategy, options)
+  print(json.dumps({"weights": result, "seen": seen, "adaptive": adaptive,
+                    "adaptive_seen": SeenSGD.seen}))
 
 
 if __name__ == "__main__":
