@@ -240,7 +240,7 @@ def test_mwms_fit_equals_one_process_on_the_combined_batch():
   mirrored = _json(support.run([SCRIPT, "mirrored"], timeout=180))
   one = mirrored["one"]
   for out in outs + [{"weights": mirrored["two"], "seen": mirrored["seen"]}]:
-    assert all(kind == "IndexedSlices" for name, kind in out["seen"] if "hsm" in name)
+    assert all(kind == "IndexedSlices" for name, kind, *_ in out["seen"] if "hsm" in name)
     for name in ("kernel", "bias"):
       np.testing.assert_allclose(np.array(out["weights"][name]), np.array(one[name]),
                                  rtol=2e-5, atol=2e-6)
@@ -249,7 +249,7 @@ def test_mwms_fit_equals_one_process_on_the_combined_batch():
   # weights those of one device on the combined batch.
   for seen, weights in [(mirrored["adaptive_seen"], mirrored["adaptive_two"])] + [
       (out["adaptive_seen"], out["adaptive"]) for out in outs]:
-    seen = dict(seen)
+    seen = {name: kind for name, kind, *_ in seen}
     assert any("tail_kernel" in name for name in seen), seen
     assert all(kind == "IndexedSlices" for name, kind in seen.items()
                if "tail_kernel" in name or "tail_bias" in name), seen

@@ -179,14 +179,25 @@ def dataset_fn(features, targets):
   return fn
 
 
-class Recording(hk.optimizers.SparseSGD):
-  """SparseSGD that notes, while tracing, the gradient each variable receives."""
-  seen = []
+def recording(base):
+  """The tf_hsm.tf_keras optimizer class `base`, noting in its class attribute `seen`,
+  while tracing, the gradient each variable receives: (name, gradient type, device,
+  shape)."""
 
-  def update_step(self, gradient, variable):
-    Recording.seen.append((variable.name, type(gradient).__name__, variable.device,
-                           [int(d) for d in variable.shape]))
-    return super().update_step(gradient, variable)
+  class Recorded(base):
+    seen = []
+
+    def update_step(self, gradient, variable):
+      type(self).seen.append((variable.name, type(gradient).__name__, variable.device,
+                              [int(d) for d in variable.shape]))
+      return super().update_step(gradient, variable)
+
+  return Recorded
+
+
+Recording = recording(hk.optimizers.SparseSGD)
+RecordingAdam = recording(hk.optimizers.LazyAdam)
+SeenSGD = recording(hk.optimizers.SparseSGD)
 
 
 def adaptive_problem():
@@ -242,16 +253,6 @@ def adaptive_weights(model):
     value = np.concatenate([p.numpy() for p in parts]) if parts else variable.numpy()
     out[name] = value.tolist()
   return out
-
-
-class RecordingAdam(hk.optimizers.LazyAdam):
-  """LazyAdam that notes, while tracing, the gradient each variable receives."""
-  seen = []
-
-  def update_step(self, gradient, variable):
-    RecordingAdam.seen.append((variable.name, type(gradient).__name__, variable.device,
-                               [int(d) for d in variable.shape]))
-    return super().update_step(gradient, variable)
 
 
 def fit_adaptive(strategy):
@@ -379,14 +380,6 @@ def _mirrored_problem():
   tree, layout, features, targets = problem()
   data = tf.data.Dataset.from_tensor_slices(((features, targets), targets)).batch(B)
   return tree, layout, data.repeat(STEPS)
-
-
-class SeenSGD(hk.optimizers.SparseSGD):
-  seen = []
-
-  def update_step(self, gradient, variable):
-    SeenSGD.seen.append((variable.name, type(gradient).__name__))
-    return super().update_step(gradient, variable)
 
 
 def _fit_under(strategy, tree, layout, data):
