@@ -245,6 +245,11 @@ _FRONT_ENDS = {
 }
 
 
+def front_end_package(keras_name):
+  """tf_hsm's front end for Keras `keras_name` ('keras' or 'tf_keras')."""
+  return _FRONT_ENDS[keras_name][1]
+
+
 def _symbolic_keras(value):
   """'keras' or 'tf_keras' for a symbolic tensor of that Keras (a functional model's
   KerasTensor), None otherwise."""

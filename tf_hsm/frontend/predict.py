@@ -6,9 +6,8 @@ export's `ModelCut`, so what `predict` returns here is what `tf_hsm.serving.expo
 
 import numbers
 
+from tf_hsm.frontend.hsm import front_end_package
 from tf_hsm.serving.export import ModelCut, keras_of
-
-_FRONT_END = {"keras": "tf_hsm.keras", "tf_keras": "tf_hsm.tf_keras"}
 
 
 def inference_model(model, k, keras_module):
@@ -28,8 +27,8 @@ def inference_model(model, k, keras_module):
   """
   own, theirs = keras_module.__name__, keras_of(model).__name__
   if own != theirs:
-    raise TypeError(f"{_FRONT_END[own]}.inference_model takes {own} models; this is a "
-                    f"{theirs} model: use {_FRONT_END[theirs]}.inference_model")
+    raise TypeError(f"{front_end_package(own)}.inference_model takes {own} models; this "
+                    f"is a {theirs} model: use {front_end_package(theirs)}.inference_model")
   if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
     raise ValueError(f"k must be an int >= 1, got {k!r}")
   cut = ModelCut(model)
