@@ -259,6 +259,10 @@ def test_bad_calls(rng):
   state = torch_state_dict(rng, 20, 16, [5, 10], 2.0, False)
   with pytest.raises(ValueError, match="shape"):
     AdaptiveSoftmax.from_torch_state_dict(state, [5, 10], 4.0)
+  for extra in ({"tail": "two_level"}, {"class_order": np.arange(20)}):
+    with pytest.raises(TypeError, match="takes name, dtype and trainable.*got " +
+                       next(iter(extra))):
+      AdaptiveSoftmax.from_torch_state_dict(state, [5, 10], 4.0, **extra)
 
 
 @pytest.mark.parametrize("initializer", ["glorot_uniform", keras.initializers.RandomNormal(),

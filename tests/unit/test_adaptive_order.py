@@ -42,6 +42,11 @@ def test_frequency_order_leaves_padding_out_and_breaks_ties_by_id():
                                 [2, 1, 0])
   np.testing.assert_array_equal(AdaptiveSoftmax.frequency_order([7, 5, 9], padding=None),
                                 [2, 0, 1])
+  np.testing.assert_array_equal(AdaptiveSoftmax.frequency_order([7, 5, 9], padding=2),
+                                [0, 1])
+  for padding in ("0", [0.5], [[0]]):
+    with pytest.raises(TypeError, match="padding must be an id or a list of ids"):
+      AdaptiveSoftmax.frequency_order([7, 5, 9], padding=padding)
 
 
 @pytest.mark.parametrize("tail", ["flat", "two_level"])

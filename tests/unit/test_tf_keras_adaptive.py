@@ -139,6 +139,18 @@ def test_mixing_the_two_keras_says_which_to_use():
     hk2.AdaptiveSoftmax(V, [5])(keras.Input((D,)), keras.Input((), dtype="int32"))
 
 
+def test_both_layers_have_the_same_public_methods():
+  def public(cls):
+    return {name for name in dir(cls) if not name.startswith("_")
+            and name not in dir(keras.layers.Layer) and name not in dir(tf_keras.layers.Layer)}
+  assert public(hk2.AdaptiveSoftmax) == public(hk3.AdaptiveSoftmax)
+  assert {"choose_cutoffs", "frequency_order", "from_torch_state_dict", "top_k",
+          "log_prob_all", "sample"} <= public(hk2.AdaptiveSoftmax)
+  counts = 1e6 / np.arange(1, 2001)
+  assert (hk2.AdaptiveSoftmax.choose_cutoffs(counts, 32, 256) ==
+          hk3.AdaptiveSoftmax.choose_cutoffs(counts, 32, 256))
+
+
 def test_legacy_keras_resolves_to_the_tf_keras_layer():
   code = "import tf_hsm; print(tf_hsm.AdaptiveSoftmax.__module__)"
   out = support.run([sys.executable, "-c", code], timeout=120,

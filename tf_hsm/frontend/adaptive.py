@@ -83,17 +83,33 @@ def frequency_order(counts, padding=(0,)):
 
   Args:
     counts: one frequency per vocabulary id, `[V]`.
-    padding: ids that are not classes. The default, (0,), is for the vocabularies of
-      `Embedding(mask_zero=True)`, whose id 0 is padding: where id 0 is a real class,
-      pass () (or None), which keeps every id.
+    padding: the ids that are not classes, an id or a list of them. The default,
+      (0,), is for the vocabularies of `Embedding(mask_zero=True)`, whose id 0 is
+      padding: where id 0 is a real class, pass () (or None), which keeps every id.
   """
   counts = np.asarray(counts, np.float64)
   if counts.ndim != 1:
     raise ValueError(f"counts must be a 1-D array (one frequency per id), got shape "
                      f"{counts.shape}")
   order = np.argsort(-counts, kind="stable")
-  padding = np.asarray([] if padding is None else list(padding), np.int64)
+  padding = _padding_ids(padding)
   return order[~np.isin(order, padding)]
+
+
+def _padding_ids(padding):
+  """`frequency_order`'s padding as an int64 array: None, an id, or a list of ids."""
+  if padding is None:
+    return np.zeros(0, np.int64)
+  if isinstance(padding, numbers.Integral) and not isinstance(padding, bool):
+    return np.asarray([padding], np.int64)
+  try:
+    ids = np.asarray(list(padding))
+  except TypeError:
+    ids = None
+  if ids is None or (ids.size and (ids.ndim != 1 or ids.dtype.kind not in "iu")):
+    raise TypeError(f"padding must be an id or a list of ids (the ids that are not "
+                    f"classes), got {padding!r}")
+  return ids.astype(np.int64)
 
 
 def _ranked_counts(counts, class_order, num_ranked):
@@ -141,6 +157,31 @@ class AdaptiveSoftmaxCore:
   """
 
   _KERAS = None
+  frequency_order = staticmethod(frequency_order)
+
+  @staticmethod
+  def choose_cutoffs(counts, dim, tokens_per_step, div_value=4.0, tail="flat",
+                     machine=None, **kwargs):
+    """The cutoffs a layer with cutoffs=None would choose:
+    `tf_hsm.planning.cutoffs.choose_cutoffs` (the cost model, its arguments and bounds
+    are described there and in docs/adaptive.md).
+
+    Args:
+      counts: class frequencies `[num_classes]`, non-increasing.
+      dim: D, the hidden size.
+      tokens_per_step: T, tokens (targets) a training step.
+      div_value: the layer's div_value.
+      tail: the layer's tail, "flat" or "two_level".
+      machine: a `tf_hsm.planning.Machine` (or a dict of its fields); default: this
+        machine's cached rates.
+      **kwargs: `max_clusters`, `min_head_mass`, `min_width`, `points_per_decade`.
+
+    Returns:
+      The cutoffs, a list of increasing ints.
+    """
+    return cutoff_search.choose_cutoffs(counts, dim, tokens_per_step,
+                                        div_value=div_value, tail=tail, machine=machine,
+                                        **kwargs)
 
   def _init_adaptive(self, num_classes, cutoffs, div_value, head_bias, tail, counts,
                      tail_trees, tokens_per_step, machine, class_order):
@@ -183,7 +224,7 @@ class AdaptiveSoftmaxCore:
       # out of order mean class ids the layer will misread).
       self._set_cutoffs(checked_cutoffs(cutoffs, self.num_ranked, what),
                         None if counts is None else self._counts_by_rank(counts),
-                        tail_trees, ranked=True)
+                        tail_trees)
     self.supports_masking = True
     self.supports_jit = False  # the tree tails' ops have no XLA kernel
 
@@ -196,9 +237,9 @@ class AdaptiveSoftmaxCore:
   def _counts_by_rank(self, counts):
     return _ranked_counts(counts, self.class_order, self.num_ranked)
 
-  def _set_cutoffs(self, cutoffs, counts, tail_trees, ranked=False):
+  def _set_cutoffs(self, cutoffs, counts, tail_trees):
     """Sets the cutoffs, cluster ranges and (two-level tails) the trees, which group
-    each cluster's classes by `counts` (by id; in the layer's order where `ranked`)."""
+    each cluster's classes by `counts` (in the layer's class order)."""
     self.cutoffs = cutoffs
     bounds = self.cutoffs + [self.num_ranked]
     self.cluster_ranges = [(bounds[i], bounds[i + 1]) for i in range(len(self.cutoffs))]
@@ -209,8 +250,6 @@ class AdaptiveSoftmaxCore:
       if [t.num_classes for t in trees] != [hi - lo for lo, hi in self.cluster_ranges]:
         raise ValueError("tail_trees do not match the clusters' sizes")
     else:
-      if counts is not None and not ranked:
-        counts = self._counts_by_rank(counts)
       trees = [Tree.two_level(hi - lo, counts=None if counts is None else counts[lo:hi])
                for lo, hi in self.cluster_ranges]
     self.tail_trees = trees
@@ -232,7 +271,7 @@ class AdaptiveSoftmaxCore:
       cutoffs = cutoff_search.choose_cutoffs(
           pending["counts"], dim, pending["tokens_per_step"], div_value=self.div_value,
           tail=self.tail, machine=pending["machine"])
-      self._set_cutoffs(cutoffs, pending["counts"], None, ranked=True)
+      self._set_cutoffs(cutoffs, pending["counts"], None)
       self._pending = None
     widths = tail_widths(dim, len(self.cluster_ranges), self.div_value)
     if min(widths) < 1:
@@ -442,11 +481,17 @@ class AdaptiveSoftmaxCore:
       cutoffs, div_value, head_bias: the PyTorch module's arguments. PyTorch's classes
         are the layer's ranks: the layer has no `class_order` (to serve ids in another
         order, map them to the module's class ids before and after).
-      **kwargs: further layer arguments (name, dtype).
+      **kwargs: further layer arguments: `name`, `dtype`, `trainable`.
 
     Returns:
       A built layer (flat tails) whose outputs equal the module's.
     """
+    unknown = sorted(set(kwargs) - {"name", "dtype", "trainable"})
+    if unknown:
+      raise TypeError(f"from_torch_state_dict takes name, dtype and trainable besides the "
+                      f"module's arguments, got {', '.join(unknown)} (PyTorch's module "
+                      "has flat tails and its classes in rank order: no tail, "
+                      "class_order or counts)")
     arrays = {name: np.asarray(value) for name, value in state_dict.items()}
     cutoffs = list(cutoffs)
     last = f"tail.{len(cutoffs) - 1}.1.weight"

@@ -67,7 +67,6 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, keras.layers.Layer):
   """
 
   _KERAS = "keras"
-  frequency_order = staticmethod(core.frequency_order)
 
   def __init__(self, num_classes, cutoffs=None, div_value=4.0, head_bias=False,
                tail="flat", counts=None, kernel_initializer="glorot_uniform",
@@ -77,29 +76,6 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, keras.layers.Layer):
     self.kernel_initializer = keras.initializers.get(kernel_initializer)
     self._init_adaptive(num_classes, cutoffs, div_value, head_bias, tail, counts,
                         tail_trees, tokens_per_step, machine, class_order)
-
-  @staticmethod
-  def choose_cutoffs(counts, dim, tokens_per_step, div_value=4.0, tail="flat",
-                     machine=None, **kwargs):
-    """The cutoffs a layer with cutoffs=None would choose: `tf_hsm.adaptive.choose_cutoffs`
-    (the cost model, its arguments and bounds are described there and in
-    docs/adaptive.md).
-
-    Args:
-      counts: class frequencies `[num_classes]`, non-increasing.
-      dim: D, the hidden size.
-      tokens_per_step: T, tokens (targets) a training step.
-      div_value: the layer's div_value.
-      tail: the layer's tail, "flat" or "two_level".
-      machine: a `tf_hsm.planning.Machine` (or a dict of its fields); default: this
-        machine's cached rates.
-      **kwargs: `max_clusters`, `min_head_mass`, `min_width`, `points_per_decade`.
-
-    Returns:
-      The cutoffs, a list of increasing ints.
-    """
-    return choose_cutoffs(counts, dim, tokens_per_step, div_value=div_value, tail=tail,
-                          machine=machine, **kwargs)
 
   def _add_table(self, name, shape, initializer):
     # autocast=False: under mixed precision the tables stay float32 in `call` (and the

@@ -30,7 +30,6 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, tf_keras.layers.Layer):
   """
 
   _KERAS = "tf_keras"
-  frequency_order = staticmethod(core.frequency_order)
 
   def __init__(self, num_classes, cutoffs=None, div_value=4.0, head_bias=False,
                tail="flat", counts=None, kernel_initializer="glorot_uniform",
