@@ -113,13 +113,13 @@ def corpus_file(corpus, out):
   return corpus
 
 
-def vocabulary_size(corpus):
-  """V as the demo builds it at its defaults."""
+def training_counts(corpus):
+  """The class counts of the demo's vocabulary at its defaults (by the demo's ids)."""
   from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
   documents = run.file_documents(corpus) if corpus else run.stdlib_documents()
   train, _ = run.split_corpus(documents, run.DEFAULTS["max_tokens"], run.DEFAULTS["seed"])
-  words, _ = run.build_vocab(train, run.DEFAULTS["vocab"], run.DEFAULTS["min_count"])
-  return len(words)
+  _, counts = run.build_vocab(train, run.DEFAULTS["vocab"], run.DEFAULTS["min_count"])
+  return counts
 
 
 def command(row, corpus, out, vocab, cpu):
@@ -193,10 +193,7 @@ def acceptance(corpus, out):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tf_hsm  # pylint: disable=g-import-not-at-top
   from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
-  documents = run.file_documents(corpus) if corpus else run.stdlib_documents()
-  train, _ = run.split_corpus(documents, run.DEFAULTS["max_tokens"], run.DEFAULTS["seed"])
-  _, counts = run.build_vocab(train, run.DEFAULTS["vocab"], run.DEFAULTS["min_count"])
-  counts = np.sort(counts)[::-1]
+  counts = np.sort(training_counts(corpus))[::-1]
   d, seq, batch = run.DEFAULTS["hidden"], run.DEFAULTS["seq_len"], run.DEFAULTS["batch"]
   model = run.hsm_model(tf_hsm.Tree.two_level(len(counts), counts), counts, d, seq,
                         run.DEFAULTS["learning_rate"])
@@ -230,10 +227,12 @@ def main(argv=None):
                       " (default: all)")
   p.add_argument("--out", default=None,
                  help="directory for the results (default: demo_results/quality_runs/CORPUS)")
-  p.add_argument("--cpu", type=int, default=1,
-                 help="the CPU every run is pinned to with taskset (default: "
-                      "%(default)s; -1: not pinned)")
-  p.add_argument("--dry-run", action="store_true", help="print the commands only")
+  p.add_argument("--cpu", type=int, default=None,
+                 help="the CPU every run is pinned to with taskset (default: the last "
+                      "CPU this process may run on; -1: not pinned)")
+  p.add_argument("--dry-run", action="store_true",
+                 help="print the commands only (the corpus file is still prepared: the "
+                      "rows' tree sizes come from its vocabulary)")
   p.add_argument("--acceptance", action="store_true",
                  help="then the planner's pick for the demo's model on this corpus "
                       "(real counts, cached rates) beside the measured rows, written to "
@@ -243,11 +242,16 @@ def main(argv=None):
   unknown = [r for r in rows if r not in ROWS]
   if unknown or not (rows or args.acceptance):
     p.error(f"--rows takes rows of {', '.join(ROWS)}; got {unknown or 'none'}")
+  allowed = sorted(os.sched_getaffinity(0))
+  if args.cpu is None:
+    args.cpu = allowed[-1]
+  elif args.cpu >= 0 and args.cpu not in allowed:
+    p.error(f"--cpu {args.cpu}: this process may run on CPUs {allowed} only")
   name = os.path.splitext(os.path.basename(args.corpus))[0]
   out = args.out or os.path.join("demo_results", "quality_runs", name)
   os.makedirs(out, exist_ok=True)
   corpus = corpus_file(args.corpus, out)
-  vocab = vocabulary_size(corpus) if any("{cbrt}" in " ".join(ROWS[r][1])
+  vocab = len(training_counts(corpus)) if any("{cbrt}" in " ".join(ROWS[r][1])
                                          for r in rows) else 0
   for row in rows:
     cmd = command(row, corpus, out, vocab, None if args.cpu < 0 else args.cpu)

@@ -708,6 +708,12 @@ def parse_args(argv=None):
     p.error("--branching takes an int >= 2, with --tree huffman or balanced")
   if not (args.div_value > 0 and math.isfinite(args.div_value)):
     p.error("--div-value must be a positive number")
+  given = [f"--{flag}" for flag, default in (("cutoffs", "demo"), ("div-value", 2.0),
+                                             ("tail", "flat"))
+           if getattr(args, flag.replace("-", "_")) != default]
+  if given and "adaptive" not in args.models:
+    p.error(f"{', '.join(given)}: for the adaptive softmax, which --models "
+            f"{','.join(args.models)} does not train (add adaptive)")
   if args.cutoffs not in ("demo", "planned", "pytorch"):
     try:
       args.cutoffs = [int(c) for c in args.cutoffs.split(",")]
@@ -759,6 +765,10 @@ def main(argv=None):
   if "adaptive" in args.models:
     cutoffs = layout_cutoffs(args.cutoffs, counts, args.hidden, args.batch * args.seq_len,
                              args.div_value, args.tail)
+    if not cutoffs:
+      raise SystemExit(f"--cutoffs {args.cutoffs} gives no tail cluster for a vocabulary "
+                       f"of {len(words):,} words at --hidden {args.hidden} and --div-value "
+                       f"{args.div_value:g}: give cutoffs as ints, or a smaller div value")
     named = args.cutoffs if isinstance(args.cutoffs, str) else "given"
     print(f"  adaptive softmax: {args.tail} tails, cutoffs {cutoffs} ({named}), div "
           f"{args.div_value:g}", flush=True)
