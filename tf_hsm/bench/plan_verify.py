@@ -35,6 +35,7 @@ import types
 
 from tf_hsm import planning as planner
 from tf_hsm.bench import cli
+from tf_hsm.bench import worker
 from tf_hsm.bench.watchdog import GB, mem_available_bytes
 
 PEAK_TOLERANCE = 0.15
@@ -423,14 +424,6 @@ def build_body_model(case):
   return model, counts
 
 
-def _rss(field):
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1]) * 1024
-  return None
-
-
 def _measure_apart():
   """`planner.Machine.measure()` in a child process (its 256 MiB probe and tf_hsm steps
   stay out of this process's peak)."""
@@ -464,7 +457,10 @@ def body_worker(name, steps):
   # The machine's rates in this process's conditions (load, CPU affinity), measured in
   # a child process before and after the steps so that its memory is not this one's.
   before = _measure_apart()
-  start_rss = _rss("VmRSS")  # TensorFlow, the data; not the model, not the step
+  # TensorFlow, the data; not the model, not the step. The peak from here on: VmHWM
+  # reset, so that a transient before (making the data) is not counted.
+  start_rss = worker.status_bytes("VmRSS")
+  peak_reset = worker.reset_peak_rss()
   model, counts = build_body_model(case)
   times = []
 
@@ -478,12 +474,13 @@ def body_worker(name, steps):
   model.fit([x, y], y, batch_size=case.batch, epochs=1, verbose=0, shuffle=False,
             callbacks=[Timer()])
   measured = sorted(times[2:])
-  peak_rss = _rss("VmHWM")
+  peak_rss = worker.status_bytes("VmHWM")
   after = _measure_apart()
   machine = _best(before, after)  # the faster: other jobs only slow the machine
   return {"case": name, "steps": len(times),
           "measured_step": measured[len(measured) // 2],
           "measured_peak": peak_rss - start_rss, "peak_rss": peak_rss,
+          "peak_since": "the model" if peak_reset else "the process's start",
           "planned": _plan_body(case, model, counts, machine),
           "rates": dataclasses.asdict(machine)}
 
