@@ -17,6 +17,7 @@ RSS (and its RSS with TensorFlow's runtime up, before the model) against the bou
 """
 
 import argparse
+import json
 import resource
 import statistics
 import time
@@ -141,10 +142,18 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--batches", type=int, default=4)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--json", action="store_true",
+                      help="then the result as one JSON line (steps, bytes, the layout)")
   args = parser.parse_args(argv)
   if args.steps < 3:
     parser.error("--steps must be at least 3 (the first two are not counted)")
   result = run(args)
+  _print(args, result)
+  if args.json:
+    print(json.dumps(result), flush=True)
+
+
+def _print(args, result):
   print(f"V={args.classes:,} D={args.hidden} T={args.tokens:,}: {result['layout']} "
         f"(built in {result['build_seconds']:.1f} s)")
   full_width = args.classes * (args.hidden + 1) * 4
