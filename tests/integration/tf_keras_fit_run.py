@@ -116,19 +116,32 @@ def slots(model):
 
 
 class SlotInitialValues:
-  """A variable creator that notes, for each optimizer slot made under it, whether its
-  initial value is computed where the variable is placed (a callable) or passed as a
-  tensor made where the optimizer is built (the coordinator, under a
-  ParameterServerStrategy)."""
+  """A variable creator that notes, for each optimizer slot made under it, where its
+  initial value was computed and where the slot was placed: [name, the value's device,
+  the slot's device]. A tensor made where the optimizer is built (the coordinator, under
+  a ParameterServerStrategy) shows the coordinator's device."""
 
   def __init__(self):
     self.seen = []
 
   def __call__(self, next_creator, **kwargs):
     name = str(kwargs.get("name"))
-    if name.startswith(("m/", "v/")):
-      self.seen.append((name, callable(kwargs.get("initial_value"))))
-    return next_creator(**kwargs)
+    if not name.startswith(("m/", "v/")):
+      return next_creator(**kwargs)
+    record = [name, None, None]
+    initial_value = kwargs.get("initial_value")
+    if callable(initial_value):
+      def computed(*args, **inner):
+        value = initial_value(*args, **inner)
+        record[1] = value.device
+        return value
+      kwargs["initial_value"] = computed
+    else:
+      record[1] = getattr(initial_value, "device", None)
+    variable = next_creator(**kwargs)
+    record[2] = variable.device
+    self.seen.append(record)
+    return variable
 
 
 class Snapshot(tf_keras.callbacks.Callback):
