@@ -500,11 +500,17 @@ def test_machine_cache_is_keyed_by_name_and_measures_only_when_asked(tmp_path,
   assert set(saved) == {"box", "other"}
   # The older one-machine file reads as one entry under its CPU key.
   old = tmp_path / "old.json"
-  old.write_text(json.dumps(dict(matmul_flops=1.0, read_bytes=2.0, call_seconds=3.0,
-                                 source="measured", softmax_seconds=0.0,
-                                 tree_step=[0.0] * 6, cpu="CPU x2")))
-  assert planner.Machine.cached(str(old), name="CPU x2").read_bytes == 2.0
+  fields = dict(matmul_flops=1.0, read_bytes=2.0, call_seconds=3.0, source="measured",
+                softmax_seconds=0.0, tree_step=[0.0] * 6, loop_step_seconds=4.0)
+  old.write_text(json.dumps(dict(fields, cpu="CPU x2")))
+  cached = planner.Machine.cached(str(old), name="CPU x2")
+  assert cached.read_bytes == 2.0 and cached.loop_step_seconds == 4.0
   assert len(measured) == 3
+  # Rates cached by a tf_hsm without the loop probe are measured again, and said so.
+  del fields["loop_step_seconds"]
+  old.write_text(json.dumps(dict(fields, cpu="CPU x2")))
+  planner.Machine.cached(str(old), name="CPU x2", progress=said.append)
+  assert len(measured) == 4 and "incomplete" in said[-2]
 
 
 @pytest.mark.slow

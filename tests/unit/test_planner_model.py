@@ -60,6 +60,19 @@ def test_small_keras_model_body_against_hand_computed():
   again = tf_hsm.plan(1000, model=alone, tokens_per_step=B * S, machine=MACHINE,
                       trees=("two_level",), adaptive=())
   assert again.body["flops"] == priced["flops"] and again.body["params"] == body.params
+  # The costs the roofline does not see are in the machine's loop steps: a machine
+  # whose loop step is twice as long pays twice those; one given without a probe is
+  # priced at the default loop step.
+  fixed = lambda loop: loop * (S * body_lib.RNN_STEP_LOOPS +
+                               len(body.layers) * body_lib.LAYER_LOOPS +
+                               body_lib.FIT_STEP_LOOPS)
+  steps = {}
+  for loop in (None, 5e-6, 10e-6):
+    machine = dict(MACHINE, loop_step_seconds=loop)
+    steps[loop] = body_lib.body_price(body, "sgd", "float32", machine)["step_seconds"]
+  assert steps[10e-6] - steps[5e-6] == pytest.approx(fixed(10e-6) - fixed(5e-6))
+  assert steps[None] - steps[5e-6] == pytest.approx(
+      fixed(body_lib.DEFAULT_LOOP_STEP_SECONDS) - fixed(5e-6))
 
 
 class _W:

@@ -226,7 +226,14 @@ def _best(first, second):
                          max(first.read_bytes, second.read_bytes),
                          min(first.call_seconds, second.call_seconds), "measured",
                          min(first.softmax_seconds, second.softmax_seconds),
-                         _faster_fit(first.tree_step, second.tree_step))
+                         _faster_fit(first.tree_step, second.tree_step),
+                         _smaller(first.loop_step_seconds, second.loop_step_seconds))
+
+
+def _smaller(first, second):
+  """The smaller of two optional figures (None: not measured)."""
+  known = [value for value in (first, second) if value is not None]
+  return min(known) if known else None
 
 
 def _faster_fit(first, second):
@@ -351,7 +358,9 @@ def markdown(report):
 def _rates(rates):
   return (f"matmul {rates['matmul_flops'] / 1e9:.0f} GFLOP/s, read "
           f"{rates['read_bytes'] / 1e9:.1f} GB/s, {rates['call_seconds'] * 1e6:.0f} µs a "
-          f"call, softmax {rates['softmax_seconds'] * 1e9:.1f} ns a logit")
+          f"call, softmax {rates['softmax_seconds'] * 1e9:.1f} ns a logit"
+          + (f", {rates['loop_step_seconds'] * 1e6:.1f} µs a loop step"
+             if rates.get("loop_step_seconds") else ""))
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ Each layer kind's work (forward and backward: 2 FLOPs a multiply-add forward, 4 
 - Embedding: a gather of the output and a scatter of its gradient (bytes, no FLOPs),
   a sparse gradient over the distinct ids of the step;
 - LSTM, GRU (gates 4, 3): rows x gates x units x (input + units) multiply-adds, and a
-  fixed cost per time step (`RNN_STEP_SECONDS`, forward and backward): the recurrence
+  fixed cost per time step (`RNN_STEP_LOOPS`, forward and backward): the recurrence
   runs one [B, units] product a step, far below the matmul rate;
 - MultiHeadAttention: the query, key, value and output projections, and B x heads x S^2
   x (key_dim + value_dim) for the scores and their weighted sum; the scores go through a
@@ -34,9 +34,10 @@ Each layer kind's work (forward and backward: 2 FLOPs a multiply-add forward, 4 
 
 A step's time is the sum over layers of max(FLOPs / matmul rate (attention's per-head
 products at ATTENTION_RATE of it), bytes / read bandwidth) + softmax seconds + time
-steps x RNN_STEP_SECONDS + LAYER_SECONDS a layer, the optimizer's update of every weight
-(bytes; `moved_elements`), and FIT_STEP_SECONDS for Keras' own step. Its peak: weights,
-gradients, slots, the activations every layer keeps for the backward, and FIT_BYTES.
+steps x RNN_STEP_LOOPS + LAYER_LOOPS a layer (in the machine's loop steps), the
+optimizer's update of every weight (bytes; `moved_elements`), and FIT_STEP_LOOPS for
+Keras' own step. Its peak: weights, gradients, slots, the activations every layer keeps
+for the backward, and FIT_BYTES.
 """
 
 import dataclasses
@@ -46,19 +47,23 @@ from tf_hsm.planning.costs import DTYPE_BYTES, OPTIMIZERS, Part, moved_elements
 
 # The output layers whose inputs are the hidden states, by class name (duck typing).
 OUTPUT_LAYERS = ("HierarchicalSoftmax", "AdaptiveSoftmax")
-# Costs the roofline does not see, set from `model.fit` steps on the machine of
-# docs/planner.md (AMD EPYC, one of 2 vCPUs; `python -m tf_hsm.bench.plan_verify
-# --bodies`), not measured by `Machine.measure`: a recurrent layer's time step, forward
-# and backward (a loop iteration of a few dozen small ops: 0.7-0.9 ms measured at
-# [32, 128] -> 512 gates), a layer's own ops in the step (forward, backward, its
-# variables' updates), Keras' own step (the train function, the loss, the metrics'
-# updates: 5-17 ms measured, loaded machine), the
-# fraction of the matmul rate attention's batched per-head products reach (einsums over
-# [S, key_dim] blocks), and what `model.fit` holds beyond the model's tensors (its traced
-# train function, the data adapter: 45 MiB, set from the three cases of `--bodies`).
-RNN_STEP_SECONDS = 0.7e-3
-LAYER_SECONDS = 0.3e-3
-FIT_STEP_SECONDS = 5e-3
+# Costs the roofline does not see, in iterations of the machine's loop probe
+# (`Machine.loop_step_seconds`: the dispatch of a few small ops, which other jobs on the
+# CPU slow as they slow these): a recurrent layer's time step, forward and backward (a
+# loop iteration of a few dozen small ops), a layer's own ops in the step (forward,
+# backward, its variables' updates), and Keras' own step (the train function, the loss,
+# the metrics' updates). Set from `model.fit` steps of the three models of
+# `python -m tf_hsm.bench.plan_verify --bodies` (docs/planner.md) on a quiet AMD EPYC
+# vCPU, where an iteration took 5.7-5.8 us. DEFAULT_LOOP_STEP_SECONDS prices a machine
+# given without a probe: the step of the loaded machine where these costs were first set
+# as 0.7, 0.3 and 5 ms. Also set there: the fraction of the matmul rate attention's
+# batched per-head products reach (einsums over [S, key_dim] blocks), and what
+# `model.fit` holds beyond the model's tensors (its traced train function, the data
+# adapter: 45 MiB).
+RNN_STEP_LOOPS = 27
+LAYER_LOOPS = 11.5
+FIT_STEP_LOOPS = 190
+DEFAULT_LOOP_STEP_SECONDS = 26e-6
 ATTENTION_RATE = 0.2
 FIT_BYTES = 45 * 2**20
 _GATES = {"LSTM": 4, "GRU": 3, "SimpleRNN": 1, "CuDNNLSTM": 4, "CuDNNGRU": 3}
@@ -295,6 +300,9 @@ def body_price(body, optimizer="sgd", dtype="float32", machine=None):
   if optimizer not in OPTIMIZERS:
     raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
   machine = machine_lib.resolve(machine)
+  loop_step = machine.loop_step_seconds or DEFAULT_LOOP_STEP_SECONDS
+  rnn_step, layer_seconds = RNN_STEP_LOOPS * loop_step, LAYER_LOOPS * loop_step
+  fit_step = FIT_STEP_LOOPS * loop_step
   b = DTYPE_BYTES[dtype]
   slots = OPTIMIZERS[optimizer]
   seconds = 0.0
@@ -306,8 +314,8 @@ def body_price(body, optimizer="sgd", dtype="float32", machine=None):
     flop_seconds = (layer.flops + layer.attention_flops / ATTENTION_RATE) / (
         machine.matmul_flops)
     s = (max(flop_seconds, moved / machine.read_bytes) +
-         layer.softmax * machine.softmax_seconds + layer.rnn_steps * RNN_STEP_SECONDS +
-         LAYER_SECONDS)
+         layer.softmax * machine.softmax_seconds + layer.rnn_steps * rnn_step +
+         layer_seconds)
     seconds += s
     moved_total += moved
     layers.append({"name": layer.name, "kind": layer.kind, "priced_as": layer.priced_as,
@@ -318,11 +326,11 @@ def body_price(body, optimizer="sgd", dtype="float32", machine=None):
   grads = sum((p.elements if p.dense_grad else p.touched)
               for layer in body.layers for p in layer.parts) * b
   activation_bytes = body.activations * b
-  seconds += FIT_STEP_SECONDS
+  seconds += fit_step
   return {"params": body.params, "param_bytes": params, "grad_bytes": grads,
           "slot_bytes": slots * params, "flops": body.flops,
           "activation_bytes": activation_bytes, "bytes_moved": moved_total,
-          "step_seconds": seconds, "fit_step_seconds": FIT_STEP_SECONDS,
+          "step_seconds": seconds, "fit_step_seconds": fit_step,
           "peak_bytes": params + grads + slots * params + activation_bytes + FIT_BYTES,
           "batch": body.batch, "hidden_shape": list(body.hidden_shape),
           "layers": layers}

@@ -19,13 +19,16 @@ class Machine:
   exponentials and divisions, which the matmul and read rates do not bound; 0 for a
   machine given by its datasheet rates only), and `tree_step`: tf_hsm's training step
   fitted on this machine, seconds per each of TREE_STEP_TERMS (`tf_hsm.planning.step_fit`);
-  None prices tf_hsm's rows with the roofline instead."""
+  None prices tf_hsm's rows with the roofline instead. `loop_step_seconds`: one
+  iteration of a loop of small ops (`LOOP_PROBE`), the unit of the costs the roofline
+  does not see in a model's body (`tf_hsm.planning.body`); None: the body's default."""
   matmul_flops: float
   read_bytes: float
   call_seconds: float
   source: str = "given"
   softmax_seconds: float = 0.0
   tree_step: tuple = None
+  loop_step_seconds: float = None
 
   @classmethod
   def measure(cls, progress=None):
@@ -79,9 +82,10 @@ class Machine:
       return tape.gradient(loss, logits)[:1, :1]
 
     softmax_seconds = best(lambda: softmax().numpy(), 5) / (256 * 32768)
+    loop_step = best(_loop_probe(tf), 3) / LOOP_PROBE["iterations"]
     from tf_hsm.planning import step_fit  # pylint: disable=import-outside-toplevel
     return cls(matmul_flops, big.shape[0] * 4 / read_seconds, call, "measured",
-               softmax_seconds, step_fit.measure(progress=progress))
+               softmax_seconds, step_fit.measure(progress=progress), loop_step)
 
   @classmethod
   def cached(cls, path=None, refresh=False, name=None, progress=None):
@@ -104,7 +108,8 @@ class Machine:
     if saved is not None and not refresh:
       try:
         return cls(saved["matmul_flops"], saved["read_bytes"], saved["call_seconds"],
-                   "cached", saved["softmax_seconds"], tuple(saved["tree_step"]))
+                   "cached", saved["softmax_seconds"], tuple(saved["tree_step"]),
+                   saved["loop_step_seconds"])
       except (KeyError, TypeError):
         progress(f"the cached rates of {name!r} in {path} are incomplete (an older "
                  "tf_hsm): measuring again")
@@ -120,6 +125,31 @@ class Machine:
     except OSError as error:
       progress(f"could not save the rates to {path}: {error}")
     return machine
+
+
+# A recurrent layer's time step in miniature: a [8, 32] x [32, 128] product split into
+# four gates and combined, in a tf.while_loop. Its FLOPs are negligible: an iteration
+# costs the dispatch of its few small ops, as a body's recurrences, its layers' own ops
+# and Keras' step do. Long (~0.1 s on a quiet core) so that other jobs' share of the CPU
+# stretches it as it stretches a training step (a short probe runs between them).
+LOOP_PROBE = {"iterations": 20_000, "rows": 8, "units": 32}
+
+
+def _loop_probe(tf):
+  """A function that runs LOOP_PROBE once (traced on the first call)."""
+  rows, units = LOOP_PROBE["rows"], LOOP_PROBE["units"]
+  start = tf.random.normal([rows, units])
+  kernel = tf.random.normal([units, 4 * units]) * 0.1
+
+  @tf.function
+  def loop():
+    def step(i, h):
+      a, b, c, d = tf.split(tf.matmul(h, kernel), 4, axis=1)
+      return i + 1, tf.sigmoid(a) * tf.tanh(b) + tf.sigmoid(c) * d
+    return tf.while_loop(lambda i, h: i < LOOP_PROBE["iterations"], step,
+                         (tf.constant(0), start))[1][:1, :1]
+
+  return lambda: loop().numpy()
 
 
 def _to_stderr(text):
