@@ -85,12 +85,23 @@ def test_branching_and_adaptive_layouts():
   with pytest.raises(SystemExit):
     demo.parse_args(["--tree", "two_level", "--branching", "8"])
   with pytest.raises(SystemExit):
-    demo.parse_args(["--cutoffs", "ten"])
+    demo.parse_args(["--models", "adaptive", "--cutoffs", "ten"])
   with pytest.raises(SystemExit):  # adaptive settings for a run that trains no adaptive
     demo.parse_args(["--models", "hsm", "--tail", "two_level"])
   args = demo.parse_args(["--models", "adaptive", "--cutoffs", "5,50", "--tail",
                           "two_level", "--div-value", "4"])
   assert args.cutoffs == [5, 50] and args.tail == "two_level" and args.div_value == 4.0
+
+
+def test_cutoffs_that_leave_no_tail_name_the_flag(tmp_path):
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("\n\n".join(" ".join(f"w{(i * 7 + j) % 40}" for j in range(30))
+                                for i in range(60)))
+  # PyTorch-style cutoffs at hidden 4 and div value 8: every tail would be 0 wide.
+  with pytest.raises(SystemExit, match="--cutoffs pytorch gives no tail cluster"):
+    demo.main(["--corpus", str(corpus), "--models", "adaptive", "--cutoffs", "pytorch",
+               "--hidden", "4", "--div-value", "8", "--epochs", "1",
+               "--out", str(tmp_path / "out")])
 
 
 def test_run_with_a_k_ary_tree_and_a_two_level_adaptive_tail(tmp_path, capsys):

@@ -47,6 +47,9 @@ def test_frequency_order_leaves_padding_out_and_breaks_ties_by_id():
   for padding in ("0", [0.5], [[0]]):
     with pytest.raises(TypeError, match="padding must be an id or a list of ids"):
       AdaptiveSoftmax.frequency_order([7, 5, 9], padding=padding)
+  for padding in (-1, [0, 3]):
+    with pytest.raises(ValueError, match=r"padding ids must be ids .* \[0, 3\)"):
+      AdaptiveSoftmax.frequency_order([7, 5, 9], padding=padding)
 
 
 @pytest.mark.parametrize("tail", ["flat", "two_level"])

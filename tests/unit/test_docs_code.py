@@ -1,7 +1,8 @@
 """Every Python block of README.md and docs/usage.md runs, in order, as a reader would
 run them one after the other: what they name is defined in them, or (for what a reader
 brings: their data, a PyTorch module) in a small prelude here. Sizes shrink so that the
-suite stays fast; nothing else of the code changes."""
+suite stays fast; nothing else of the code changes. A block that starts a loopback
+cluster is self-contained and runs alone, in a process of its own."""
 
 import os
 import re

@@ -147,8 +147,9 @@ def test_both_layers_have_the_same_public_methods():
   assert {"choose_cutoffs", "frequency_order", "from_torch_state_dict", "top_k",
           "log_prob_all", "sample"} <= public(hk2.AdaptiveSoftmax)
   counts = 1e6 / np.arange(1, 2001)
-  assert (hk2.AdaptiveSoftmax.choose_cutoffs(counts, 32, 256) ==
-          hk3.AdaptiveSoftmax.choose_cutoffs(counts, 32, 256))
+  machine = {"matmul_flops": 2e10, "read_bytes": 5e9, "call_seconds": 2e-5}
+  assert (hk2.AdaptiveSoftmax.choose_cutoffs(counts, 32, 256, machine=machine) ==
+          hk3.AdaptiveSoftmax.choose_cutoffs(counts, 32, 256, machine=machine))
 
 
 def test_legacy_keras_resolves_to_the_tf_keras_layer():

@@ -542,7 +542,10 @@ def bodies_markdown(results):
         f"| {r['case']}: {BODY_CASES[r['case']].note} | {_time(p['body']['step_seconds'])}"
         f" | {_time(p['output']['step_seconds'])} | {_time(p['predicted_step'])} | "
         f"{_time(r['measured_step'])} | {r['time_ratio']:.2f} | "
-        f"{_gb(p['predicted_peak'])} | {_gb(r['measured_peak'])} | {r['peak_ratio']:.2f}"
+        f"{_gb(p['predicted_peak'])} | {_gb(r['measured_peak'])}"
+        + ("" if r.get("peak_since", "the model") == "the model" else
+           f" (since {r['peak_since']}: the kernel refused the reset)")
+        + f" | {r['peak_ratio']:.2f}"
         f" | {'step ok' if r['time_ok'] else '**step misses**'}, "
         f"{'peak ok' if r['peak_ok'] else '**peak misses**'} |")
   lines += ["", "Body layers (predicted):"]

@@ -708,9 +708,9 @@ def parse_args(argv=None):
     p.error("--branching takes an int >= 2, with --tree huffman or balanced")
   if not (args.div_value > 0 and math.isfinite(args.div_value)):
     p.error("--div-value must be a positive number")
-  given = [f"--{flag}" for flag, default in (("cutoffs", "demo"), ("div-value", 2.0),
-                                             ("tail", "flat"))
-           if getattr(args, flag.replace("-", "_")) != default]
+  adaptive_flags = {"cutoffs": "--cutoffs", "div_value": "--div-value", "tail": "--tail"}
+  given = [flag for name, flag in adaptive_flags.items()
+           if getattr(args, name) != p.get_default(name)]
   if given and "adaptive" not in args.models:
     p.error(f"{', '.join(given)}: for the adaptive softmax, which --models "
             f"{','.join(args.models)} does not train (add adaptive)")

@@ -93,6 +93,10 @@ def frequency_order(counts, padding=(0,)):
                      f"{counts.shape}")
   order = np.argsort(-counts, kind="stable")
   padding = _padding_ids(padding)
+  outside = padding[(padding < 0) | (padding >= counts.size)]
+  if outside.size:
+    raise ValueError(f"padding ids must be ids of the vocabulary, in [0, {counts.size}); "
+                     f"got {outside.tolist()}")
   return order[~np.isin(order, padding)]
 
 

@@ -33,13 +33,14 @@ class Machine:
   @classmethod
   def measure(cls, progress=None):
     """Measures this machine (about 20 s): an output layer's float32 matmuls, a large
-    reduction, an empty tf.function call, TensorFlow's softmax cross-entropy, and
-    tf_hsm's training step (`tf_hsm.planning.step_fit`). `progress(text)`, if given, is
-    called before each part."""
+    reduction, an empty tf.function call, TensorFlow's softmax cross-entropy, the loop
+    probe (`LOOP_PROBE`), and tf_hsm's training step (`tf_hsm.planning.step_fit`).
+    `progress(text)`, if given, is called before each part."""
     progress = progress or (lambda text: None)
     progress("measuring this machine: importing TensorFlow")
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    progress("measuring this machine: matmul, read bandwidth, call overhead, softmax")
+    progress("measuring this machine: matmul, read bandwidth, call overhead, softmax, "
+             "a loop of small ops")
 
     def best(fn, repeats):
       fn()
@@ -94,10 +95,10 @@ class Machine:
     `machine_name()`: the CPU model and count).
 
     Rates are measured only when the cache has none under `name` (the first run, or a
-    cache written by an older tf_hsm without the fitted tree step) or when `refresh`
-    (`--remeasure`); either way `progress(text)` (default: a line on stderr) is told
-    first, so a measurement is never taken silently, and the result is saved under `name` beside the other
-    machines' entries. Otherwise the same cached figures every run: the planner's
+    cache written by an older tf_hsm without the fitted tree step or the loop probe) or
+    when `refresh` (`--remeasure`); either way `progress(text)` (default: a line on
+    stderr) is told first, so a measurement is never taken silently, and the result is
+    saved under `name` beside the other machines' entries. Otherwise the same cached figures every run: the planner's
     output is deterministic. Measure on a quiet machine: other jobs lower the rates.
     """
     progress = progress or _to_stderr  # a measurement (~20 s) is always announced
