@@ -133,12 +133,13 @@ def layout_work(child_begin, slot_child, num_classes, probs, tokens):
 def huffman_work(counts, branching, probs, tokens):
   """The `TreeWork` of `Tree.huffman(counts, branching)`, from the merges alone.
 
-  The same two-queue merge as `tf_hsm.tree.builders.huffman` (the same batches and
+  The builder's own merges (`tf_hsm.tree.builders.huffman_merges`: the same batches and
   ties, so the same tree), keeping each merged node's weight, its number of children
   and the number of classes below it instead of the nodes themselves: a node's
   probability is its weight's share, and the classes' path steps add up to the
   classes below every node. O(C) memory in a few arrays, no layout and no paths.
   """
+  from tf_hsm.tree.builders import group_sums, huffman_merges  # NumPy only
   from tf_hsm.tree.checks import check_int, counts_array  # NumPy only
   k = check_int(branching, "branching", 2)
   w = counts_array(counts)
@@ -152,43 +153,18 @@ def huffman_work(counts, branching, probs, tokens):
   else:
     leaf_w = np.sort(w, kind="stable")
   del w
-  first = 2 + (n - 2) % (k - 1)
-  m = 1 + (n - first) // (k - 1)
-  merged_w = np.empty(m, leaf_w.dtype)
+  first, merged_w, batches = huffman_merges(leaf_w, k)
+  m = merged_w.size
   merged_n = np.empty(m, np.int64)  # classes below each merged node
-  merged_w[0] = leaf_w[:first].sum()
   merged_n[0] = first
-  li, qi, qn = first, 0, 1
-  while qn < m:
-    head = np.concatenate((leaf_w[li:li + k], merged_w[qi:min(qi + k, qn)]))
-    head.sort()
-    w0 = head[:k].sum()
-    la = li + int(np.searchsorted(leaf_w[li:], w0, side="right"))
-    qa = qi + int(np.searchsorted(merged_w[qi:qn], w0, side="right"))
-    n_leaf, n_merged = la - li, qa - qi
-    groups = min((n_leaf + n_merged) // k, m - qn)
-    assert groups > 0, "Huffman batch made no progress"
-    take = groups * k
-    if n_merged == 0:
-      sel_w, sel_n, used_leaves = leaf_w[li:li + take], np.ones(take, np.int64), take
-    elif n_leaf == 0:
-      sel_w, sel_n, used_leaves = merged_w[qi:qi + take], merged_n[qi:qi + take], 0
+  for start, groups, is_leaf, index in batches:
+    if is_leaf is True:
+      sel_n = np.ones(groups * k, np.int64)
+    elif is_leaf is False:
+      sel_n = merged_n[index]
     else:
-      cand = np.concatenate((leaf_w[li:la], merged_w[qi:qa]))
-      sel = np.argsort(cand, kind="stable")[:take]
-      sel_w = cand[sel]
-      is_leaf = sel < n_leaf
-      sel_n = np.where(is_leaf, 1, merged_n[qi + np.maximum(sel - n_leaf, 0)])
-      used_leaves = int(np.count_nonzero(is_leaf))
-    if k == 2:  # the same sums as the builder's reshape(...).sum(axis=1), faster
-      np.add(sel_w[0::2], sel_w[1::2], out=merged_w[qn:qn + groups])
-      np.add(sel_n[0::2], sel_n[1::2], out=merged_n[qn:qn + groups])
-    else:
-      merged_w[qn:qn + groups] = sel_w.reshape(groups, k).sum(axis=1)
-      merged_n[qn:qn + groups] = sel_n.reshape(groups, k).sum(axis=1)
-    li += used_leaves
-    qi += take - used_leaves
-    qn += groups
+      sel_n = np.where(is_leaf, 1, merged_n[np.where(is_leaf, 0, index)])
+    group_sums(sel_n, groups, k, merged_n[start:start + groups])
   total = float(np.sum(np.asarray(probs, np.float64)))
   weight = float(merged_w[-1])  # the root's: every class
   node_p = merged_w.astype(np.float64) * (total / weight) if weight > 0 else \

@@ -112,12 +112,7 @@ def _mass_cuts(sorted_w, k, cap):
 
 
 def huffman(counts, branching=2):
-    """The layout of `Tree.huffman`: a k-ary Huffman tree of `counts`.
-
-    The O(C) two-queue method after one sort, run in batches: all items not
-    heavier than the next merged node are grouped in one vectorized step, so
-    the Python loop runs about once per "weight doubling", not once per merge.
-    """
+    """The layout of `Tree.huffman`: a k-ary Huffman tree of `counts` (`huffman_merges`)."""
     k = check_int(branching, "branching", 2)
     w = counts_array(counts)
     n = w.size
@@ -125,19 +120,73 @@ def huffman(counts, branching=2):
         return [0, 1], [0], 1
 
     order = np.argsort(w, kind="stable")  # leaf queue: by (count, class id)
-    leaf_w = w[order]
-    first = 2 + (n - 2) % (k - 1)
-    m = 1 + (n - first) // (k - 1)  # number of merges = internal nodes
+    first, merged_w, batches = huffman_merges(w[order], k)
+    m = merged_w.size
     s = n + m - 1
     # `stream` lists the items in the order they are consumed by merges:
     # merge u consumes stream[first + k*(u-1) : first + k*u] (merge 0 takes
     # the first `first` items), so it directly is the children CSR in
     # creation order. Merged node u is coded n + u.
     stream = np.empty(s, np.int64)
-    merged_w = np.empty(m, w.dtype)  # queue 2, nondecreasing by construction
     stream[:first] = order[:first]
+    out = first
+    for _, groups, is_leaf, index in batches:
+        take = groups * k
+        if is_leaf is True:
+            codes = order[index]
+        elif is_leaf is False:
+            codes = n + np.arange(index.start, index.stop, dtype=np.int64)
+        else:
+            codes = np.where(is_leaf, order[np.where(is_leaf, index, 0)], n + index)
+        stream[out:out + take] = codes
+        out += take
+    assert out == s, (out, s)  # every item but the root consumed exactly once
+
+    node_begin = np.empty(m + 1, np.int64)
+    node_begin[0] = 0
+    node_begin[1:] = first + k * np.arange(m, dtype=np.int64)
+    child_begin, slot_child, _ = bfs_layout(n, node_begin, stream, m - 1)
+    return child_begin, slot_child, n
+
+
+def huffman_merges(leaf_w, k):
+    """The merges of a k-ary Huffman tree over leaf weights sorted ascending, shared by
+    the builder (`huffman`) and the planner, which prices the tree from its merges
+    without building it (`tf_hsm.planning.tree_work.huffman_work`).
+
+    The O(C) two-queue method, run in batches: all items not heavier than the next
+    merged node are grouped in one vectorized step, so the Python loop runs about once
+    per "weight doubling", not once per merge. Merge 0 takes the `first` lightest leaves
+    (first = 2 + (C - 2) mod (k - 1), so that every later merge takes exactly k items).
+
+    Returns:
+      (first, merged_w, batches): `merged_w[u]` is merged node u's weight (the last one
+      the root's), filled in as `batches` is consumed. Each batch is `(start, groups,
+      is_leaf, index)`: it makes merged nodes start .. start + groups - 1 from the next
+      groups * k items in the order they are consumed (k a node); an item is a leaf
+      (`index`: its position in `leaf_w`) or an earlier merged node (`index`: its
+      number). `is_leaf` is True or False when all the batch's items are of one kind,
+      `index` then a slice; otherwise a mask, and `index` an array.
+    """
+    n = leaf_w.size
+    first = 2 + (n - 2) % (k - 1)
+    m = 1 + (n - first) // (k - 1)  # number of merges = internal nodes
+    merged_w = np.empty(m, leaf_w.dtype)  # queue 2, nondecreasing by construction
     merged_w[0] = leaf_w[:first].sum()
-    li, qi, qn, out = first, 0, 1, first  # heads of both queues, tail, stream fill
+    return first, merged_w, _merge_batches(leaf_w, k, first, merged_w)
+
+
+def group_sums(values, groups, k, out):
+    """`out[g] = values[g*k:(g+1)*k].sum()`: for k=2 one strided add (the same sums)."""
+    if k == 2:
+        np.add(values[0::2], values[1::2], out=out)
+    else:
+        out[:] = values.reshape(groups, k).sum(axis=1)
+
+
+def _merge_batches(leaf_w, k, first, merged_w):
+    m = merged_w.size
+    li, qi, qn = first, 0, 1  # heads of both queues, tail of the merged one
     while qn < m:
         # Weight of the next merged node = sum of the k smallest items.
         head = np.concatenate((leaf_w[li:li + k], merged_w[qi:min(qi + k, qn)]))
@@ -155,13 +204,11 @@ def huffman(counts, branching=2):
         assert groups > 0, "Huffman batch made no progress"
         take = groups * k
         if n_merged == 0:
-            sel_w = leaf_w[li:li + take]
-            codes = order[li:li + take]
-            used_leaves = take
+            is_leaf, index, used_leaves = True, slice(li, li + take), take
+            sel_w = leaf_w[index]
         elif n_leaf == 0:
-            sel_w = merged_w[qi:qi + take]
-            codes = n + np.arange(qi, qi + take, dtype=np.int64)
-            used_leaves = 0
+            is_leaf, index, used_leaves = False, slice(qi, qi + take), 0
+            sel_w = merged_w[index]
         else:
             cand = np.concatenate((leaf_w[li:la], merged_w[qi:qa]))
             # Stable sort of two sorted runs (timsort: linear); leaves come
@@ -169,19 +216,10 @@ def huffman(counts, branching=2):
             sel = np.argsort(cand, kind="stable")[:take]
             sel_w = cand[sel]
             is_leaf = sel < n_leaf
-            codes = np.where(is_leaf, order[li + np.minimum(sel, n_leaf - 1)],
-                             n + qi + (sel - n_leaf))
+            index = np.where(is_leaf, li + sel, qi + (sel - n_leaf))
             used_leaves = int(np.count_nonzero(is_leaf))
-        stream[out:out + take] = codes
-        merged_w[qn:qn + groups] = sel_w.reshape(groups, k).sum(axis=1)
+        group_sums(sel_w, groups, k, merged_w[qn:qn + groups])
+        yield qn, groups, is_leaf, index
         li += used_leaves
         qi += take - used_leaves
         qn += groups
-        out += take
-    assert out == s, (out, s)  # every item but the root consumed exactly once
-
-    node_begin = np.empty(m + 1, np.int64)
-    node_begin[0] = 0
-    node_begin[1:] = first + k * np.arange(m, dtype=np.int64)
-    child_begin, slot_child, _ = bfs_layout(n, node_begin, stream, m - 1)
-    return child_begin, slot_child, n
