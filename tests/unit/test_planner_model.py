@@ -215,3 +215,82 @@ def test_planning_imports_no_tensorflow_without_a_model():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=REPO, check=False)
   assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def _readme_model(keras, length=None, body=("lstm",)):
+  """The README's Keras model (sequences of any length unless `length`), V=1000."""
+  from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=import-outside-toplevel
+  tokens = keras.Input([length], dtype="int32")
+  targets = keras.Input([length], dtype="int32")
+  x = keras.layers.Embedding(1000, 16, mask_zero=True)(tokens)
+  if "lstm" in body:
+    x = keras.layers.LSTM(24, return_sequences=True)(x)
+  if "dense" in body:
+    x = keras.layers.Dense(24)(x)
+  out = HierarchicalSoftmax(tf_hsm.Tree.two_level(1000))(x, targets)
+  return keras.Model([tokens, targets], out)
+
+
+def test_variable_length_model_asks_for_the_sequence_length():
+  """The README's model (`keras.Input([None])`, an LSTM): its step depends on how the
+  tokens split into sequences, so plan asks for the length; given it, the figures are
+  those of the same model built at that length."""
+  keras = pytest.importorskip("keras")
+  model = _readme_model(keras)
+  with pytest.raises(ValueError, match=r"any length.*LSTM.*sequence_length=S"):
+    tf_hsm.plan(model=model, tokens_per_step=640, machine=MACHINE, adaptive=())
+  report = tf_hsm.plan(model=model, tokens_per_step=640, sequence_length=20,
+                       machine=MACHINE, trees=("two_level",), adaptive=())
+  fixed = tf_hsm.plan(model=_readme_model(keras, 20), tokens_per_step=640,
+                      machine=MACHINE, trees=("two_level",), adaptive=())
+  for key in ("params", "flops", "step_seconds", "peak_bytes", "batch"):
+    assert report.body[key] == pytest.approx(fixed.body[key]), key
+  assert report.body["hidden_shape"] == [None, 20, 24] and report.body["batch"] == 32
+  with pytest.raises(ValueError, match="not a multiple"):
+    tf_hsm.plan(model=model, tokens_per_step=650, sequence_length=20, machine=MACHINE)
+  for bad in (0, -5, 2.5, True):
+    with pytest.raises(ValueError, match="sequence_length must be a positive int"):
+      tf_hsm.plan(model=model, tokens_per_step=640, sequence_length=bad, machine=MACHINE)
+  with pytest.raises(ValueError, match="shapes are all known"):
+    tf_hsm.plan(model=_readme_model(keras, 20), tokens_per_step=640, sequence_length=20,
+                machine=MACHINE)
+  with pytest.raises(ValueError, match="sequence_length is for plan"):
+    tf_hsm.plan(1000, 16, 640, sequence_length=20, machine=MACHINE)
+
+
+def test_variable_length_model_of_per_position_layers_plans_from_the_tokens():
+  """Embeddings and dense layers cost the same however the step's tokens split into
+  sequences: plan takes them as one sequence of tokens_per_step, says so, and gives
+  the figures of any fixed split."""
+  keras = pytest.importorskip("keras")
+  report = tf_hsm.plan(model=_readme_model(keras, body=("dense",)), tokens_per_step=640,
+                       machine=MACHINE, trees=("two_level",), adaptive=())
+  assert any("any length" in note for note in report.notes)
+  for length in (20, 640):
+    fixed = tf_hsm.plan(model=_readme_model(keras, length, body=("dense",)),
+                        tokens_per_step=640, machine=MACHINE, trees=("two_level",),
+                        adaptive=())
+    for key in ("params", "flops", "step_seconds", "peak_bytes"):
+      assert report.body[key] == pytest.approx(fixed.body[key]), (key, length)
+
+
+def test_pooled_history_of_any_length_needs_its_length():
+  """A recommender's tower: a history of any length pooled into one vector, one target
+  a row. The history's length is not in tokens_per_step (the rows), so it is asked for,
+  and every unknown dimension takes it."""
+  keras = pytest.importorskip("keras")
+  from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=import-outside-toplevel
+  history = keras.Input([None], dtype="int32")
+  target = keras.Input([], dtype="int32")
+  x = keras.layers.Embedding(1000, 16)(history)
+  x = keras.layers.GlobalAveragePooling1D()(x)
+  x = keras.layers.Dense(32)(x)
+  model = keras.Model([history, target],
+                      HierarchicalSoftmax(tf_hsm.Tree.two_level(1000))(x, target))
+  with pytest.raises(ValueError, match="not one sequence of the hidden states"):
+    body_lib.body_cost(model, 256)
+  body = body_lib.body_cost(model, 256, sequence_length=50)
+  assert body.batch == 256 and body.hidden_shape == (None, 32)
+  embedding = next(layer for layer in body.layers if layer.kind == "Embedding")
+  assert embedding.parts[0].touched == 1000 * 16  # 256 x 50 ids touch every row
+  assert embedding.bytes_elements == 3.0 * 256 * 50 * 16

@@ -13,6 +13,15 @@ holding a tf_hsm output layer (a layer whose class is named `HierarchicalSoftmax
 first input. The batch is `tokens_per_step` over the positions of the hidden states
 (a [B, S, D] output scores B x S tokens a step).
 
+A model built for sequences of any length (`keras.Input([None])`, as most language
+models are) leaves the positions unknown. Where the body's cost does not depend on how
+the step's tokens split into sequences (embeddings, dense and normalisation layers: a
+position costs the same in any sequence), the step is priced as one sequence of
+`tokens_per_step` positions. A recurrent or attention layer costs by the sequence
+length (a loop step per position; scores S^2 a sequence), and so does a body whose
+unknown positions are not the hidden states' (a history pooled into one vector): there
+`sequence_length` must be given, and every unknown position dimension takes it.
+
 Each layer kind's work (forward and backward: 2 FLOPs a multiply-add forward, 4 back):
 
 - Dense, EinsumDense: rows x kernel elements multiply-adds (rows: the input's
@@ -42,6 +51,8 @@ for the backward, and FIT_BYTES.
 
 import dataclasses
 
+import numpy as np
+
 from tf_hsm.planning import machine as machine_lib
 from tf_hsm.planning.costs import DTYPE_BYTES, OPTIMIZERS, Part, moved_elements
 
@@ -70,6 +81,8 @@ _GATES = {"LSTM": 4, "GRU": 3, "SimpleRNN": 1, "CuDNNLSTM": 4, "CuDNNGRU": 3}
 _NORMS = ("LayerNormalization", "BatchNormalization", "RMSNormalization",
           "GroupNormalization", "UnitNormalization")
 _SKIP = ("InputLayer",)
+# The layers whose cost depends on the sequence length, not only on the tokens a step.
+_BY_LENGTH = tuple(_GATES) + ("Bidirectional", "MultiHeadAttention")
 
 
 @dataclasses.dataclass
@@ -165,13 +178,26 @@ def _dense_parts(layer):
   return [Part(name, n, n, True) for name, n, trainable in _weights(layer) if trainable]
 
 
-def _layer_cost(layer, batch, tokens_per_step, notes):
+def _filled(shape, length):
+  """`shape` with each unknown dimension but the batch's taken as `length`."""
+  return shape[:1] + tuple(length if d is None else d for d in shape[1:])
+
+
+def _layer_shapes(layer):
+  """(input shape, output shape) of a body layer, or a ValueError naming it."""
   kind = type(layer).__name__
-  name = getattr(layer, "name", kind)
   in_shape, out_shape = _io_shape(layer, "input"), _io_shape(layer, "output")
   if in_shape is None or out_shape is None:
-    raise ValueError(f"layer {name!r} ({kind}) has no input or output shape: build the "
-                     "model (call it on an Input, or on data) before planning it")
+    raise ValueError(f"layer {getattr(layer, 'name', kind)!r} ({kind}) has no input or "
+                     "output shape: build the model (call it on an Input, or on data) "
+                     "before planning it")
+  return in_shape, out_shape
+
+
+def _layer_cost(layer, batch, length, notes):
+  kind = type(layer).__name__
+  name = getattr(layer, "name", kind)
+  in_shape, out_shape = (_filled(s, length) for s in _layer_shapes(layer))
   rows_in = batch * _prod(in_shape[1:-1])
   rows_out = batch * _prod(out_shape[1:-1])
   out_elements = float(batch * _prod(out_shape[1:]))
@@ -237,7 +263,6 @@ def _layer_cost(layer, batch, tokens_per_step, notes):
     notes.append(f"body layer {name!r} ({kind}) is not a kind the planner knows: priced "
                  f"by its parameter count, as a Dense of {params:,.0f} weights over its "
                  f"{rows_in:,} input rows")
-  del tokens_per_step
   return cost
 
 
@@ -251,37 +276,38 @@ def find_output_layer(model):
   return None
 
 
-def body_cost(model, tokens_per_step):
+def body_cost(model, tokens_per_step, sequence_length=None):
   """The `Body` of `model` (a Keras model, built): the body's layers' costs for a step
-  of `tokens_per_step` scored outputs.
+  of `tokens_per_step` scored outputs, sequences of `sequence_length` positions where
+  the model leaves their length unknown (see the module's docstring).
 
   Raises:
-    ValueError: a model without layers or shapes, or tokens that are not a multiple of
-      the hidden states' positions.
+    ValueError: a model without layers or shapes, tokens that are not a multiple of
+      the hidden states' positions, and a model of unknown sequence length whose cost
+      depends on it, given no `sequence_length`.
   """
   layers = list(getattr(model, "layers", None) or [])
   if not layers:
     raise ValueError(f"model must be a built Keras model with layers, got "
                      f"{type(model).__name__}")
   output = find_output_layer(model)
-  notes = []
   if output is not None:
     hidden_shape = _io_shape(output, "input")
-    body_layers = [l for l in layers if l is not output]
+    body_layers = [l for l in layers
+                   if l is not output and type(l).__name__ not in _SKIP]
   else:
     hidden_shape = _shape(getattr(model, "output"))
-    body_layers = layers
-  positions = _prod(hidden_shape[1:-1])
+    body_layers = [l for l in layers if type(l).__name__ not in _SKIP]
   T = int(tokens_per_step)
+  notes = []
+  length = _sequence_length(body_layers, hidden_shape, T, sequence_length, notes)
+  hidden_shape = _filled(hidden_shape, length)
+  positions = _prod(hidden_shape[1:-1])
   if T % positions:
     raise ValueError(f"tokens_per_step={T} is not a multiple of the hidden states' "
                      f"{positions} positions (shape {hidden_shape})")
   batch = T // positions
-  costs = []
-  for layer in body_layers:
-    if type(layer).__name__ in _SKIP:
-      continue
-    costs.append(_layer_cost(layer, batch, T, notes))
+  costs = [_layer_cost(layer, batch, length, notes) for layer in body_layers]
   num_classes = None
   if output is not None:
     num_classes = getattr(output, "num_classes", None)
@@ -291,6 +317,45 @@ def body_cost(model, tokens_per_step):
   return Body(costs, batch, hidden_shape, notes,
               type(output).__name__ if output is not None else None,
               int(num_classes) if num_classes is not None else None)
+
+
+def _sequence_length(body_layers, hidden_shape, tokens, sequence_length, notes):
+  """The length every unknown position dimension takes (None where there is none):
+  `sequence_length`, or the step's tokens as one sequence where the body's cost does
+  not depend on the split."""
+  def unknown(shape):
+    return sum(d is None for d in shape[1:])
+
+  shapes = [s for layer in body_layers for s in _layer_shapes(layer)]
+  if not any(unknown(s) for s in shapes + [hidden_shape]):
+    if sequence_length is not None:
+      raise ValueError(f"sequence_length={sequence_length!r} was given, but the model's "
+                       f"shapes are all known (hidden states {hidden_shape}): it is for "
+                       "a model built for sequences of any length (keras.Input([None]))")
+    return None
+  if sequence_length is not None:
+    if isinstance(sequence_length, bool) or not isinstance(
+        sequence_length, (int, np.integer)) or sequence_length < 1:
+      raise ValueError(f"sequence_length must be a positive int, got {sequence_length!r}")
+    return int(sequence_length)
+  by_length = [f"{getattr(l, 'name', '?')!r} ({type(l).__name__})" for l in body_layers
+               if type(l).__name__ in _BY_LENGTH]
+  if (by_length or unknown(hidden_shape) != 1 or
+      any(unknown(s) > 1 for s in shapes)):
+    why = (f"its layer {by_length[0]} costs by the sequence length" if by_length else
+           "its unknown dimensions are not one sequence of the hidden states")
+    raise ValueError(
+        f"the model takes sequences of any length (hidden states {hidden_shape}) and "
+        f"{why}: give the length of a step's sequences, plan(..., sequence_length=S), "
+        f"with tokens_per_step={tokens} a multiple of it (the batch times S)")
+  known = _prod(d for d in hidden_shape[1:-1] if d is not None)
+  if tokens % known:
+    raise ValueError(f"tokens_per_step={tokens} is not a multiple of the hidden states' "
+                     f"{known} positions a sequence step (shape {hidden_shape})")
+  notes.append(f"the model takes sequences of any length: planned as the step's "
+               f"{tokens:,} tokens in one sequence (its layers cost the same at any "
+               "batch and length)")
+  return tokens // known
 
 
 def body_price(body, optimizer="sgd", dtype="float32", machine=None):

@@ -363,7 +363,7 @@ def _kind_rank(method):
 def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
          optimizer="sgd", dtype="float32", memory_budget=None, num_shards=1, machine=None,
          trees=TREES, adaptive=TAILS, cutoffs=None, div_value=DIV_VALUE, progress=None,
-         model=None):
+         model=None, sequence_length=None):
   """Plans the output layer of a model: one row per candidate and a recommendation.
 
   Args:
@@ -398,6 +398,11 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
       AdaptiveSoftmax layer (its body: every other layer). Its step and memory are added
       to every row (`whole_step_seconds`, `whole_peak_bytes`); `report.body` holds its
       figures, a row per layer.
+    sequence_length: with a `model` built for sequences of any length
+      (`keras.Input([None])`), the length of a step's sequences (tokens_per_step is the
+      batch times it). Needed where the body's cost depends on it (a recurrent or
+      attention layer; a ValueError asks for it); otherwise the step's tokens are
+      priced as one sequence.
 
   Returns:
     A `Report`. Every row carries `quality`: its measured perplexity against full
@@ -411,7 +416,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     needs the least memory.
   """
   body, num_classes, hidden = _model_sizes(model, num_classes, hidden, tokens_per_step,
-                                           counts)
+                                           counts, sequence_length)
   _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
                         dtype, div_value, adaptive)
   # A measurement of the machine is announced on stderr even without `progress`.
@@ -481,15 +486,18 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   return Report(rows, best["method"], reason, settings, layer, notes, body_row)
 
 
-def _model_sizes(model, num_classes, hidden, tokens_per_step, counts):
+def _model_sizes(model, num_classes, hidden, tokens_per_step, counts, sequence_length):
   """(the body's cost or None, num_classes, hidden): the sizes a `model` gives where
   they are not given."""
   if model is None:
+    if sequence_length is not None:
+      raise ValueError("sequence_length is for plan(model=...): without a model, "
+                       "tokens_per_step alone sizes the output layer")
     return None, num_classes, hidden
   if tokens_per_step is None:
     raise ValueError("tokens_per_step is required with a model: the outputs a "
                      "training step scores (batch x sequence length)")
-  body = body_lib.body_cost(model, tokens_per_step)
+  body = body_lib.body_cost(model, tokens_per_step, sequence_length)
   if hidden is None:
     hidden = body.hidden
   if num_classes is None:
