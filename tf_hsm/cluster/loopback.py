@@ -122,6 +122,7 @@ class LoopbackCluster:
             if process.poll() is None}
 
   def close(self):
+    _disconnect_context(self.spec)
     for process in self.processes.values():
       if process.poll() is None:
         process.kill()
@@ -129,6 +130,37 @@ class LoopbackCluster:
       process.wait()
       if process.stdout:
         process.stdout.close()
+
+
+def _disconnect_context(spec):
+  """Takes the servers of `spec` out of TensorFlow's eager context, if it is connected
+  to them (a `ParameterServerStrategy` on the cluster connects it).
+
+  The context tells every server it knows when a function it traced is deleted; once the
+  servers have ended, each deletion (at the latest at the process's exit, one for every
+  function and server) logs "Failed to remove function remotely ... Connection refused",
+  which reads as a crash after a run that went well. Left with its own task only, the
+  context deletes its functions locally, and runs on as a local one."""
+  tensorflow = sys.modules.get("tensorflow")
+  if tensorflow is None:
+    return
+  from tensorflow.core.protobuf import tensorflow_server_pb2  # pylint: disable=import-outside-toplevel
+  from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+  server_def = context.context().get_server_def()
+  ours = {address for addresses in spec.values() for address in addresses}
+  if server_def is None or not any(set(job.tasks.values()) & ours
+                                   for job in server_def.cluster.job):
+    return
+  local = tensorflow_server_pb2.ServerDef()
+  local.CopyFrom(server_def)
+  del local.cluster.job[:]
+  for job in server_def.cluster.job:
+    if job.name == server_def.job_name:
+      local.cluster.job.add().CopyFrom(job)
+  try:
+    context.context().update_server_def(local)
+  except tensorflow.errors.OpError:
+    pass  # a server already gone (killed as a failure): the messages are then expected
 
 
 def _human(value):
