@@ -52,7 +52,7 @@ _PUBLIC = {
     "losses": (_KERAS + ".losses", None),
     "optimizers": (_KERAS + ".optimizers", None),
     "callbacks": (_KERAS + ".callbacks", None),
-    "metrics": ("tf_hsm.keras.metrics", None),
+    "metrics": (_KERAS + ".metrics", None),
     "distribute": ("tf_hsm.distribute", None),
     "serving": ("tf_hsm.serving", None),
     "keras": ("tf_hsm.keras", None),
@@ -63,13 +63,19 @@ _PUBLIC = {
 }
 
 # Module paths of the flat package this one grew from, still importable
-# (`from tf_hsm.layers import HierarchicalSoftmax`): each is the module it became.
+# (`from tf_hsm.layers import HierarchicalSoftmax`): each is the module it became, of
+# the same front end as the top-level names. Importing one also sets the attribute
+# `tf_hsm.<name>` to it (`tf_hsm.metrics` joins them, so that every public module has
+# both forms), so `from tf_hsm.callbacks import RebuildTree` and
+# `tf_hsm.callbacks` agree under TF_USE_LEGACY_KERAS=1 too (a Keras 3 callback in a
+# tf_keras model's `fit` fails in tf_keras' callback list).
 _MOVED = {
-    "tf_hsm.layers": "tf_hsm.keras.layers",
-    "tf_hsm.adaptive": "tf_hsm.keras.adaptive",
-    "tf_hsm.losses": "tf_hsm.keras.losses",
-    "tf_hsm.optimizers": "tf_hsm.keras.optimizers",
-    "tf_hsm.callbacks": "tf_hsm.keras.callbacks",
+    "tf_hsm.layers": _KERAS + ".layers",
+    "tf_hsm.adaptive": _KERAS + ".adaptive",
+    "tf_hsm.losses": _KERAS + ".losses",
+    "tf_hsm.optimizers": _KERAS + ".optimizers",
+    "tf_hsm.callbacks": _KERAS + ".callbacks",
+    "tf_hsm.metrics": _KERAS + ".metrics",
     "tf_hsm.inference": "tf_hsm.ops.inference",
     "tf_hsm.planner": "tf_hsm.planning",
     "tf_hsm.baselines": "tf_hsm.bench.baselines",

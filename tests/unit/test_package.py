@@ -168,6 +168,7 @@ def test_public_names_resolve(name):
     ("tf_hsm.optimizers", "tf_hsm.keras.optimizers", "LazyAdam"),
     ("tf_hsm.losses", "tf_hsm.keras.losses", "nll"),
     ("tf_hsm.callbacks", "tf_hsm.keras.callbacks", "RebuildTree"),
+    ("tf_hsm.metrics", "tf_hsm.keras.metrics", "Perplexity"),
     ("tf_hsm.inference", "tf_hsm.ops.inference", "top_k"),
     ("tf_hsm.planner", "tf_hsm.planning", "recommend_tree"),
     ("tf_hsm.baselines", "tf_hsm.bench.baselines", "full_softmax_log_prob"),

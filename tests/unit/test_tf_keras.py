@@ -3,6 +3,7 @@
 the layer, saving and loading, mixed precision, the tree rebuild, and the errors that
 stop the two Keras from being mixed."""
 
+import json
 import os
 import sys
 
@@ -160,6 +161,85 @@ def test_rebuild_tree_callback(rng):
   before = layer.kernel.numpy().copy()
   model.fit([x, y], y, epochs=1, batch_size=16, verbose=0)
   assert np.abs(layer.kernel.numpy() - before).max() > 0
+
+
+def test_keras3_rebuild_callback_in_a_tf_keras_model_says_which_to_use(rng):
+  model = _model(_tree())
+  x, y = _data(rng, n=16)
+  with pytest.raises(TypeError, match=r"tf_keras model.*tf_hsm\.tf_keras\.callbacks\."
+                     r"RebuildTree"):
+    model.fit([x, y], y, epochs=1, verbose=0,
+              callbacks=[hk3.callbacks.RebuildTree("hsm")])
+
+
+def test_tf_keras_rebuild_callback_in_a_keras3_model_says_which_to_use(rng):
+  tokens, targets = keras.Input((None,), dtype="int32"), keras.Input((None,), dtype="int32")
+  hidden = keras.layers.Embedding(V, D)(tokens)
+  model = keras.Model([tokens, targets],
+                      hk3.HierarchicalSoftmax(_tree(), name="hsm")(hidden, targets))
+  model.compile(optimizer=hk3.optimizers.LazyAdam(0.05), loss=hk3.losses.nll)
+  x, y = _data(rng, n=16)
+  with pytest.raises(TypeError, match=r"keras model.*tf_hsm\.keras\.callbacks\."
+                     r"RebuildTree"):
+    model.fit([x, y], y, epochs=1, verbose=0,
+              callbacks=[hk2.callbacks.RebuildTree("hsm")])
+
+
+# Under TF_USE_LEGACY_KERAS=1, every way of naming a public Keras name of tf_hsm, in
+# an order where a `from tf_hsm.X import` comes before `tf_hsm.X` (which kept the
+# Keras 3 module), then a tf.keras model's fit with the callback of the form
+# docs/usage.md writes.
+LEGACY_NAMES = """
+import json, numpy as np, tensorflow as tf
+from tf_hsm.callbacks import RebuildTree
+from tf_hsm.losses import nll
+from tf_hsm.optimizers import LazyAdam
+from tf_hsm.metrics import Perplexity
+from tf_hsm.layers import HierarchicalSoftmax
+from tf_hsm.adaptive import AdaptiveSoftmax
+import tf_hsm
+import tf_hsm.callbacks as callbacks_module
+from tf_hsm import losses, optimizers, metrics
+found = {
+    "from tf_hsm.callbacks": RebuildTree.__module__, "from tf_hsm.losses": nll.__module__,
+    "from tf_hsm.optimizers": LazyAdam.__module__,
+    "from tf_hsm.metrics": Perplexity.__module__,
+    "from tf_hsm.layers": HierarchicalSoftmax.__module__,
+    "from tf_hsm.adaptive": AdaptiveSoftmax.__module__,
+    "import tf_hsm.callbacks as": callbacks_module.__name__,
+    "from tf_hsm import losses": losses.__name__,
+    "from tf_hsm import optimizers": optimizers.__name__,
+    "from tf_hsm import metrics": metrics.__name__}
+for name in ("callbacks", "losses", "optimizers", "metrics", "layers", "adaptive"):
+  found["tf_hsm." + name] = getattr(tf_hsm, name).__name__
+for name in ("HierarchicalSoftmax", "AdaptiveSoftmax", "inference_model"):
+  found["tf_hsm." + name] = getattr(tf_hsm, name).__module__
+V = 40
+tree = tf_hsm.Tree.huffman(np.arange(1, V + 1, dtype=float), branching=3)
+tokens = tf.keras.Input((None,), dtype="int32")
+targets = tf.keras.Input((None,), dtype="int32")
+hidden = tf.keras.layers.Embedding(V, 6)(tokens)
+model = tf.keras.Model([tokens, targets], HierarchicalSoftmax(tree, name="hsm")(hidden,
+                                                                               targets))
+model.compile(optimizer=LazyAdam(0.05), loss=nll)
+x = np.random.default_rng(0).integers(1, V, (32, 5)).astype(np.int32)
+callback = RebuildTree("hsm", after_epoch=1)
+model.fit([x, x], x, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
+found["rebuilt"] = callback.tree is not None and model.get_layer("hsm").tree is callback.tree
+print(json.dumps(found))
+"""
+
+
+def test_legacy_keras_every_import_form_is_the_tf_keras_front_end(tmp_path):
+  script = tmp_path / "legacy_names.py"
+  script.write_text(LEGACY_NAMES)
+  out = support.run([script], timeout=300,
+                    env=support.repo_env(TF_USE_LEGACY_KERAS="1")).stdout
+  found = json.loads(out.strip().splitlines()[-1])
+  assert found.pop("rebuilt") is True
+  wrong = {form: module for form, module in found.items()
+           if not module.startswith("tf_hsm.tf_keras.")}
+  assert not wrong, wrong
 
 
 def test_keras3_layer_on_tf_keras_tensors_says_which_to_use():

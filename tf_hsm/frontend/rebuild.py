@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hsm import distribute
+from tf_hsm.frontend import hsm as frontend_hsm
 from tf_hsm.tree import Tree
 from tf_hsm.tree.checks import counts_array
 
@@ -208,6 +209,18 @@ class RebuildSchedule:
     self.vectors = vectors
     self.tree = None
     self.rebuild_seconds = None
+
+  def set_model(self, model):
+    # A model of the other Keras fails obscurely: tf_keras' `fit` asks each callback
+    # which hooks it implements (an AttributeError about `_implements_train_batch_hooks`
+    # from a Keras 3 callback), Keras 3's trains until the rebuild, which then refuses
+    # the layer as not a HierarchicalSoftmax. Both hand the callback its model first:
+    # the mistake is named here, with its fix.
+    own = self.front_end.layer_base.__module__.split(".")[0]  # 'keras' or 'tf_keras'
+    if not isinstance(model, self.front_end.layer_base):
+      raise TypeError(f"RebuildTree got a {type(model).__module__.split('.')[0]} model: "
+                      + frontend_hsm.other_keras_name(own, "callbacks", "RebuildTree"))
+    super().set_model(model)
 
   def on_train_batch_end(self, batch, logs=None):
     # `batch` is the index in the epoch of the last batch run: with steps_per_execution
