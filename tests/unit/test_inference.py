@@ -541,3 +541,77 @@ def test_slot_child_size_mismatch():
   arrays[4] = arrays[4][:-1]
   with pytest.raises(tf.errors.InvalidArgumentError, match="slot_child must be a vector"):
     _raw_calls(arrays)["top_k"]()
+
+
+# ---------------------------------------------------------------------------------------
+# top_k with exclusions
+# ---------------------------------------------------------------------------------------
+
+
+def _best_allowed(ref_row, banned, k):
+  """The k best classes of a float64 row outside `banned`, ties by increasing id."""
+  order = np.lexsort((np.arange(ref_row.size), -ref_row))
+  allowed = [c for c in order if c not in banned]
+  return allowed[:k]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_top_k_exclude_is_the_best_allowed(rng, dtype):
+  for name, tree in trees_of_every_kind(rng):
+    c = tree.num_classes
+    if c < 4:
+      continue
+    hidden, weights, biases = _inputs(rng, tree, (3, 4), 6, dtype)
+    ref = all_log_probs(hidden, weights, biases, tree).reshape(3, 4, c)
+    n = 3
+    exclude = rng.integers(-1, c, size=(3, 4, n))  # -1: no id there
+    k = min(4, c - n)
+    values, classes = top_k(hidden, weights, biases, tree, k, exclude=exclude)
+    assert values.shape == (3, 4, k) and classes.shape == (3, 4, k), name
+    for i in range(3):
+      for j in range(4):
+        expected = _best_allowed(ref[i, j], set(exclude[i, j].tolist()), k)
+        np.testing.assert_array_equal(classes.numpy()[i, j], expected, err_msg=name)
+        np.testing.assert_allclose(values.numpy()[i, j], ref[i, j, expected],
+                                   rtol=TOL[dtype], atol=TOL[dtype], err_msg=name)
+
+
+def test_top_k_exclude_broadcasts_and_runs_out(rng):
+  tree = tf_hsm.Tree.huffman(np.arange(12, 0, -1.0), branching=3)
+  hidden, weights, biases = _inputs(rng, tree, (5,), 4, np.float64)
+  ref = all_log_probs(hidden, weights, biases, tree)
+  # [1, n]: the same ids left out of every row.
+  values, classes = top_k(hidden, weights, biases, tree, 3, exclude=[[0, 5]])
+  for row in range(5):
+    np.testing.assert_array_equal(classes.numpy()[row], _best_allowed(ref[row], {0, 5}, 3))
+  # 10 of 12 classes excluded, k = 4: two classes, then -1 with -inf.
+  values, classes = top_k(hidden, weights, biases, tree, 4,
+                          exclude=np.tile(np.arange(10), (5, 1)))
+  np.testing.assert_array_equal(classes.numpy()[:, 2:], -1)
+  assert np.all(np.isneginf(values.numpy()[:, 2:]))
+  for row in range(5):
+    np.testing.assert_array_equal(classes.numpy()[row, :2], _best_allowed(ref[row],
+                                                                          set(range(10)), 2))
+  # No ids: the plain search.
+  plain = top_k(hidden, weights, biases, tree, 3)
+  empty = top_k(hidden, weights, biases, tree, 3, exclude=np.zeros((5, 0), np.int64))
+  np.testing.assert_array_equal(plain[1].numpy(), empty[1].numpy())
+
+
+def test_top_k_exclude_ragged_and_errors(rng):
+  tree = tf_hsm.Tree.balanced(20, 4)
+  hidden, weights, biases = _inputs(rng, tree, (5,), 4, np.float32)
+  ragged = tf.RaggedTensor.from_row_lengths(hidden, [2, 3])
+  exclude = np.array([[1, 2], [3, -1], [0, 0], [7, 8], [9, 10]])
+  flat = top_k(hidden, weights, biases, tree, 3, exclude=exclude)
+  out = top_k(ragged, weights, biases, tree, 3,
+              exclude=tf.RaggedTensor.from_row_lengths(exclude, [2, 3]))
+  np.testing.assert_array_equal(out[1].flat_values.numpy(), flat[1].numpy())
+  with pytest.raises(TypeError, match="exclude must be one too"):
+    top_k(ragged, weights, biases, tree, 3, exclude=exclude)
+  with pytest.raises(ValueError, match=r"exclude must be class ids \[\.\.\., n\]"):
+    top_k(hidden, weights, biases, tree, 3, exclude=[1, 2])
+  with pytest.raises(tf.errors.InvalidArgumentError, match="excluded id is >= num_classes"):
+    top_k(hidden, weights, biases, tree, 3, exclude=[[20]])
+  with pytest.raises(TypeError, match="exclude must be int32 or int64"):
+    top_k(hidden, weights, biases, tree, 3, exclude=[[1.0]])

@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hsm.frontend import hsm
+from tf_hsm.frontend import wiring
 from tf_hsm.ops import inference
 from tf_hsm.ops import log_prob
 from tf_hsm.planning import cutoffs as cutoff_search
@@ -328,6 +329,10 @@ class AdaptiveSoftmaxCore:
 
   def __call__(self, *args, **kwargs):
     hsm.refuse_other_keras(self._KERAS, "AdaptiveSoftmax", (args, kwargs))
+    wiring.check_call(self, args, kwargs)
+    # Only a tree tail's table gets a sparse gradient; the head and flat tails are
+    # read whole by their softmax.
+    wiring.check_model(self, sparse_table=self.tail != "flat")
     return super().__call__(*args, **kwargs)
 
   def _valid_targets(self, targets, masks):
@@ -374,6 +379,7 @@ class AdaptiveSoftmaxCore:
     out = tf.reshape(out, leading)
     valid = tf.reshape(valid, leading)
     out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
+    hsm.attach_source(out, self, hidden, targets)
     return out
 
   def compute_mask(self, hidden, previous_mask=None):

@@ -56,7 +56,8 @@ def tables(kernel, bias, row_layout):
   return row_layout.table(kernel), None if bias is None else row_layout.table(bias)
 
 
-def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=()):
+def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=(),
+              ignore_class=None, layer=None):
   """The layer's output: log P(targets | hidden), 0 at padding, with its Keras mask.
 
   Args:
@@ -66,6 +67,9 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=()):
     tree: the `tf_hsm.Tree`.
     row_layout: the layer's `RowLayout`, or None.
     masks: Keras masks (None or boolean-like, `targets`' shape); False marks padding.
+    ignore_class: a class id that marks padding too, or None.
+    layer: the calling layer, attached to the output with its hidden states (for the
+      top-k metric compiled with the model, which sees only the output).
 
   Returns:
     The log-probabilities, `targets`' shape, with `_keras_mask` (the valid positions)
@@ -73,6 +77,8 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=()):
   """
   targets = tf.convert_to_tensor(targets)
   valid = targets >= 0
+  if ignore_class is not None:
+    valid = tf.logical_and(valid, tf.not_equal(targets, tf.cast(ignore_class, targets.dtype)))
   for extra in masks:
     if extra is not None:
       valid = tf.logical_and(valid, tf.cast(extra, tf.bool))
@@ -89,7 +95,54 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=()):
                    tree, safe_targets)
   out = tf.where(valid, out, tf.zeros_like(out))
   out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
+  if layer is not None:
+    attach_source(out, layer, hidden, targets)
   return out
+
+
+def attach_source(out, layer, hidden, targets):
+  """Lets a metric compiled with the model find the layer and the hidden states behind
+  its output (the output alone, one log-probability a token, cannot say which classes
+  ranked highest). Keras hands a model's output tensor to its compiled metrics as it
+  came out of the layer, as it does for the `_keras_mask` attribute."""
+  out._tf_hsm_source = (layer, hidden, targets)  # pylint: disable=protected-access
+
+
+def source_of(output):
+  """(layer, hidden, targets) attached by `attach_source`, or None."""
+  return getattr(output, "_tf_hsm_source", None)
+
+
+def checked_ignore_class(tree, ignore_class):
+  """`ignore_class` (None or a class id of `tree`) as an int or None."""
+  if ignore_class is None:
+    return None
+  if isinstance(ignore_class, (bool, np.bool_)) or not isinstance(
+      ignore_class, (int, np.integer)) or not 0 <= ignore_class < tree.num_classes:
+    raise ValueError(f"ignore_class must be None or a class id in [0, "
+                     f"{tree.num_classes}), got {ignore_class!r}")
+  return int(ignore_class)
+
+
+def with_ignored(exclude, ignore_class, hidden):
+  """`exclude` ([..., n] class ids per row of `hidden`, or None) with `ignore_class`
+  added to every row, for the layer's top_k (ragged like a ragged `hidden`)."""
+  if ignore_class is None:
+    return exclude
+  if isinstance(hidden, tf.RaggedTensor):
+    rows = tf.shape(hidden.flat_values, out_type=tf.int64)[:1]
+    ignored = hidden.with_flat_values(
+        tf.fill(tf.concat([rows, [1]], 0), tf.constant(ignore_class, tf.int64)))
+  else:
+    leading = tf.shape(tf.convert_to_tensor(hidden))[:-1]
+    ignored = tf.fill(tf.concat([leading, [1]], 0), tf.constant(ignore_class, tf.int64))
+  if exclude is None:
+    return ignored
+  if isinstance(exclude, tf.RaggedTensor):
+    exclude = tf.cast(exclude, tf.int64)
+  else:
+    exclude = tf.cast(tf.convert_to_tensor(exclude), tf.int64)
+  return tf.concat([exclude, ignored], -1)
 
 
 def partitioning_strategy():

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tf_hsm.frontend import hsm
 from tf_hsm.frontend import rebuild as frontend_rebuild
+from tf_hsm.frontend import wiring
 from tf_hsm.ops import inputs
 from tf_hsm.ops import loader  # Tables larger than this are initialised one block of rows at a time (see
 # `_block_initializer`): a Keras random initializer computes its value with several
@@ -32,7 +33,8 @@ class HierarchicalSoftmax(keras.layers.Layer):
   with `tf_hsm.optimizers.LazyAdam`, `SparseAdagrad` or `SparseSGD` to keep the update
   that sparse too.
 
-  Padding: targets < 0 give log-probability 0 and no gradient, and so do positions where
+  Padding: targets < 0 give log-probability 0 and no gradient, and so do targets equal
+  to `ignore_class` (Keras' `ignore_class`, PyTorch's `ignore_index`) and positions where
   a Keras mask is 0 (the `mask` argument, or the mask of `hidden` propagated from an
   upstream layer such as `Embedding(mask_zero=True)`). The output carries the combined
   mask, so `tf_hsm.losses.nll` averages over real tokens only.
@@ -43,7 +45,12 @@ class HierarchicalSoftmax(keras.layers.Layer):
   loss keeps full precision. Under a float64 policy everything is float64.
 
   Inference: `top_k`, `log_prob_all` and `sample` run `tf_hsm.inference` on this
-  layer's weights.
+  layer's weights; `top_k` never returns `ignore_class`. In a model, the trained model
+  cut at this layer predicts without targets: `tf_hsm.inference_model(model)`.
+
+  Wiring: called inside a compiled model, the layer raises for a loss that reads class
+  scores (use `tf_hsm.losses.nll`) and warns once when the optimizer would update the
+  whole table (use `tf_hsm.optimizers.LazyAdam`, `SparseAdagrad` or `SparseSGD`).
 
   Args:
     tree: a `tf_hsm.Tree` (or its `get_config()` dict).
@@ -64,6 +71,11 @@ class HierarchicalSoftmax(keras.layers.Layer):
       ranges of a table split over parameter servers carry equal traffic
       (`tf_hsm.distribute.balanced_layout`). Each call then gathers the rows of its
       batch's paths (the path a table in pieces always takes).
+    ignore_class: None, or a class id that marks padding in the targets (e.g. 0 where
+      `Embedding(mask_zero=True)` makes id 0 padding and the targets are padded with
+      0): its positions get log-probability 0, no gradient and no weight in the loss,
+      and `top_k` leaves it out. Give it a zero count when building the tree (so a
+      Huffman tree puts it deep, where it costs nothing).
     **kwargs: base `keras.layers.Layer` arguments (name, dtype, trainable, ...).
 
   Call arguments:
@@ -77,10 +89,12 @@ class HierarchicalSoftmax(keras.layers.Layer):
 
   def __init__(self, tree, use_bias=True, kernel_initializer="glorot_uniform",
                bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
-               kernel_constraint=None, bias_constraint=None, row_layout=None, **kwargs):
+               kernel_constraint=None, bias_constraint=None, row_layout=None,
+               ignore_class=None, **kwargs):
     super().__init__(**kwargs)
     self.tree = hsm.checked_tree(tree)
     self.row_layout = hsm.checked_row_layout(self.tree, row_layout)
+    self.ignore_class = hsm.checked_ignore_class(self.tree, ignore_class)
     self.use_bias = bool(use_bias)
     self.kernel_initializer = keras.initializers.get(kernel_initializer)
     self.bias_initializer = keras.initializers.get(bias_initializer)
@@ -138,29 +152,37 @@ class HierarchicalSoftmax(keras.layers.Layer):
       raise ValueError(f"HierarchicalSoftmax.{what} needs a built layer: call it on data "
                        "(or call build(hidden_shape)) first")
 
+  _KERAS = "keras"
+
   def __call__(self, *args, **kwargs):
     hsm.refuse_other_keras("keras", "HierarchicalSoftmax", (args, kwargs))
+    wiring.check_call(self, args, kwargs)
+    wiring.check_model(self)
     return super().__call__(*args, **kwargs)
 
   def call(self, hidden, targets, mask=None, hidden_mask=None):
     # `hidden_mask` is filled in by Keras with the mask of `hidden` (multi-input layers
     # receive one `<argument>_mask` per tensor argument).
     return hsm.log_probs(hidden, targets, self.kernel, self.bias, self.tree,
-                          self.row_layout, (mask, hidden_mask))
+                          self.row_layout, (mask, hidden_mask), self.ignore_class, self)
 
   def compute_mask(self, hidden, previous_mask=None):
     # `call` attaches the real mask (it depends on the targets) to its output.
     return None
 
-  def top_k(self, hidden, k):
-    """The k most probable classes: `tf_hsm.inference.top_k` with this layer's weights.
+  def top_k(self, hidden, k, exclude=None):
+    """The k most probable classes: `tf_hsm.inference.top_k` with this layer's weights,
+    leaving out `ignore_class` and `exclude` (class ids `[..., n]` per row; see
+    `tf_hsm.inference.top_k`).
 
     Returns:
       (log_probs, classes), each `[..., k]`.
     """
     from tf_hsm.ops import inference  # pylint: disable=g-import-not-at-top
     self._check_built("top_k")
-    return inference.top_k(self._hidden(hidden), *self._tables(), self.tree, k)
+    exclude = hsm.with_ignored(exclude, self.ignore_class, hidden)
+    return inference.top_k(self._hidden(hidden), *self._tables(), self.tree, k,
+                           exclude=exclude)
 
   def log_prob_all(self, hidden, **kwargs):
     """log P(c | hidden) for every class c: `[..., num_classes]`.
@@ -274,6 +296,7 @@ class HierarchicalSoftmax(keras.layers.Layer):
         "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
         "bias_constraint": keras.constraints.serialize(self.bias_constraint),
         "row_layout": None if self.row_layout is None else self.row_layout.get_config(),
+        "ignore_class": self.ignore_class,
     })
     return config
 

@@ -42,8 +42,7 @@ def _cast_back(result, out_dtype):
   return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
 
 
-@op_inputs.accepts_ragged
-def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
+def top_k(hidden, weights, biases, tree, k, return_num_expanded=False, exclude=None):
   """The k most probable classes of each row, exactly.
 
   Best-first (branch-and-bound) search over the tree: a priority queue holds nodes and
@@ -69,6 +68,14 @@ def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
     k: a Python int, 1 <= k <= tree.num_classes.
     return_num_expanded: also return the number of internal nodes each row's search
       expanded (the root included), a measure of the work done.
+    exclude: None, or int class ids ``[..., n]`` that a row's top k must leave out
+      ("do not recommend what the user already bought"), with hidden's leading shape
+      (a dimension of 1 applies to every row along it: ``[1, n]`` for a batch ``[B,
+      D]`` excludes the same ids everywhere); ragged like a ragged `hidden`. Ids < 0
+      are ignored, so rows of different lengths pad with -1. The search finds the
+      top ``k + n`` and drops the excluded ones, which is exact: at most n classes
+      outrank the k best allowed ones. A row with fewer than k classes left gets class
+      -1 with log-probability -inf in its last places.
 
   Returns:
     ``(log_probs, classes)``: ``[..., k]`` log-probabilities in decreasing order (dtype
@@ -77,9 +84,19 @@ def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
 
   Raises:
     TypeError: `tree` is not a Tree, or wrong dtypes.
-    ValueError: `k` is not an integer in [1, num_classes].
-    tf.errors.InvalidArgumentError: shape mismatches or malformed tree tensors.
+    ValueError: `k` is not an integer in [1, num_classes]; an `exclude` whose rank is
+      not hidden's or whose last dimension is not known.
+    tf.errors.InvalidArgumentError: shape mismatches, malformed tree tensors, excluded
+      ids >= num_classes.
   """
+  if exclude is not None:
+    return _top_k_excluding(hidden, weights, biases, tree, k, return_num_expanded, exclude)
+  return _search(hidden, weights, biases, tree, k, return_num_expanded)
+
+
+@op_inputs.accepts_ragged
+def _search(hidden, weights, biases, tree, k, return_num_expanded=False):
+  """`top_k` without exclusions: the op's best-first search."""
   tree_args = _tree_args(tree)
   if not _is_int(k) or not 1 <= k <= tree.num_classes:
     raise ValueError(f"k must be an integer in [1, num_classes] = [1, {tree.num_classes}], "
@@ -88,6 +105,48 @@ def top_k(hidden, weights, biases, tree, k, return_num_expanded=False):
   log_probs, classes, expanded = loader.ops().hsm_top_k(hidden, weights, biases, *tree_args,
                                                          k=int(k))
   log_probs = _cast_back(log_probs, out_dtype)
+  if return_num_expanded:
+    return log_probs, classes, expanded
+  return log_probs, classes
+
+
+def _top_k_excluding(hidden, weights, biases, tree, k, return_num_expanded, exclude):
+  """`top_k` with `exclude`: the top k + n, the excluded classes moved out of it."""
+  if isinstance(hidden, tf.RaggedTensor):
+    if not isinstance(exclude, tf.RaggedTensor) or exclude.ragged_rank != hidden.ragged_rank:
+      raise TypeError("hidden is a tf.RaggedTensor, so exclude must be one too, with "
+                      f"hidden's row partitions; got {type(exclude).__name__}")
+    flat = _top_k_excluding(hidden.flat_values, weights, biases, tree, k,
+                            return_num_expanded, exclude.flat_values)
+    return tuple(hidden.with_flat_values(part) for part in flat)
+  exclude = tf.cast(op_inputs.class_ids(exclude, "exclude"), tf.int64)
+  hidden_rank = tf.convert_to_tensor(hidden).shape.rank
+  n = exclude.shape[-1] if exclude.shape.rank else None
+  if exclude.shape.rank != hidden_rank or n is None:
+    raise ValueError(f"exclude must be class ids [..., n] with hidden's leading shape "
+                     f"and a known n, got shape {exclude.shape} for hidden of rank "
+                     f"{hidden_rank} (for the same ids on every row of a [B, D] batch: "
+                     "shape [1, n])")
+  if not _is_int(k) or not 1 <= k <= tree.num_classes:
+    raise ValueError(f"k must be an integer in [1, num_classes] = [1, {tree.num_classes}], "
+                     f"got {k!r}")
+  if n == 0:
+    return _search(hidden, weights, biases, tree, k, return_num_expanded)
+  with tf.control_dependencies([tf.debugging.assert_less(
+      exclude, tf.constant(tree.num_classes, tf.int64),
+      message="top_k: an excluded id is >= num_classes")]):
+    exclude = tf.identity(exclude)
+  wide = min(k + n, tree.num_classes)
+  log_probs, classes, expanded = _search(hidden, weights, biases, tree, wide, True)
+  excluded = tf.reduce_any(classes[..., :, None] == exclude[..., None, :], axis=-1)
+  # Allowed classes first, each group in the search's order (best first, ties by id).
+  key = tf.range(wide, dtype=tf.int64) + wide * tf.cast(excluded, tf.int64)
+  order = tf.argsort(key, axis=-1, stable=True)[..., :k]
+  batch_dims = classes.shape.rank - 1
+  picked = [tf.gather(x, order, batch_dims=batch_dims)
+            for x in (log_probs, classes, excluded)]
+  log_probs = tf.where(picked[2], tf.constant(-np.inf, log_probs.dtype), picked[0])
+  classes = tf.where(picked[2], tf.constant(-1, tf.int64), picked[1])
   if return_num_expanded:
     return log_probs, classes, expanded
   return log_probs, classes

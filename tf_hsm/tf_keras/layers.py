@@ -6,6 +6,7 @@ import tf_keras
 
 from tf_hsm.frontend import hsm as frontend_hsm
 from tf_hsm.frontend import rebuild
+from tf_hsm.frontend import wiring
 from tf_hsm.ops import loader  # As in the Keras 3 layer: a SavedModel with Hsm> ops loads only once they are registered.
 try:
   loader.ops()
@@ -35,10 +36,12 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
 
   def __init__(self, tree, use_bias=True, kernel_initializer="glorot_uniform",
                bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
-               kernel_constraint=None, bias_constraint=None, row_layout=None, **kwargs):
+               kernel_constraint=None, bias_constraint=None, row_layout=None,
+               ignore_class=None, **kwargs):
     super().__init__(**kwargs)
     self.tree = frontend_hsm.checked_tree(tree)
     self.row_layout = frontend_hsm.checked_row_layout(self.tree, row_layout)
+    self.ignore_class = frontend_hsm.checked_ignore_class(self.tree, ignore_class)
     self.use_bias = bool(use_bias)
     self.kernel_initializer = tf_keras.initializers.get(kernel_initializer)
     self.bias_initializer = tf_keras.initializers.get(bias_initializer)
@@ -73,14 +76,18 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
         if self.use_bias else None
     self.built = True
 
+  _KERAS = "tf_keras"
+
   def __call__(self, *args, **kwargs):
     frontend_hsm.refuse_other_keras("tf_keras", "HierarchicalSoftmax", (args, kwargs))
+    wiring.check_call(self, args, kwargs)
+    wiring.check_model(self)
     return super().__call__(*args, **kwargs)
 
   def call(self, hidden, targets, mask=None):
     # tf_keras fills `mask` with the mask of `hidden` (its first argument) unless given.
     return frontend_hsm.log_probs(hidden, targets, self.kernel, self.bias, self.tree,
-                          self.row_layout, (mask,))
+                                  self.row_layout, (mask,), self.ignore_class, self)
 
   def compute_mask(self, inputs, mask=None):
     # `call` attaches the real mask (it depends on the targets) to its output.
@@ -99,11 +106,13 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
     return (frontend_hsm.hidden_in(hidden, self.kernel.dtype),
             *frontend_hsm.tables(self.kernel, self.bias, self.row_layout), self.tree)
 
-  def top_k(self, hidden, k):
-    """The k most probable classes: (log_probs, classes), each `[..., k]`."""
+  def top_k(self, hidden, k, exclude=None):
+    """The k most probable classes: (log_probs, classes), each `[..., k]`, leaving out
+    `ignore_class` and `exclude` (`tf_hsm.keras.HierarchicalSoftmax.top_k`)."""
     from tf_hsm.ops import inference  # pylint: disable=g-import-not-at-top
     self._check_built("top_k")
-    return inference.top_k(*self._args(hidden), k)
+    exclude = frontend_hsm.with_ignored(exclude, self.ignore_class, hidden)
+    return inference.top_k(*self._args(hidden), k, exclude=exclude)
 
   def log_prob_all(self, hidden, **kwargs):
     """log P(c | hidden) for every class c: `[..., num_classes]`."""
@@ -158,5 +167,6 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
         "kernel_constraint": tf_keras.constraints.serialize(self.kernel_constraint),
         "bias_constraint": tf_keras.constraints.serialize(self.bias_constraint),
         "row_layout": None if self.row_layout is None else self.row_layout.get_config(),
+        "ignore_class": self.ignore_class,
     })
     return config

@@ -5,7 +5,9 @@ import tf_keras
 from tf_hsm.frontend import predict
 
 
-def inference_model(model, k=10):
-  """The model that predicts the k most probable classes: `tf_hsm.keras.inference_model`
-  (see there) for a functional tf_keras `model` with one tf_hsm.tf_keras output layer."""
-  return predict.inference_model(model, k, tf_keras)
+def inference_model(model, k=10, output="top_k", temperature=1.0):
+  """The model that predicts without targets (the k most probable classes, every
+  class's log-probability with output="log_prob_all", or a sample with
+  output="sample"): `tf_hsm.keras.inference_model` (see there) for a functional
+  tf_keras `model` with one tf_hsm.tf_keras output layer."""
+  return predict.inference_model(model, k, tf_keras, output, temperature)
