@@ -223,7 +223,8 @@ def adaptive_top_k(weights, hidden, k):
   Returns:
     (log_probs, int64 classes), each [..., min(k, num_classes)], best first, equal
     values in increasing class order (the layer's order: frequency rank with a class
-    order).
+    order). A row with a NaN log-probability (a NaN or infinite hidden state) gets
+    classes -1 and log-probabilities NaN.
   """
   if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
     raise ValueError(f"k must be an int >= 1, got {k!r}")
@@ -245,43 +246,63 @@ def adaptive_top_k(weights, hidden, k):
     token = weights.cutoffs[0] + i
     values.append(tier_values + head[:, token:token + 1])
     classes.append(tf.cast(tier_classes, tf.int64) + lo)
-  best, where = tf.math.top_k(tf.concat(values, -1), k)
+  values = tf.concat(values, -1)
+  best, where = tf.math.top_k(values, k)
   chosen = tf.gather(tf.concat(classes, -1), where, batch_dims=1)
+  # A NaN anywhere in a row (a tier's top-k gives its NaN rows -1, which + lo would
+  # read as a class) leaves the row without a ranking: NaN and -1, as hsm.top_k.
+  nan_row = tf.reduce_any(tf.math.is_nan(values), -1)
+  chosen = tf.where(nan_row[:, None], tf.zeros_like(chosen), chosen)
   if weights.class_order is not None:
     chosen = weights.class_order.ids(chosen)
+  best = tf.where(nan_row[:, None], tf.constant(float("nan"), best.dtype), best)
+  best, chosen = hsm.no_class_where_nan(best, chosen, weights.vocabulary_size)
   shape = tf.concat([leading, [k]], 0)
   return tf.reshape(best, shape), tf.reshape(chosen, shape)
 
 
 def adaptive_sample(weights, hidden, seed, temperature=1.0):
   """One class per row: the head's tempered softmax picks a head class or a cluster, the
-  cluster's its class (Gumbel-max draws keyed by `seed`). int64, hidden's leading shape."""
+  cluster's its class (Gumbel-max draws keyed by `seed`). int64, hidden's leading shape.
+
+  `temperature` as `tf_hsm.serving.sample` (positive and finite; where asserts are
+  dropped, a bad one gives -1 everywhere). A row whose head logits, or whose chosen
+  cluster's logits, hold a NaN or +inf, or are all -inf, gets -1."""
   flat, leading, _ = _flat(weights, hidden)
   dtype = flat.dtype
-  seed = tf.cast(seed, tf.int64)
-  temperature = tf.cast(temperature, dtype)
+  seed, temperature, usable = hsm.sample_arguments(seed, temperature, dtype)
 
-  def draw(log_probs, stream):
-    u = tf.random.stateless_uniform(tf.shape(log_probs), tf.stack([seed, stream]),
+  def draw(logits, stream):
+    """(choice, bad): the Gumbel-max draw of each row and whether it has none."""
+    logits = logits / temperature
+    u = tf.random.stateless_uniform(tf.shape(logits), tf.stack([seed, stream]),
                                     minval=tf.constant(1e-12, dtype),
                                     maxval=tf.constant(1.0, dtype), dtype=dtype)
-    return tf.argmax(log_probs / temperature - tf.math.log(-tf.math.log(u)), -1,
-                     output_type=tf.int32)
+    noisy = logits - tf.math.log(-tf.math.log(u))
+    bad = tf.logical_or(hsm.bad_logits(logits, tf.ones_like(logits, tf.bool)),
+                        tf.reduce_all(tf.equal(logits, -float("inf")), -1))
+    return tf.argmax(noisy, -1, output_type=tf.int32), bad
 
   head_logits = tf.matmul(flat, weights.head_kernel, transpose_b=True)
   if weights.head_bias is not None:
     head_logits = head_logits + weights.head_bias
-  choice = draw(head_logits, tf.constant(0, tf.int64))
+  choice, bad = draw(head_logits, tf.constant(0, tf.int64))
+  bad = tf.logical_or(bad, tf.logical_not(usable))
   for i, (lo, _) in enumerate(weights.cluster_ranges):
     projected = tf.matmul(flat, weights.projections[i])
     if weights.tail_trees is None:
-      local = draw(tf.matmul(projected, weights.tail_kernels[i], transpose_b=True),
-                   tf.constant(i + 1, tf.int64))
+      local, broken = draw(tf.matmul(projected, weights.tail_kernels[i], transpose_b=True),
+                           tf.constant(i + 1, tf.int64))
     else:
       local = tf.cast(hsm.sample(projected, weights.tail_kernels[i], weights.tail_biases[i],
                                  weights.tail_trees[i], seed * 7919 + i + 1, temperature),
                       tf.int32)
-    choice = tf.where(choice == weights.cutoffs[0] + i, local + lo, choice)
+      broken = local < 0
+    here = tf.equal(choice, weights.cutoffs[0] + i)
+    bad = tf.logical_or(bad, tf.logical_and(here, broken))
+    choice = tf.where(here, local + lo, choice)
+  choice = tf.where(bad, tf.zeros_like(choice), choice)  # a safe index for the order
   if weights.class_order is not None:
     choice = weights.class_order.ids(choice)
+  choice = tf.where(bad, -tf.ones_like(choice), choice)
   return tf.reshape(tf.cast(choice, tf.int64), leading)

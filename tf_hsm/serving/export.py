@@ -9,6 +9,7 @@ layer itself with `tf_hsm.serving`'s stock-op functions on copies of its weights
 import tensorflow as tf
 
 from tf_hsm.serving import adaptive as adaptive_serving
+from tf_hsm.serving import checks
 from tf_hsm.serving import hsm
 from tf_hsm.serving._tree import StockTree
 
@@ -102,6 +103,7 @@ class ModelCut:
   """
 
   def __init__(self, model):
+    checks.check_model(model)
     layer = _find_layer(model)
     self.layer, self.kind = layer, _kind(layer)
     nodes = getattr(layer, "_inbound_nodes", [])
@@ -133,57 +135,88 @@ class ModelCut:
                        f"other than the targets: {e}") from None
 
 
+class _Untracked:
+  """Holds the encoder out of the SavedModel's object graph: tracked, a Keras 3 model
+  would save each of its variables a second time (its Keras variable, besides the
+  tf.Variable inside it that the signatures capture and `encoder_variables` holds)."""
+
+  def __init__(self, model):
+    self.model = model
+
+
+def _resources(model):
+  """The non-variable resources (lookup tables, assets) reachable from `model`, which
+  its traced calls may capture and the SavedModel must then hold."""
+  found = []
+  for t in tf.train.TrackableView(model).descendants():
+    if isinstance(t, tf.saved_model.Asset) or (
+        hasattr(t, "_create_resource") and not isinstance(t, tf.Variable)):
+      found.append(t)
+  return found
+
+
 class ServingModule(tf.Module):
-  """What `export` saves: the encoder (the model up to the tf_hsm layer's input), the
-  layer's weights as variables, its tree(s) as constants, and the signature functions.
+  """What `export` saves: the encoder's variables and resources (the model up to the
+  tf_hsm layer's input: its computation is traced into the signatures), the layer's
+  weights as variables, its tree(s) as constants, and the signature functions. Each
+  variable is saved once.
 
   Usable directly in Python too (`module.top_k(inputs...)`)."""
 
   def __init__(self, model, k=10, log_prob_all=None, sample=True):
     super().__init__(name="tf_hsm_serving")
+    k = checks.check_k(k)
     cut = ModelCut(model)
     layer, self.kind = cut.layer, cut.kind
     self._target_index = cut.target_index
-    self._encoder = cut.encoder
+    self._encoder = _Untracked(cut.encoder)
+    self.encoder_variables = _tf_variables(cut.encoder.weights)
+    self.encoder_resources = _resources(cut.encoder)
     inputs = cut.inputs
-    self.encoder_variables = _tf_variables(self._encoder.weights)
     self.input_names = [t.name for t in inputs]
-    self._specs = [tf.TensorSpec([None if d is None else d for d in t.shape],
-                                 tf.as_dtype(t.dtype), name=t.name) for t in inputs]
+    self._model_shapes = [list(t.shape) for t in inputs]
+    self._specs = [checks.signature_spec(tf.TensorSpec(
+        [None if d is None else d for d in t.shape], tf.as_dtype(t.dtype), name=t.name))
+                   for t in inputs]
     if self.kind == "hsm":
-      self.num_classes = layer.tree.num_classes
-      self._tree = StockTree(layer.tree)
-      self.weights_table = _variable(layer.kernel, "kernel")
-      self.bias_table = None if layer.bias is None else _variable(layer.bias, "bias")
-      if getattr(layer, "row_layout", None) is not None:
-        raise ValueError("export does not serve a HierarchicalSoftmax with a row_layout")
+      self._init_hsm(layer)
     else:
-      self.num_classes = layer.num_classes
-      w = adaptive_serving.AdaptiveWeights.from_layer(layer)
-      self._adaptive = adaptive_serving.AdaptiveWeights(
-          w.num_classes, w.cutoffs, _variable(w.head_kernel, "head_kernel"),
-          None if w.head_bias is None else _variable(w.head_bias, "head_bias"),
-          [_variable(p, f"tail_projection_{i}") for i, p in enumerate(w.projections)],
-          [_variable(t, f"tail_kernel_{i}") for i, t in enumerate(w.tail_kernels)],
-          [None if b is None else _variable(b, f"tail_bias_{i}")
-           for i, b in enumerate(w.tail_biases)],
-          w.tail_trees, w.class_order)
-      self.adaptive_variables = [v for v in
-                                 [self._adaptive.head_kernel, self._adaptive.head_bias]
-                                 + self._adaptive.projections + self._adaptive.tail_kernels
-                                 + self._adaptive.tail_biases if v is not None]
-    self.k = min(int(k), self.num_classes if self.kind == "hsm"
-                 else self._adaptive.num_classes)
+      self._init_adaptive(layer)
+    self.k = min(k, self.num_classes if self.kind == "hsm" else self._adaptive.num_classes)
     self.dtype = tf.as_dtype(
         (layer.kernel if self.kind == "hsm" else layer.head_kernel).dtype)
     if log_prob_all is None:
       log_prob_all = self.num_classes <= LOG_PROB_ALL_MAX_CLASSES
     self._signatures = self._make_signatures(log_prob_all, sample)
 
+  def _init_hsm(self, layer):
+    if getattr(layer, "row_layout", None) is not None:
+      raise ValueError("export does not serve a HierarchicalSoftmax with a row_layout")
+    self.num_classes = layer.tree.num_classes
+    self._tree = StockTree(layer.tree)
+    self.weights_table = _variable(layer.kernel, "kernel")
+    self.bias_table = None if layer.bias is None else _variable(layer.bias, "bias")
+
+  def _init_adaptive(self, layer):
+    self.num_classes = layer.num_classes
+    w = adaptive_serving.AdaptiveWeights.from_layer(layer)
+    self._adaptive = adaptive_serving.AdaptiveWeights(
+        w.num_classes, w.cutoffs, _variable(w.head_kernel, "head_kernel"),
+        None if w.head_bias is None else _variable(w.head_bias, "head_bias"),
+        [_variable(p, f"tail_projection_{i}") for i, p in enumerate(w.projections)],
+        [_variable(t, f"tail_kernel_{i}") for i, t in enumerate(w.tail_kernels)],
+        [None if b is None else _variable(b, f"tail_bias_{i}")
+         for i, b in enumerate(w.tail_biases)],
+        w.tail_trees, w.class_order)
+    self.adaptive_variables = [v for v in
+                               [self._adaptive.head_kernel, self._adaptive.head_bias]
+                               + self._adaptive.projections + self._adaptive.tail_kernels
+                               + self._adaptive.tail_biases if v is not None]
+
   # ------------------------------------------------------------------ the computations
 
   def _hidden(self, features):
-    hidden = self._encoder(features if len(features) > 1 else features[0])
+    hidden = self._encoder.model(features if len(features) > 1 else features[0])
     mask = getattr(hidden, "_keras_mask", None)
     hidden = tf.convert_to_tensor(hidden)
     if hidden.dtype != self.dtype:
@@ -216,73 +249,69 @@ class ServingModule(tf.Module):
 
   # ------------------------------------------------------------------ signatures
 
+  def _checked(self, tensors, indices):
+    """The inputs `indices`, each checked against the model's shape for it."""
+    return [checks.conform(x, self._model_shapes[i], self.input_names[i])
+            for x, i in zip(tensors, indices)]
+
+  def _top_k_fn(self, *features):
+    hidden, _ = self._hidden(self._checked(features, self._feature_indices))
+    log_probs, classes = self._top_k(hidden)
+    return {"classes": tf.cast(classes, tf.int64), "log_probs": tf.cast(log_probs, tf.float32)}
+
+  def _log_prob_fn(self, *tensors):
+    tensors = self._checked(tensors, range(len(tensors)))
+    name = self.input_names[self._target_index]
+    targets = checks.targets_below(tensors[self._target_index], self.num_classes, name)
+    hidden, mask = self._hidden(self._features(dict(zip(self.input_names, tensors))))
+    targets = checks.same_positions(targets, tf.shape(hidden)[:-1], name)
+    if mask is not None:
+      targets = tf.where(tf.cast(mask, tf.bool), targets, -tf.ones_like(targets))
+    return {"log_prob": self._log_prob(hidden, targets)}
+
+  def _log_prob_all_fn(self, *features):
+    hidden, _ = self._hidden(self._checked(features, self._feature_indices))
+    return {"log_probs": self._log_prob_all(hidden)}
+
+  def _sample_fn(self, *args):
+    features, seed, temperature = list(args[:-2]), args[-2], args[-1]
+    hidden, _ = self._hidden(self._checked(features, self._feature_indices))
+    return {"classes": self._sample(hidden, seed, temperature)}
+
   def _make_signatures(self, with_log_prob_all, with_sample):
-    feature_specs = [s for i, s in enumerate(self._specs) if i != self._target_index]
-    names = [s.name for s in feature_specs]
     all_names = [s.name for s in self._specs]
-    target_name = self.input_names[self._target_index]
-    num_classes = self.num_classes
-
-    def top_k_fn(*features):
-      hidden, _ = self._hidden(list(features))
-      log_probs, classes = self._top_k(hidden)
-      return {"classes": tf.cast(classes, tf.int64),
-              "log_probs": tf.cast(log_probs, tf.float32)}
-
-    def log_prob_fn(*tensors):
-      kwargs = dict(zip(all_names, tensors))
-      targets = kwargs[target_name]
-      flat = tf.reshape(tf.cast(targets, tf.int64), [-1])
-      # An InvalidArgumentError where TensorFlow runs the graph (TFLite drops asserts,
-      # and the NaN that log_prob gives such targets remains).
-      check = tf.debugging.assert_less(
-          flat, tf.constant(num_classes, tf.int64),
-          message=f"targets must be < num_classes = {num_classes}")
-      with tf.control_dependencies([check]):
-        targets = tf.identity(targets)
-      hidden, mask = self._hidden(self._features(kwargs))
-      if mask is not None:
-        targets = tf.where(tf.cast(mask, tf.bool), targets, -tf.ones_like(targets))
-      return {"log_prob": self._log_prob(hidden, targets)}
-
-    def log_prob_all_fn(*features):
-      hidden, _ = self._hidden(list(features))
-      return {"log_probs": self._log_prob_all(hidden)}
-
-    def sample_fn(*args):
-      features, seed, temperature = list(args[:-2]), args[-2], args[-1]
-      hidden, _ = self._hidden(features)
-      return {"classes": self._sample(hidden, seed, temperature)}
-
-    def with_names(fn, specs):
-      # A function whose arguments carry the spec names: signature inputs are keyed by
-      # the argument names.
-      arg_names = [s.name for s in specs]
-      src = (f"def wrapped({', '.join(arg_names)}):\n"
-             f"  return fn({', '.join(arg_names)})\n")
-      scope = {"fn": fn}
-      exec(src, scope)  # pylint: disable=exec-used
-      return tf.function(scope["wrapped"], input_signature=specs)
-
+    self._feature_indices = [i for i in range(len(all_names)) if i != self._target_index]
+    feature_specs = [self._specs[i] for i in self._feature_indices]
     for n in all_names + ["seed", "temperature"]:
       if not n.isidentifier():
         raise ValueError(f"input name {n!r} is not usable as a signature key")
-    if len(set(all_names)) != len(all_names) or {"seed", "temperature"} & set(names):
+    if len(set(all_names)) != len(all_names) or {"seed", "temperature"} & set(all_names):
       raise ValueError(f"the model's input names must be unique and not seed/temperature: "
                        f"{all_names}")
-    self.top_k = with_names(top_k_fn, feature_specs)
-    self.log_prob = with_names(log_prob_fn, self._specs)
+    self.top_k = _with_names(self._top_k_fn, feature_specs)
+    self.log_prob = _with_names(self._log_prob_fn, self._specs)
     signatures = {"serving_default": self.top_k, "top_k": self.top_k,
                   "log_prob": self.log_prob}
     if with_log_prob_all:
-      self.log_prob_all = with_names(log_prob_all_fn, feature_specs)
+      self.log_prob_all = _with_names(self._log_prob_all_fn, feature_specs)
       signatures["log_prob_all"] = self.log_prob_all
     if with_sample:
-      self.sample = with_names(sample_fn, feature_specs + [
+      self.sample = _with_names(self._sample_fn, feature_specs + [
           tf.TensorSpec([], tf.int64, name="seed"),
           tf.TensorSpec([], tf.float32, name="temperature")])
       signatures["sample"] = self.sample
     return signatures
+
+
+def _with_names(fn, specs):
+  """A tf.function of `fn` whose arguments carry the spec names: signature inputs are
+  keyed by the argument names."""
+  arg_names = [s.name for s in specs]
+  src = (f"def wrapped({', '.join(arg_names)}):\n"
+         f"  return fn({', '.join(arg_names)})\n")
+  scope = {"fn": fn}
+  exec(src, scope)  # pylint: disable=exec-used
+  return tf.function(scope["wrapped"], input_signature=specs)
 
 
 def export(model, directory, k=10, log_prob_all=None, sample=True):
@@ -292,27 +321,40 @@ def export(model, directory, k=10, log_prob_all=None, sample=True):
     model: a Keras functional model with one `tf_hsm.HierarchicalSoftmax` or
       `tf_hsm.AdaptiveSoftmax` layer, called once on the model's hidden states and one
       of the model's inputs as its targets, whose output is the model's output.
-    directory: where to write the SavedModel.
-    k: the number of classes the "top_k" signature returns (clamped to num_classes).
+    directory: the folder to write the SavedModel to (a str or path; created if
+      missing, its SavedModel files overwritten if present).
+    k: an int >= 1, the number of classes the "top_k" signature returns (clamped to
+      num_classes).
     log_prob_all: whether to add the "log_prob_all" signature; default: when
       num_classes <= `LOG_PROB_ALL_MAX_CLASSES` (1M).
     sample: whether to add the "sample" signature (inputs plus `seed` int64 and
       `temperature` float32 scalars).
 
-  Signatures (inputs named as the model's inputs):
+  Signatures (inputs named as the model's inputs, each checked against the model's
+  rank and fixed dimensions; docs/serving.md says what each runtime does with bad
+  input):
     "top_k" (also "serving_default"): the inputs other than the targets ->
-      {"classes": int64 [..., k], "log_probs": float32 [..., k]}, best first.
+      {"classes": int64 [..., k], "log_probs": float32 [..., k]}, best first; a row with
+      a NaN log-probability gets classes -1 and log_probs NaN.
     "log_prob": all inputs -> {"log_prob": [...]}, what the model returns (targets < 0
-      give 0; a target >= num_classes is an InvalidArgumentError in TensorFlow, NaN in
-      TFLite).
+      give 0; targets must have the positions' shape; a target >= num_classes is an
+      InvalidArgumentError in TensorFlow, NaN under XLA and in TFLite).
     "log_prob_all": inputs other than the targets -> {"log_probs": [..., num_classes]}.
-    "sample": inputs other than the targets, seed, temperature -> {"classes": [...]}.
+    "sample": inputs other than the targets, seed, temperature -> {"classes": [...]}:
+      temperature positive and finite (InvalidArgumentError otherwise; -1 everywhere
+      under XLA); a row without a distribution (NaN) gets -1.
 
   Returns:
     The `ServingModule` that was saved.
+
+  Raises:
+    TypeError: `model` is not a functional Keras model (a layer, a subclassed model).
+    ValueError: k is not an int >= 1, a directory that is empty, a file or not
+      writable, or a model that cannot be cut at its tf_hsm layer.
   """
+  k = checks.check_k(k)
+  checks.check_model(model)
+  directory = checks.check_directory(directory)
   module = ServingModule(model, k=k, log_prob_all=log_prob_all, sample=sample)
-  tf.saved_model.save(module, str(directory), signatures=module._signatures)
+  tf.saved_model.save(module, directory, signatures=module._signatures)
   return module
-
-

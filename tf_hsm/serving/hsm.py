@@ -19,8 +19,13 @@ the fixed-size state dropped) are searched again one at a time by the beam searc
 failing those, the exhaustive `log_prob_all` + `tf.math.top_k`.
 """
 
+import math
+import numbers
+
+import numpy as np
 import tensorflow as tf
 
+from tf_hsm.serving import checks
 from tf_hsm.serving._tree import stock_tree
 
 __all__ = ["log_prob", "top_k", "log_prob_all", "sample", "CHUNK"]
@@ -588,7 +593,9 @@ def top_k(hidden, weights, biases, tree, k):
     ``(log_probs, classes)``: ``[..., min(k, C)]`` log-probabilities in decreasing order
     (hidden's dtype) and int64 classes; equal log-probabilities in increasing class order.
     The classes are the op's wherever the k-th and (k+1)-th log-probabilities are not
-    tied. NaN inputs give unspecified classes.
+    tied. A row with a NaN log-probability (a NaN or infinite hidden state, or logits
+    that overflow) has no ranking: its classes are all -1 and its log-probabilities
+    NaN, so that no id outside [0, num_classes) is ever returned.
   """
   tree = stock_tree(tree)
   if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -599,12 +606,63 @@ def top_k(hidden, weights, biases, tree, k):
   best, classes = tf.cond(
       tf.shape(h)[0] > 0, lambda: _top_k_rows(tree, h, weights, biases, k),
       lambda: (tf.zeros([0, k], h.dtype), tf.zeros([0, k], tf.int32)))
+  best, classes = no_class_where_nan(best, classes, tree.num_classes)
   shape = tf.concat([leading, [k]], 0)
   return (_cast_back(tf.reshape(best, shape), out_dtype),
           tf.reshape(tf.cast(classes, tf.int64), shape))
 
 
+def no_class_where_nan(values, classes, num_classes):
+  """(values, classes) [N, k] with the rows that hold a NaN value, or a class outside
+  [0, num_classes), set to NaN and -1."""
+  bad = tf.reduce_any(tf.logical_or(
+      tf.math.is_nan(values), tf.logical_or(classes < 0, classes >= num_classes)), -1)
+  return (tf.where(bad[:, None], tf.constant(float("nan"), values.dtype), values),
+          tf.where(bad[:, None], -tf.ones_like(classes), classes))
+
+
 # --------------------------------------------------------------------------- sample
+
+def sample_arguments(seed, temperature, dtype):
+  """(seed int64 scalar, temperature in `dtype`, ok: whether the temperature is usable).
+
+  A Python temperature is checked here (ValueError, as `tf_hsm.sample`); a tensor by an
+  assert where TensorFlow runs, and by `ok` where asserts are dropped (XLA): the draws
+  are then -1."""
+  if isinstance(seed, bool) or isinstance(temperature, (bool, np.bool_)):
+    raise TypeError("seed must be an int and temperature a float, got a bool")
+  tiny = float(np.finfo(dtype.as_numpy_dtype).tiny)
+  if isinstance(temperature, numbers.Real):
+    if not (math.isfinite(temperature) and temperature > 0):
+      raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
+    if temperature < tiny:
+      raise ValueError(f"temperature {temperature!r} is below the smallest normal "
+                       f"{dtype.name} ({tiny:g}): TensorFlow's CPU kernels read subnormal "
+                       "numbers as 0")
+  seed, temperature = tf.convert_to_tensor(seed), tf.convert_to_tensor(temperature)
+  if not seed.dtype.is_integer:
+    raise TypeError(f"seed must be an int scalar, got {seed.dtype.name}")
+  if not temperature.dtype.is_floating:
+    raise TypeError(f"temperature must be a float scalar, got {temperature.dtype.name}")
+  for value, name in ((seed, "seed"), (temperature, "temperature")):
+    if value.shape.rank not in (None, 0):
+      raise ValueError(f"{name} must be a scalar, got shape {value.shape}")
+  seed = tf.cast(checks.conform(seed, [], "seed"), tf.int64)
+  temperature = tf.cast(checks.conform(temperature, [], "temperature"), dtype)
+  ok = tf.logical_and(tf.math.is_finite(temperature), temperature >= tiny)
+  check = tf.debugging.Assert(
+      ok, [f"temperature must be positive and finite (and at least {tiny:g}, the smallest "
+           f"normal {dtype.name}); for the most probable class use top_k; got", temperature],
+      name="check_temperature")
+  with tf.control_dependencies([check]):
+    return seed, tf.identity(temperature), ok
+
+
+def bad_logits(z, valid):
+  """[N] whether a row's valid logits hold a NaN or +inf (no distribution to draw
+  from, as `tf_hsm.sample` decides; a -inf logit only masks its child)."""
+  bad = tf.logical_or(tf.math.is_nan(z), tf.equal(z, float("inf")))
+  return tf.reduce_any(tf.logical_and(valid, bad), -1)
 
 def sample(hidden, weights, biases, tree, seed, temperature=1.0):
   """One class per row, drawn from the hierarchical softmax (ancestral sampling with the
@@ -615,49 +673,61 @@ def sample(hidden, weights, biases, tree, seed, temperature=1.0):
   Args:
     hidden, weights, biases, tree: as `log_prob`.
     seed: int scalar (Python int or tensor).
-    temperature: positive float (Python number or scalar tensor); every node's logits
-      are divided by it.
+    temperature: positive and finite float, at least the smallest normal number of the
+      table's dtype (Python number or scalar tensor); every node's logits are divided by
+      it. 0 is refused, as by `tf_hsm.sample`: the most probable class is `top_k`'s
+      first. A Python number is checked here (ValueError); a tensor by an assert
+      (InvalidArgumentError), or, where asserts are dropped (XLA), every draw is -1.
 
   Returns:
-    int64 classes with hidden's leading shape.
+    int64 classes with hidden's leading shape. A row whose logits at a visited node are
+    NaN or +inf, or all -inf, has no distribution and gets -1 (as with `tf_hsm.sample`).
   """
   tree = stock_tree(tree)
   h, leading, weights, biases, _ = _inputs(hidden, weights, biases)
+  seed, temperature, usable = sample_arguments(seed, temperature, h.dtype)
+  c = tree.num_classes
+  code = tf.fill([tf.shape(h)[0]], tf.constant(c, tf.int32))
+  bad = tf.fill(tf.shape(code), tf.logical_not(usable))
+  for depth in range(tree.max_depth):
+    code, bad = _sample_level(tree, h, weights, biases, seed, temperature, depth, code, bad)
+  code = tf.where(tf.logical_or(bad, code >= c), -tf.ones_like(code), code)
+  return tf.reshape(tf.cast(code, tf.int64), leading)
+
+
+def _sample_level(tree, h, weights, biases, seed, temperature, depth, code, bad):
+  """One step down the tree: (codes, bad rows) after drawing each node's child."""
   dtype = h.dtype
   c = tree.num_classes
   n = tf.shape(h)[0]
-  seed = tf.cast(seed, tf.int64)
-  temperature = tf.cast(temperature, dtype)
-  code = tf.fill([n], tf.constant(c, tf.int32))
-  for depth in range(tree.max_depth):
-    is_node = code >= c
-    node = tf.where(is_node, code - c, tf.zeros_like(code))
-    begin = tf.gather(tree.child_begin, node)
-    count = tf.where(is_node, tf.gather(tree.child_begin, node + 1) - begin,
-                     tf.zeros_like(begin))
+  is_node = code >= c
+  node = tf.where(is_node, code - c, tf.zeros_like(code))
+  begin = tf.gather(tree.child_begin, node)
+  count = tf.where(is_node, tf.gather(tree.child_begin, node + 1) - begin,
+                   tf.zeros_like(begin))
+  width = min(tree.max_branching, CHUNK)
+  chunks = -(-tree.max_branching // width)
+  # Every child position's uniform, drawn before any loop: XLA needs the shapes of
+  # random ops known when compiling, which a while loop's body does not give.
+  noise = tf.random.stateless_uniform(
+      tf.stack([n, chunks * width]), tf.stack([seed, tf.constant(depth, tf.int64)]),
+      minval=tf.constant(1e-12, dtype), maxval=tf.constant(1.0, dtype), dtype=dtype)
+  gumbel = -tf.math.log(-tf.math.log(noise))
 
-    width = min(tree.max_branching, CHUNK)
-    chunks = -(-tree.max_branching // width)
-    # Every child position's uniform, drawn before any loop: XLA needs the shapes of
-    # random ops known when compiling, which a while loop's body does not give.
-    noise = tf.random.stateless_uniform(
-        tf.stack([n, chunks * width]), tf.stack([seed, tf.constant(depth, tf.int64)]),
-        minval=tf.constant(1e-12, dtype), maxval=tf.constant(1.0, dtype), dtype=dtype)
-    gumbel = -tf.math.log(-tf.math.log(noise))
+  def body(ch, w, state):
+    best, best_code, broken = state
+    slots, valid, pos = _chunk_slots(begin, count, ch, w)             # [N, W]
+    z = _logits(h, weights, biases, slots) / temperature
+    broken = tf.logical_or(broken, bad_logits(z, valid))
+    g = z + tf.gather(gumbel, pos, axis=1)
+    g = tf.where(valid, g, tf.constant(-float("inf"), dtype))
+    arg = tf.argmax(g, -1, output_type=tf.int32)
+    top = tf.reduce_max(g, -1)
+    child = tf.gather(tree.slot_child, tf.gather(slots, arg[:, None], batch_dims=1)[:, 0])
+    better = top > best
+    return tf.where(better, top, best), tf.where(better, child, best_code), broken
 
-    def body(ch, w, state, begin=begin, count=count, gumbel=gumbel):
-      best, best_code = state
-      slots, valid, pos = _chunk_slots(begin, count, ch, w)             # [N, W]
-      z = _logits(h, weights, biases, slots) / temperature
-      g = z + tf.gather(gumbel, pos, axis=1)
-      g = tf.where(valid, g, tf.constant(-float("inf"), dtype))
-      arg = tf.argmax(g, -1, output_type=tf.int32)
-      top = tf.reduce_max(g, -1)
-      child = tf.gather(tree.slot_child, tf.gather(slots, arg[:, None], batch_dims=1)[:, 0])
-      better = top > best
-      return tf.where(better, top, best), tf.where(better, child, best_code)
-
-    init = (tf.fill([n], tf.constant(-float("inf"), dtype)), code)
-    _, chosen = _walk_chunks(tree, count, body, init)
-    code = tf.where(is_node, chosen, code)
-  return tf.reshape(tf.cast(code, tf.int64), leading)
+  init = (tf.fill([n], tf.constant(-float("inf"), dtype)), code, bad)
+  _, chosen, bad = _walk_chunks(tree, count, body, init)
+  # A node whose children are all -inf keeps its own code: -1 at the end.
+  return tf.where(is_node, chosen, code), bad

@@ -1,0 +1,155 @@
+"""What `export` checks: its own arguments (in Python, when exporting) and every
+signature's inputs (in the graph, when a signature runs).
+
+The signature checks have to hold in three runtimes that fail differently:
+
+- TensorFlow (a loaded signature called as it is): a signature does not check its
+  inputs' shapes against its spec there, so `tf.debugging.Assert` ops check them (and
+  the values), with messages that name the input.
+- XLA (a signature called inside `tf.function(jit_compile=True)`): XLA compiles asserts
+  to nothing, but every shape is known when it compiles. Each input is reshaped to its
+  model's shape and the targets are stacked with the positions' shape, by ops named
+  after the input: a wrong shape fails there when the call is traced or compiled. Values
+  cannot fail under XLA; the functions then return what they document (NaN, -1).
+- TFLite: the converter drops asserts and folds every shape its spec gives. The
+  signatures' specs therefore leave every dimension unknown (only the rank is kept), so
+  that the reshape and the stack above stay in the flatbuffer and fail in LiteRT's
+  interpreter (RESHAPE, PACK) when a width or the targets' shape is wrong.
+"""
+
+import numbers
+import os
+
+import tensorflow as tf
+
+__all__ = ["check_k", "check_directory", "check_model", "conform", "same_positions",
+           "signature_spec", "targets_below"]
+
+
+# --------------------------------------------------------------------------- arguments
+
+def check_k(k):
+  """k as an int, or the error `inference_model` gives for the same k."""
+  if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+    raise ValueError(f"k must be an int >= 1, got {k!r}")
+  return int(k)
+
+
+def check_directory(directory):
+  """The SavedModel's directory as a str, created; an error naming what is wrong with
+  it otherwise (tf.saved_model.save would write a folder named 'None', or into the
+  current directory for '')."""
+  if isinstance(directory, bytes):
+    directory = os.fsdecode(directory)
+  if not isinstance(directory, (str, os.PathLike)):
+    raise TypeError(f"directory must be a path (str or os.PathLike), got {directory!r}")
+  directory = os.fspath(directory)
+  if not directory.strip():
+    raise ValueError("directory must name the folder to write the SavedModel to, got "
+                     f"{directory!r}")
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"directory {directory!r} is a file; export writes a SavedModel "
+                     "folder: pass a new or existing directory")
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as error:
+    raise ValueError(f"cannot create the directory {directory!r}: {error}") from None
+  if not os.access(directory, os.W_OK | os.X_OK):
+    raise ValueError(f"cannot write to the directory {directory!r} (permission denied)")
+  return directory
+
+
+def _class_names(obj):
+  return [(cls.__module__.split(".")[0], cls.__name__) for cls in type(obj).__mro__]
+
+
+def check_model(model):
+  """An error unless `model` is a functional Keras model (Keras 3 or tf_keras): a layer
+  or a subclassed model has no graph of layers to cut."""
+  names = _class_names(model)
+  keras_classes = [n for package, n in names if package in ("keras", "tf_keras")]
+  if "Model" not in keras_classes:
+    if "Layer" in keras_classes:
+      raise TypeError(
+          f"export takes a Keras model, got the layer {getattr(model, 'name', '')!r} "
+          f"({type(model).__name__}): wrap it in a functional model, e.g. "
+          "keras.Model([tokens, targets], layer(hidden, targets))")
+    raise TypeError(f"export takes a functional Keras model, got {type(model).__name__}")
+  if not getattr(model, "inputs", None) or not getattr(model, "outputs", None):
+    raise TypeError(
+        f"export needs a functional model (keras.Model(inputs, outputs)); "
+        f"{type(model).__name__} is a subclassed model (or one never called on "
+        "keras.Input), whose layers cannot be cut at the tf_hsm layer: build the same "
+        "layers as a functional model, with the targets as one of its inputs, and pass "
+        "that")
+
+
+# --------------------------------------------------------------------------- signatures
+
+def signature_spec(spec):
+  """The spec a signature declares for a model input: its dtype and rank, every
+  dimension unknown (see the module's docstring: `conform` checks them)."""
+  return tf.TensorSpec([None] * spec.shape.rank, spec.dtype, name=spec.name)
+
+
+def _shape_text(dims):
+  if not dims:
+    return "[] (a scalar)"
+  return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+def conform(x, dims, name):
+  """x with the shape `dims` (a list: ints and None for any size), or an error naming
+  `name`: an assert where TensorFlow runs, a reshape named after the input elsewhere."""
+  rank = len(dims)
+  shape = tf.shape(x, out_type=tf.int32)
+  ok = tf.equal(tf.size(shape), rank)
+  static = [(i, d) for i, d in enumerate(dims) if d is not None]
+  if static:
+    padded = tf.concat([shape, tf.ones([rank], tf.int32)], 0)  # indexable at any rank
+    same = tf.reduce_all(tf.equal(tf.gather(padded, [i for i, _ in static]),
+                                  [d for _, d in static]))
+    ok = tf.logical_and(ok, same)
+  check = tf.debugging.Assert(
+      ok, [f"{name} must have shape {_shape_text(dims)}, got shape", shape],
+      name=f"check_{name}_shape")
+  with tf.control_dependencies([check]):
+    x = tf.identity(x)
+  if rank == 0:
+    return tf.reshape(x, [], name=f"{name}_must_be_a_scalar")
+  shape = tf.shape(x, out_type=tf.int32)
+  wanted = tf.stack([shape[i] if d is None else tf.constant(d, tf.int32)
+                     for i, d in enumerate(dims)])
+  label = "x".join("N" if d is None else str(d) for d in dims)
+  return tf.reshape(x, wanted, name=f"{name}_must_have_shape_{label}")
+
+
+def same_positions(targets, leading, name):
+  """targets, checked to have the shape `leading` (the hidden states' positions)."""
+  shape = tf.shape(targets, out_type=tf.int32)
+  leading = tf.cast(leading, tf.int32)
+  ok = tf.logical_and(tf.equal(tf.size(shape), tf.size(leading)),
+                      tf.reduce_all(tf.equal(
+                          tf.concat([shape, leading], 0)[:tf.size(leading)], leading)))
+  check = tf.debugging.Assert(
+      ok, [f"{name} must have one class id per position, shape", leading, "(the "
+           "positions the other inputs give), got shape", shape],
+      name=f"check_{name}_positions")
+  with tf.control_dependencies([check]):
+    targets = tf.identity(targets)
+  # A pack needs equal shapes in XLA and in LiteRT too (where the assert is gone).
+  packed = tf.stack([targets, tf.zeros(leading, targets.dtype)],
+                    name=f"{name}_must_have_the_positions_shape")
+  return packed[0]
+
+
+def targets_below(targets, num_classes, name):
+  """targets, checked to be < num_classes where TensorFlow runs (elsewhere the
+  log-probability functions give such targets NaN)."""
+  flat = tf.reshape(tf.cast(targets, tf.int64), [-1])
+  check = tf.debugging.Assert(
+      tf.reduce_all(flat < num_classes),
+      [f"{name} must be class ids < num_classes = {num_classes} (or < 0 for padding), "
+       "got", tf.reduce_max(flat)], name=f"check_{name}_range")
+  with tf.control_dependencies([check]):
+    return tf.identity(targets)
