@@ -21,6 +21,7 @@ tf_hsm's own training steps, measured with the rates (`tf_hsm.planning.step_fit`
 """
 
 import dataclasses
+import importlib
 import math
 import re
 import textwrap
@@ -60,14 +61,14 @@ QUALITY_TIE = 0.005
 
 @dataclasses.dataclass
 class Layer:
-  """The recommended layer, ready to construct.
+  """The recommended layer: what to construct (a spec; `build()` constructs it).
 
   kind: "HierarchicalSoftmax", "AdaptiveSoftmax", "full softmax" or "sampled softmax".
   method: its row's `method`. code: how to construct it, as Python.
   kwargs: for AdaptiveSoftmax, `tf_hsm.AdaptiveSoftmax(**kwargs)` (num_classes,
-    cutoffs, div_value, tail, and counts for a two-level tail); for
-    HierarchicalSoftmax, `tf_hsm.HierarchicalSoftmax(**kwargs)` builds the tree on
-    first access (`tree`).
+    cutoffs, div_value, tail, counts for a two-level tail, and class_order where the
+    counts were not in frequency order); for HierarchicalSoftmax,
+    `tf_hsm.HierarchicalSoftmax(**kwargs)` builds the tree on first access (`tree`).
   """
   kind: str
   method: str
@@ -79,6 +80,7 @@ class Layer:
   _build: object = dataclasses.field(default=None, repr=False, compare=False)
   _counts: object = dataclasses.field(default=None, repr=False, compare=False)
   _tree: object = dataclasses.field(default=None, repr=False, compare=False)
+  _class_order: object = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def tree(self):
@@ -97,8 +99,27 @@ class Layer:
                 "div_value": self.div_value, "tail": self.tail}
       if self.tail == "two_level" and self._counts is not None:
         kwargs["counts"] = self._counts
+      if self._class_order is not None:
+        kwargs["class_order"] = self._class_order
       return kwargs
     return {}
+
+  def build(self, **layer_kwargs):
+    """The layer: `tf_hsm.HierarchicalSoftmax(**kwargs, **layer_kwargs)` or
+    `tf_hsm.AdaptiveSoftmax(...)` likewise (for the Keras of `tf_hsm`'s top-level
+    names: tf_keras under TF_USE_LEGACY_KERAS=1), `layer_kwargs` being the layer's
+    other arguments (name, dtype, ...); for full softmax, a Dense of num_classes
+    logits (trained with sparse categorical cross-entropy, from_logits=True). Imports
+    TensorFlow."""
+    if self.kind in ("HierarchicalSoftmax", "AdaptiveSoftmax"):
+      # The package root, imported here: planning itself stays free of TensorFlow.
+      tf_hsm = importlib.import_module("tf_hsm")
+      return getattr(tf_hsm, self.kind)(**self.kwargs, **layer_kwargs)
+    if self.kind == "full softmax" and self.num_classes is not None:
+      keras = importlib.import_module("tensorflow").keras  # tf_keras where it is tf.keras
+      return keras.layers.Dense(self.num_classes, **layer_kwargs)
+    raise ValueError(f"no layer to build for {self.method!r}: {self.kind} is never "
+                     "recommended (its figures are approximate)")
 
   def to_dict(self):
     return {"kind": self.kind, "method": self.method, "code": self.code,
@@ -122,6 +143,10 @@ class Report:
     return {"rows": self.rows, "recommended": self.recommended, "reason": self.reason,
             "settings": self.settings, "body": self.body,
             "layer": self.layer.to_dict() if self.layer else None, "notes": self.notes}
+
+  def __str__(self):
+    # `print(report)` shows the table, as the command does, not the dataclass' fields.
+    return self.to_markdown()
 
   def to_markdown(self):
     """The table (within 120 columns: short names, the long ones below it; the
@@ -155,13 +180,13 @@ class Report:
           _size(row["bytes_moved"], short=True), _seconds(row["step_seconds"], short=True)] + (
               [_seconds(row["whole_step_seconds"], short=True),
                _size(row["whole_peak_bytes"], short=True)] if whole else []) + [
-          _quality_cell(row.get("quality")),
+          _quality_cell(row.get("quality"), row.get("quality_far")),
           ("yes" if row["fits"] else "no") + ("" if row["exact"] else "*")]
       lines.append("| " + " | ".join(cells) + " |")
     text = ["HSM: HierarchicalSoftmax; rows: rows touched a step (expected); GFLOP: forward "
-            "and backward; moved: bytes a step reads and writes; ppl+%: measured perplexity "
-            "over full softmax's, in % (?: not measured); *: approximate, never "
+            "and backward; moved: bytes a step reads and writes; *: approximate, never "
             "recommended." + (" whole: with the body's step and memory." if whole else ""),
+            quality_lib.column_note(s["num_classes"]),
             *footnotes, ""] + ([s["body"], ""] if whole else []) + [
             f"Recommended: {self.recommended}: {self.reason}"]
     if self.layer is not None and self.layer.code:
@@ -174,13 +199,14 @@ class Report:
     return "\n".join(lines)
 
 
-def _quality_cell(ratio):
+def _quality_cell(ratio, far=False):
   """The ppl+% cell: one decimal below 5%, whole percents above (the table fits 120
-  columns; the row's `quality` and the reason keep the figure)."""
+  columns; the row's `quality` and the reason keep the figure); `~` before a figure
+  measured far from this V (`quality.FAR`)."""
   if ratio is None:
     return "?"
   percent = (ratio - 1) * 100
-  return f"{percent:.1f}" if abs(percent) < 5 else f"{percent:.0f}"
+  return ("~" if far else "") + (f"{percent:.1f}" if abs(percent) < 5 else f"{percent:.0f}")
 
 
 def _size(value, short=False):
@@ -296,15 +322,40 @@ def _short_list(values):
   return "[" + ", ".join(f"{v:,}" for v in values) + "]"
 
 
+def _frequency_order(counts, probs, tails, notes):
+  """The class ids from the most to the least frequent where `counts` are not in that
+  order (a tokenizer's ids, say), else None. The adaptive rows are priced on the
+  classes in that order, and their layer takes it as its `class_order` (it keeps the
+  ids and ranks them inside), as `AdaptiveSoftmax.frequency_order(counts,
+  padding=())` gives it. Counts that are not frequencies at all (draws of class ids)
+  leave the order alone: `_adaptive_layouts` says why there are no adaptive rows."""
+  if counts is None or not tails or not np.any(probs[1:] > probs[:-1]):
+    return None
+  try:
+    checked_counts(counts)
+  except ValueError as error:
+    if not str(error).startswith("counts must be non-increasing"):
+      return None
+  notes.append("the counts are not sorted by frequency (ids in a tokenizer's order): "
+               "the AdaptiveSoftmax rows rank the classes by their counts, and their "
+               "layer takes class_order=AdaptiveSoftmax.frequency_order(counts, "
+               "padding=()) (it keeps the ids; leave out padding ids with padding=[...])")
+  return np.argsort(-probs, kind="stable")
+
+
 def _adaptive_layouts(V, D, T, probs, optimizer, dtype, machine, tails, cutoffs,
-                      div_value, notes):
+                      div_value, notes, counts=None):
   """(method, label, cutoffs, tail) of the adaptive rows: the given cutoffs for each
   tail, or the cutoffs `choose_cutoffs` picks for each tail and, to compare with, flat
-  tails at PyTorch-style fixed cutoffs. A row that cannot be priced adds a note."""
+  tails at PyTorch-style fixed cutoffs. A row that cannot be priced adds a note.
+  `probs` and `counts` (as given, None for uniform) are in the classes' frequency
+  order."""
   if not tails:
     return []
   try:
-    checked_counts(probs)  # the head holds the first class ids: they must be sorted
+    # The head holds the first classes: they must be the most frequent. The counts as
+    # given, not normalised, so that the note quotes the user's own values.
+    checked_counts(probs if counts is None else counts)
   except ValueError as error:
     notes.append(f"no AdaptiveSoftmax rows: {error}")
     return []
@@ -441,7 +492,8 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   rows = [row("full softmax", "full softmax", full_softmax_cost(V, D, T)),
           row("sampled softmax", "sampled", sampled_softmax_cost(V, D, T, probs),
               exact=False)]
-  layers = [Layer("full softmax", "full softmax", ""), None]
+  layers = [Layer("full softmax", "full softmax", f"keras.layers.Dense({V})",
+                  num_classes=V), None]
   for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes):
     rows.append(row(f"HierarchicalSoftmax {tree.name}",
                     "HSM " + re.sub(r"\(.*", "", tree.name) if tree.name.startswith(
@@ -450,12 +502,16 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     layers.append(Layer("HierarchicalSoftmax", rows[-1]["method"],
                         f"HierarchicalSoftmax({tree.code})", _build=tree.build))
   progress("choosing the adaptive softmax's cutoffs")
-  for method, label, chosen, tail, div in _adaptive_layouts(V, D, T, probs, optimizer,
-                                                            dtype, machine, adaptive,
-                                                            cutoffs, div_value, notes):
+  order = _frequency_order(counts, probs, adaptive, notes)
+  ranked = probs if order is None else probs[order]
+  given = None if counts is None else np.asarray(counts, np.float64)
+  for method, label, chosen, tail, div in _adaptive_layouts(
+      V, D, T, ranked, optimizer, dtype, machine, adaptive, cutoffs, div_value, notes,
+      given if order is None else given[order]):
     widths = ", ".join(map(str, tail_widths(D, len(chosen), div)))
     try:
-      cost = adaptive_cost(V, D, T, chosen, div, tail, counts)
+      cost = adaptive_cost(V, D, T, chosen, div, tail,
+                           counts if order is None else ranked)
     except ValueError as error:
       notes.append(f"no {method} {_short_list(chosen)} row: {error}")
       continue
@@ -465,9 +521,11 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     layers.append(Layer(
         "AdaptiveSoftmax", rows[-1]["method"],
         f"AdaptiveSoftmax(num_classes, cutoffs={list(chosen)}, div_value={div:g}, "
-        f"tail={tail!r}" + (", counts=counts)" if tail == "two_level" and
-                            counts is not None else ")"),
-        list(chosen), tail, float(div), V, _counts=counts))
+        f"tail={tail!r}" + (", counts=counts" if tail == "two_level" and
+                            counts is not None else "") + (
+            "" if order is None else
+            ", class_order=AdaptiveSoftmax.frequency_order(counts, padding=())") + ")",
+        list(chosen), tail, float(div), V, _counts=counts, _class_order=order))
   _add_quality_and_body(rows, body_row, V, notes)
   exact = [r for r in rows if r["exact"] and r["fits"]]
   full = rows[0]
@@ -538,9 +596,12 @@ def _add_quality_and_body(rows, body_row, num_classes, notes):
   for r in rows:
     kind = quality_lib.kind_of(r["method"], r.get("cutoffs"), r.get("div_value"),
                                num_classes)
-    r["quality"], _ = quality_lib.quality_of(kind) if kind else (None, [])
+    # The evidence of the measured vocabulary size nearest to this V, which it names.
+    r["quality"], _ = quality_lib.quality_of(kind, num_classes) if kind else (None, [])
     r["quality_kind"] = kind
-    r["quality_evidence"] = quality_lib.describe(kind) if kind else "not measured"
+    r["quality_evidence"] = (quality_lib.describe(kind, num_classes) if kind else
+                             "not measured")
+    r["quality_far"] = bool(kind) and quality_lib.is_far_kind(kind, num_classes)
     r["body_seconds"] = body_row["step_seconds"] if body_row else 0.0
     r["whole_step_seconds"] = r["step_seconds"] + r["body_seconds"]
     # One step's workspace: the body's peak adds its tensors only.

@@ -141,8 +141,9 @@ def main(argv=None):
   group = parser.add_mutually_exclusive_group()
   group.add_argument("--counts", metavar="FILE",
                      help="class frequencies, one a class in class-id order: a .npy file "
-                          "or a text file of numbers (AdaptiveSoftmax wants ids sorted by "
-                          "decreasing frequency)")
+                          "or a text file of numbers. Ids in any order (a tokenizer's): "
+                          "the AdaptiveSoftmax rows rank them by frequency and their "
+                          "layer takes class_order (a note says so)")
   group.add_argument("--zipf", type=float, metavar="S",
                      help="class frequencies 1 / rank^S, class 0 the most frequent "
                           "(1.0 is typical of words); default: uniform")

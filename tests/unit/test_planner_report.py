@@ -1,0 +1,87 @@
+"""What a user does with a plan: prints it, builds the recommended layer from it, and
+plans with counts in a tokenizer's id order (the adaptive rows then rank the classes by
+frequency and their layer takes `class_order`, as `AdaptiveSoftmax` does)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import tf_hsm
+from tf_hsm.planning import cli
+
+MACHINE = {"matmul_flops": 200e9, "read_bytes": 20e9, "call_seconds": 100e-6}
+V = 20_000
+COUNTS = 1e6 / np.arange(1, V + 1)  # class 0 the most frequent
+BY_ID = COUNTS[np.random.default_rng(0).permutation(V)]  # the same, in a tokenizer's order
+
+
+def test_print_report_is_the_table(capsys):
+  report = tf_hsm.plan(V, 64, 512, counts=COUNTS, machine=MACHINE, trees=("huffman8",),
+                       adaptive=())
+  print(report)
+  out = capsys.readouterr().out
+  assert out == report.to_markdown() + "\n"
+  assert out.startswith("V=20,000, D=64") and "| method |" in out and "Report(" not in out
+
+
+def test_layer_builds_what_it_describes():
+  keras = pytest.importorskip("keras")
+  hsm = tf_hsm.plan(V, 64, 512, counts=COUNTS, machine=MACHINE, trees=("huffman8",),
+                    adaptive=()).layer
+  layer = hsm.build(name="output")
+  assert isinstance(layer, tf_hsm.HierarchicalSoftmax) and layer.name == "output"
+  assert layer.tree is hsm.tree
+  adaptive = tf_hsm.plan(V, 64, 512, counts=COUNTS, machine=MACHINE, trees=(),
+                         adaptive=("flat",)).layer
+  built = adaptive.build()
+  assert isinstance(built, tf_hsm.AdaptiveSoftmax)
+  assert list(built.cutoffs)[:len(adaptive.cutoffs)] == adaptive.cutoffs
+  full = tf_hsm.plan(1000, 64, 512, machine=MACHINE, trees=(), adaptive=()).layer
+  assert full.kind == "full softmax"
+  dense = full.build()
+  assert isinstance(dense, keras.layers.Dense) and dense.units == 1000
+  sampled = tf_hsm.planning.Layer("sampled softmax", "sampled softmax", "")
+  with pytest.raises(ValueError, match="never recommended"):
+    sampled.build()
+
+
+def test_counts_in_id_order_keep_the_adaptive_rows_with_a_class_order():
+  sorted_report = tf_hsm.plan(V, 128, 640, counts=COUNTS, machine=MACHINE, trees=())
+  report = tf_hsm.plan(V, 128, 640, counts=BY_ID, machine=MACHINE, trees=())
+  methods = [row["method"] for row in report.rows]
+  assert methods == [row["method"] for row in sorted_report.rows]
+  assert sum(m.startswith("AdaptiveSoftmax") for m in methods) >= 3
+  for row, same in zip(report.rows, sorted_report.rows):
+    assert row["step_seconds"] == pytest.approx(same["step_seconds"], rel=1e-9)
+  assert any("class_order" in note and "not sorted by frequency" in note
+             for note in report.notes)
+  layer = report.layer
+  assert layer.kind == "AdaptiveSoftmax", report.recommended
+  order = layer.kwargs["class_order"]
+  np.testing.assert_array_equal(order, np.argsort(-BY_ID, kind="stable"))
+  assert "class_order=AdaptiveSoftmax.frequency_order(counts, padding=())" in layer.code
+  pytest.importorskip("keras")
+  built = layer.build()
+  np.testing.assert_array_equal(built.class_order.order, order)
+  np.testing.assert_array_equal(
+      order, tf_hsm.AdaptiveSoftmax.frequency_order(BY_ID, padding=()))
+
+
+def test_counts_that_are_samples_still_say_why_there_are_no_adaptive_rows():
+  samples = np.random.default_rng(1).zipf(1.3, size=V).astype(np.float64)
+  report = tf_hsm.plan(V, 128, 640, counts=samples, machine=MACHINE, trees=())
+  assert not any(row["method"].startswith("AdaptiveSoftmax") for row in report.rows)
+  assert any(note.startswith("no AdaptiveSoftmax rows: counts look like samples")
+             for note in report.notes), report.notes
+
+
+def test_command_line_counts_in_id_order(tmp_path, capsys):
+  path = tmp_path / "counts.txt"
+  np.savetxt(path, np.round(BY_ID))  # whole counts, as a tokenizer's table gives them
+  code = cli.main(["--counts", str(path), "--hidden", "128", "--tokens", "640",
+                   "--machine", json.dumps(MACHINE), "--quiet", "--json"])
+  assert code == 0
+  report = json.loads(capsys.readouterr().out)
+  assert any(row["method"].startswith("AdaptiveSoftmax") for row in report["rows"])
+  assert any("class_order" in note for note in report["notes"])
