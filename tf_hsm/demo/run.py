@@ -552,10 +552,12 @@ def _exp(loss):
 
 def table(histories):
   """The final comparison as a Markdown table, one row per model, against the full
-  softmax (or the last model when there is none)."""
+  softmax (or the last model when there is none: the headers name the model the
+  speed-up and the perplexity are against)."""
   base = next((h for h in histories if h["name"] == "full"), histories[-1])
-  rows = ["| model | params | s/epoch | CPU s/epoch | tokens/s | speed-up (wall, CPU) | "
-          "held-out ppl per epoch | best ppl (epoch) | vs full's best |",
+  rows = [f"| model | params | s/epoch | CPU s/epoch | tokens/s | speed-up over "
+          f"{base['name']} (wall, CPU) | held-out ppl per epoch | best ppl (epoch) | vs "
+          f"{base['name']}'s best |",
           "|---|---|---|---|---|---|---|---|---|"]
   base_wall, base_cpu = _per_epoch(base, "train_seconds"), _per_epoch(base, "train_cpu_seconds")
   for h in histories:
