@@ -18,6 +18,7 @@ from tf_hsm.keras import optimizers
 from tf_hsm.keras.layers import HierarchicalSoftmax
 
 import support
+from oracle import log_prob_reference
 
 _REPO = support.REPO
 
@@ -364,3 +365,64 @@ def test_inference_methods_use_the_layers_weights(rng):
   samples = layer.sample(hidden, seed=3).numpy()
   assert samples.shape == (5,) and np.all((samples >= 0) & (samples < tree.num_classes))
   np.testing.assert_array_equal(layer.sample(hidden, seed=3).numpy(), samples)
+
+
+def test_ignore_class_is_padding_in_float64(rng):
+  """Targets equal to ignore_class: log-probability 0, no gradient, out of the mask; the
+  rest is the float64 definition, value and gradients."""
+  counts = np.r_[0.0, rng.integers(1, 100, size=29)]  # id 0: padding, never a target
+  tree = tf_hsm.Tree.huffman(counts, branching=3)
+  layer = HierarchicalSoftmax(tree, ignore_class=0, bias_initializer="random_normal",
+                              dtype="float64")
+  hidden = tf.constant(rng.normal(size=(3, 5, 4)))
+  targets = rng.integers(1, 30, size=(3, 5))
+  targets[0, 3:] = 0
+  targets[2, 0] = 0
+  real = targets != 0
+  with tf.GradientTape() as tape:
+    tape.watch(hidden)
+    out = layer(hidden, targets)
+    loss = tf.reduce_sum(out)
+  dh, dw, db = tape.gradient(loss, [hidden, layer.kernel, layer.bias])
+  expected, rdh, rdw, rdb = log_prob_reference(
+      hidden.numpy()[real], layer.kernel.numpy(), layer.bias.numpy(), tree, targets[real])
+  np.testing.assert_array_equal(out.numpy()[~real], 0.0)
+  np.testing.assert_array_equal(out._keras_mask.numpy(), real)
+  np.testing.assert_allclose(out.numpy()[real], expected, rtol=1e-12)
+  np.testing.assert_array_equal(dh.numpy()[~real], 0.0)
+  np.testing.assert_allclose(dh.numpy()[real], rdh, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(support.dense(dw, sparse=True), rdw, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(support.dense(db, sparse=True), rdb, rtol=1e-10, atol=1e-12)
+  # The loss averages over the real targets only.
+  assert float(tf.reduce_mean(losses.nll(targets, out)[real])) == pytest.approx(
+      -expected.mean(), rel=1e-12)
+
+
+def test_ignore_class_is_never_a_top_k_class(rng):
+  tree = tf_hsm.Tree.balanced(12, 3)
+  layer = HierarchicalSoftmax(tree, ignore_class=0, dtype="float64")
+  hidden = rng.normal(size=(4, 5))
+  layer(hidden, np.zeros(4, np.int32))
+  bias = np.zeros(tree.num_slots)
+  for _, slot in tree.path(0):
+    bias[slot] = 50.0  # class 0 the likeliest by far
+  layer.bias.assign(bias)
+  everything = layer.log_prob_all(hidden).numpy()
+  assert np.all(np.argmax(everything, -1) == 0)
+  values, classes = layer.top_k(hidden, 4)
+  order = np.argsort(-everything, axis=-1, kind="stable")[:, 1:5]
+  np.testing.assert_array_equal(classes.numpy(), order)
+  np.testing.assert_allclose(values.numpy(), np.take_along_axis(everything, order, -1),
+                             rtol=1e-12)
+  _, classes = layer.top_k(hidden, 4, exclude=order[:, :1])
+  np.testing.assert_array_equal(classes.numpy(), np.argsort(-everything, -1,
+                                                            kind="stable")[:, 2:6])
+
+
+def test_ignore_class_config_and_errors():
+  tree = tf_hsm.Tree.balanced(12, 3)
+  layer = HierarchicalSoftmax(tree, ignore_class=3)
+  assert HierarchicalSoftmax.from_config(layer.get_config()).ignore_class == 3
+  for bad in (12, -1, 1.5, True):
+    with pytest.raises(ValueError, match=r"ignore_class must be None or a class id in \[0, 12\)"):
+      HierarchicalSoftmax(tree, ignore_class=bad)

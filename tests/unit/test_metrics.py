@@ -106,3 +106,80 @@ def test_top_k_accuracy_arguments():
     metrics.TopKAccuracy(object(), k=0)
   with pytest.raises(TypeError, match="top_k"):
     metrics.TopKAccuracy(object(), k=2)
+
+
+tf_keras = pytest.importorskip("tf_keras")
+from tf_hsm import tf_keras as hk2  # noqa: E402
+from tf_hsm.tf_keras import metrics as tf_keras_metrics  # noqa: E402
+
+FRONTS = {"keras": (keras, tf_hsm.keras, metrics),
+          "tf_keras": (tf_keras, hk2, tf_keras_metrics)}
+
+
+def _expected_top_k(layer, hidden, targets, k, weight):
+  """float64 top-k accuracy from every class's log-probability (the layer's
+  log_prob_all cast up; ties by increasing id), over the positions weight marks."""
+  scores = np.asarray(layer.log_prob_all(hidden), np.float64).reshape(-1, V)
+  order = np.lexsort((np.broadcast_to(np.arange(V), scores.shape), -scores), axis=-1)
+  hits = np.array([t in row[:k] for t, row in zip(targets.reshape(-1), order)])
+  weight = weight.reshape(-1)
+  return float((hits * weight).sum() / weight.sum())
+
+
+@pytest.mark.parametrize("which", ["keras", "tf_keras"])
+@pytest.mark.parametrize("kind", ["hsm", "adaptive"])
+def test_top_k_accuracy_in_compile_is_exact(rng, which, kind):
+  keras_module, front, module = FRONTS[which]
+  hidden, targets = _data(rng)
+  hidden *= 3.0
+  hidden_in = keras_module.Input((T, D))
+  targets_in = keras_module.Input((T,), dtype="int32")
+  layer = (front.HierarchicalSoftmax(tf_hsm.Tree.two_level(V), ignore_class=5)
+           if kind == "hsm" else front.AdaptiveSoftmax(V, [8, 20], div_value=2.0,
+                                                        tail="two_level"))
+  model = keras_module.Model([hidden_in, targets_in], layer(hidden_in, targets_in))
+  model.compile(loss=front.losses.nll,
+                metrics=[module.TopKAccuracy(k=3), module.TopKAccuracy(layer, k=1),
+                         module.Perplexity()])
+  targets[1, :3] = 5  # the ignored class, for the HierarchicalSoftmax
+  results = model.evaluate([hidden, targets], targets, batch_size=2, verbose=0,
+                           return_dict=True)
+  real = (targets >= 0) & ((targets != 5) if kind == "hsm" else True)
+  for k in (3, 1):
+    assert results[f"top_{k}_accuracy"] == pytest.approx(
+        _expected_top_k(layer, hidden, targets, k, real.astype(float)), abs=1e-6)
+  log_p = np.asarray(model.predict([hidden, targets], verbose=0), np.float64)
+  assert results["perplexity"] == pytest.approx(np.exp(-log_p[real].mean()), rel=1e-5)
+  # The same metric outside compile, given the layer and the hidden states.
+  metric = module.TopKAccuracy(layer, k=3)
+  metric.update_state(targets, hidden)
+  assert float(metric.result()) == pytest.approx(results["top_3_accuracy"], abs=1e-6)
+
+
+@pytest.mark.parametrize("which", ["keras", "tf_keras"])
+def test_top_k_accuracy_without_a_tf_hsm_output_says_so(which):
+  _, _, module = FRONTS[which]
+  metric = module.TopKAccuracy(k=2)
+  with pytest.raises(ValueError, match=r"without a layer reads the hidden states off the "
+                                       r"output of a tf_hsm layer"):
+    metric.update_state(np.zeros((2, 3), np.int32), np.zeros((2, 3), np.float32))
+  with pytest.raises(TypeError, match=r"pass k=5"):
+    module.TopKAccuracy(5)
+  config = metric.get_config()
+  assert config["k"] == 2 and type(metric).from_config(config).k == 2
+
+
+def test_tf_keras_perplexity_matches_float64(rng):
+  tree = tf_hsm.Tree.huffman(1.0 / np.arange(1, V + 1), branching=3)
+  hidden, targets = _data(rng)
+  hidden_in = tf_keras.Input((T, D))
+  targets_in = tf_keras.Input((T,), dtype="int32")
+  layer = hk2.HierarchicalSoftmax(tree)
+  model = tf_keras.Model([hidden_in, targets_in], layer(hidden_in, targets_in))
+  model.compile(loss=hk2.losses.nll, metrics=[tf_keras_metrics.Perplexity()])
+  results = model.evaluate([hidden, targets], targets, batch_size=2, verbose=0,
+                           return_dict=True)
+  real = targets >= 0
+  log_p = log_prob_reference(hidden[real], layer.kernel.numpy(), layer.bias.numpy(), tree,
+                             targets[real])[0]
+  assert results["perplexity"] == pytest.approx(np.exp(-log_p.mean()), rel=1e-5)

@@ -118,13 +118,6 @@ def refuse_tf_keras_compile(metric, frame):
                     f"tf_keras model: use tf_hsm.tf_keras.metrics.{name}")
 
 
-def serializable_top_k(metric):
-  """Raises where a `TopKAccuracy` holds a layer (which its config cannot hold)."""
-  if metric.layer is not None:
-    raise NotImplementedError("a TopKAccuracy given a layer is not serializable; "
-                              "TopKAccuracy(k=...) in compile is")
-
-
 def accuracy_over(metric, hidden_model, dataset):
   """`metric` (a `TopKAccuracy` with its layer) over `dataset`'s `(inputs, targets)`
   batches, fed `hidden_model(inputs)`: its result as a float."""

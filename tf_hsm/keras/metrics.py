@@ -102,8 +102,7 @@ class TopKAccuracy(_Sums):
   Args:
     layer: None in compile (the metric finds the layer on the output), or a built
       `HierarchicalSoftmax` or `AdaptiveSoftmax` (anything with
-      `top_k(hidden, k) -> (log_probs, classes)`); a metric with a layer is not
-      serializable.
+      `top_k(hidden, k) -> (log_probs, classes)`). The config leaves the layer out.
     k: a positive int, at most the layer's number of classes.
   """
 
@@ -135,7 +134,8 @@ class TopKAccuracy(_Sums):
     return tf.cast(tf.math.divide_no_nan(self.hits, self.count), self.dtype)
 
   def get_config(self):
-    shared.serializable_top_k(self)
+    # Without the layer: restored (with a saved model), the metric finds the layer on
+    # the model's output, as in compile.
     return dict(super().get_config(), k=self.k)
 
 

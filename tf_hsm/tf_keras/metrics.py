@@ -62,7 +62,8 @@ class TopKAccuracy(_Sums):
     return tf.cast(tf.math.divide_no_nan(self._first, self._second), self.dtype)
 
   def get_config(self):
-    shared.serializable_top_k(self)
+    # Without the layer: restored (with a saved model), the metric finds the layer on
+    # the model's output, as in compile.
     return dict(super().get_config(), k=self.k)
 
 
