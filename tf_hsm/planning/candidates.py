@@ -201,12 +201,14 @@ class Report:
 
 def _quality_cell(ratio, far=False):
   """The ppl+% cell: one decimal below 5%, whole percents above (the table fits 120
-  columns; the row's `quality` and the reason keep the figure); `~` before a figure
-  measured far from this V (`quality.FAR`)."""
+  columns; the row's `quality` and the reason keep the figure); `~` and whole percents
+  for a figure measured far from this V (`quality.FAR`): an ordering, not a decimal."""
   if ratio is None:
     return "?"
   percent = (ratio - 1) * 100
-  return ("~" if far else "") + (f"{percent:.1f}" if abs(percent) < 5 else f"{percent:.0f}")
+  if far:
+    return f"~{percent:.0f}"
+  return f"{percent:.1f}" if abs(percent) < 5 else f"{percent:.0f}"
 
 
 def _size(value, short=False):

@@ -10,14 +10,27 @@ docstrings (V=6,205), the King James Bible (V=4,989) and Debian's fortunes
 (V=10,000), every row re-made by `python -m tf_hsm.bench.quality_runs CORPUS`. A
 layer's figure is the mean over the corpora measured of its best perplexity over full
 softmax's in the same setting; `EVIDENCE` lists every figure with its source.
+
+Quality depends on the vocabulary's size (a tree over a million classes is deeper than
+one over 6,000), so a row of V classes takes the figures of the nearest measured size:
+the corpora of the order of magnitude (rounded log10 of their V) nearest to V
+(`nearest_figures`), and says which (`describe`, `column_note`). Every corpus is English
+text for a word-level language model; a recommender's items are not measured.
 """
 
 import dataclasses
+import math
 import re
 
 STDLIB = "standard library (V=6,205)"
 KJV = "King James Bible (V=4,989)"
 FORTUNES = "fortunes (V=10,000)"
+# Each corpus's classes (the demo's vocabulary with <unk>), for the lookup by size.
+CORPUS_CLASSES = {STDLIB: 6_205, KJV: 4_989, FORTUNES: 10_000}
+# A row whose V is more than this factor from every vocabulary its figures were
+# measured at is marked `~` in the table: the figure orders layers, it does not give
+# their cost at that V.
+FAR = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,13 +115,61 @@ KINDS = {
 }
 
 
-def quality_of(kind):
-  """(mean perplexity ratio against full softmax, [figures]) of a kind key, or (None,
-  []) when the project has no measurement of it."""
-  figures = [f for f in EVIDENCE if f.kind == kind]
+def classes_of(corpus):
+  """The vocabulary size a corpus's figures were measured at."""
+  if corpus not in CORPUS_CLASSES:
+    raise ValueError(f"corpus {corpus!r} has no vocabulary size in CORPUS_CLASSES")
+  return CORPUS_CLASSES[corpus]
+
+
+def nearest_figures(figures, num_classes=None):
+  """The figures of the corpora whose order of magnitude of V (rounded log10) is nearest
+  to NUM_CLASSES' (ties: the larger), or all of them without NUM_CLASSES."""
+  if num_classes is None or not figures:
+    return list(figures)
+  if not num_classes >= 1:
+    raise ValueError(f"num_classes must be a positive number, got {num_classes!r}")
+  target = math.log10(num_classes)
+  scales = {round(math.log10(classes_of(f.corpus))) for f in figures}
+  scale = min(scales, key=lambda s: (abs(s - target), -s))
+  return [f for f in figures if round(math.log10(classes_of(f.corpus))) == scale]
+
+
+def quality_of(kind, num_classes=None):
+  """(mean perplexity ratio against full softmax, [figures]) of a kind key at the
+  measured vocabulary size nearest to NUM_CLASSES (`nearest_figures`; all sizes when
+  None), or (None, []) when the project has no measurement of it."""
+  figures = nearest_figures([f for f in EVIDENCE if f.kind == kind], num_classes)
   if not figures:
     return None, []
   return sum(f.ratio for f in figures) / len(figures), figures
+
+
+def measured_range(figures):
+  """(smallest, largest) vocabulary the figures were measured at."""
+  sizes = [classes_of(f.corpus) for f in figures]
+  return min(sizes), max(sizes)
+
+
+def is_far(figures, num_classes):
+  """Whether NUM_CLASSES is more than FAR times from every vocabulary of FIGURES."""
+  low, high = measured_range(figures)
+  return num_classes > high * FAR or num_classes < low / FAR
+
+
+def _sizes(figures):
+  low, high = measured_range(figures)
+  return f"V={low:,}" if low == high else f"V={low:,}-{high:,}"
+
+
+def _distance(figures, num_classes, whose="this row's "):
+  """How far NUM_CLASSES is from the figures' vocabularies, in words ('' if near)."""
+  if num_classes is None or not is_far(figures, num_classes):
+    return ""
+  low, high = measured_range(figures)
+  factor = num_classes / high if num_classes > high else low / num_classes
+  side = "fewer" if num_classes > high else "more"
+  return f", {factor:,.0f}x {side} classes than {whose}{num_classes:,}"
 
 
 def kind_of(method, cutoffs=None, div_value=None, num_classes=None):
@@ -152,10 +213,40 @@ def demo_cutoffs(num_classes):
   return [c for c in cutoffs if c < num_classes]
 
 
-def describe(kind):
-  """One line of evidence: the figures and their ratios."""
-  ratio, figures = quality_of(kind)
+def describe(kind, num_classes=None):
+  """One line of evidence: the vocabulary size it was measured at (and how far that is
+  from NUM_CLASSES), then the figures and their ratios."""
+  ratio, figures = quality_of(kind, num_classes)
   if ratio is None:
     return "not measured"
-  return "; ".join(f"{f.corpus.split(' (')[0]} {f.perplexity:g} ({f.ratio - 1:+.1%})"
-                   for f in figures)
+  return (f"measured on English text at {_sizes(figures)}"
+          f"{_distance(figures, num_classes)}: "
+          + "; ".join(f"{f.corpus.split(' (')[0]} {f.perplexity:g} ({f.ratio - 1:+.1%})"
+                      for f in figures))
+
+
+def is_far_kind(kind, num_classes):
+  """Whether KIND's figures at NUM_CLASSES (`quality_of`) were measured FAR away (never
+  for full softmax: it is the reference, 1 at any V)."""
+  _, figures = quality_of(kind, num_classes)
+  if kind == "full":
+    return False
+  return bool(figures) and is_far(figures, num_classes)
+
+
+def column_note(num_classes):
+  """Where the table's ppl+% figures come from at NUM_CLASSES classes: the corpora and
+  their sizes (each kind's nearest, `quality_of`), and how far from NUM_CLASSES."""
+  figures = [f for kind in sorted({f.kind for f in EVIDENCE})
+             for f in quality_of(kind, num_classes)[1]]
+  if not figures:
+    return "ppl+%: not measured for any layer"
+  corpora = ", ".join(sorted({f.corpus.split(" (")[0] for f in figures}))
+  far = is_far(figures, num_classes)
+  whose = "the table's V="
+  return ("ppl+%: measured perplexity over full softmax's, in % (?: not measured), "
+          f"from word-level language models on English text ({corpora}; "
+          f"{_sizes(figures)}{_distance(figures, num_classes, whose)}"
+          + ("; ~: the figure orders the layers, it is not their cost at this V" if far
+             else "")
+          + "); other data, a recommender's items, is not measured.")
