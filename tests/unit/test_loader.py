@@ -1,5 +1,7 @@
-"""The op library's loader: the CPU features it was built for are checked before loading."""
+"""The op library's loader: the newest build loads, and the CPU features and TensorFlow it
+was built for are checked before loading."""
 
+import datetime
 import os
 
 import pytest
@@ -52,3 +54,85 @@ def test_configure_records_the_tensorflow_it_built_against():
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   library = _loader.PACKAGED_LIBRARY
   assert _loader.build_record(library)["tensorflow"] == tf.__version__
+
+
+def _checkout(tmp_path):
+  """A checkout's layout: tf_hsm/, cc/BUILD and Bazel's output folder."""
+  for folder in ("tf_hsm", "cc", "bazel-bin/cc"):
+    (tmp_path / folder).mkdir(parents=True)
+  (tmp_path / "cc" / "BUILD").write_text("")
+  return str(tmp_path / "tf_hsm")
+
+
+def _built_at(path, seconds):
+  """Creates `path` if missing and sets its modification time."""
+  with open(path, "ab"):
+    pass
+  os.utime(path, (seconds, seconds))
+
+
+def test_the_newest_build_loads(tmp_path):
+  packaged, bazel, bazel_gpu = _loader.candidates(_checkout(tmp_path))
+  assert packaged == str(tmp_path / "tf_hsm" / "_hsm_ops.so")
+  assert (bazel, bazel_gpu) == tuple(str(tmp_path / "bazel-bin" / "cc" / name)
+                                     for name in ("_hsm_ops.so", "_hsm_ops_gpu.so"))
+  paths = (packaged, bazel, bazel_gpu)
+  _built_at(bazel, 1000)
+  assert _loader.choose(paths) == bazel  # built by Bazel, never installed
+  _built_at(packaged, 2000)
+  assert _loader.choose(paths) == packaged  # configure.sh installed its build
+  _built_at(bazel, 3000)
+  assert _loader.choose(paths) == bazel  # `bazel build` after an edit
+  _built_at(packaged, 3000)
+  assert _loader.choose(paths) == packaged  # a tie: the copy with its record beside it
+  _built_at(bazel_gpu, 4000)
+  assert _loader.choose(paths) == bazel_gpu
+
+
+def test_a_wheel_loads_its_packaged_library(tmp_path):
+  (tmp_path / "tf_hsm").mkdir()  # site-packages: no cc/BUILD beside the package
+  paths = _loader.candidates(str(tmp_path / "tf_hsm"))
+  assert paths == (str(tmp_path / "tf_hsm" / "_hsm_ops.so"),)
+  with pytest.raises(ImportError, match=r"(?s)not built.*_hsm_ops\.so\nexists.*"
+                     r"\./configure\.sh.*bazel build //cc:_hsm_ops\.so"):
+    _loader.choose(paths)
+
+
+def test_bazel_outputs_are_checked_against_the_configure_record(tmp_path):
+  _, bazel, _ = _loader.candidates(_checkout(tmp_path))
+  record = _write(tmp_path / "tf_hsm" / "_hsm_ops.cpu",
+                  "march=native\nfeatures=avx2 avx512f\ntensorflow=2.21.0\n")
+  assert _loader.record_path(bazel) == record
+  assert _loader.build_record(bazel)["features"] == "avx2 avx512f"
+  cpuinfo = _write(tmp_path / "cpuinfo", "flags\t\t: avx2\n")
+  with pytest.raises(ImportError, match=r"bazel-bin/cc/_hsm_ops\.so was built .*\(avx512f\)"):
+    _loader.check_cpu(bazel, cpuinfo)
+  with pytest.raises(ImportError, match=r"TensorFlow 2\.21\.0"):
+    _loader.check_tensorflow(bazel, "2.22.0")
+  elsewhere = str(tmp_path / "cc" / "_hsm_ops.so")  # not Bazel's output: its own record
+  assert _loader.record_path(elsewhere) == str(tmp_path / "cc" / "_hsm_ops.cpu")
+  assert _loader.build_record(elsewhere) is None
+
+
+def test_newer_sources_are_the_edits_the_build_lacks(tmp_path):
+  root = tmp_path
+  _checkout(root)
+  library = str(root / "bazel-bin" / "cc" / "_hsm_ops.so")
+  for folder in ("core", "kernels", "ops", "tests"):
+    (root / "cc" / folder).mkdir()
+  _built_at(library, 2000)
+  for name, seconds in (("core/old.cc", 1000), ("core/new.h", 3000),
+                        ("kernels/new.cc", 3000), ("ops/old.cc", 2000),
+                        ("core/new_gpu.cu", 3000), ("tests/new_test.cc", 3000)):
+    _built_at(str(root / "cc" / name), seconds)
+  # .cu files are not in the CPU library, nor are the tests.
+  assert _loader.newer_sources(library, str(root)) == ["cc/core/new.h", "cc/kernels/new.cc"]
+
+
+def test_the_loaded_library_is_the_one_chosen():
+  loaded = _loader.loaded_library()
+  assert loaded.path == _loader.choose(_loader.candidates())
+  assert loaded.built == datetime.datetime.fromtimestamp(
+      os.path.getmtime(loaded.path)).astimezone()
+  assert loaded.newer_sources == _loader.newer_sources(loaded.path)
+  assert _loader.build_record(loaded.path) is not None, "run ./configure.sh"

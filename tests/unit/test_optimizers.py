@@ -477,7 +477,7 @@ def test_the_row_updates_request_their_rows_in_the_built_library():
   pass to the core as a lambda, which no result shows; this reads the op library's code:
   every kernel's functions must hold a prefetch for the variables in each of its two
   visiting orders and one for the gradient (3; there was 1)."""
-  library = _loader.PACKAGED_LIBRARY
+  library = _loader.loaded_library().path  # the build that runs
   listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library],
                            capture_output=True, text=True, check=True).stdout
   kernels = [kernel + types for kernel in ("SparseSgdRowsOp", "SparseAdamRowsOp",

@@ -1,19 +1,59 @@
-"""Finds and loads the compiled op library, once."""
+"""Finds, checks and loads the compiled op library, once.
 
+Which file loads: the newest (last modified) of the libraries that exist, among
+  tf_hsm/_hsm_ops.so          the packaged copy: configure.sh installs its build here, and
+                              the wheel carries it;
+  bazel-bin/cc/_hsm_ops.so    in a checkout, Bazel's output (also `_hsm_ops_gpu.so`).
+configure.sh installs what it built, so right after it the packaged copy is the newest;
+after an edit, `bazel build //cc:_hsm_ops.so` leaves a newer file in bazel-bin, and the
+next Python process loads that one, with nothing to copy. A wheel has no bazel-bin, so
+the packaged copy loads. On a tie the packaged copy wins (its build record sits beside it).
+
+`loaded_library()` says which file loaded, when it was built (its modification time) and
+which sources under cc/ changed after that (a build to run before the results mean
+anything).
+"""
+
+import collections
+import datetime
 import functools
+import glob
 import os
 
 import tensorflow as tf
 
 _LIBRARY = "_hsm_ops.so"
-# The library sits at the top of the package (tf_hsm/_hsm_ops.so), where configure.sh and
-# the wheel put it.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGED_LIBRARY = os.path.join(_PACKAGE_DIR, _LIBRARY)
-_CANDIDATES = (
-    PACKAGED_LIBRARY,
-    os.path.join(os.path.dirname(_PACKAGE_DIR), "bazel-bin", "cc", _LIBRARY),
-)
+# The sources //cc:_hsm_ops.so is built from (cc/BUILD), relative to the checkout.
+_SOURCES = ("cc/core/*.cc", "cc/core/*.h", "cc/kernels/*.cc", "cc/kernels/*.h",
+            "cc/ops/*.cc", "cc/ops/*.h")
+
+
+def candidates(package_dir=_PACKAGE_DIR):
+  """The op libraries that may load, for the package at `package_dir`: its packaged copy,
+  then, when the package sits in a checkout (cc/BUILD beside it), Bazel's outputs."""
+  packaged = os.path.join(package_dir, _LIBRARY)
+  root = os.path.dirname(package_dir)
+  if not os.path.exists(os.path.join(root, "cc", "BUILD")):
+    return (packaged,)
+  bazel_bin = os.path.join(root, "bazel-bin", "cc")
+  return (packaged, os.path.join(bazel_bin, _LIBRARY),
+          os.path.join(bazel_bin, "_hsm_ops_gpu.so"))
+
+
+def choose(paths):
+  """The newest of `paths` that exists (the first of those tied); ImportError when none
+  does, naming them and the commands that build one."""
+  existing = [p for p in paths if os.path.exists(p)]
+  if not existing:
+    raise ImportError(
+        "The tf_hsm op library is not built: none of\n  " + "\n  ".join(paths) +
+        "\nexists. Build it from the repository root with `./configure.sh`, which builds "
+        "and installs tf_hsm/_hsm_ops.so; after editing cc/, `bazel build "
+        "//cc:_hsm_ops.so` rebuilds bazel-bin/cc/_hsm_ops.so, which loads when newer.")
+  # max() keeps the first of equal keys: the packaged copy on a tie.
+  return max(existing, key=os.path.getmtime)
 
 
 def _cpu_flags(cpuinfo="/proc/cpuinfo"):
@@ -28,10 +68,22 @@ def _cpu_flags(cpuinfo="/proc/cpuinfo"):
   return None
 
 
+def record_path(library):
+  """Where the build record of `library` is: beside it (`_hsm_ops.cpu`), or, for Bazel's
+  outputs in a checkout (bazel-bin/cc/), the one configure.sh wrote in tf_hsm/. Bazel
+  builds them with the flags configure.sh wrote to .tf_hsm.bazelrc in the same run as that
+  record (the -march, the TensorFlow to build against), so it describes them too."""
+  beside = os.path.splitext(library)[0] + ".cpu"
+  folder = os.path.dirname(library)
+  if os.path.exists(beside) or not folder.endswith(os.path.join("bazel-bin", "cc")):
+    return beside
+  return os.path.join(os.path.dirname(os.path.dirname(folder)), "tf_hsm", "_hsm_ops.cpu")
+
+
 def build_record(library):
-  """What configure.sh recorded beside `library` (`_hsm_ops.cpu`): {"march": ...,
-  "features": "avx avx2 ..."}, or None without that file."""
-  record = os.path.splitext(library)[0] + ".cpu"
+  """What configure.sh recorded for `library` (see `record_path`): {"march": ...,
+  "features": "avx avx2 ...", "tensorflow": ...}, or None without a record."""
+  record = record_path(library)
   if not os.path.exists(record):
     return None
   with open(record) as f:
@@ -41,7 +93,7 @@ def build_record(library):
 def check_cpu(library, cpuinfo="/proc/cpuinfo"):
   """Raises ImportError when `library` was compiled for CPU features this machine lacks.
 
-  configure.sh writes them beside the library (`_hsm_ops.cpu`). Loaded anyway, such a
+  configure.sh records them (`_hsm_ops.cpu`, see `record_path`). Loaded anyway, such a
   library stops the process with an illegal instruction at its first op: one built with
   the default TF_HSM_MARCH=native on an AVX-512 machine, then run on an AVX2 one that
   shares the file system, say. Without that file, or without /proc/cpuinfo, nothing is
@@ -76,20 +128,42 @@ def check_tensorflow(library, version=None):
         "./configure.sh.")
 
 
+Library = collections.namedtuple("Library", "path built newer_sources")
+Library.__doc__ = """The op library a process loaded.
+
+path: the file; built: when it was built, its modification time (a local datetime);
+newer_sources: the sources of //cc:_hsm_ops.so (cc/core, cc/kernels, cc/ops; relative to
+the checkout, none in a wheel) modified after it: an edit the loaded build does not hold."""
+
+
 @functools.lru_cache(maxsize=None)
+def _load():
+  path = choose(candidates())
+  check_tensorflow(path)
+  check_cpu(path)
+  return path, tf.load_op_library(path)
+
+
 def ops():
-  """Returns the generated op module of the tf_hsm library.
+  """Returns the generated op module of the tf_hsm library (the file `choose` picks).
 
   Raises:
     ImportError: when the library has not been built yet, was built for CPU features
       this machine lacks, or against another TensorFlow release.
   """
-  for path in _CANDIDATES:
-    if os.path.exists(path):
-      check_tensorflow(path)
-      check_cpu(path)
-      return tf.load_op_library(path)
-  raise ImportError(
-      "The tf_hsm op library is not built: none of\n  " + "\n  ".join(_CANDIDATES) +
-      "\nexists. Build it from the repository root with `./configure.sh` "
-      "(or `bazel build //cc:_hsm_ops.so` after configuring).")
+  return _load()[1]
+
+
+def loaded_library():
+  """The `Library` this process loaded (loading it if no op has run yet)."""
+  path = _load()[0]
+  built = datetime.datetime.fromtimestamp(os.path.getmtime(path)).astimezone()
+  return Library(path, built, newer_sources(path))
+
+
+def newer_sources(library, root=os.path.dirname(_PACKAGE_DIR)):
+  """The sources of the op library under `root` (a checkout) modified after `library`,
+  relative to `root`; empty where there is no cc/ (a wheel)."""
+  built = os.path.getmtime(library)
+  found = (p for pattern in _SOURCES for p in glob.glob(os.path.join(root, pattern)))
+  return sorted(os.path.relpath(p, root) for p in found if os.path.getmtime(p) > built)
