@@ -6,7 +6,7 @@
 #
 # The core gets the flags the op library gives it (read from .tf_hsm.bazelrc: -march, the
 # FMA-chain tuning), at -O1 so that the sanitizers see through inlining; the tests are
-# the ones tests/test_cc_core.py and tests/test_cc_inference.py run, empty shapes and
+# the ones tests/integration/test_cc_core.py and test_cc_inference.py run, empty shapes and
 # tampered trees included. Objects go to build/sanitize/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -11,7 +11,7 @@ namespace tf_hsm {
 
 using int64 = std::int64_t;
 
-// Layout contract (see tf_hsm/tree.py): classes 0..C-1 are leaves, internal nodes 0..M-1
+// Layout contract (see tf_hsm/tree/layout.py): classes 0..C-1 are leaves, internal nodes 0..M-1
 // with root 0. Node n's children own the weight rows ("slots")
 // [child_begin[n], child_begin[n+1]). slot_child[s] is the class id (< C) or C + node.
 // Class c's root-to-leaf path is steps path_begin[c]..path_begin[c+1]-1 of

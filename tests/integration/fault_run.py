@@ -1,5 +1,5 @@
 """Faults in a ParameterServerStrategy run on a loopback cluster of processes
-(`tf_hsm.cluster.LoopbackCluster`); writes a JSON report. Run by tests/test_faults.py.
+(`tf_hsm.cluster.LoopbackCluster`); writes a JSON report. Run by tests/integration/test_faults.py.
 
     fault_run.py train CKPT_DIR OUT.json     2 PS + 2 workers: train, SIGKILL a worker
                                              mid-training, train on; checkpoint; then

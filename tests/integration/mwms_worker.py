@@ -4,7 +4,7 @@ cluster and this worker; each worker takes its share of every global batch), or 
 fails under MultiWorkerMirroredStrategy before the first step, whatever the model:
 keras-team/keras#20585.) Writes the trained weights to the .npz file given as the argument.
 
-Run by tests/test_multi_worker.py, which starts the workers as processes on 127.0.0.1.
+Run by tests/integration/test_multi_worker.py, which starts the workers as processes on 127.0.0.1.
 """
 
 import json

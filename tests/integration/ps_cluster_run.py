@@ -2,7 +2,7 @@
 2 parameter servers (in-process `tf.distribute.Server`s on 127.0.0.1, as in TensorFlow's
 parameter-server tutorial), and the same training in one process; prints a JSON report.
 
-Run by tests/test_parameter_server.py in a subprocess of its own: connecting to a cluster
+Run by tests/integration/test_parameter_server.py in a subprocess of its own: connecting to a cluster
 changes TensorFlow's eager context for the rest of the process, and the servers end with
 it.
 """

@@ -1,7 +1,7 @@
 """A training loop with HierarchicalSoftmax and LazyAdam under
 MultiWorkerMirroredStrategy, 2 worker processes on 127.0.0.1, against one process on the
 combined batches
-(tests/mwms_worker.py). Every process started here is stopped here, also on failure."""
+(tests/integration/mwms_worker.py). Every process started here is stopped here, also on failure."""
 
 import json
 import os

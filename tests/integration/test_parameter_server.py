@@ -1,5 +1,5 @@
 """Training under ParameterServerStrategy with the table and the optimizers' slots sharded
-on 2 parameter servers of a loopback cluster (tests/ps_cluster_run.py, run in a
+on 2 parameter servers of a loopback cluster (tests/integration/ps_cluster_run.py, run in a
 subprocess of its own that this test bounds in time and always ends)."""
 
 import json

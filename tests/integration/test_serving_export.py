@@ -5,7 +5,7 @@ at the signatures.
 
 One small model for the module; its chunk size is set to 4 while exporting, so that the
 nodes of more than 4 children go through the tf.while_loop path (the unrolled one is
-exported by tests/test_serving_adaptive_export.py).
+exported by tests/integration/test_serving_adaptive_export.py).
 """
 
 import os
@@ -28,7 +28,7 @@ VOCAB = 40
 
 
 def run_serving(mode, model_path, requests, workdir, timeout=300):
-  """Runs tests/serving_load.py in a fresh `python -I` process in `workdir`; returns its
+  """Runs tests/integration/serving_load.py in a fresh `python -I` process in `workdir`; returns its
   outputs as {"<signature>/<name>": array}."""
   inputs = os.path.join(workdir, f"in_{mode}.npz")
   outputs = os.path.join(workdir, f"out_{mode}.npz")
