@@ -7,15 +7,11 @@ tokens) once per output layer the planner has a row for, one process after anoth
 best held-out perplexity against full softmax's: the figures of
 `tf_hsm.planning.quality.EVIDENCE` and docs/planner.md's quality table.
 
-CORPUS is one of
-
-- `stdlib`: the demo's default corpus (the standard library's docstrings);
-- `kjv`: the King James Bible, from Debian's `bible-kjv-text` read with `bible-kjv`'s
-  `bible` command (`apt-get install -y bible-kjv`), one document per chapter, verse
-  numbers and chapter headings removed (docs/demo.md);
-- `fortunes`: Debian's `fortunes` package (`apt-get install -y fortunes`): every file of
-  /usr/share/games/fortunes, one document per fortune (the '%' lines separate them);
-- a path: a UTF-8 text file, as `python -m tf_hsm.demo --corpus` takes it.
+CORPUS is one of `tf_hsm.bench.corpora`'s (`stdlib`, `kjv`, `fortunes`, and the large
+vocabularies `linux-comments` and `debian-docs`, prepared as that module says) or a path:
+a UTF-8 text file, as `python -m tf_hsm.demo --corpus` takes it. The large corpora train
+on their whole text with every word seen twice in training as a class (`--max-tokens 0
+--vocab 10000000`, `corpora.LARGE`); the others at the demo's defaults.
 
 Each row writes OUT/ROW/results.json (the demo's; OUT is demo_results/quality_runs/CORPUS
 unless --out says); OUT/summary.json and OUT/summary.md hold the table; `--acceptance`
@@ -24,7 +20,6 @@ so rows can be re-run one at a time); `--dry-run` prints the commands.
 """
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -33,7 +28,9 @@ import statistics
 import subprocess
 import sys
 
-FORTUNES = "/usr/share/games/fortunes"
+from tf_hsm.bench import corpora
+from tf_hsm.bench.corpora import corpus_file
+
 # row: (the `tf_hsm.planning.quality` kind, the demo's arguments). "{cbrt}" is replaced by
 # ceil(V^(1/3)), the planner's three-level balanced tree's branching.
 ROWS = {
@@ -58,77 +55,35 @@ ROWS = {
 }
 
 
-def kjv_text(path):
-  """Writes the King James Bible as plain text (docs/demo.md's command)."""
-  if not shutil.which("bible"):
-    raise SystemExit("the `bible` command is missing: apt-get install -y bible-kjv "
-                     "(it brings bible-kjv-text)")
-  text = subprocess.run(["bible", "gen1:1-rev22:21"], capture_output=True, text=True,
-                        check=True).stdout
-  lines, prev = [], None
-  for number, line in enumerate(text.split("\n")):
-    # A chapter heading ("Genesis 1") follows a blank line: dropped.
-    heading = (number > 0 and prev == "" and line[:1] not in ("", " ") and
-               line.rsplit(" ", 1)[-1].isdigit())
-    prev = line
-    if heading:
-      continue
-    stripped = line.lstrip(" ")
-    if stripped != line and stripped.split(" ", 1)[0].isdigit() and " " in stripped:
-      line = stripped.split(" ", 1)[1]  # the verse number
-    lines.append(line)
-  with open(path, "w", encoding="utf-8") as f:
-    f.write("\n".join(lines))
-
-
-def fortunes_text(path):
-  """Writes every fortune of /usr/share/games/fortunes as one document (blank lines
-  between fortunes, none inside one)."""
-  files = sorted(p for p in glob.glob(os.path.join(FORTUNES, "*"))
-                 if os.path.isfile(p) and not os.path.islink(p) and
-                 not p.endswith(".dat"))
-  if not files:
-    raise SystemExit(f"no fortunes under {FORTUNES}: apt-get install -y fortunes")
-  documents = []
-  for name in files:
-    with open(name, encoding="utf-8", errors="replace") as f:
-      for fortune in f.read().split("\n%\n"):
-        lines = [line for line in fortune.split("\n") if line.strip() and line != "%"]
-        if lines:
-          documents.append("\n".join(lines))
-  with open(path, "w", encoding="utf-8") as f:
-    f.write("\n\n".join(documents) + "\n")
-
-
-def corpus_file(corpus, out):
-  """The demo's `--corpus` argument for CORPUS (None: the standard library)."""
-  if corpus == "stdlib":
-    return None
-  if corpus in ("kjv", "fortunes"):
-    path = os.path.join(out, f"{corpus}.txt")
-    (kjv_text if corpus == "kjv" else fortunes_text)(path)
-    return path
-  if not os.path.isfile(corpus):
-    raise SystemExit(f"no such corpus: {corpus} (stdlib, kjv, fortunes or a file)")
-  return corpus
-
-
-def training_counts(corpus):
-  """The class counts of the demo's vocabulary at its defaults (by the demo's ids)."""
+def corpus_settings(name):
+  """The demo's --max-tokens and --vocab for corpus NAME: its defaults (the first 300K
+  tokens, at most 10,000 words), or a large corpus's whole text and every word seen
+  twice in training (`tf_hsm.bench.corpora.LARGE`)."""
   from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
+  return corpora.LARGE.get(name, {"max_tokens": run.DEFAULTS["max_tokens"],
+                                  "vocab": run.DEFAULTS["vocab"]})
+
+
+def training_counts(corpus, settings=None):
+  """The class counts of the demo's vocabulary (by the demo's ids) at SETTINGS
+  (`corpus_settings`; default: the demo's)."""
+  from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
+  settings = settings or corpus_settings(None)
   documents = run.file_documents(corpus) if corpus else run.stdlib_documents()
-  train, _ = run.split_corpus(documents, run.DEFAULTS["max_tokens"], run.DEFAULTS["seed"])
-  _, counts = run.build_vocab(train, run.DEFAULTS["vocab"], run.DEFAULTS["min_count"])
+  train, _ = run.split_corpus(documents, settings["max_tokens"], run.DEFAULTS["seed"])
+  _, counts = run.build_vocab(train, settings["vocab"], run.DEFAULTS["min_count"])
   return counts
 
 
-def command(row, corpus, out, vocab, cpu):
+def command(row, corpus, out, vocab, cpu, settings=None):
   args = [a.replace("{cbrt}", str(max(2, math.ceil(vocab ** (1 / 3) - 1e-9))))
           for a in ROWS[row][1]]
   cmd = [sys.executable, "-m", "tf_hsm.demo", *args, "--quiet",
          "--out", os.path.join(out, row)]
   if corpus:
     cmd += ["--corpus", corpus]
+  if settings and settings != corpus_settings(None):
+    cmd += ["--max-tokens", str(settings["max_tokens"]), "--vocab", str(settings["vocab"])]
   if cpu is not None and shutil.which("taskset"):
     cmd = ["taskset", "-c", str(cpu)] + cmd
   return cmd
@@ -177,7 +132,7 @@ def summary(out):
   return rows, "\n".join(lines)
 
 
-def acceptance(corpus, out):
+def acceptance(corpus, out, settings=None):
   """The planner's pick for the demo's model on this corpus (docs/planner.md, "On the
   demo's model: the acceptance"), beside the perplexities and CPU times measured in OUT.
 
@@ -193,7 +148,7 @@ def acceptance(corpus, out):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tf_hsm  # pylint: disable=g-import-not-at-top
   from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
-  counts = np.sort(training_counts(corpus))[::-1]
+  counts = np.sort(training_counts(corpus, settings))[::-1]
   d, seq, batch = run.DEFAULTS["hidden"], run.DEFAULTS["seq_len"], run.DEFAULTS["batch"]
   model = run.hsm_model(tf_hsm.Tree.two_level(len(counts), counts), counts, d, seq,
                         run.DEFAULTS["learning_rate"])
@@ -221,7 +176,7 @@ def acceptance(corpus, out):
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m tf_hsm.bench.quality_runs",
                               description=__doc__.split("\n\n")[0])
-  p.add_argument("corpus", help="stdlib, kjv, fortunes or a UTF-8 text file")
+  p.add_argument("corpus", help=", ".join(corpora.NAMES) + " or a UTF-8 text file")
   p.add_argument("--rows", default=",".join(ROWS),
                  help="comma-separated rows to run, of " + ", ".join(ROWS) +
                       " (default: all)")
@@ -251,10 +206,11 @@ def main(argv=None):
   out = args.out or os.path.join("demo_results", "quality_runs", name)
   os.makedirs(out, exist_ok=True)
   corpus = corpus_file(args.corpus, out)
-  vocab = len(training_counts(corpus)) if any("{cbrt}" in " ".join(ROWS[r][1])
-                                         for r in rows) else 0
+  settings = corpus_settings(args.corpus)
+  vocab = len(training_counts(corpus, settings)) if any(
+      "{cbrt}" in " ".join(ROWS[r][1]) for r in rows) else 0
   for row in rows:
-    cmd = command(row, corpus, out, vocab, None if args.cpu < 0 else args.cpu)
+    cmd = command(row, corpus, out, vocab, None if args.cpu < 0 else args.cpu, settings)
     print("$ " + " ".join(cmd), flush=True)
     if not args.dry_run:
       subprocess.run(cmd, check=True)
@@ -267,7 +223,7 @@ def main(argv=None):
     f.write(table + "\n")
   print(table, flush=True)
   if args.acceptance:
-    result = acceptance(corpus, out)
+    result = acceptance(corpus, out, settings)
     with open(os.path.join(out, "acceptance.json"), "w") as f:
       json.dump(result, f, indent=2)
     print(result["table"], flush=True)

@@ -1,0 +1,186 @@
+"""The quality runs' corpora (`tf_hsm.bench.corpora`): the text each source gives, the
+files the demo reads back, the statistics, and the quality runs' settings for them."""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import zipfile
+
+import pytest
+
+from tf_hsm.bench import corpora
+from tf_hsm.bench import quality_runs
+from tf_hsm.demo import run
+
+
+def test_documents_come_back_as_written(tmp_path):
+  """A blank line inside a document would split it when the demo reads the file."""
+  path = tmp_path / "c.txt"
+  kept = corpora.write_documents(["one\n\ntwo  \n", "", " \n", "three\nfour"], path)
+  assert kept == 2
+  assert run.file_documents(str(path)) == ["one\ntwo", "three\nfour\n"]
+
+
+def test_c_comments_drop_stars_and_licence_lines():
+  source = ("// SPDX-License-Identifier: GPL-2.0\n/*\n * Resets the PHY.\n *\n"
+            " * Return: 0 or -EIO.\n */\nint x; // the count\n/**/")
+  texts = corpora.c_comments(source)
+  assert texts == ["", "Resets the PHY.\n\nReturn: 0 or -EIO.", "the count", ""]
+  seen = set()
+  assert corpora.distinct(texts, seen) == "Resets the PHY.\n\nReturn: 0 or -EIO.\nthe count"
+  assert corpora.distinct(["the count", "new"], seen) == "new"  # each comment once
+
+
+def test_javadoc_text_keeps_the_prose():
+  body = ("*\n * Returns the {@code size} of a <b>list</b>, see {@link List#size()}.\n"
+          " * <p>Never &lt; 0.\n * @return the size\n ")
+  assert corpora.javadoc_text(body) == (
+      "Returns the size of a list, see List#size().\nNever < 0.\n@return the size")
+
+
+def _tar_xz(path, files):
+  with tarfile.open(path, "w:xz") as tar:
+    for name, text in files.items():
+      data = text.encode()
+      info = tarfile.TarInfo(name)
+      info.size = len(data)
+      tar.addfile(info, io.BytesIO(data))
+
+
+def test_kernel_comments_and_documentation_from_the_tarball(tmp_path):
+  tarball = tmp_path / "linux-source-9.9.tar.xz"
+  _tar_xz(tarball, {
+      "linux-source-9.9/drivers/a.c": "/* GPL boilerplate */\n/* probes a */ int a;",
+      "linux-source-9.9/drivers/b.h": "/* GPL boilerplate */\n// frees b\n",
+      "linux-source-9.9/drivers/c.S": "/* assembly: not read */",
+      "linux-source-9.9/Documentation/x.rst": "How x works.",
+      "linux-source-9.9/Documentation/y.yaml": "schema: not read",
+      "linux-source-9.9/README.txt": "not under Documentation"})
+  assert list(corpora.kernel_comments(str(tarball))) == [
+      "GPL boilerplate\nprobes a", "frees b"]
+  assert list(corpora.kernel_documentation(str(tarball))) == ["How x works."]
+
+
+def test_javadoc_from_the_source_zip(tmp_path):
+  path = tmp_path / "src.zip"
+  with zipfile.ZipFile(path, "w") as z:
+    z.writestr("java.base/java/util/B.java", "/** Second. */ class B {} /* not Javadoc */")
+    z.writestr("java.base/java/util/A.java", "/** First. */ class A {}\n/** Second. */")
+    z.writestr("java.base/java/util/notes.txt", "/** not a source */")
+  assert list(corpora.javadoc(str(path))) == ["First.\nSecond.", ""]
+
+
+def test_statistics_of_a_known_corpus():
+  """100 documents `a b c uN` (5 tokens with <eos>): blocks of 10 tokens (two
+  documents), every 10th held out; only a, b, c and <eos> are seen twice."""
+  documents = [f"a b c u{i}" for i in range(100)]
+  stats = corpora.corpus_statistics(documents)
+  assert stats["tokens"] == 500 and stats["held_out_tokens"] == 50
+  assert stats["words"] == 4 and stats["classes"] == 5
+  assert stats["train_types"] == 4 + 90 and stats["corpus_types"] == 4 + 100
+  assert stats["held_out_oov"] == pytest.approx(10 / 50)
+  capped = corpora.corpus_statistics(documents, max_tokens=100)
+  assert capped["tokens"] == 100 and capped["max_tokens"] == 100
+  assert "first 100 tokens" in corpora.describe(capped)
+  assert "V=5 classes with <unk>" in corpora.describe(stats)
+
+
+def test_statistics_refuse_bad_input():
+  with pytest.raises(ValueError, match="min_count must be >= 1"):
+    corpora.corpus_statistics(["a b"], min_count=0)
+  with pytest.raises(ValueError, match="too small to split"):
+    corpora.corpus_statistics(["a"])
+
+
+def test_fortunes_one_document_each(tmp_path, monkeypatch):
+  (tmp_path / "one").write_text("A fortune\n\nof two lines\n%\nSecond\n%\n")
+  (tmp_path / "one.dat").write_text("index, not text")
+  monkeypatch.setattr(corpora, "FORTUNES", str(tmp_path))
+  path = corpora.corpus_file("fortunes", str(tmp_path))
+  assert run.file_documents(path) == ["A fortune\nof two lines", "Second\n"]
+  monkeypatch.setattr(corpora, "FORTUNES", str(tmp_path / "none"))
+  with pytest.raises(SystemExit, match="apt-get install -y fortunes"):
+    corpora.fortunes_documents()
+
+
+def test_metapackages_resolve_to_their_versioned_package(monkeypatch):
+  answers = {"linux-source": "linux-source\n  Depends: linux-source-6.1\n",
+             "python3-doc": "python3-doc\n  Depends: python3\n  Depends: python3.11-doc\n"}
+  monkeypatch.setattr(corpora, "_run", lambda cmd, cwd=None: answers.get(cmd[-1], ""))
+  assert corpora.resolve("linux-source") == "linux-source-6.1"
+  assert corpora.resolve("python3-doc") == "python3.11-doc"
+  assert corpora.resolve("perl-doc") == "perl-doc"  # a real package: as named
+  answers["linux-source"] = "linux-source\n  Depends: linux-doc\n"
+  with pytest.raises(SystemExit, match="apt-get update"):
+    corpora.resolve("linux-source")
+
+
+def test_a_missing_tool_is_named():
+  with pytest.raises(SystemExit, match="`no-such-tool-here` is missing"):
+    corpora._run(["no-such-tool-here", "x"])
+
+
+@pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="needs dpkg-deb")
+def test_fetch_unpacks_a_cached_package_once(tmp_path):
+  """A .deb already in the cache is not downloaded again; it is unpacked once."""
+  root = tmp_path / "pkg"
+  (root / "DEBIAN").mkdir(parents=True)
+  (root / "DEBIAN" / "control").write_text(
+      "Package: tiny-doc\nVersion: 1.2-3\nArchitecture: all\nMaintainer: x <x@x>\n"
+      "Description: test\n")
+  (root / "usr" / "share" / "doc").mkdir(parents=True)
+  (root / "usr" / "share" / "doc" / "a.txt").write_text("text")
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  subprocess.run(["dpkg-deb", "--build", str(root), str(cache / "tiny-doc_1.2-3_all.deb")],
+                 check=True, capture_output=True)
+  unpacked, version = corpora.fetch("tiny-doc", str(cache))
+  assert version == "tiny-doc 1.2-3"
+  assert open(os.path.join(unpacked, "usr", "share", "doc", "a.txt")).read() == "text"
+  assert corpora.fetch("tiny-doc", str(cache)) == (unpacked, version)
+  (cache / "tiny-doc_1.2-4_all.deb").write_bytes(b"")
+  with pytest.raises(SystemExit, match="expected one tiny-doc_"):
+    corpora.fetch("tiny-doc", str(cache))
+
+
+def test_unknown_corpora_are_refused(tmp_path, capsys):
+  with pytest.raises(SystemExit, match="no such corpus: nowhere.txt"):
+    corpora.corpus_file("nowhere.txt", str(tmp_path))
+  with pytest.raises(SystemExit) as exit_info:
+    corpora.main(["wikipedia", "--out", str(tmp_path)])
+  assert exit_info.value.code == 2
+  assert "unknown corpus wikipedia" in capsys.readouterr().err
+
+
+def test_main_writes_the_statistics(tmp_path, monkeypatch):
+  (tmp_path / "one").write_text("\n%\n".join(f"a b c u{i}" for i in range(100)))
+  monkeypatch.setattr(corpora, "FORTUNES", str(tmp_path))
+  out = tmp_path / "out"
+  assert corpora.main(["fortunes", "--out", str(out)]) == 0
+  with open(out / "fortunes.json") as f:
+    result = json.load(f)
+  assert result["documents"] == 100 and result["statistics"][0]["classes"] == 5
+
+
+def test_quality_runs_train_large_corpora_on_their_whole_vocabulary(tmp_path):
+  assert quality_runs.corpus_settings("linux-comments") == {
+      "max_tokens": 0, "vocab": corpora.VOCAB_ALL}
+  assert quality_runs.corpus_settings("kjv") == {"max_tokens": run.DEFAULTS["max_tokens"],
+                                                 "vocab": run.DEFAULTS["vocab"]}
+  large = quality_runs.command("huffman8", "c.txt", str(tmp_path), 100, None,
+                               quality_runs.corpus_settings("debian-docs"))
+  assert large[large.index("--max-tokens") + 1] == "0"
+  assert large[large.index("--vocab") + 1] == str(corpora.VOCAB_ALL)
+  small = quality_runs.command("huffman8", "c.txt", str(tmp_path), 100, None,
+                               quality_runs.corpus_settings("kjv"))
+  assert "--vocab" not in small and "--max-tokens" not in small
+  # The whole vocabulary: every word seen twice, beyond the demo's 10,000 cap.
+  corpus = tmp_path / "big.txt"
+  corpora.write_documents([" ".join(f"w{i} w{i}" for i in range(j, j + 50))
+                           for j in range(0, 12_000, 50)], corpus)
+  counts = quality_runs.training_counts(str(corpus), {"max_tokens": 0,
+                                                      "vocab": corpora.VOCAB_ALL})
+  assert len(counts) > run.DEFAULTS["vocab"]
