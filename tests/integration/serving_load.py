@@ -7,7 +7,10 @@ LiteRT's interpreter; TensorFlow is not imported).
 
 INPUTS.npz holds `<signature>/<input name>` arrays; every signature named there is run
 and its outputs written to OUTPUTS.npz as `<signature>/<output name>`. An error of a
-signature call is written as `<signature>/error` (its type and message) instead.
+signature call is written as `<signature>/error` (its type and message) instead. Keys
+may start with a case name, `<case>/<signature>/<input name>`: each case is one call
+(many bad inputs in one process), its outputs keyed `<case>/<signature>/...`; in LiteRT
+each call gets a fresh interpreter, whose error messages would otherwise pile up.
 Before anything else the script takes every sys.path entry holding a tf_hsm package away
 (the venv's .pth file puts the repository there) and checks that `import tf_hsm` fails;
 at the end it checks that no _hsm_ops.so is among the process's mapped files.
@@ -38,44 +41,46 @@ def _maps_clean():
 
 
 def _split(arrays):
-  by_signature = {}
+  """{call key: {input name: array}}; a call key is `signature` or `case/signature`."""
+  by_call = {}
   for key, value in arrays.items():
-    signature, name = key.split("/", 1)
-    by_signature.setdefault(signature, {})[name] = value
-  return by_signature
+    call, name = key.rsplit("/", 1)
+    by_call.setdefault(call, {})[name] = value
+  return by_call
 
 
 def run_tf(model, requests, jit):
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   loaded = tf.saved_model.load(model)
   results = {}
-  for signature, inputs in requests.items():
+  for call_key, inputs in requests.items():
+    signature = call_key.rsplit("/", 1)[-1]
     fn = loaded.signatures[signature]
     call = tf.function(lambda kw, fn=fn: fn(**kw), jit_compile=True) if jit else \
         (lambda kw, fn=fn: fn(**kw))
     try:
       outputs = call({k: tf.constant(v) for k, v in inputs.items()})
     except Exception as e:  # pylint: disable=broad-except
-      results[f"{signature}/error"] = np.array(f"{type(e).__name__}: {e}"[:2000])
+      results[f"{call_key}/error"] = np.array(f"{type(e).__name__}: {e}"[:2000])
       continue
     for name, value in outputs.items():
-      results[f"{signature}/{name}"] = value.numpy()
+      results[f"{call_key}/{name}"] = value.numpy()
   return results
 
 
 def run_litert(model, requests):
   from ai_edge_litert.interpreter import Interpreter  # pylint: disable=import-outside-toplevel
-  interpreter = Interpreter(model_path=model)
   results = {}
-  for signature, inputs in requests.items():
+  for call_key, inputs in requests.items():
+    signature = call_key.rsplit("/", 1)[-1]
     try:
-      runner = interpreter.get_signature_runner(signature)
+      runner = Interpreter(model_path=model).get_signature_runner(signature)
       outputs = runner(**inputs)
     except Exception as e:  # pylint: disable=broad-except
-      results[f"{signature}/error"] = np.array(f"{type(e).__name__}: {e}"[:2000])
+      results[f"{call_key}/error"] = np.array(f"{type(e).__name__}: {e}"[:2000])
       continue
     for name, value in outputs.items():
-      results[f"{signature}/{name}"] = np.array(value)
+      results[f"{call_key}/{name}"] = np.array(value)
   if "tensorflow" in sys.modules:
     raise SystemExit("the LiteRT run imported TensorFlow")
   return results

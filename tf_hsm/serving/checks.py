@@ -7,14 +7,14 @@ The signature checks have to hold in three runtimes that fail differently:
   inputs' shapes against its spec there, so `tf.debugging.Assert` ops check them (and
   the values), with messages that name the input.
 - XLA (a signature called inside `tf.function(jit_compile=True)`): XLA compiles asserts
-  to nothing, but every shape is known when it compiles. Each input is reshaped to its
-  model's shape and the targets are stacked with the positions' shape, by ops named
-  after the input: a wrong shape fails there when the call is traced or compiled. Values
+  to nothing, but every shape is known when it compiles. Each input is stacked with
+  zeros of its model's shape, the targets with zeros of the positions' shape, by pack
+  ops named after the input: a wrong shape fails there when the call is traced or compiled. Values
   cannot fail under XLA; the functions then return what they document (NaN, -1).
 - TFLite: the converter drops asserts and folds every shape its spec gives. The
   signatures' specs therefore leave every dimension unknown (only the rank is kept), so
-  that the reshape and the stack above stay in the flatbuffer and fail in LiteRT's
-  interpreter (RESHAPE, PACK) when a width or the targets' shape is wrong.
+  that the packs above stay in the flatbuffer and fail in LiteRT's interpreter (PACK)
+  when an input's shape or the targets' shape is wrong.
 """
 
 import numbers
@@ -22,8 +22,8 @@ import os
 
 import tensorflow as tf
 
-__all__ = ["check_k", "check_directory", "check_model", "conform", "same_positions",
-           "signature_spec", "targets_below"]
+__all__ = ["check_k", "check_directory", "check_model", "conform", "runtime_shape",
+           "same_positions", "signature_spec", "targets_below"]
 
 
 # --------------------------------------------------------------------------- arguments
@@ -98,11 +98,22 @@ def _shape_text(dims):
   return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
 
 
+def runtime_shape(x):
+  """x's shape when the graph runs. A loaded signature called outside a tf.function
+  takes inputs of any shape, while graph optimization folds `tf.shape` of an input to
+  what the graph was traced with; a PlaceholderWithDefault of unknown shape hides that
+  (it runs as an identity)."""
+  hidden = tf.raw_ops.PlaceholderWithDefault(input=x, shape=tf.TensorShape(None))
+  return tf.shape(hidden, out_type=tf.int32)
+
+
 def conform(x, dims, name):
   """x with the shape `dims` (a list: ints and None for any size), or an error naming
-  `name`: an assert where TensorFlow runs, a reshape named after the input elsewhere."""
+  `name`: an assert where TensorFlow runs, a reshape named after the input elsewhere.
+  (A spec's fully known shape, a scalar's, is folded in however it is read: declare
+  such inputs with an unknown shape.)"""
   rank = len(dims)
-  shape = tf.shape(x, out_type=tf.int32)
+  shape = runtime_shape(x)
   ok = tf.equal(tf.size(shape), rank)
   static = [(i, d) for i, d in enumerate(dims) if d is not None]
   if static:
@@ -115,18 +126,25 @@ def conform(x, dims, name):
       name=f"check_{name}_shape")
   with tf.control_dependencies([check]):
     x = tf.identity(x)
-  if rank == 0:
-    return tf.reshape(x, [], name=f"{name}_must_be_a_scalar")
-  shape = tf.shape(x, out_type=tf.int32)
+  # A pack needs equal shapes: it fails when XLA compiles a wrong shape, and in LiteRT
+  # (where a reshape would read extra dimensions of size 1 as the declared shape).
+  shape = runtime_shape(x)
   wanted = tf.stack([shape[i] if d is None else tf.constant(d, tf.int32)
-                     for i, d in enumerate(dims)])
+                     for i, d in enumerate(dims)]) if dims else tf.zeros([0], tf.int32)
   label = "x".join("N" if d is None else str(d) for d in dims)
-  return tf.reshape(x, wanted, name=f"{name}_must_have_shape_{label}")
+  label = f"must_have_shape_{label}" if dims else "must_be_a_scalar"
+  return _first(tf.stack([x, tf.zeros(wanted, x.dtype)], name=f"{name}_{label}"))
+
+
+def _first(packed):
+  # A gather, not packed[0]: grappler rewrites a slice of a pack into the packed input,
+  # which would drop the pack and let the input bypass the assert above.
+  return tf.gather(packed, 0)
 
 
 def same_positions(targets, leading, name):
   """targets, checked to have the shape `leading` (the hidden states' positions)."""
-  shape = tf.shape(targets, out_type=tf.int32)
+  shape = runtime_shape(targets)
   leading = tf.cast(leading, tf.int32)
   ok = tf.logical_and(tf.equal(tf.size(shape), tf.size(leading)),
                       tf.reduce_all(tf.equal(
@@ -138,9 +156,8 @@ def same_positions(targets, leading, name):
   with tf.control_dependencies([check]):
     targets = tf.identity(targets)
   # A pack needs equal shapes in XLA and in LiteRT too (where the assert is gone).
-  packed = tf.stack([targets, tf.zeros(leading, targets.dtype)],
-                    name=f"{name}_must_have_the_positions_shape")
-  return packed[0]
+  return _first(tf.stack([targets, tf.zeros(leading, targets.dtype)],
+                         name=f"{name}_must_have_the_positions_shape"))
 
 
 def targets_below(targets, num_classes, name):

@@ -296,9 +296,11 @@ class ServingModule(tf.Module):
       self.log_prob_all = _with_names(self._log_prob_all_fn, feature_specs)
       signatures["log_prob_all"] = self.log_prob_all
     if with_sample:
+      # Scalars declared with an unknown shape, so that their checks are not folded
+      # away (checks.conform).
       self.sample = _with_names(self._sample_fn, feature_specs + [
-          tf.TensorSpec([], tf.int64, name="seed"),
-          tf.TensorSpec([], tf.float32, name="temperature")])
+          tf.TensorSpec(None, tf.int64, name="seed"),
+          tf.TensorSpec(None, tf.float32, name="temperature")])
       signatures["sample"] = self.sample
     return signatures
 
