@@ -280,3 +280,8 @@ def test_legacy_keras_resolves_to_the_tf_keras_front_end():
 def test_importable_without_legacy_keras():
   assert os.environ.get("TF_USE_LEGACY_KERAS") in (None, "", "0")
   assert hk2.HierarchicalSoftmax.__module__ == "tf_hsm.tf_keras.layers"
+
+
+def test_tf_keras_package_holds_every_public_module():
+  for name in ("callbacks", "losses", "metrics", "optimizers"):
+    assert name in hk2.__all__ and getattr(hk2, name).__name__ == f"tf_hsm.tf_keras.{name}"
