@@ -426,3 +426,15 @@ def test_ignore_class_config_and_errors():
   for bad in (12, -1, 1.5, True):
     with pytest.raises(ValueError, match=r"ignore_class must be None or a class id in \[0, 12\)"):
       HierarchicalSoftmax(tree, ignore_class=bad)
+
+
+def test_ignore_class_with_an_exclusion_for_every_row(rng):
+  tree = tf_hsm.Tree.balanced(12, 3)
+  layer = HierarchicalSoftmax(tree, ignore_class=0, dtype="float64")
+  hidden = rng.normal(size=(2, 3, 5))
+  layer(hidden, np.zeros((2, 3), np.int32))
+  everything = layer.log_prob_all(hidden).numpy()
+  _, classes = layer.top_k(hidden, 4, exclude=[[[4, 7]]])  # [1, 1, n]: every row
+  for row, scores in zip(classes.numpy().reshape(-1, 4), everything.reshape(-1, 12)):
+    order = np.lexsort((np.arange(12), -scores))
+    np.testing.assert_array_equal(row, [c for c in order if c not in (0, 4, 7)][:4])

@@ -166,3 +166,25 @@ def test_each_table_draws_its_own_initial_values(initializer):
   layer.build((None, D))  # the two tails' projections: [D, D] each
   first, second = (p.numpy() for p in layer.tail_projections)
   assert not np.array_equal(first, second)
+
+
+def test_adaptive_top_k_exclude_is_the_best_allowed(rng):
+  """Both front ends' AdaptiveSoftmax.top_k(exclude=...) against every class's
+  log-probability (log_prob_all), ties by increasing id."""
+  for front in (hk3, hk2):
+    layer = front.AdaptiveSoftmax(30, [5, 12], div_value=2.0, tail="two_level",
+                                  dtype="float64")
+    hidden = rng.normal(size=(4, 3, 8))
+    layer(hidden, np.zeros((4, 3), np.int32))
+    everything = layer.log_prob_all(hidden).numpy()
+    exclude = rng.integers(-1, 30, size=(4, 3, 4))
+    values, classes = layer.top_k(hidden, 5, exclude=exclude)
+    for i in range(4):
+      for j in range(3):
+        order = np.lexsort((np.arange(30), -everything[i, j]))
+        expected = [c for c in order if c not in set(exclude[i, j].tolist())][:5]
+        np.testing.assert_array_equal(classes.numpy()[i, j], expected)
+        np.testing.assert_allclose(values.numpy()[i, j], everything[i, j, expected],
+                                   rtol=1e-10)
+    with pytest.raises(ValueError, match=r"exclude must be class ids \[\.\.\., n\]"):
+      layer.top_k(hidden, 5, exclude=[1, 2])

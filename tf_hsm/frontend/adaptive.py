@@ -45,6 +45,7 @@ import tensorflow as tf
 from tf_hsm.frontend import hsm
 from tf_hsm.frontend import wiring
 from tf_hsm.ops import inference
+from tf_hsm.ops import inputs
 from tf_hsm.ops import log_prob
 from tf_hsm.planning import cutoffs as cutoff_search
 from tf_hsm.planning.costs import TAILS, tail_widths
@@ -410,7 +411,7 @@ class AdaptiveSoftmaxCore:
       out = self.class_order.columns(out)
     return tf.reshape(out, tf.concat([leading, [self.num_classes]], 0))
 
-  def top_k(self, hidden, k):
+  def top_k(self, hidden, k, exclude=None):
     """The k most probable classes, exactly: `(log_probs, classes)`, each `[..., k]`,
     best first; equal values in increasing class order (by frequency rank with a class
     order, whose classes are returned as vocabulary ids).
@@ -418,6 +419,9 @@ class AdaptiveSoftmaxCore:
     The best k of all classes are among the best k of each tier (a cluster's classes
     all share its head token's log-probability), so each tier contributes its own top k
     (a tree tier by `tf_hsm.inference.top_k`'s search) and one `tf.math.top_k` merges.
+
+    `exclude`: class ids `[..., n]` a row leaves out, as in `tf_hsm.inference.top_k`
+    (the top k + n, the excluded ones dropped).
     """
     self._check_built("top_k")
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
@@ -425,6 +429,17 @@ class AdaptiveSoftmaxCore:
     if not 1 <= k <= self.num_ranked:
       raise ValueError(f"k must be in [1, the number of classes={self.num_ranked}], got "
                        f"{k}")
+    if exclude is None:
+      return self._top_k(hidden, k)
+    exclude = tf.cast(inputs.class_ids(exclude, "exclude"), tf.int64)
+    n = exclude.shape[-1] if exclude.shape.rank else None
+    if exclude.shape.rank != tf.convert_to_tensor(hidden).shape.rank or n is None:
+      raise ValueError(f"exclude must be class ids [..., n] with hidden's leading shape "
+                       f"and a known n, got shape {exclude.shape}")
+    log_probs, classes = self._top_k(hidden, min(k + n, self.num_ranked))
+    return inference.drop_excluded(log_probs, classes, exclude, k)
+
+  def _top_k(self, hidden, k):
     flat, leading = self._flat_hidden(hidden)
     head = tf.nn.log_softmax(self._head_logits(flat))
     values, classes = tf.math.top_k(head[:, :self.cutoffs[0]], min(k, self.cutoffs[0]))

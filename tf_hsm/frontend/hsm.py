@@ -142,6 +142,10 @@ def with_ignored(exclude, ignore_class, hidden):
     exclude = tf.cast(exclude, tf.int64)
   else:
     exclude = tf.cast(tf.convert_to_tensor(exclude), tf.int64)
+    # Dimensions of 1 apply to every row: spelled out, to sit beside the per-row id.
+    if exclude.shape.rank == ignored.shape.rank:
+      exclude = tf.broadcast_to(exclude, tf.concat([tf.shape(ignored)[:-1],
+                                                    tf.shape(exclude)[-1:]], 0))
   return tf.concat([exclude, ignored], -1)
 
 

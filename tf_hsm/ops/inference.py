@@ -138,18 +138,27 @@ def _top_k_excluding(hidden, weights, biases, tree, k, return_num_expanded, excl
     exclude = tf.identity(exclude)
   wide = min(k + n, tree.num_classes)
   log_probs, classes, expanded = _search(hidden, weights, biases, tree, wide, True)
+  log_probs, classes = drop_excluded(log_probs, classes, exclude, k)
+  if return_num_expanded:
+    return log_probs, classes, expanded
+  return log_probs, classes
+
+
+def drop_excluded(log_probs, classes, exclude, k):
+  """The best k of a top list `(log_probs, classes)` `[..., K]` that are not in `exclude`
+  `[..., n]` (int64; broadcast against the rows), in the list's order; -inf and class -1
+  where fewer than k are left."""
+  classes = tf.cast(classes, tf.int64)
+  wide = classes.shape[-1]
   excluded = tf.reduce_any(classes[..., :, None] == exclude[..., None, :], axis=-1)
-  # Allowed classes first, each group in the search's order (best first, ties by id).
+  # Allowed classes first, each group in the list's order (best first, ties by id).
   key = tf.range(wide, dtype=tf.int64) + wide * tf.cast(excluded, tf.int64)
   order = tf.argsort(key, axis=-1, stable=True)[..., :k]
   batch_dims = classes.shape.rank - 1
   picked = [tf.gather(x, order, batch_dims=batch_dims)
             for x in (log_probs, classes, excluded)]
-  log_probs = tf.where(picked[2], tf.constant(-np.inf, log_probs.dtype), picked[0])
-  classes = tf.where(picked[2], tf.constant(-1, tf.int64), picked[1])
-  if return_num_expanded:
-    return log_probs, classes, expanded
-  return log_probs, classes
+  return (tf.where(picked[2], tf.constant(-np.inf, log_probs.dtype), picked[0]),
+          tf.where(picked[2], tf.constant(-1, tf.int64), picked[1]))
 
 
 @op_inputs.accepts_ragged
