@@ -184,3 +184,34 @@ def test_quality_runs_train_large_corpora_on_their_whole_vocabulary(tmp_path):
   counts = quality_runs.training_counts(str(corpus), {"max_tokens": 0,
                                                       "vocab": corpora.VOCAB_ALL})
   assert len(counts) > run.DEFAULTS["vocab"]
+
+
+def test_quality_runs_prepare_a_large_corpus_once(tmp_path, monkeypatch, capsys):
+  """`quality_runs linux-comments --dry-run`: the corpus is made once where the corpora
+  command keeps it, and every row's demo command trains on all of it."""
+  made = []
+
+  def fake(cache):
+    made.append(cache)
+    return [" ".join(f"w{i} w{i}" for i in range(j, j + 20)) for j in range(0, 600, 20)], \
+        ["linux-source-9.9 9.9.1-1"]
+
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setitem(corpora.LARGE_CORPORA, "linux-comments", fake)
+  for _ in range(2):
+    assert quality_runs.main(["linux-comments", "--dry-run", "--cpu", "-1",
+                              "--rows", "full,balanced"]) == 0
+  assert made == [os.path.join(corpora.DEFAULT_OUT, "debs")]
+  path = os.path.join(corpora.DEFAULT_OUT, "linux-comments.txt")
+  with open(os.path.join(corpora.DEFAULT_OUT, "linux-comments.packages.json")) as f:
+    assert json.load(f) == ["linux-source-9.9 9.9.1-1"]
+  commands = [line[2:].split() for line in capsys.readouterr().out.splitlines()
+              if line.startswith("$ ")]
+  assert len(commands) == 4
+  for cmd in commands:
+    assert cmd[cmd.index("--corpus") + 1] == path
+    assert cmd[cmd.index("--max-tokens") + 1] == "0"
+  balanced = commands[1]
+  # The words seen twice in training (539 of 600: the held-out blocks take the rest) and
+  # <unk>: V=540, branching ceil(540^(1/3)) = 9 (the demo's 10,000 cap would not bind).
+  assert balanced[balanced.index("--branching") + 1] == "9"

@@ -44,6 +44,8 @@ import tarfile
 import zipfile
 
 FORTUNES = "/usr/share/games/fortunes"
+# Where the command writes the corpora, and where the quality runs read the large ones.
+DEFAULT_OUT = os.path.join("demo_results", "corpora")
 # The demo's arguments that make a large corpus's vocabulary every type seen twice in
 # training: the whole corpus, and a --vocab cap above any corpus's type count.
 VOCAB_ALL = 10_000_000
@@ -286,7 +288,8 @@ NAMES = ("stdlib", "kjv", "fortunes") + tuple(LARGE_CORPORA)
 
 def corpus_file(corpus, out, cache=None):
   """The demo's `--corpus` argument for CORPUS (None: the standard library), written
-  under OUT; a large corpus also writes OUT/CORPUS.json (packages and statistics)."""
+  under OUT; a large corpus also writes OUT/CORPUS.packages.json (the packages'
+  versions), and is kept: a file already there is used (delete it to make it again)."""
   if corpus == "stdlib":
     return None
   path = os.path.join(out, f"{corpus}.txt")
@@ -294,6 +297,7 @@ def corpus_file(corpus, out, cache=None):
     write_documents((kjv_documents if corpus == "kjv" else fortunes_documents)(), path)
     return path
   if corpus in LARGE_CORPORA:
+    os.makedirs(out, exist_ok=True)
     if not os.path.exists(path):
       documents, versions = LARGE_CORPORA[corpus](cache or default_cache())
       write_documents(documents, path + ".partial")
@@ -307,7 +311,7 @@ def corpus_file(corpus, out, cache=None):
 
 
 def default_cache():
-  return os.path.join("demo_results", "corpora", "debs")
+  return os.path.join(DEFAULT_OUT, "debs")
 
 
 # ---------------------------------------------------------------------------------------
@@ -350,7 +354,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m tf_hsm.bench.corpora",
                               description=__doc__.split("\n\n")[0])
   p.add_argument("names", nargs="+", metavar="NAME", help=", ".join(NAMES))
-  p.add_argument("--out", default=os.path.join("demo_results", "corpora"),
+  p.add_argument("--out", default=DEFAULT_OUT,
                  help="directory for NAME.txt and NAME.json (default: %(default)s)")
   p.add_argument("--cache", default=None,
                  help="directory for the downloaded .deb files and their unpacked trees "

@@ -8,10 +8,11 @@ best held-out perplexity against full softmax's: the figures of
 `tf_hsm.planning.quality.EVIDENCE` and docs/planner.md's quality table.
 
 CORPUS is one of `tf_hsm.bench.corpora`'s (`stdlib`, `kjv`, `fortunes`, and the large
-vocabularies `linux-comments` and `debian-docs`, prepared as that module says) or a path:
-a UTF-8 text file, as `python -m tf_hsm.demo --corpus` takes it. The large corpora train
-on their whole text with every word seen twice in training as a class (`--max-tokens 0
---vocab 10000000`, `corpora.LARGE`); the others at the demo's defaults.
+vocabularies `linux-comments` and `debian-docs`, prepared as that module says, once, in
+demo_results/corpora) or a path: a UTF-8 text file, as `python -m tf_hsm.demo --corpus`
+takes it. The large corpora train on their whole text with every word seen twice in
+training as a class (`--max-tokens 0 --vocab 10000000`, `corpora.LARGE`); the others at
+the demo's defaults.
 
 Each row writes OUT/ROW/results.json (the demo's; OUT is demo_results/quality_runs/CORPUS
 unless --out says); OUT/summary.json and OUT/summary.md hold the table; `--acceptance`
@@ -205,7 +206,9 @@ def main(argv=None):
   name = os.path.splitext(os.path.basename(args.corpus))[0]
   out = args.out or os.path.join("demo_results", "quality_runs", name)
   os.makedirs(out, exist_ok=True)
-  corpus = corpus_file(args.corpus, out)
+  # A large corpus is prepared once, where `python -m tf_hsm.bench.corpora` writes it.
+  corpus = corpus_file(args.corpus, corpora.DEFAULT_OUT if args.corpus in corpora.LARGE
+                       else out)
   settings = corpus_settings(args.corpus)
   vocab = len(training_counts(corpus, settings)) if any(
       "{cbrt}" in " ".join(ROWS[r][1]) for r in rows) else 0
