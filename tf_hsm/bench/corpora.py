@@ -60,6 +60,8 @@ PACKAGES = {"linux": "linux-source", "python": "python3-doc", "perl": "perl-doc"
             "jdk": "openjdk-17-source"}
 METAPACKAGES = {"linux-source": re.compile(r"linux-source-[0-9.]+"),
                 "python3-doc": re.compile(r"python3\.[0-9]+-doc")}
+# Not a C parser: a `//` or `/*` inside a string literal (a URL in a printk) is read as a
+# comment too; such text is a small part of the comments and is prose-like anyway.
 _COMMENT = re.compile(r"/\*(.*?)\*/|//([^\n]*)", re.S)
 _JAVADOC = re.compile(r"/\*\*(.*?)\*/", re.S)
 _STAR = re.compile(r"^[ \t]*\*+ ?", re.M)
