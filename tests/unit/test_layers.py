@@ -438,3 +438,18 @@ def test_ignore_class_with_an_exclusion_for_every_row(rng):
   for row, scores in zip(classes.numpy().reshape(-1, 4), everything.reshape(-1, 12)):
     order = np.lexsort((np.arange(12), -scores))
     np.testing.assert_array_equal(row, [c for c in order if c not in (0, 4, 7)][:4])
+
+
+@pytest.mark.parametrize("loss", [losses.nll, losses.NegativeLogLikelihood()])
+def test_the_loss_averages_over_targets_that_are_not_ignore_class(rng, loss):
+  tree = tf_hsm.Tree.balanced(20, 3)
+  hidden = rng.standard_normal((4, 5, 6)).astype(np.float32)
+  targets = rng.integers(1, 20, (4, 5)).astype(np.int32)
+  targets[:, 3:] = 0
+  hidden_in, targets_in = keras.Input((5, 6)), keras.Input((5,), dtype="int32")
+  model = keras.Model([hidden_in, targets_in],
+                      HierarchicalSoftmax(tree, ignore_class=0)(hidden_in, targets_in))
+  model.compile(loss=loss)
+  log_p = model.predict([hidden, targets], verbose=0)
+  assert model.evaluate([hidden, targets], targets, verbose=0) == pytest.approx(
+      -log_p[targets > 0].mean(), rel=1e-6)

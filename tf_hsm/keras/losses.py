@@ -15,8 +15,10 @@ with `loss=NegativeLogLikelihood()`, which needs no `y`: `model.fit([x, y])`):
     model.fit([x, y], y, epochs=...)
 
 Padding is excluded from the mean in two ways, either of which suffices: targets < 0 in
-`y`, and the Keras mask that `HierarchicalSoftmax` puts on its output (targets < 0 and any
-mask from upstream layers, e.g. `Embedding(mask_zero=True)`).
+`y`, and the Keras mask that `HierarchicalSoftmax` puts on its output (targets < 0, its
+`ignore_class`, and any mask from upstream layers, e.g. `Embedding(mask_zero=True)`).
+A class-score loss such as "sparse_categorical_crossentropy" is an error that names `nll`
+(the layer raises it when the compiled model first runs).
 """
 
 import keras
