@@ -6,7 +6,11 @@ TensorFlow and NumPy only:
   table in pieces), its initial values drawn piece by piece on parameter servers, and
   the errors that stop a layer of one Keras from being used in a model of the other;
 - rows.py: the optimizers' updates of a table's touched rows (and of a table in pieces);
-- rebuild.py: the new tree and the weights that carry over in `rebuild_tree`.
+- rebuild.py: the new tree and the weights that carry over in `rebuild_tree`;
+- wiring.py: the errors for a layer wired wrongly (missing targets, targets of another
+  shape, a class-score loss) and the warning for an optimizer that updates a whole table;
+- metrics.py: the metrics' sums (perplexity, top-k accuracy in and out of `compile`);
+- predict.py and adaptive.py: `inference_model` and the adaptive softmax's core.
 
 `keras_package()` says which front end `tf_hsm.HierarchicalSoftmax` and the other
 top-level Keras names resolve to: `tf_hsm.tf_keras` where `TF_USE_LEGACY_KERAS` is set

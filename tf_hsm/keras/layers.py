@@ -45,7 +45,9 @@ class HierarchicalSoftmax(keras.layers.Layer):
   loss keeps full precision. Under a float64 policy everything is float64.
 
   Inference: `top_k`, `log_prob_all` and `sample` run `tf_hsm.inference` on this
-  layer's weights; `top_k` never returns `ignore_class`. In a model, the trained model
+  layer's weights; `top_k` never returns `ignore_class` (`log_prob_all` and `sample`
+  keep it as a class: never a target, training lowers its probability wherever its
+  siblings are targets). In a model, the trained model
   cut at this layer predicts without targets: `tf_hsm.inference_model(model)`.
 
   Wiring: called inside a compiled model, the layer raises for a loss that reads class
