@@ -274,13 +274,16 @@ def adaptive_sample(weights, hidden, seed, temperature=1.0):
 
   def draw(logits, stream):
     """(choice, bad): the Gumbel-max draw of each row and whether it has none."""
-    logits = logits / temperature
+    bad = tf.logical_or(hsm.bad_logits(logits, tf.ones_like(logits, tf.bool)),
+                        tf.reduce_all(tf.equal(logits, -float("inf")), -1))
+    # Shifted by the row's max before tempering: logits / temperature alone overflow
+    # for small temperatures, where the draw should approach the most probable.
+    m = tf.reduce_max(logits, -1, keepdims=True)
+    logits = (logits - tf.where(tf.math.is_finite(m), m, tf.zeros_like(m))) / temperature
     u = tf.random.stateless_uniform(tf.shape(logits), tf.stack([seed, stream]),
                                     minval=tf.constant(1e-12, dtype),
                                     maxval=tf.constant(1.0, dtype), dtype=dtype)
     noisy = logits - tf.math.log(-tf.math.log(u))
-    bad = tf.logical_or(hsm.bad_logits(logits, tf.ones_like(logits, tf.bool)),
-                        tf.reduce_all(tf.equal(logits, -float("inf")), -1))
     return tf.argmax(noisy, -1, output_type=tf.int32), bad
 
   head_logits = tf.matmul(flat, weights.head_kernel, transpose_b=True)

@@ -602,10 +602,13 @@ def top_k(hidden, weights, biases, tree, k):
     raise ValueError(f"k must be a Python int >= 1, got {k!r}")
   k = min(k, tree.num_classes)
   h, leading, weights, biases, out_dtype = _inputs(hidden, weights, biases)
-  # An empty batch skips the search (LiteRT rejects some of its ops on zero rows).
-  best, classes = tf.cond(
-      tf.shape(h)[0] > 0, lambda: _top_k_rows(tree, h, weights, biases, k),
-      lambda: (tf.zeros([0, k], h.dtype), tf.zeros([0, k], tf.int32)))
+  # An empty batch is searched as one row of zeros: the search's ops refuse zero rows
+  # in LiteRT, and under XLA, which compiles for the batch's static size.
+  n = tf.shape(h)[0]
+  padded = tf.concat([h, tf.zeros(tf.stack([tf.maximum(1 - n, 0), tf.shape(h)[1]]), h.dtype)],
+                     0)
+  best, classes = _top_k_rows(tree, padded, weights, biases, k)
+  best, classes = best[:n], classes[:n]
   best, classes = no_class_where_nan(best, classes, tree.num_classes)
   shape = tf.concat([leading, [k]], 0)
   return (_cast_back(tf.reshape(best, shape), out_dtype),
@@ -714,20 +717,29 @@ def _sample_level(tree, h, weights, biases, seed, temperature, depth, code, bad)
       minval=tf.constant(1e-12, dtype), maxval=tf.constant(1.0, dtype), dtype=dtype)
   gumbel = -tf.math.log(-tf.math.log(noise))
 
+  neg_inf = tf.constant(-float("inf"), dtype)
+
   def body(ch, w, state):
-    best, best_code, broken = state
+    # Gumbel-max over (z - m) / temperature, m the running max of the node's logits (the
+    # best kept so far is rescaled when m grows): z / temperature alone overflows to
+    # +-inf for small temperatures, where the draw should approach the most probable.
+    best, best_code, m, broken = state
     slots, valid, pos = _chunk_slots(begin, count, ch, w)             # [N, W]
-    z = _logits(h, weights, biases, slots) / temperature
+    z = _logits(h, weights, biases, slots)
     broken = tf.logical_or(broken, bad_logits(z, valid))
-    g = z + tf.gather(gumbel, pos, axis=1)
-    g = tf.where(valid, g, tf.constant(-float("inf"), dtype))
+    z = tf.where(valid, z, neg_inf)
+    m_new = tf.maximum(m, tf.reduce_max(z, -1))
+    shift = tf.where(tf.math.is_finite(m_new), m_new, tf.zeros_like(m_new))
+    best = tf.where(tf.equal(m, m_new), best, best + (m - shift) / temperature)
+    g = (z - shift[:, None]) / temperature + tf.gather(gumbel, pos, axis=1)
+    g = tf.where(valid, g, neg_inf)
     arg = tf.argmax(g, -1, output_type=tf.int32)
     top = tf.reduce_max(g, -1)
     child = tf.gather(tree.slot_child, tf.gather(slots, arg[:, None], batch_dims=1)[:, 0])
     better = top > best
-    return tf.where(better, top, best), tf.where(better, child, best_code), broken
+    return tf.where(better, top, best), tf.where(better, child, best_code), m_new, broken
 
-  init = (tf.fill([n], tf.constant(-float("inf"), dtype)), code, bad)
-  _, chosen, bad = _walk_chunks(tree, count, body, init)
+  init = (tf.fill([n], neg_inf), code, tf.fill([n], neg_inf), bad)
+  _, chosen, _, bad = _walk_chunks(tree, count, body, init)
   # A node whose children are all -inf keeps its own code: -1 at the end.
   return tf.where(is_node, chosen, code), bad
