@@ -6,6 +6,7 @@
 
 #include "cc/core/log_prob_internal.h"
 #include "cc/core/softmax_util.h"
+#include "cc/core/wide_node.h"
 
 namespace tf_hsm {
 namespace log_prob_internal {
@@ -41,6 +42,15 @@ void GroupedForward(const VisitPlan& plan, const TreeView& tree, const SoftmaxPa
       for (int64 r = 0; r < it.count; ++r) entry_value[e0 + r] = taken[r] - lse[r];
     }
   });
+  // Wide groups, one at a time, each by partitions of its slots over the threads.
+  for (int64 g = 0; g < plan.num_groups(); ++g) {
+    if (!IsWideGroup(plan, tree, g)) continue;
+    const int64 e0 = plan.group_begin[g], n = plan.group_begin[g + 1] - e0;
+    std::vector<T> lse(n), taken(n, T(0));
+    WideLogSumExp(p, plan, e0, n, BlockOf<T>(tree, plan.group_node[g]), parallel_for, call,
+                  lse.data(), taken.data());
+    for (int64 r = 0; r < n; ++r) entry_value[e0 + r] = taken[r] - lse[r];
+  }
   SumGroupedEntries(plan, tree, entry_value, log_prob);
 }
 

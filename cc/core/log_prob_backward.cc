@@ -13,6 +13,7 @@
 #include "cc/core/simd.h"
 #include "cc/core/softmax_util.h"
 #include "cc/core/walk_softmax.h"
+#include "cc/core/wide_node.h"
 
 namespace tf_hsm {
 namespace log_prob_internal {
@@ -165,6 +166,7 @@ class BackwardPass {
     for (int64 level = 0; level < plan_.num_levels(); ++level) GroupedLevel(level);
     if (log_prob_ != nullptr) SumGroupedEntries(plan_, tree_, entry_value_, log_prob_);
     WalkedNodes();
+    AddWideDirections();
   }
 
  private:
@@ -215,7 +217,8 @@ class BackwardPass {
     int64 need = 0;
     for (int64 g = g_begin; g < g_end; ++g) {
       coef_offset_[g] = need;
-      if (IsWalked(tree_, plan_.group_node[g])) continue;
+      if (IsWideGroup(plan_, tree_, g)) WideGroup(g);
+      if (IsWalked(tree_, plan_.group_node[g]) || IsWideGroup(plan_, tree_, g)) continue;
       need += (plan_.group_begin[g + 1] - plan_.group_begin[g]) *
               BlockOf<T>(tree_, plan_.group_node[g]).size;
     }
@@ -310,7 +313,8 @@ class BackwardPass {
       T* z = kept != nullptr ? kept + k0 : tile;
       const int64 ld = kept != nullptr ? blk.size : kSlotTile;
       if (kept == nullptr) Logits(p_, rows, nt, blk, k0, kb, z, ld, call_, saved);
-      TileCoefficients(e0, nt, blk, k0, kb, z, ld, lse, out_rows);
+      TileCoefficients(e0, nt, blk, k0, kb, z, ld, lse,
+                       saved_directions_ != nullptr ? nullptr : out_rows);
       if (saving_ || !WholeGroup(it.group)) continue;
       const RowBlock block = BeginRows(it.group, k0, kb);
       AccumulateRows(block, kb, z, ld, rows, nt, true, true);
@@ -319,13 +323,13 @@ class BackwardPass {
   }
 
   // Phases 2 and 3 on a tile of logits z (slots [k0, k0 + kb) of the block, rows of ld):
-  // unit coefficients, the directions += unit coef @ W, then the coefficients scaled by
-  // the upstream gradient; or, where the forward saved the directions, the coefficients
-  // straight away.
+  // unit coefficients, the directions out_rows += unit coef @ W, then the coefficients
+  // scaled by the upstream gradient; or, without out_rows (the forward saved the
+  // directions), the coefficients straight away.
   void TileCoefficients(int64 e0, int64 nt, const NodeBlock<T>& blk, int64 k0, int64 kb,
                         T* z, int64 ld, const T* lse, T* const* out_rows) {
     const int64 first = blk.first_slot + k0;
-    if (saved_directions_ != nullptr) {
+    if (out_rows == nullptr) {
       for (int64 r = 0; r < nt; ++r) {
         Coefficients(z + r * ld, kb, lse[r], Upstream(e0 + r), plan_.entry_slot[e0 + r] - first);
       }
@@ -346,7 +350,9 @@ class BackwardPass {
     std::vector<Item> chunks;
     int64 chunk_cost = 0;
     for (int64 g = g_begin; g < g_end; ++g) {
-      if (WholeGroup(g) || IsWalked(tree_, plan_.group_node[g])) continue;
+      if (WholeGroup(g) || IsWalked(tree_, plan_.group_node[g]) || IsWideGroup(plan_, tree_, g)) {
+        continue;
+      }
       const int64 k = BlockOf<T>(tree_, plan_.group_node[g]).size;
       const int64 n = plan_.group_begin[g + 1] - plan_.group_begin[g];
       const int64 pieces =
@@ -389,6 +395,105 @@ class BackwardPass {
       AccumulateRows(block, kb, tile, kb, rows, nt, t0 == 0, false);
     }
     EndRows(g, k0, kb, block);
+  }
+
+  // ---- Wide groups (cc/core/wide_node.h) -----------------------------------------------
+
+  // A wide group: its log-sum-exps (those the forward kept, or computed by partitions),
+  // then per partition of its slots the logits again, the coefficients, the partition's
+  // share of the tokens' directions and its weight rows; the shares are summed in
+  // partition order into wide_directions_. The saving forward keeps the log-sum-exps only.
+  void WideGroup(int64 g) {
+    const NodeBlock<T> blk = BlockOf<T>(tree_, plan_.group_node[g]);
+    const int64 e0 = plan_.group_begin[g], n = plan_.group_begin[g + 1] - e0;
+    T* const lse = entry_lse_.data() + e0;
+    std::vector<T> taken(n, T(0));
+    const T* const saved = SavedLogits(g, 0);
+    if (saved != nullptr) {
+      std::copy(saved, saved + n, lse);
+    } else {
+      WideLogSumExp(p_, plan_, e0, n, blk, parallel_for_, call_, lse, taken.data());
+      if (saving_) std::copy(lse, lse + n, OutLogits(g, 0));
+    }
+    const bool need_taken = saved != nullptr && log_prob_ != nullptr;
+    if (!saving_) {
+      const std::vector<SlotRange> parts = WidePartitions(blk.size);
+      const int64 P = static_cast<int64>(parts.size());
+      std::vector<T> shares(P * n * D_, T(0));
+      parallel_for_(P, 6 * n * (blk.size / P) * D_, [&](int64 begin, int64 end) {
+        for (int64 q = begin; q < end; ++q) {
+          WidePartition(g, blk, parts[q], shares.data() + q * n * D_,
+                        need_taken ? taken.data() : nullptr);
+        }
+        simd::StreamFence();
+      });
+      SumShares(e0, n, P, shares.data());
+    }
+    if (log_prob_ == nullptr) return;
+    for (int64 r = 0; r < n; ++r) entry_value_[e0 + r] = taken[r] - lse[r];
+  }
+
+  // One partition's slots [range): per slot tile and token tile, the logits, the
+  // coefficients and this partition's share of the directions (share[r * D]), the
+  // weight rows of the tile over all the group's tokens; taken[r] gets the entry's own
+  // logit where its slot is in the range (when taken is set).
+  void WidePartition(int64 g, const NodeBlock<T>& blk, SlotRange range, T* share, T* taken) {
+    const int64 e0 = plan_.group_begin[g], n = plan_.group_begin[g + 1] - e0;
+    Scratch<T>& s = ThreadScratch<T>();
+    const T** rows = Grow(&s.rows, n);
+    T** share_rows = Grow(&s.out_rows, n);
+    for (int64 r = 0; r < n; ++r) {
+      rows[r] = HiddenRow(e0 + r);
+      share_rows[r] = share + r * D_;
+    }
+    T* tile = Grow(&s.tile, kWideTokenTile * kSlotTile);
+    for (int64 k0 = range.begin; k0 < range.end; k0 += kSlotTile) {
+      const int64 kb = std::min(kSlotTile, range.end - k0);
+      const RowBlock block = BeginRows(g, k0, kb);
+      for (int64 t0 = 0; t0 < n; t0 += kWideTokenTile) {
+        const int64 nt = std::min(kWideTokenTile, n - t0);
+        Logits(p_, rows + t0, nt, blk, k0, kb, tile, kb, call_);
+        for (int64 r = 0; taken != nullptr && r < nt; ++r) {
+          const int64 j = plan_.entry_slot[e0 + t0 + r] - blk.first_slot - k0;
+          if (j >= 0 && j < kb) taken[t0 + r] = tile[r * kb + j];
+        }
+        TileCoefficients(e0 + t0, nt, blk, k0, kb, tile, kb, entry_lse_.data() + e0 + t0,
+                         share_rows + t0);
+        AccumulateRows(block, kb, tile, kb, rows + t0, nt, t0 == 0, false);
+      }
+      EndRows(g, k0, kb, block);
+    }
+  }
+
+  // wide_directions_ += the partitions' shares of entries [e0, e0 + n), summed in
+  // partition order.
+  void SumShares(int64 e0, int64 n, int64 P, const T* shares) {
+    if (wide_directions_.empty()) wide_directions_.assign(plan_.num_tokens * D_, T(0));
+    const int64 D = D_;
+    parallel_for_(n, P * D, [&](int64 begin, int64 end) {
+      for (int64 r = begin; r < end; ++r) {
+        T* out = wide_directions_.data() + plan_.entry_token[e0 + r] * D;
+        for (int64 d = 0; d < D; ++d) {
+          T sum = shares[r * D + d];
+          for (int64 q = 1; q < P; ++q) sum += shares[(q * n + r) * D + d];
+          out[d] += sum;
+        }
+      }
+    });
+  }
+
+  // dh += upstream * the wide groups' directions: last, after dh = upstream * the other
+  // directions, so that a gradient from the saving forward's values (which leave the
+  // wide groups out) and one from scratch sum alike.
+  void AddWideDirections() {
+    if (saving_ || wide_directions_.empty()) return;
+    const int64 D = D_;
+    parallel_for_(plan_.num_tokens, std::max<int64>(1, D / 2), [&](int64 begin, int64 end) {
+      for (int64 i = begin; i < end; ++i) {
+        const T u = upstream_[i];
+        for (int64 d = 0; d < D; ++d) grads_.hidden[i * D + d] += u * wide_directions_[i * D + d];
+      }
+    });
   }
 
   // ---- Weight-gradient rows, or the in-place SGD update -------------------------------
@@ -655,6 +760,7 @@ class BackwardPass {
   std::vector<int64> coef_offset_;   // per group: its coefficients' offset in the store
   std::vector<T> entry_lse_;         // per grouped entry: its node's log-sum-exp
   std::vector<T> entry_value_;       // per grouped entry: z_taken - lse, with log_prob_
+  std::vector<T> wide_directions_;   // [num_tokens, D]: the wide groups' directions, or empty
 };
 
 }  // namespace

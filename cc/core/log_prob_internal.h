@@ -128,12 +128,23 @@ T WalkPath(const VisitPlan& plan, const TreeView& tree, const SoftmaxParams<T>& 
 // caches of packed weights never outlive the call whose weights they copied.
 inline std::atomic<std::uint64_t> call_counter{0};
 
-// The whole block's weight rows packed into panels (simd::PackPanels), once per thread and
-// call: a large group is split into token tiles that the same thread mostly takes one
-// after the other, and each used to repack the block. Rows updated in place (sgd_step)
-// are never read again in the same call, so the copy stays valid for the call.
+// Most weight values of a block packed whole by BlockPanels (1 MiB of floats); a larger
+// block is packed a tile at a time, so the scratch stays bounded whatever the width (a
+// flat tree's one node at V = 1M, D = 300 would otherwise copy the 1.2 GB table per
+// thread). Packing a tile costs D * kb moves against the 2 * nt * kb * D operations of the
+// logits it serves: under 4% from the 16 tokens that use the packed kernel.
+constexpr int64 kWholePackMaxValues = int64{1} << 18;
+
+// The panels (simd::PackPanels) of the block's slots [k0, k0 + kb), k0 a multiple of the
+// vector width: a slice of the whole block's panels, packed once per thread and call (a
+// large group is split into token tiles that the same thread mostly takes one after the
+// other, and each used to repack the block), or for a block of more than
+// kWholePackMaxValues the tile's own, packed when the tile changes. The values are the
+// same either way. Rows updated in place (sgd_step) are never read again in the same
+// call, so a copy stays valid for the call.
 template <typename T>
-const T* BlockPanels(const SoftmaxParams<T>& p, const NodeBlock<T>& blk, std::uint64_t call) {
+const T* BlockPanels(const SoftmaxParams<T>& p, const NodeBlock<T>& blk, int64 k0, int64 kb,
+                     std::uint64_t call) {
   struct Cache {
     std::uint64_t call = 0;
     const T* weights = nullptr;
@@ -141,13 +152,16 @@ const T* BlockPanels(const SoftmaxParams<T>& p, const NodeBlock<T>& blk, std::ui
   };
   thread_local Cache cache;
   constexpr int64 lanes = simd::Vec<T>::kWidth;
-  T* panels = Grow(&ThreadScratch<T>().panels, (blk.size + lanes - 1) / lanes * lanes * p.dim);
-  if (cache.call != call || cache.weights != p.weights || cache.first_slot != blk.first_slot ||
-      cache.size != blk.size || cache.dim != p.dim) {
-    simd::PackPanels<T>(p.weights + blk.first_slot * p.dim, p.dim, blk.size, p.dim, panels);
-    cache = {call, p.weights, blk.first_slot, blk.size, p.dim};
+  const bool whole = blk.size * p.dim <= kWholePackMaxValues;
+  const int64 first = whole ? blk.first_slot : blk.first_slot + k0;
+  const int64 size = whole ? blk.size : kb;
+  T* panels = Grow(&ThreadScratch<T>().panels, (size + lanes - 1) / lanes * lanes * p.dim);
+  if (cache.call != call || cache.weights != p.weights || cache.first_slot != first ||
+      cache.size != size || cache.dim != p.dim) {
+    simd::PackPanels<T>(p.weights + first * p.dim, p.dim, size, p.dim, panels);
+    cache = {call, p.weights, first, size, p.dim};
   }
-  return panels;
+  return whole ? panels + k0 / lanes * lanes * p.dim : panels;
 }
 
 // tile[r * ld + j] = z_{first_slot + j}(h_r) for r < nt, j < kb. With enough tokens to
@@ -172,8 +186,7 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
   const T* biases = p.biases == nullptr ? nullptr : p.biases + first_slot;
   static_assert(kPackMinTokens >= 4, "the packed kernel for blocks of four rows or more");
   if (nt >= kPackMinTokens && blk.size >= 4) {
-    constexpr int64 lanes = simd::Vec<T>::kWidth;
-    const T* panels = BlockPanels(p, blk, call) + k0 / lanes * lanes * p.dim;
+    const T* panels = BlockPanels(p, blk, k0, kb, call);
     simd::DotRowsPacked<T>(rows, nt, panels, kb, p.dim, tile, ld, biases);  // adds them
     return;
   }
@@ -228,12 +241,24 @@ inline int64 WalkCostPerToken(const VisitPlan& plan, int64 dim) {
   return 6 * dim * (1 + plan.num_steps() / plan.num_tokens);
 }
 
-// Walked groups (small nodes) are left out.
+// Nodes of at least kWideMinSlots children visited by at least kWideMinTokens tokens of
+// the batch form wide groups (cc/core/wide_node.h): computed a partition of slots per
+// thread instead of a tile of tokens per thread. The choice depends on the plan only.
+constexpr int64 kWideMinSlots = 1024;
+constexpr int64 kWideMinTokens = 128;
+
+inline bool IsWideGroup(const VisitPlan& plan, const TreeView& tree, int64 g) {
+  const int64 node = plan.group_node[g];
+  return tree.child_begin[node + 1] - tree.child_begin[node] >= kWideMinSlots &&
+         plan.group_begin[g + 1] - plan.group_begin[g] >= kWideMinTokens;
+}
+
+// Walked groups (small nodes) and wide groups are left out.
 inline std::vector<Item> TokenTiles(const VisitPlan& plan, const TreeView& tree,
                                     int64 g_begin, int64 g_end, int64 tile) {
   std::vector<Item> items;
   for (int64 g = g_begin; g < g_end; ++g) {
-    if (IsWalked(tree, plan.group_node[g])) continue;
+    if (IsWalked(tree, plan.group_node[g]) || IsWideGroup(plan, tree, g)) continue;
     const int64 n = plan.group_begin[g + 1] - plan.group_begin[g];
     for (int64 o = 0; o < n; o += tile) items.push_back({g, o, std::min(tile, n - o)});
   }
@@ -256,14 +281,17 @@ void SumGroupedEntries(const VisitPlan& plan, const TreeView& tree,
 
 // Where the saving forward keeps the grouped nodes' logits: group g's entry e (in plan
 // order) and slot j of its node at offsets[g] + (e - plan.group_begin[g]) * K + j, K the
-// node's number of children. The walked steps' unit coefficients follow from
+// node's number of children; a wide group keeps only each entry's log-sum-exp, at
+// offsets[g] + (e - plan.group_begin[g]), and its gradient recomputes the logits. The walked steps' unit coefficients follow from
 // offsets[num_groups]: step s's at offsets[num_groups] + s * plan.max_walked_branching.
 inline std::vector<int64> SavedLogitOffsets(const VisitPlan& plan, const TreeView& tree) {
   std::vector<int64> offsets(plan.num_groups() + 1, 0);
   for (int64 g = 0; g < plan.num_groups(); ++g) {
     const int64 node = plan.group_node[g];
     const int64 n = IsWalked(tree, node) ? 0 : plan.group_begin[g + 1] - plan.group_begin[g];
-    offsets[g + 1] = offsets[g] + n * (tree.child_begin[node + 1] - tree.child_begin[node]);
+    const int64 per_entry =
+        IsWideGroup(plan, tree, g) ? 1 : tree.child_begin[node + 1] - tree.child_begin[node];
+    offsets[g + 1] = offsets[g] + n * per_entry;
   }
   return offsets;
 }

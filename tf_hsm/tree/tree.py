@@ -142,6 +142,28 @@ class Tree:
         return cls._from_layout(*builders.balanced(num_classes, branching))
 
     @classmethod
+    def flat(cls, num_classes):
+        """The exact softmax as a tree: one node whose children are all the classes.
+
+        ``log_prob`` over it is ``z_c - logsumexp(z)`` with ``z = W h + b``, the full
+        softmax. A node this wide is computed as blocked matrix products (tiles of
+        children against all of its tokens, the logits recomputed in the gradient from
+        each token's log-sum-exp), so no ``[tokens, num_classes]`` logits are ever held:
+        the full softmax at a million classes in the memory of its table and gradient.
+
+        Args:
+          num_classes: C >= 1.
+
+        Returns:
+          A Tree of one node with C children.
+
+        Raises:
+          ValueError: if num_classes < 1 (or not an integer).
+        """
+        c = check_int(num_classes, "num_classes", 1)
+        return cls._from_layout(*builders.balanced(c, max(c, 2)))
+
+    @classmethod
     def two_level(cls, num_classes, counts=None):
         """Builds a root with about sqrt(C) clusters of classes under it.
 
