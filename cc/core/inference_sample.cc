@@ -34,11 +34,90 @@ int64 PickSlot(T* z, int64 K, T temperature, double u) {
   return sampling::PickSlot(z, K, temperature, u, [](T* e, int64 n) { simd::ExpInPlace(e, n); });
 }
 
+// Nodes of more than this many children are drawn from without keeping a row's logits
+// (WideDraws): such a node's kept logits would leave room for fewer than 16 rows, and
+// each batch of rows reads the node's weights once more.
+constexpr int64 kWideSampleSlots = kLogitBudget / 16;
+
+// Each row's PickSlot draw at the node of slots [begin, begin + K), its logits computed
+// tile by tile in three passes instead of kept: their maximum; the sum of
+// exp((z - max) / temperature) in slot order, in double; the slot where the running sum
+// passes u * total. The rows share each pass over the node's weights, and every row gets
+// PickSlot's slot bit for bit: the same maximum, the same exponentials (element by
+// element), summed in the same order, with the dot-product kernels' own bits.
+template <typename T>
+void WideDraws(const SoftmaxParams<T>& p, const T* const* rows, int64 nb, int64 begin,
+               int64 K, T temperature, const double* u, int64* picked) {
+  const T inf = std::numeric_limits<T>::infinity();
+  T* z = Grow(&ThreadScratch<T>().z, nb * kSlotTile);
+  std::vector<T> m(nb, -inf);
+  std::vector<double> sum(nb, 0.0), target(nb, 0.0);
+  std::vector<char> done(nb, 0);
+  std::fill(picked, picked + nb, int64{-1});
+  // Runs on_row(r, logits, k0, kb) over every tile, for the rows not done.
+  auto pass = [&](auto&& on_row) {
+    for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
+      const int64 kb = std::min(kSlotTile, K - k0);
+      Logits(p, rows, nb, begin + k0, kb, static_cast<const T*>(nullptr), z, kb);
+      for (int64 r = 0; r < nb; ++r) {
+        if (!done[r]) on_row(r, z + r * kb, k0, kb);
+      }
+    }
+  };
+  pass([&](int64 r, const T* zr, int64, int64 kb) {
+    for (int64 j = 0; j < kb; ++j) {
+      if (zr[j] != zr[j]) done[r] = 1;  // NaN: -1
+      m[r] = zr[j] > m[r] ? zr[j] : m[r];
+    }
+  });
+  for (int64 r = 0; r < nb; ++r) done[r] = done[r] || m[r] == -inf || m[r] == inf;
+  auto exps = [&](int64 r, T* zr, int64 kb) {
+    for (int64 j = 0; j < kb; ++j) zr[j] = (zr[j] - m[r]) / temperature;
+    simd::ExpInPlace(zr, kb);
+  };
+  pass([&](int64 r, const T* zr, int64, int64 kb) {
+    exps(r, const_cast<T*>(zr), kb);
+    for (int64 j = 0; j < kb; ++j) sum[r] += static_cast<double>(zr[j]);
+  });
+  std::vector<double> acc(nb, 0.0);
+  for (int64 r = 0; r < nb; ++r) target[r] = u[r] * sum[r];
+  std::vector<char> drawn(done);
+  pass([&](int64 r, const T* zr, int64 k0, int64 kb) {
+    if (drawn[r]) return;
+    exps(r, const_cast<T*>(zr), kb);
+    for (int64 j = 0; j < kb; ++j) {
+      if (!(zr[j] > T(0))) continue;
+      acc[r] += static_cast<double>(zr[j]);
+      picked[r] = k0 + j;  // the last positive slot, where u * total rounds up to total
+      if (acc[r] > target[r]) {
+        drawn[r] = 1;
+        return;
+      }
+    }
+  });
+}
+
 struct SampleState {
   int64 node;
   int64 depth;
   bool done;
 };
+
+// The slot each of the nb rows draws at the node of slots [begin, begin + K): PickSlot
+// over its kept logits, or WideDraws for a wide node.
+template <typename T>
+void DrawSlots(const SoftmaxParams<T>& p, const T* const* rows, int64 nb, int64 begin,
+               int64 K, T temperature, const double* u, int64* picked) {
+  if (K > kWideSampleSlots) {
+    WideDraws(p, rows, nb, begin, K, temperature, u, picked);
+    return;
+  }
+  T* z = Grow(&ThreadScratch<T>().z, nb * K);
+  // Always the dot-product kernels, whose bits do not depend on the other rows: a row's
+  // sample then depends on nothing but its own inputs, position and seed.
+  NodeLogits(p, rows, nb, begin, K, false, z, static_cast<T*>(nullptr));
+  for (int64 i = 0; i < nb; ++i) picked[i] = PickSlot(z + i * K, K, temperature, u[i]);
+}
 
 template <typename T>
 std::string SampleRows(const TreeView& t, const SoftmaxParams<T>& p, std::uint64_t seed,
@@ -47,6 +126,8 @@ std::string SampleRows(const TreeView& t, const SoftmaxParams<T>& p, std::uint64
   Scratch<T>& s = ThreadScratch<T>();
   thread_local std::vector<SampleState> state;
   thread_local std::vector<Request> req;
+  thread_local std::vector<double> u;
+  thread_local std::vector<int64> picked;
   state.assign(nr, SampleState{0, 0, false});
   for (;;) {
     req.clear();
@@ -62,22 +143,25 @@ std::string SampleRows(const TreeView& t, const SoftmaxParams<T>& p, std::uint64
       if (err.empty()) err = CheckChildren(t, n, begin, end);
       if (!err.empty()) return err;
       const int64 K = end - begin;
-      const int64 batch = std::max<int64>(1, std::min<int64>(g1 - g0, kLogitBudget / K));
+      const int64 batch = K > kWideSampleSlots
+                              ? static_cast<int64>(g1 - g0)
+                              : std::max<int64>(1, std::min<int64>(g1 - g0, kLogitBudget / K));
       for (size_t b0 = g0; b0 < g1; b0 += batch) {
         const int64 nb = std::min<int64>(batch, g1 - b0);
         const T** rows = Grow(&s.rows, nb);
-        for (int64 i = 0; i < nb; ++i) rows[i] = p.hidden + (row0 + req[b0 + i].row) * p.dim;
-        T* z = Grow(&s.z, nb * K);
-        // Always the dot-product kernels, whose bits do not depend on the other rows: a
-        // row's sample then depends on nothing but its own inputs, position and seed.
-        NodeLogits(p, rows, nb, begin, K, false, z, static_cast<T*>(nullptr));
+        u.resize(nb);
+        picked.resize(nb);
         for (int64 i = 0; i < nb; ++i) {
           const int64 r = req[b0 + i].row;
-          SampleState& st = state[r];
-          const int64 j = PickSlot(z + i * K, K, temperature, sampling::Uniform(seed, row0 + r, st.depth));
-          const int64 code = j < 0 ? -1 : t.slot_child[begin + j];
+          rows[i] = p.hidden + (row0 + r) * p.dim;
+          u[i] = sampling::Uniform(seed, row0 + r, state[r].depth);
+        }
+        DrawSlots(p, rows, nb, begin, K, temperature, u.data(), picked.data());
+        for (int64 i = 0; i < nb; ++i) {
+          SampleState& st = state[req[b0 + i].row];
+          const int64 code = picked[i] < 0 ? -1 : t.slot_child[begin + picked[i]];
           if (code < C) {
-            classes[row0 + r] = code;
+            classes[row0 + req[b0 + i].row] = code;
             st.done = true;
           } else {
             st.node = code - C;

@@ -180,6 +180,42 @@ void PushChildren(SearchScratch<T>* ss, int64 r, T parent, const T* z, T lse,
   }
 }
 
+// Nodes of more than this many children are expanded without keeping the rows' logits
+// (ExpandWide): kept, they would leave room for fewer than kMinSearchRows rows, and each
+// batch of rows reads the node's weights once more (a flat tree at V = 1M read its 1.2 GB
+// table once per row).
+constexpr int64 kWideExpandSlots = kLogitBudget / kMinSearchRows;
+
+// Expands the wide node of slots [begin, begin + K) for the records recs, all their rows
+// together in two passes over the node's weights: the log-sum-exps, then the logits again
+// tile by tile, each tile's children pushed as they come. PushChildren sees the children
+// in slot order, in slices that start at whole vector blocks, so it queues exactly what
+// it queues given all K logits at once.
+template <typename T>
+void ExpandWide(SearchScratch<T>* ss, const TreeView& t, const SoftmaxParams<T>& p,
+                int64 row0, const std::vector<int64>& recs, int64 begin, int64 K, int64 k) {
+  Scratch<T>& s = ThreadScratch<T>();
+  const int64 nb = static_cast<int64>(recs.size());
+  const T** rows = Grow(&s.rows, nb);
+  for (int64 i = 0; i < nb; ++i) rows[i] = p.hidden + (row0 + ss->records[recs[i]].row) * p.dim;
+  const T* packed = PackedRows(rows, nb, p.dim, nb >= kPackMinRows);
+  T* z = Grow(&s.z, nb * kSlotTile);
+  T* lse = Grow(&s.lse, nb);
+  TiledLogSumExp(p, rows, nb, begin, K, packed, /*keep_all=*/false, z, lse,
+                 [](const T*, int64, int64, int64) {});
+  static_assert(kSlotTile % simd::Vec<T>::kWidth == 0, "tiles start at whole vector blocks");
+  for (int64 k0 = 0; k0 < K; k0 += kSlotTile) {
+    const int64 kb = std::min(kSlotTile, K - k0);
+    Logits(p, rows, nb, begin + k0, kb, packed, z, kb);
+    for (int64 i = 0; i < nb; ++i) {
+      const int64 row = ss->records[recs[i]].row;  // copied: pushing may move the records
+      const T value = ss->records[recs[i]].value;
+      PushChildren(ss, row, value, z + i * kb, lse[i], t.slot_child + begin + k0, kb,
+                   t.num_classes, k);
+    }
+  }
+}
+
 // Searches rows [row0, row0 + nr) together, in rounds. Each round, every unfinished row
 // moves the classes at the top of its queue to the output and requests the node now at
 // the top: the node a search of the row on its own would expand next. Each requested
@@ -294,6 +330,10 @@ std::string SearchRows(const TreeView& t, const SoftmaxParams<T>& p, int64 k, in
       });
       const int64 K = end - begin;
       const int64 count = static_cast<int64>(recs.size());
+      if (K > kWideExpandSlots) {
+        ExpandWide(&ss, t, p, row0, recs, begin, K, k);
+        continue;
+      }
       const int64 batch = std::max<int64>(1, std::min<int64>(count, kLogitBudget / K));
       for (int64 b0 = 0; b0 < count; b0 += batch) {
         const int64 nb = std::min<int64>(batch, count - b0);

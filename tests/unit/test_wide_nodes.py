@@ -143,3 +143,37 @@ def test_numerical_gradients_through_a_wide_node(rng):
 
   theoretical, numerical = tf.test.compute_gradient(f, [hidden])
   np.testing.assert_allclose(theoretical[0], numerical[0], rtol=1e-6, atol=1e-7)
+
+
+def _uniform(seed, row, step):
+  """sampling::Uniform (cc/core/sampling.h): splitmix64 of (seed, row, step)."""
+  mask = (1 << 64) - 1
+
+  def mix(z):
+    z = (z + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+  return (mix((mix((mix(seed & mask) + row) & mask) + step) & mask) >> 11) * 2.0**-53
+
+
+def test_sampling_a_wide_node_inverts_its_cumulative_softmax(rng):
+  """Nodes of more than 65,536 children draw from their logits tile by tile: each row's
+  class is where the cumulative softmax passes the row's uniform number."""
+  tree = tf_hsm.Tree.flat(70_000)
+  hidden, weights, biases, _ = _inputs(rng, tree, 40, 5, np.float64)
+  *_, log_p = _dense_softmax(hidden, weights, biases, np.zeros(40, np.int64))
+  for temperature in (1.0, 0.5):
+    got = tf_hsm.sample(hidden, weights, biases, tree, seed=123, temperature=temperature)
+    p = np.exp(log_p / temperature)
+    cumulative = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
+    u = np.array([_uniform(123, i, 0) for i in range(40)])
+    want = [np.searchsorted(cumulative[i], u[i], side="right") for i in range(40)]
+    np.testing.assert_array_equal(got.numpy(), want)
+    first = tf_hsm.sample(hidden[:8], weights, biases, tree, seed=123, temperature=temperature)
+    np.testing.assert_array_equal(first.numpy(), want[:8])  # a row's draw is its own
+  nan_row = hidden.copy()
+  nan_row[3] = np.nan
+  got = tf_hsm.sample(nan_row, weights, biases, tree, seed=5).numpy()
+  assert got[3] == -1 and (got[np.arange(40) != 3] >= 0).all()

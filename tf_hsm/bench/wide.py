@@ -1,0 +1,214 @@
+"""Wide nodes at matrix-multiply speed: the exact softmax as a one-node tree
+(`Tree.flat`), a node's rate against the machine's matmul rate, heads of frequent
+classes, and a training step's memory at a million classes.
+
+    python -m tf_hsm.bench.wide [--parts flat,rate,head,memory] [--rounds 7]
+
+- flat: `nll_loss` forward and backward on `Tree.flat(V)` (V=100K, D=256, T=1,024)
+  interleaved with TensorFlow's `matmul` + `sparse_softmax_cross_entropy_with_logits`
+  and its gradient (hidden, table, biases): medians and their ratio.
+- rate: the same step on a one-node tree of 4,096 children visited by 256 tokens
+  (D=512), its 8 T K D operations a step (the forward's logits, and the gradient's
+  logits again, hidden and table gradients) over the median, against the planner's
+  matmul rate (`tf_hsm.planning.Machine.measure`) measured in the same process.
+- head: at V=1M, D=300, T=3,200, Zipf(1) targets, a 32-ary `Tree.from_vectors` tree with
+  a head of 1,024 frequent classes against the same without a head, interleaved.
+- memory: a process of its own per case (V=1M, D=300, T=3,200 and V=10M, D=300, T=256):
+  VmHWM after set-up (table, batch, one warm-up step), then the growth of the peak over
+  three steps of `sgd_step`, and of `nll_loss` with its gradient.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import tf_hsm
+from tf_hsm.planning import Machine
+
+
+def _zipf_targets(rng, num_classes, tokens):
+  return np.minimum(rng.zipf(1.0001, tokens) - 1, num_classes - 1).astype(np.int64)
+
+
+def _problem(rng, num_classes, dim, tokens):
+  hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
+  table = tf.Variable(rng.normal(size=(num_classes, dim)).astype(np.float32) * 0.01)
+  biases = tf.Variable(np.zeros(num_classes, np.float32))
+  return hidden, table, biases, tf.constant(_zipf_targets(rng, num_classes, tokens))
+
+
+def _hsm_step(tree, hidden, table, biases, targets):
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      tape.watch(hidden)
+      loss = tf.reduce_mean(tf_hsm.nll_loss(hidden, table, biases, tree, targets))
+    grads = tape.gradient(loss, [hidden, table, biases])
+    return loss, grads[0], grads[1].values[:1, :1]  # the IndexedSlices as they are
+  return step
+
+
+def _dense_step(hidden, table, biases, targets):
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      tape.watch(hidden)
+      logits = tf.matmul(hidden, table, transpose_b=True) + biases
+      loss = tf.reduce_mean(
+          tf.nn.sparse_softmax_cross_entropy_with_logits(targets, logits))
+    grads = tape.gradient(loss, [hidden, table, biases])
+    return loss, grads[0], tf.convert_to_tensor(grads[1])[:1, :1]
+  return step
+
+
+def interleaved(methods, rounds):
+  """{name: median seconds}: every method once a round, after one warm-up call each."""
+  for fn in methods.values():
+    [t.numpy() for t in fn()]
+  times = {name: [] for name in methods}
+  for _ in range(rounds):
+    for name, fn in methods.items():
+      start = time.perf_counter()
+      [t.numpy() for t in fn()]
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(v) for name, v in times.items()}
+
+
+def flat_part(rng, rounds):
+  hidden, table, biases, targets = _problem(rng, 100_000, 256, 1024)
+  tree = tf_hsm.Tree.flat(100_000)
+  med = interleaved({"tf_hsm Tree.flat": _hsm_step(tree, hidden, table, biases, targets),
+                     "TF matmul + softmax xent": _dense_step(hidden, table, biases, targets)},
+                    rounds)
+  ratio = med["TF matmul + softmax xent"] / med["tf_hsm Tree.flat"]
+  return {"case": "V=100K D=256 T=1024", "ms": _ms(med), "speed vs TF": round(ratio, 3)}
+
+
+def rate_part(rng, rounds):
+  width, dim, tokens = 4096, 512, 256
+  machine = Machine.measure()
+  hidden, table, biases, targets = _problem(rng, width, dim, tokens)
+  step = _hsm_step(tf_hsm.Tree.flat(width), hidden, table, biases, targets)
+  med = interleaved({"wide node": step}, rounds)["wide node"]
+  rate = 8.0 * tokens * width * dim / med
+  return {"case": f"K={width} T={tokens} D={dim}", "ms": round(med * 1e3, 2),
+          "GFLOP/s": round(rate / 1e9, 1),
+          "machine matmul GFLOP/s": round(machine.matmul_flops / 1e9, 1),
+          "fraction": round(rate / machine.matmul_flops, 3)}
+
+
+def head_part(rng, rounds):
+  classes, dim, tokens = 1_000_000, 300, 3200
+  counts = 1.0 / np.arange(1, classes + 1)
+  vectors = rng.normal(size=(classes, 16)).astype(np.float32)
+  trees = {"32-ary, head 1024": tf_hsm.Tree.from_vectors(vectors, counts, 32, head=1024),
+           "32-ary, no head": tf_hsm.Tree.from_vectors(vectors, counts, 32)}
+  methods = {}
+  for name, tree in trees.items():
+    hidden, table, biases, targets = _problem(rng, tree.num_slots, dim, tokens)
+    targets = tf.constant(_zipf_targets(rng, classes, tokens))
+    methods[name] = _hsm_step(tree, hidden, table, biases, targets)
+  med = interleaved(methods, rounds)
+  return {"case": "V=1M D=300 T=3200", "ms": _ms(med),
+          "head / no head": round(med["32-ary, head 1024"] / med["32-ary, no head"], 3)}
+
+
+def _ms(medians):
+  return {name: round(s * 1e3, 1) for name, s in medians.items()}
+
+
+def _peak_bytes():
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak():
+  """Resets VmHWM to the current RSS (Linux: write 5 to clear_refs); False if refused."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
+def memory_case(classes, dim, tokens, mode):
+  """Run in a process of its own: the peak's growth over a warm set-up, in bytes."""
+  rng = np.random.default_rng(0)
+  hidden, table, biases, targets = _problem(rng, classes, dim, tokens)
+  tree = tf_hsm.Tree.flat(classes)
+
+  def step():
+    if mode == "sgd_step":
+      return tf_hsm.sgd_step(hidden, table, biases, tree, targets, 0.1)[0].numpy()
+    with tf.GradientTape() as tape:
+      tape.watch(hidden)
+      loss = tf.reduce_mean(tf_hsm.nll_loss(hidden, table, biases, tree, targets))
+    grads = tape.gradient(loss, [hidden, table, biases])
+    return [tf.convert_to_tensor(g).numpy()[:1] for g in grads]
+
+  step()
+  base = _peak_bytes()
+  reset = _reset_peak()
+  base = _peak_bytes() if reset else base
+  start = time.perf_counter()
+  for _ in range(3):
+    step()
+  seconds = (time.perf_counter() - start) / 3
+  return {"case": f"V={classes} D={dim} T={tokens}", "mode": mode,
+          "table GiB": round(classes * dim * 4 / 2**30, 3),
+          "peak growth GiB": round((_peak_bytes() - base) / 2**30, 3),
+          "peak reset at the baseline": reset, "s/step": round(seconds, 3)}
+
+
+def memory_part():
+  out = []
+  for classes, dim, tokens in ((1_000_000, 300, 3200), (10_000_000, 300, 256)):
+    for mode in ("sgd_step", "gradient"):
+      cmd = [sys.executable, "-m", "tf_hsm.bench.wide", "--memory-case",
+             f"{classes},{dim},{tokens},{mode}"]
+      done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+      if done.returncode != 0:
+        out.append({"case": f"V={classes} T={tokens}", "mode": mode,
+                    "error": done.stderr.strip().splitlines()[-1:]})
+        continue
+      out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+  return out
+
+
+PARTS = {"flat": flat_part, "rate": rate_part, "head": head_part}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--parts", default="flat,rate,head,memory",
+                      help="comma-separated, of flat, rate, head, memory")
+  parser.add_argument("--rounds", type=int, default=7, help="timed rounds (medians)")
+  parser.add_argument("--memory-case", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.memory_case:
+    classes, dim, tokens, mode = args.memory_case.split(",")
+    print(json.dumps(memory_case(int(classes), int(dim), int(tokens), mode)))
+    return
+  parts = args.parts.split(",")
+  unknown = sorted(set(parts) - set(PARTS) - {"memory"})
+  if unknown or args.rounds < 1:
+    parser.error(f"unknown parts {unknown} (of flat, rate, head, memory)" if unknown
+                 else "--rounds must be >= 1")
+  rng = np.random.default_rng(0)
+  for part in parts:
+    result = memory_part() if part == "memory" else PARTS[part](rng, args.rounds)
+    print(json.dumps({part: result}), flush=True)
+
+
+if __name__ == "__main__":
+  main()
