@@ -253,3 +253,37 @@ def test_the_tempered_draws_follow_the_distribution(chunk, monkeypatch):
   chi2 = ((cells_o - cells_e) ** 2 / np.maximum(cells_e, 1e-9)).sum()
   dof = len(cells_e) - 1
   assert chi2 < dof + 8 * np.sqrt(2 * dof) + 10, (chi2, dof)
+
+
+def test_a_lookup_table_in_the_encoder_is_saved(tmp_path):
+  """The encoder is not tracked (its variables would be saved twice); its lookup tables
+  are saved through `encoder_resources`."""
+  words = keras.Input([None], dtype="string", name="words")
+  targets = keras.Input([None], dtype="int32", name="targets")
+  ids = keras.layers.StringLookup(vocabulary=["a", "b", "c"])(words)
+  hidden = keras.layers.Embedding(4, DIM)(ids)
+  model = keras.Model([words, targets], tf_hsm.HierarchicalSoftmax(TREE)(hidden, targets))
+  module = serving.export(model, tmp_path, k=2)
+  assert len(module.encoder_resources) == 1
+  loaded = tf.saved_model.load(str(tmp_path))
+  text = tf.constant([["a", "never seen", "c"]])
+  expected = tf_hsm.keras.inference_model(model, k=2)(text)
+  np.testing.assert_array_equal(loaded.signatures["top_k"](words=text)["classes"],
+                                expected["classes"])
+
+
+def test_a_subclassed_tf_keras_model_is_refused(tmp_path):
+  tf_keras = pytest.importorskip("tf_keras")
+
+  class Sub(tf_keras.Model):
+    def __init__(self):
+      super().__init__()
+      self.dense = tf_keras.layers.Dense(DIM)
+
+    def call(self, inputs):
+      return self.dense(inputs)
+
+  sub = Sub()
+  sub(np.ones((2, 3), np.float32))
+  with pytest.raises(TypeError, match="Sub is a subclassed model"):
+    serving.export(sub, tmp_path)
