@@ -38,9 +38,10 @@ def test_layer_builds_what_it_describes():
   assert isinstance(built, tf_hsm.AdaptiveSoftmax)
   assert list(built.cutoffs)[:len(adaptive.cutoffs)] == adaptive.cutoffs
   full = tf_hsm.plan(1000, 64, 512, machine=MACHINE, trees=(), adaptive=()).layer
-  assert full.kind == "full softmax"
-  dense = full.build()
-  assert isinstance(dense, keras.layers.Dense) and dense.units == 1000
+  assert full.kind == "full softmax" and full.code == "HierarchicalSoftmax(Tree.flat(1000))"
+  exact = full.build()
+  assert isinstance(exact, tf_hsm.HierarchicalSoftmax)
+  assert exact.tree == tf_hsm.Tree.flat(1000)
   sampled = tf_hsm.planning.Layer("sampled softmax", "sampled softmax", "")
   with pytest.raises(ValueError, match="never recommended"):
     sampled.build()

@@ -27,8 +27,8 @@ from tf_hsm.planning.cli import main, parse_bytes, parse_count
 from tf_hsm.planning.costs import (CALLS_PER_STEP, DIV_VALUE, DTYPE_BYTES, OPTIMIZERS,
                                    SAMPLED, STEP_WORKSPACE_BYTES, TAILS, Cost, Part,
                                    adaptive_cluster_cost, adaptive_cost,
-                                   adaptive_head_cost, full_softmax_cost, moved_elements,
-                                   pytorch_cutoffs, sampled_softmax_cost, tail_widths,
+                                   adaptive_head_cost, flat_softmax_cost, full_softmax_cost,
+                                   moved_elements, pytorch_cutoffs, sampled_softmax_cost, tail_widths,
                                    tree_cost)
 from tf_hsm.planning.cutoffs import checked_counts, choose_cutoffs, step_cost
 from tf_hsm.planning.machine import Machine, machine_name
@@ -44,7 +44,7 @@ __all__ = [
     "Part", "Report", "SAMPLED", "STEP_TIE", "STEP_WORKSPACE_BYTES", "TAILS", "TREES",
     "TREE_STEP_TERMS", "TreeWork", "WALK_MAX_BRANCHING", "adaptive_cluster_cost",
     "adaptive_cost", "adaptive_head_cost", "checked_counts", "choose_cutoffs",
-    "fixed_step_terms", "full_softmax_cost", "huffman_work", "layout_work",
+    "fixed_step_terms", "flat_softmax_cost", "full_softmax_cost", "huffman_work", "layout_work",
     "machine_name", "main", "moved_elements", "parse_bytes", "parse_count", "plan",
     "price", "pytorch_cutoffs", "recommend_tree", "sampled_softmax_cost", "step_cost",
     "step_terms", "tail_widths", "tree_bytes", "tree_cost", "tree_step_terms",

@@ -32,7 +32,7 @@ from tf_hsm.planning import body as body_lib
 from tf_hsm.planning import machine as machine_lib
 from tf_hsm.planning import quality as quality_lib
 from tf_hsm.planning.costs import (DIV_VALUE, DTYPE_BYTES, OPTIMIZERS, TAILS,
-                                   adaptive_cost, full_softmax_cost, probabilities,
+                                   adaptive_cost, flat_softmax_cost, probabilities,
                                    pytorch_cutoffs, sampled_softmax_cost, tail_widths,
                                    tree_cost)
 from tf_hsm.planning.cutoffs import checked_counts, choose_cutoffs
@@ -68,7 +68,8 @@ class Layer:
   kwargs: for AdaptiveSoftmax, `tf_hsm.AdaptiveSoftmax(**kwargs)` (num_classes,
     cutoffs, div_value, tail, counts for a two-level tail, and class_order where the
     counts were not in frequency order); for HierarchicalSoftmax,
-    `tf_hsm.HierarchicalSoftmax(**kwargs)` builds the tree on first access (`tree`).
+    `tf_hsm.HierarchicalSoftmax(**kwargs)` builds the tree on first access (`tree`);
+    for full softmax likewise, over `Tree.flat(num_classes)` (the exact softmax).
   """
   kind: str
   method: str
@@ -88,11 +89,13 @@ class Layer:
     10M classes a binary Huffman tree's paths hold a few GB), else None."""
     if self._tree is None and self._build is not None:
       self._tree = self._build()
+    if self._tree is None and self.kind == "full softmax" and self.num_classes is not None:
+      self._tree = importlib.import_module("tf_hsm.tree").Tree.flat(self.num_classes)
     return self._tree
 
   @property
   def kwargs(self):
-    if self.kind == "HierarchicalSoftmax":
+    if self.kind in ("HierarchicalSoftmax", "full softmax") and self.tree is not None:
       return {"tree": self.tree}
     if self.kind == "AdaptiveSoftmax":
       kwargs = {"num_classes": self.num_classes, "cutoffs": list(self.cutoffs),
@@ -108,16 +111,15 @@ class Layer:
     """The layer: `tf_hsm.HierarchicalSoftmax(**kwargs, **layer_kwargs)` or
     `tf_hsm.AdaptiveSoftmax(...)` likewise (for the Keras of `tf_hsm`'s top-level
     names: tf_keras under TF_USE_LEGACY_KERAS=1), `layer_kwargs` being the layer's
-    other arguments (name, dtype, ...); for full softmax, a Dense of num_classes
-    logits (trained with sparse categorical cross-entropy, from_logits=True). Imports
-    TensorFlow."""
-    if self.kind in ("HierarchicalSoftmax", "AdaptiveSoftmax"):
+    other arguments (name, dtype, ...); for full softmax,
+    `HierarchicalSoftmax(Tree.flat(num_classes))`, the exact softmax without [tokens,
+    classes] logits. Imports TensorFlow."""
+    if self.kind in ("HierarchicalSoftmax", "AdaptiveSoftmax") or (
+        self.kind == "full softmax" and self.num_classes is not None):
       # The package root, imported here: planning itself stays free of TensorFlow.
       tf_hsm = importlib.import_module("tf_hsm")
-      return getattr(tf_hsm, self.kind)(**self.kwargs, **layer_kwargs)
-    if self.kind == "full softmax" and self.num_classes is not None:
-      keras = importlib.import_module("tensorflow").keras  # tf_keras where it is tf.keras
-      return keras.layers.Dense(self.num_classes, **layer_kwargs)
+      kind = "AdaptiveSoftmax" if self.kind == "AdaptiveSoftmax" else "HierarchicalSoftmax"
+      return getattr(tf_hsm, kind)(**self.kwargs, **layer_kwargs)
     raise ValueError(f"no layer to build for {self.method!r}: {self.kind} is never "
                      "recommended (its figures are approximate)")
 
@@ -491,10 +493,10 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     priced["label"] = label
     return priced
 
-  rows = [row("full softmax", "full softmax", full_softmax_cost(V, D, T)),
+  rows = [row("full softmax", "full softmax", flat_softmax_cost(V, D, T)),
           row("sampled softmax", "sampled", sampled_softmax_cost(V, D, T, probs),
               exact=False)]
-  layers = [Layer("full softmax", "full softmax", f"keras.layers.Dense({V})",
+  layers = [Layer("full softmax", "full softmax", f"HierarchicalSoftmax(Tree.flat({V}))",
                   num_classes=V), None]
   for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes):
     rows.append(row(f"HierarchicalSoftmax {tree.name}",

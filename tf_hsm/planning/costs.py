@@ -84,12 +84,26 @@ def moved_elements(part, optimizer):
   return 2 * part.touched + grad + 2 * updated * (1 + slots)
 
 def full_softmax_cost(num_classes, hidden, tokens_per_step):
-  """A [V, D+1] table, every row read, a dense gradient, and [T, V] logits: once at the
-  peak, as TensorFlow's fused softmax cross-entropy writes their gradient over them and
-  the table's gradient is made from it."""
+  """TensorFlow's dense softmax (`matmul` + `sparse_softmax_cross_entropy_with_logits`):
+  a [V, D+1] table, every row read, a dense gradient, and [T, V] logits: once at the
+  peak, as the fused softmax cross-entropy writes their gradient over them and the
+  table's gradient is made from it. What `bench.plan_verify` measures as full softmax."""
   V, D, T = num_classes, hidden, tokens_per_step
   return Cost([Part("table", V * (D + 1), V * (D + 1), True)], V, 6.0 * T * V * D,
               T * V + 2 * T * D, T * V)
+
+
+def flat_softmax_cost(num_classes, hidden, tokens_per_step):
+  """The exact softmax as tf_hsm computes it, a one-node tree (`Tree.flat`): the planner's
+  full-softmax row. The [V, D+1] table, every row read and given a gradient row each step
+  (a dense gradient), and no [T, V] logits: the node's children are taken in tiles
+  against all the tokens, a log-sum-exp kept per token and the logits recomputed by the
+  gradient (cc/core/wide_node.h). 8 T V D FLOPs (the forward's logits, then the
+  gradient's logits, hidden and table gradients), priced at the matmul rate: the tiles
+  are small matrix products."""
+  V, D, T = num_classes, hidden, tokens_per_step
+  return Cost([Part("table", V * (D + 1), V * (D + 1), True)], V, 8.0 * T * V * D,
+              T + 3 * T * D)
 
 
 def sampled_softmax_cost(num_classes, hidden, tokens_per_step, probs,
