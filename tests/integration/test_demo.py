@@ -273,3 +273,22 @@ def test_quality_runs_commands_and_summary(tmp_path, capsys):
   assert [r["row"] for r in rows] == ["full", "huffman2"]
   assert rows[1]["ratio"] == pytest.approx(86.0 / 80.0) and rows[1]["best"] == 86.0
   assert rows[1]["cpu_seconds_per_epoch"] == pytest.approx(2.1) and "+7.5%" in table
+
+
+def test_full_softmax_is_the_exact_softmax_of_a_one_node_tree():
+  """The full-softmax baseline is HierarchicalSoftmax over Tree.flat: its log-probabilities
+  are the log-softmax of the logits (no [tokens, vocab] logits held)."""
+  counts = np.arange(1, 301)[::-1].astype(np.float64)
+  model = demo.full_softmax_model(counts, 8, 5, 0.01)
+  layer = model.get_layer("hsm")
+  assert layer.tree == tf_hsm.Tree.flat(300)
+  tokens = np.arange(10).reshape(2, 5)
+  targets = (tokens * 7) % 300
+  got = model.predict([tokens, targets], verbose=0)
+  hidden = model.get_layer("lstm")(model.get_layer("embedding")(tokens)).numpy()
+  w, b = (np.asarray(v, np.float64) for v in layer.weights[:2])
+  logits = hidden.astype(np.float64) @ w.T + b
+  top = logits.max(-1, keepdims=True)
+  log_softmax = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+  np.testing.assert_allclose(got, np.take_along_axis(log_softmax, targets[..., None], -1)[..., 0],
+                             rtol=1e-4, atol=1e-4)

@@ -4,8 +4,9 @@ Trains the same Keras model (Embedding -> LSTM -> output layer) on the same data
 per output layer (--models): `tf_hsm.HierarchicalSoftmax` (`hsm-<tree>`; by default
 over a two-level tree of the training word counts, rebuilt after epoch 1 into a tree
 with the 128 most frequent words at the root and the rest grouped by the similarity of
-their trained input embeddings, `--tree learned`), a full softmax (`Dense(vocab)` +
-sparse categorical cross-entropy, `full`), TensorFlow's own `tf.nn.sampled_softmax_loss` with 1,024
+their trained input embeddings, `--tree learned`), the exact full softmax (`full`:
+`HierarchicalSoftmax(Tree.flat(vocab))`, one node over every word, without [tokens, vocab]
+logits), TensorFlow's own `tf.nn.sampled_softmax_loss` with 1,024
 log-uniform candidates (`sampled-1024`; the question every HSM user meets: why not that?)
 and, on request, `tf_hsm.AdaptiveSoftmax` (`adaptive`). All use
 `tf_hsm.optimizers.LazyAdam` (plain Adam on dense gradients), the same seed and the same
@@ -328,7 +329,7 @@ def _body(keras, vocab_size, hidden, seq_len):
   return tokens, x
 
 
-def hsm_model(tree, counts, hidden, seq_len, learning_rate):
+def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm"):
   """[tokens, targets] -> log P(targets), trained with tf_hsm.losses.nll.
 
   The biases start at the unigram distribution of `counts` (see `tree_unigram_biases`).
@@ -340,25 +341,20 @@ def hsm_model(tree, counts, hidden, seq_len, learning_rate):
   targets = keras.Input((seq_len,), dtype="int32", name="targets")
   biases = keras.initializers.Constant(tree_unigram_biases(tree, counts))
   log_probs = HierarchicalSoftmax(tree, bias_initializer=biases, name="hsm")(x, targets)
-  model = keras.Model([tokens, targets], log_probs, name="hsm_lm")
+  model = keras.Model([tokens, targets], log_probs, name=name)
   model.compile(optimizer=optimizers.LazyAdam(learning_rate), loss=losses.nll)
   return model
 
 
 def full_softmax_model(counts, hidden, seq_len, learning_rate):
-  """tokens -> logits over the vocabulary, trained with sparse categorical cross-entropy.
-
-  The biases start at the log unigram distribution of `counts`, as the HSM's do.
-  """
-  import keras  # pylint: disable=g-import-not-at-top
-  from tf_hsm.keras import optimizers  # pylint: disable=g-import-not-at-top
-  tokens, x = _body(keras, len(counts), hidden, seq_len)
-  biases = keras.initializers.Constant(unigram_log_probs(counts))
-  logits = keras.layers.Dense(len(counts), bias_initializer=biases, name="softmax")(x)
-  model = keras.Model(tokens, logits, name="full_softmax_lm")
-  model.compile(optimizer=optimizers.LazyAdam(learning_rate),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  return model
+  """The exact softmax over the vocabulary: `HierarchicalSoftmax(Tree.flat(V))`, one node
+  whose children are all the words, so log P(target) = log_softmax(W h + b)[target],
+  computed without [tokens, V] logits (a 100K-word vocabulary trains in the memory of its
+  table). Trained with tf_hsm.losses.nll; the biases start at the log unigram
+  distribution of `counts`, as the HSM's do."""
+  from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
+  return hsm_model(Tree.flat(len(counts)), counts, hidden, seq_len, learning_rate,
+                   name="full_softmax_lm")
 
 
 def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled):
@@ -788,7 +784,7 @@ def main(argv=None):
     elif kind == "full":
       name = "full"
       model = full_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate)
-      data, held_out = (x, y), (hx, hy)
+      data, held_out = ([x, y], y), ([hx, hy], hy)
     elif kind == "sampled":
       num_sampled = min(args.num_sampled, len(words))
       name = f"sampled-{num_sampled}"
