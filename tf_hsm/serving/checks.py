@@ -86,10 +86,12 @@ def check_model(model):
 
 # --------------------------------------------------------------------------- signatures
 
-def signature_spec(spec):
-  """The spec a signature declares for a model input: its dtype and rank, every
-  dimension unknown (see the module's docstring: `conform` checks them)."""
-  return tf.TensorSpec([None] * spec.shape.rank, spec.dtype, name=spec.name)
+def signature_spec(model_input):
+  """The spec a signature declares for a model input (a symbolic Keras tensor): its
+  dtype and rank, every dimension unknown (see the module's docstring: `conform` checks
+  them)."""
+  return tf.TensorSpec([None] * len(model_input.shape), tf.as_dtype(model_input.dtype),
+                       name=model_input.name)
 
 
 def _shape_text(dims):

@@ -175,9 +175,7 @@ class ServingModule(tf.Module):
     inputs = cut.inputs
     self.input_names = [t.name for t in inputs]
     self._model_shapes = [list(t.shape) for t in inputs]
-    self._specs = [checks.signature_spec(tf.TensorSpec(
-        [None if d is None else d for d in t.shape], tf.as_dtype(t.dtype), name=t.name))
-                   for t in inputs]
+    self._specs = [checks.signature_spec(t) for t in inputs]
     if self.kind == "hsm":
       self._init_hsm(layer)
     else:
