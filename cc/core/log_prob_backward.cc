@@ -68,11 +68,12 @@ void ScaleCoefficients(T* z, int64 n, T upstream) {
 
 // Backward of a group that fits one token tile, reading the node's weight rows once: the
 // logits (kept in z[r * K + j]), the logsumexp and the token's direction are computed
-// together by an online softmax, whose running sum of exp(z - max) * W rows is rescaled
-// whenever the max grows; directions += W[taken] - sum_s p_s W[s], the gradient of the
-// log-probability with respect to h (the caller scales it by the upstream gradient). With
-// directions == nullptr only the logits and the logsumexps (the same bits). The caller
-// then turns z into dW without touching W.
+// together by an online softmax (FoldNodeTiles keeping each tile's exponentials), whose
+// running sum of exp(z - max) * W rows is rescaled whenever the max grows;
+// directions += W[taken] - sum_s p_s W[s], the gradient of the log-probability with
+// respect to h (the caller scales it by the upstream gradient). With directions == nullptr
+// only the logits and the logsumexps (the same bits). The caller then turns z into dW
+// without touching W.
 template <typename T>
 void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, int64 nt,
                          const NodeBlock<T>& blk, T* z, T* lse, T* directions,
@@ -87,43 +88,18 @@ void NodeBackwardOnePass(const SoftmaxParams<T>& p, const VisitPlan& plan, int64
     rows[r] = p.hidden + plan.entry_token[e0 + r] * D;
     acc_rows[r] = acc != nullptr ? acc + r * D : nullptr;
   }
-  T* e = Grow(&s.tile, kTokenTile * kSlotTile);
-  T* row_max = Grow(&s.row_max, nt);
-  T* row_sum = Grow(&s.row_sum, nt);
+  TileFold<T> fold;
+  fold.exps = Grow(&s.exps, kTokenTile * kSlotTile);
+  fold.acc_rows = acc_rows;
+  fold.acc_dim = D;
+  const T* row_sum = FoldNodeTiles(p, rows, nt, blk, z, call, saved, fold, lse,
+                                   [&](int64 k0, int64 kb) {
+    if (acc == nullptr) return;
+    simd::AccumulateRows<T>(acc_rows, nt, fold.exps, kSlotTile,
+                            p.weights + (blk.first_slot + k0) * D, D, kb, D);
+  });
+  if (acc == nullptr) return;
   for (int64 r = 0; r < nt; ++r) {
-    row_max[r] = -std::numeric_limits<T>::infinity();
-    row_sum[r] = 0;
-  }
-  for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
-    const int64 kb = std::min(kSlotTile, blk.size - k0);
-    Logits(p, rows, nt, blk, k0, kb, z + k0, blk.size, call, saved);
-    for (int64 r = 0; r < nt; ++r) {
-      const T* zr = z + r * blk.size + k0;
-      T chunk_max = -std::numeric_limits<T>::infinity();
-      for (int64 j = 0; j < kb; ++j) chunk_max = zr[j] > chunk_max ? zr[j] : chunk_max;
-      if (chunk_max > row_max[r]) {
-        const T scale = std::exp(row_max[r] - chunk_max);
-        row_sum[r] *= scale;
-        if (acc != nullptr) {
-          for (int64 d = 0; d < D; ++d) acc[r * D + d] *= scale;
-        }
-        row_max[r] = chunk_max;
-      }
-      T* er = e + r * kSlotTile;
-      for (int64 j = 0; j < kb; ++j) er[j] = zr[j] - row_max[r];
-      simd::ExpInPlace(er, kb);
-      T sum = row_sum[r];
-      for (int64 j = 0; j < kb; ++j) sum += er[j];
-      row_sum[r] = sum;
-    }
-    if (acc != nullptr) {
-      simd::AccumulateRows<T>(acc_rows, nt, e, kSlotTile, p.weights + (blk.first_slot + k0) * D,
-                              D, kb, D);
-    }
-  }
-  for (int64 r = 0; r < nt; ++r) {
-    lse[r] = row_max[r] + std::log(row_sum[r]);
-    if (acc == nullptr) continue;
     const T inv_sum = T(1) / row_sum[r];
     const T* taken = p.weights + plan.entry_slot[e0 + r] * D;
     T* dir = directions + plan.entry_token[e0 + r] * D;

@@ -2,7 +2,8 @@
 // (cc/core/log_prob.cc) and the backward (cc/core/log_prob_backward.cc, which also runs
 // the part of the backward that the saving forward asks for). Per-thread scratch, a node's
 // weight block, the walk of a token's steps through small nodes, the logits kernels and the
-// node logsumexp built on them, the token-tile work items, the sum of the grouped entries'
+// one tile loop that folds a node's logits into its logsumexp (for the forward, the
+// backward and the wide groups of wide_node.h), the token-tile work items, the sum of the grouped entries'
 // values, where the saving forward keeps its values, and the backward pass's options.
 //
 // Not an anonymous namespace: the per-thread scratch, the packed-panel cache and the call
@@ -38,7 +39,7 @@ constexpr int64 kPackMinTokens = 16;  // fewer tokens use the unpacked dot-produ
 template <typename T>
 struct Scratch {
   std::vector<T> tile, row_max, row_sum, taken_logit, lse, panels, sgd_rows, sgd_bias,
-      dh_acc, logits, doubled_rows;
+      dh_acc, logits, doubled_rows, exps;
   std::vector<WalkStep<T>> walk_steps;
   std::vector<T> walk_z, walk_coef, visit_upstream;
   std::vector<const T*> walk_rows, visit_coefs;
@@ -197,35 +198,121 @@ void Logits(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
   }
 }
 
+// A node's logsumexp is folded tile by tile into a running (max, sum of exp(z - max)) per
+// row: started at (-inf, 0) and finished as max + log(sum). The forward, the backward and
+// the wide groups all fold through FoldLogitsTile, so the numerics are written here once.
+template <typename T>
+void StartLogSumExp(int64 n, T* row_max, T* row_sum) {
+  for (int64 r = 0; r < n; ++r) {
+    row_max[r] = -std::numeric_limits<T>::infinity();
+    row_sum[r] = 0;
+  }
+}
+
+template <typename T>
+void FinishLogSumExp(int64 n, const T* row_max, const T* row_sum, T* lse) {
+  for (int64 r = 0; r < n; ++r) lse[r] = row_max[r] + std::log(row_sum[r]);
+}
+
+// What folding a tile gives besides the rows' running (max, sum).
+template <typename T>
+struct TileFold {
+  // taken[r] = the logit of slot entry_slot[r] (row r's own), when it lies in the tile.
+  const int64* entry_slot = nullptr;
+  T* taken = nullptr;
+  // The one-pass backward's: exps[r * kSlotTile + j] = exp(z_j - the row's max after the
+  // tile), for the caller's sum of exp * W rows; acc_rows[r] (acc_dim values, when set) is
+  // that sum so far, rescaled with the running sum whenever the max grows.
+  T* exps = nullptr;
+  T* const* acc_rows = nullptr;
+  int64 acc_dim = 0;
+};
+
+// Folds one row's n logits into (max, sum) keeping their exponentials in exps: the max
+// grows first (rescaling the sum and acc, if set, by exp(old - new)), then the
+// exponentials are written and added to the sum in slot order. (FoldLogSumExp adds them
+// in vector lanes without writing them; the two orders round differently, and each path
+// keeps the bits it has always had.)
+template <typename T>
+void FoldKeepingExps(const T* z, int64 n, T* row_max, T* row_sum, T* exps, T* acc,
+                     int64 acc_dim) {
+  T chunk_max = -std::numeric_limits<T>::infinity();
+  for (int64 j = 0; j < n; ++j) chunk_max = z[j] > chunk_max ? z[j] : chunk_max;
+  if (chunk_max > *row_max) {
+    const T scale = std::exp(*row_max - chunk_max);
+    *row_sum *= scale;
+    if (acc != nullptr) {
+      for (int64 d = 0; d < acc_dim; ++d) acc[d] *= scale;
+    }
+    *row_max = chunk_max;
+  }
+  for (int64 j = 0; j < n; ++j) exps[j] = z[j] - *row_max;
+  simd::ExpInPlace(exps, n);
+  T sum = *row_sum;
+  for (int64 j = 0; j < n; ++j) sum += exps[j];
+  *row_sum = sum;
+}
+
+// One tile of logits, slots [k0, k0 + kb) of blk for rows[0..nt), into z (row r at
+// z + r * ld; copied from `saved` when set, see Logits), each row then folded into
+// (row_max[r], row_sum[r]) with what `fold` asks for besides.
+template <typename T>
+void FoldLogitsTile(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
+                    const NodeBlock<T>& blk, int64 k0, int64 kb, T* z, int64 ld,
+                    std::uint64_t call, const T* saved, T* row_max, T* row_sum,
+                    const TileFold<T>& fold) {
+  Logits(p, rows, nt, blk, k0, kb, z, ld, call, saved);
+  for (int64 r = 0; r < nt; ++r) {
+    const T* zr = z + r * ld;
+    if (fold.taken != nullptr) {
+      const int64 taken = fold.entry_slot[r] - blk.first_slot - k0;
+      if (taken >= 0 && taken < kb) fold.taken[r] = zr[taken];
+    }
+    if (fold.exps == nullptr) {
+      FoldLogSumExp(zr, kb, &row_max[r], &row_sum[r]);
+    } else {
+      FoldKeepingExps(zr, kb, &row_max[r], &row_sum[r], fold.exps + r * kSlotTile,
+                      fold.acc_rows != nullptr ? fold.acc_rows[r] : nullptr, fold.acc_dim);
+    }
+  }
+}
+
+// The tile loop over a whole node for rows[0..nt): lse[r] = the logsumexp of row r's
+// logits. keep: every logit kept, row r's at keep + r * blk.size; null: one tile at a time
+// in scratch. after_tile(k0, kb) sees each tile (its fold.exps) before the next is
+// computed. Returns the rows' sums (per-thread scratch, valid until the next call).
+template <typename T, typename AfterTile>
+const T* FoldNodeTiles(const SoftmaxParams<T>& p, const T* const* rows, int64 nt,
+                       const NodeBlock<T>& blk, T* keep, std::uint64_t call, const T* saved,
+                       const TileFold<T>& fold, T* lse, AfterTile&& after_tile) {
+  Scratch<T>& s = ThreadScratch<T>();
+  T* tile = keep != nullptr ? nullptr : Grow(&s.tile, nt * kSlotTile);
+  T* row_max = Grow(&s.row_max, nt);
+  T* row_sum = Grow(&s.row_sum, nt);
+  StartLogSumExp(nt, row_max, row_sum);
+  const int64 ld = keep != nullptr ? blk.size : kSlotTile;
+  for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
+    const int64 kb = std::min(kSlotTile, blk.size - k0);
+    FoldLogitsTile(p, rows, nt, blk, k0, kb, keep != nullptr ? keep + k0 : tile, ld, call, saved,
+                   row_max, row_sum, fold);
+    after_tile(k0, kb);
+  }
+  FinishLogSumExp(nt, row_max, row_sum, lse);
+  return row_sum;
+}
+
 // For the tokens entries[0..nt) of a group: log-sum-exp over the node's slots and the
 // taken logit. When keep != nullptr, the logits are also written to keep[r * K + j].
 template <typename T>
 void NodeLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, int64 nt,
                    const NodeBlock<T>& blk, T* keep, T* lse, T* taken_logit,
                    std::uint64_t call, const T* saved = nullptr) {
-  Scratch<T>& s = ThreadScratch<T>();
-  const T** rows = Grow(&s.rows, nt);
+  const T** rows = Grow(&ThreadScratch<T>().rows, nt);
   for (int64 r = 0; r < nt; ++r) rows[r] = p.hidden + plan.entry_token[e0 + r] * p.dim;
-  T* tile = Grow(&s.tile, nt * kSlotTile);
-  T* row_max = Grow(&s.row_max, nt);
-  T* row_sum = Grow(&s.row_sum, nt);
-  for (int64 r = 0; r < nt; ++r) {
-    row_max[r] = -std::numeric_limits<T>::infinity();
-    row_sum[r] = 0;
-  }
-  for (int64 k0 = 0; k0 < blk.size; k0 += kSlotTile) {
-    const int64 kb = std::min(kSlotTile, blk.size - k0);
-    T* z = keep != nullptr ? keep + k0 : tile;
-    const int64 ld = keep != nullptr ? blk.size : kSlotTile;
-    Logits(p, rows, nt, blk, k0, kb, z, ld, call, saved);
-    for (int64 r = 0; r < nt; ++r) {
-      const T* zr = z + r * ld;
-      const int64 taken = plan.entry_slot[e0 + r] - blk.first_slot - k0;
-      if (taken >= 0 && taken < kb && taken_logit != nullptr) taken_logit[r] = zr[taken];
-      FoldLogSumExp(zr, kb, &row_max[r], &row_sum[r]);
-    }
-  }
-  for (int64 r = 0; r < nt; ++r) lse[r] = row_max[r] + std::log(row_sum[r]);
+  TileFold<T> fold;
+  fold.entry_slot = plan.entry_slot.data() + e0;
+  fold.taken = taken_logit;
+  FoldNodeTiles(p, rows, nt, blk, keep, call, saved, fold, lse, [](int64, int64) {});
 }
 
 // Work items: (group, first entry offset within the group) in tiles of `tile` tokens.

@@ -61,20 +61,16 @@ void WidePartitionFold(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e
   const T** rows = Grow(&s.rows, n);
   for (int64 r = 0; r < n; ++r) rows[r] = p.hidden + plan.entry_token[e0 + r] * p.dim;
   T* tile = Grow(&s.tile, kWideTokenTile * kSlotTile);
-  for (int64 r = 0; r < n; ++r) {
-    row_max[r] = -std::numeric_limits<T>::infinity();
-    row_sum[r] = 0;
-  }
+  StartLogSumExp(n, row_max, row_sum);
+  // Slot tiles outside, token tiles inside, so a tile's packed rows serve every token.
   for (int64 k0 = range.begin; k0 < range.end; k0 += kSlotTile) {
     const int64 kb = std::min(kSlotTile, range.end - k0);
     for (int64 t0 = 0; t0 < n; t0 += kWideTokenTile) {
-      const int64 nt = std::min(kWideTokenTile, n - t0);
-      Logits(p, rows + t0, nt, blk, k0, kb, tile, kb, call);
-      for (int64 r = 0; r < nt; ++r) {
-        const int64 j = plan.entry_slot[e0 + t0 + r] - blk.first_slot - k0;
-        if (j >= 0 && j < kb && taken != nullptr) taken[t0 + r] = tile[r * kb + j];
-        FoldLogSumExp(tile + r * kb, kb, &row_max[t0 + r], &row_sum[t0 + r]);
-      }
+      TileFold<T> fold;
+      fold.entry_slot = plan.entry_slot.data() + e0 + t0;
+      fold.taken = taken != nullptr ? taken + t0 : nullptr;
+      FoldLogitsTile(p, rows + t0, std::min(kWideTokenTile, n - t0), blk, k0, kb, tile, kb,
+                     call, static_cast<const T*>(nullptr), row_max + t0, row_sum + t0, fold);
     }
   }
 }
