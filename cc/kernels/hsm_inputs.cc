@@ -3,18 +3,11 @@
 #include <atomic>
 #include <memory>
 
+#include "cc/kernels/tf_names.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/lib/core/errors.h"
 
 namespace tf_hsm {
-
-using ::tensorflow::DT_INT32;
-using ::tensorflow::DT_INT64;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
 
 Status ReadSoftmaxInputs(OpKernelContext* ctx, SoftmaxInputs* in) {
   return CheckSoftmaxTensors(ctx->input(0), ctx->input(1), ctx->input(2), in);
@@ -208,7 +201,7 @@ ParallelFor CpuParallelFor(OpKernelContext* ctx) {
   };
 }
 
-::tensorflow::Status ReusableOutput::Allocate(OpKernelContext* ctx, int index,
+Status ReusableOutput::Allocate(OpKernelContext* ctx, int index,
                                               const TensorShape& shape, Tensor** out) {
   constexpr int64 kMinReuseBytes = int64{4} << 20;
   const ::tensorflow::DataType dtype = ctx->expected_output_dtype(index);

@@ -1,6 +1,7 @@
 // OpKernels for Hsm>TopK, Hsm>LogProbAll, Hsm>Sample and Hsm>LogProbCandidates: validate,
 // allocate, then call the device's functor (inference_kernels.h), which runs the core;
-// the core checks the rest. One kernel class per op serves every device.
+// the core checks the rest. One kernel class, InferenceOp, reads the inputs all four share;
+// each op adds its own arguments and outputs, and serves every device.
 //
 // On the GPU, the tree tensors, the candidates and the small scalar inputs (class_range,
 // seed, temperature) are HostMemory inputs: they are validated, and the tree's work lists
@@ -18,19 +19,11 @@
 
 #include "cc/core/inference.h"
 #include "cc/kernels/hsm_inputs.h"
+#include "cc/kernels/tf_names.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 
 namespace tf_hsm {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
 
 namespace functor {
 namespace {
@@ -98,29 +91,49 @@ TF_HSM_EXTERN_GPU(double)
 
 namespace {
 
-template <typename Device, typename T>
-class TopKOp : public OpKernel {
+// The kernel of every inference op: the softmax inputs and the tree read and checked the
+// same way (ReadInference), then what the op adds (its arguments, outputs and functor
+// call), Op::Run. Op names its tree's first input (kTreeInput) and whether the tree
+// includes slot_child (kSlotChild); it is built with the kernel, so its attributes are
+// read once and its functor lives as long as the kernel.
+template <typename Op, typename T>
+class InferenceOp : public OpKernel {
  public:
-  explicit TopKOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
-  }
+  explicit InferenceOp(OpKernelConstruction* ctx) : OpKernel(ctx), op_(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     SoftmaxInputs in;
     SoftmaxParams<T> params;
     TreeView tree;
-    OP_REQUIRES_OK(ctx, ReadInference(ctx, 3, true, &in, &params, &tree));
-    OP_REQUIRES_OK(ctx, CheckTopK(k_, tree));
+    OP_REQUIRES_OK(ctx, ReadInference(ctx, Op::kTreeInput, Op::kSlotChild, &in, &params, &tree));
+    OP_REQUIRES_OK(ctx, op_.Run(ctx, in, params, tree));
+  }
+
+ private:
+  Op op_;
+};
+
+// Hsm>TopK: log_probs and classes [..., k], num_expanded [...].
+template <typename Device, typename T>
+class TopK {
+ public:
+  static constexpr int kTreeInput = 3;
+  static constexpr bool kSlotChild = true;
+
+  explicit TopK(OpKernelConstruction* ctx) { OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_)); }
+
+  Status Run(OpKernelContext* ctx, const SoftmaxInputs& in, const SoftmaxParams<T>& params,
+             const TreeView& tree) {
+    TF_RETURN_IF_ERROR(CheckTopK(k_, tree));
     const TensorShape batch = BatchShape(*in.hidden);
     TensorShape out_shape = batch;
     out_shape.AddDim(k_);
     Tensor *log_probs, *classes, *expanded;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &log_probs));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, out_shape, &classes));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, batch, &expanded));
-    OP_REQUIRES_OK(ctx, functor_(ctx, tree, params, in.num_tokens, k_,
-                                 log_probs->flat<T>().data(), classes->flat<int64_t>().data(),
-                                 expanded->flat<int64_t>().data()));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, out_shape, &log_probs));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, out_shape, &classes));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, batch, &expanded));
+    return functor_(ctx, tree, params, in.num_tokens, k_, log_probs->flat<T>().data(),
+                    classes->flat<int64_t>().data(), expanded->flat<int64_t>().data());
   }
 
  private:
@@ -128,77 +141,89 @@ class TopKOp : public OpKernel {
   int64_t k_ = 0;
 };
 
+// Hsm>LogProbAll: [..., end - begin] for the classes of class_range (input 3).
 template <typename Device, typename T>
-class LogProbAllOp : public OpKernel {
+class LogProbAll {
  public:
-  explicit LogProbAllOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  static constexpr int kTreeInput = 4;
+  static constexpr bool kSlotChild = true;
 
-  void Compute(OpKernelContext* ctx) override {
-    SoftmaxInputs in;
-    SoftmaxParams<T> params;
-    TreeView tree;
-    OP_REQUIRES_OK(ctx, ReadInference(ctx, 4, true, &in, &params, &tree));
+  explicit LogProbAll(OpKernelConstruction*) {}
+
+  Status Run(OpKernelContext* ctx, const SoftmaxInputs& in, const SoftmaxParams<T>& params,
+             const TreeView& tree) {
     int64 begin, end;
-    OP_REQUIRES_OK(ctx, ReadClassRange(ctx->input(3), tree, &begin, &end));
+    TF_RETURN_IF_ERROR(ReadClassRange(ctx->input(3), tree, &begin, &end));
     TensorShape out_shape = BatchShape(*in.hidden);
     out_shape.AddDim(end - begin);
     Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
-    OP_REQUIRES_OK(ctx, functor_(ctx, tree, params, in.num_tokens, begin, end,
-                                 out->flat<T>().data()));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, out_shape, &out));
+    return functor_(ctx, tree, params, in.num_tokens, begin, end, out->flat<T>().data());
   }
 
  private:
   functor::LogProbAllFunctor<Device, T> functor_;
 };
 
+// Hsm>Sample: one class per row, from seed and temperature (inputs 3 and 4).
 template <typename Device, typename T>
-class SampleOp : public OpKernel {
+class Sample {
  public:
-  explicit SampleOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  static constexpr int kTreeInput = 5;
+  static constexpr bool kSlotChild = true;
 
-  void Compute(OpKernelContext* ctx) override {
-    SoftmaxInputs in;
-    SoftmaxParams<T> params;
-    TreeView tree;
-    OP_REQUIRES_OK(ctx, ReadInference(ctx, 5, true, &in, &params, &tree));
+  explicit Sample(OpKernelConstruction*) {}
+
+  Status Run(OpKernelContext* ctx, const SoftmaxInputs& in, const SoftmaxParams<T>& params,
+             const TreeView& tree) {
     std::uint64_t seed;
     T temperature;
-    OP_REQUIRES_OK(ctx, ReadSampleArgs(ctx->input(3), ctx->input(4), &seed, &temperature));
+    TF_RETURN_IF_ERROR(ReadSampleArgs(ctx->input(3), ctx->input(4), &seed, &temperature));
     Tensor* classes;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &classes));
-    OP_REQUIRES_OK(ctx, functor_(ctx, tree, params, in.num_tokens, seed, temperature,
-                                 classes->flat<int64_t>().data()));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, BatchShape(*in.hidden), &classes));
+    return functor_(ctx, tree, params, in.num_tokens, seed, temperature,
+                    classes->flat<int64_t>().data());
   }
 
  private:
   functor::SampleFunctor<Device, T> functor_;
 };
 
+// Hsm>LogProbCandidates: the log-probability of each candidate (input 3), in its shape.
+// The walk from a class up needs no slot_child.
 template <typename Device, typename T>
-class LogProbCandidatesOp : public OpKernel {
+class LogProbCandidates {
  public:
-  explicit LogProbCandidatesOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  static constexpr int kTreeInput = 4;
+  static constexpr bool kSlotChild = false;
 
-  void Compute(OpKernelContext* ctx) override {
-    SoftmaxInputs in;
-    SoftmaxParams<T> params;
-    TreeView tree;
-    OP_REQUIRES_OK(ctx, ReadInference(ctx, 4, false, &in, &params, &tree));
+  explicit LogProbCandidates(OpKernelConstruction*) {}
+
+  Status Run(OpKernelContext* ctx, const SoftmaxInputs& in, const SoftmaxParams<T>& params,
+             const TreeView& tree) {
     const Tensor& candidates = ctx->input(3);
     std::vector<int64> ids;
     int64 num_candidates;
-    OP_REQUIRES_OK(ctx, ReadCandidates(candidates, BatchShape(*in.hidden), tree, &ids,
-                                       &num_candidates));
+    TF_RETURN_IF_ERROR(ReadCandidates(candidates, BatchShape(*in.hidden), tree, &ids,
+                                      &num_candidates));
     Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, candidates.shape(), &out));
-    OP_REQUIRES_OK(ctx, functor_(ctx, tree, params, in.num_tokens, ids.data(), num_candidates,
-                                 out->flat<T>().data()));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, candidates.shape(), &out));
+    return functor_(ctx, tree, params, in.num_tokens, ids.data(), num_candidates,
+                    out->flat<T>().data());
   }
 
  private:
   functor::LogProbCandidatesFunctor<Device, T> functor_;
 };
+
+template <typename Device, typename T>
+using TopKOp = InferenceOp<TopK<Device, T>, T>;
+template <typename Device, typename T>
+using LogProbAllOp = InferenceOp<LogProbAll<Device, T>, T>;
+template <typename Device, typename T>
+using SampleOp = InferenceOp<Sample<Device, T>, T>;
+template <typename Device, typename T>
+using LogProbCandidatesOp = InferenceOp<LogProbCandidates<Device, T>, T>;
 
 #define REGISTER_CPU(T)                                                                    \
   REGISTER_KERNEL_BUILDER(Name("Hsm>TopK").Device(DEVICE_CPU).TypeConstraint<T>("T"),      \
@@ -215,7 +240,6 @@ REGISTER_CPU(double)
 #undef REGISTER_CPU
 
 #if GOOGLE_CUDA
-using ::tensorflow::DEVICE_GPU;
 #define TF_HSM_TREE_HOST_MEMORY \
   HostMemory("child_begin")     \
       .HostMemory("path_begin") \

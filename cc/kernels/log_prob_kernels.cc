@@ -22,19 +22,11 @@
 #include "cc/core/log_prob.h"
 #include "cc/core/visit_plan.h"
 #include "cc/kernels/hsm_inputs.h"
+#include "cc/kernels/tf_names.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 
 namespace tf_hsm {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
 
 namespace functor {
 
@@ -232,7 +224,6 @@ REGISTER_CPU(double)
 #undef REGISTER_CPU
 
 #if GOOGLE_CUDA
-using ::tensorflow::DEVICE_GPU;
 #define TF_HSM_HOST_TREE_INPUTS(builder) \
   builder.HostMemory("targets")          \
       .HostMemory("child_begin")         \

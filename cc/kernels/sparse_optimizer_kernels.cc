@@ -7,20 +7,12 @@
 #include "cc/core/prefetch.h"
 #include "cc/core/sparse_rows.h"
 #include "cc/kernels/hsm_inputs.h"
+#include "cc/kernels/tf_names.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
 
 namespace tf_hsm {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::Var;
-namespace errors = ::tensorflow::errors;
 
 namespace {
 
@@ -63,7 +55,7 @@ class LockedRows {
   }
   bool ok() const { return ok_; }
   T* data(int i) const { return tensors_[i]->template flat<T>().data(); }
-  const ::tensorflow::TensorShape& shape() const { return tensors_[0]->shape(); }
+  const TensorShape& shape() const { return tensors_[0]->shape(); }
   int64 num_rows() const { return shape().dim_size(0); }
   // Elements per row (1 for a vector of biases).
   int64 width() const { return shape().num_elements() / std::max<int64>(1, num_rows()); }
@@ -79,12 +71,12 @@ class LockedRows {
 // checked; the indices copied into *rows.
 template <typename Tidx>
 Status ReadSparseGradient(const Tensor& indices, const Tensor& gradient,
-                          const ::tensorflow::TensorShape& shape, std::vector<int64>* rows) {
+                          const TensorShape& shape, std::vector<int64>* rows) {
   if (indices.dims() != 1) {
     return errors::InvalidArgument("indices must be a vector, got shape ",
                                    indices.shape().DebugString());
   }
-  ::tensorflow::TensorShape expected = shape;
+  TensorShape expected = shape;
   expected.set_dim(0, indices.dim_size(0));
   if (gradient.shape() != expected) {
     return errors::InvalidArgument("gradient must have shape ", expected.DebugString(),
