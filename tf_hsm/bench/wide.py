@@ -11,11 +11,13 @@ classes, and a training step's memory at a million classes.
   (D=512), its 8 T K D operations a step (the forward's logits, and the gradient's
   logits again, hidden and table gradients) over the median, against the planner's
   matmul rate (`tf_hsm.planning.Machine.measure`) measured in the same process.
-- head: at V=1M, D=300, T=3,200, Zipf(1) targets, a 32-ary `Tree.from_vectors` tree with
-  a head of 1,024 frequent classes against the same without a head, interleaved.
+- head: at V=1M, D=300, T=3,200, Zipf(1) targets, 32-ary `Tree.from_vectors` trees with
+  heads of 1,024, 256 and no frequent classes, and TF's `sampled_softmax_loss` (1,024
+  samples), interleaved.
 - memory: a process of its own per case (V=1M, D=300, T=3,200 and V=10M, D=300, T=256):
-  VmHWM after set-up (table, batch, one warm-up step), then the growth of the peak over
-  three steps of `sgd_step`, and of `nll_loss` with its gradient.
+  VmHWM after set-up (table, batch, the op library loaded), then the growth of the peak
+  over one step of `sgd_step`, and of `nll_loss` with its gradient (at V=1M only: two
+  12 GB tables do not fit this project's 23 GiB machines).
 """
 
 import argparse
@@ -38,8 +40,10 @@ def _zipf_targets(rng, num_classes, tokens):
 
 def _problem(rng, num_classes, dim, tokens):
   hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
-  table = tf.Variable(rng.normal(size=(num_classes, dim)).astype(np.float32) * 0.01)
-  biases = tf.Variable(np.zeros(num_classes, np.float32))
+  # Drawn by TensorFlow in float32 straight into the variable: at V=10M the table is
+  # 12 GB, and a NumPy float64 draw would be twice that before the copy.
+  table = tf.Variable(tf.random.normal([num_classes, dim], stddev=0.01, seed=1))
+  biases = tf.Variable(tf.zeros([num_classes]))
   return hidden, table, biases, tf.constant(_zipf_targets(rng, num_classes, tokens))
 
 
@@ -103,20 +107,40 @@ def rate_part(rng, rounds):
           "fraction": round(rate / machine.matmul_flops, 3)}
 
 
+def _sampled_step(hidden, table, biases, targets, num_sampled=1024):
+  from tf_hsm.bench import baselines  # pylint: disable=import-outside-toplevel
+
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      tape.watch(hidden)
+      loss = tf.reduce_mean(baselines.sampled_softmax_loss(hidden, table, biases, targets,
+                                                           num_sampled, seed=7))
+    grads = tape.gradient(loss, [hidden, table, biases])
+    return loss, grads[0], grads[1].values[:1, :1]
+  return step
+
+
 def head_part(rng, rounds):
+  """32-ary trees from vectors with heads of 0, 256 and 1,024 frequent classes, and TF's
+  sampled softmax (1,024 samples), interleaved."""
   classes, dim, tokens = 1_000_000, 300, 3200
   counts = 1.0 / np.arange(1, classes + 1)
   vectors = rng.normal(size=(classes, 16)).astype(np.float32)
-  trees = {"32-ary, head 1024": tf_hsm.Tree.from_vectors(vectors, counts, 32, head=1024),
-           "32-ary, no head": tf_hsm.Tree.from_vectors(vectors, counts, 32)}
+  targets = tf.constant(_zipf_targets(rng, classes, tokens))
   methods = {}
-  for name, tree in trees.items():
-    hidden, table, biases, targets = _problem(rng, tree.num_slots, dim, tokens)
-    targets = tf.constant(_zipf_targets(rng, classes, tokens))
-    methods[name] = _hsm_step(tree, hidden, table, biases, targets)
+  for head in (1024, 256, 0):
+    tree = tf_hsm.Tree.from_vectors(vectors, counts, 32, head=head)
+    hidden, table, biases, _ = _problem(rng, tree.num_slots, dim, tokens)
+    methods[f"32-ary, head {head}"] = _hsm_step(tree, hidden, table, biases, targets)
+  hidden, table, biases, _ = _problem(rng, classes, dim, tokens)
+  methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
   med = interleaved(methods, rounds)
+  sampled = med["sampled softmax 1024"]
   return {"case": "V=1M D=300 T=3200", "ms": _ms(med),
-          "head / no head": round(med["32-ary, head 1024"] / med["32-ary, no head"], 3)}
+          "head 1024 / no head": round(med["32-ary, head 1024"] / med["32-ary, head 0"], 3),
+          "speed vs sampled": {name: round(sampled / s, 2) for name, s in med.items()
+                               if name != "sampled softmax 1024"}}
 
 
 def _ms(medians):
@@ -142,38 +166,43 @@ def _reset_peak():
 
 
 def memory_case(classes, dim, tokens, mode):
-  """Run in a process of its own: the peak's growth over a warm set-up, in bytes."""
+  """Run in a process of its own: the growth of the peak (VmHWM) over one training step,
+  from after the set-up (the table, the batch, and one step on a 10-class tree that loads
+  the op library), in bytes. One step: at V=1M, T=3,200 it is 7.7 TFLOP."""
   rng = np.random.default_rng(0)
   hidden, table, biases, targets = _problem(rng, classes, dim, tokens)
-  tree = tf_hsm.Tree.flat(classes)
 
-  def step():
+  def step(tree, table, biases, targets):
     if mode == "sgd_step":
       return tf_hsm.sgd_step(hidden, table, biases, tree, targets, 0.1)[0].numpy()
     with tf.GradientTape() as tape:
       tape.watch(hidden)
       loss = tf.reduce_mean(tf_hsm.nll_loss(hidden, table, biases, tree, targets))
     grads = tape.gradient(loss, [hidden, table, biases])
-    return [tf.convert_to_tensor(g).numpy()[:1] for g in grads]
+    return [g.values[:1].numpy() if isinstance(g, tf.IndexedSlices) else g[:1].numpy()
+            for g in grads]
 
-  step()
+  small = [tf.Variable(tf.zeros([10, dim])), tf.Variable(tf.zeros([10]))]
+  step(tf_hsm.Tree.flat(10), *small, tf.zeros([tokens], tf.int64))
   base = _peak_bytes()
   reset = _reset_peak()
   base = _peak_bytes() if reset else base
   start = time.perf_counter()
-  for _ in range(3):
-    step()
-  seconds = (time.perf_counter() - start) / 3
+  step(tf_hsm.Tree.flat(classes), table, biases, targets)
   return {"case": f"V={classes} D={dim} T={tokens}", "mode": mode,
           "table GiB": round(classes * dim * 4 / 2**30, 3),
           "peak growth GiB": round((_peak_bytes() - base) / 2**30, 3),
-          "peak reset at the baseline": reset, "s/step": round(seconds, 3)}
+          "peak reset at the baseline": reset,
+          "step s": round(time.perf_counter() - start, 1)}
 
 
 def memory_part():
+  """At V=10M only sgd_step: with its gradient the step holds two 12 GB tables, more than
+  this project's 23 GiB machines have."""
   out = []
-  for classes, dim, tokens in ((1_000_000, 300, 3200), (10_000_000, 300, 256)):
-    for mode in ("sgd_step", "gradient"):
+  for classes, dim, tokens, modes in ((1_000_000, 300, 3200, ("sgd_step", "gradient")),
+                                      (10_000_000, 300, 256, ("sgd_step",))):
+    for mode in modes:
       cmd = [sys.executable, "-m", "tf_hsm.bench.wide", "--memory-case",
              f"{classes},{dim},{tokens},{mode}"]
       done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

@@ -1,0 +1,37 @@
+"""python -m tf_hsm.bench.wide: its parts run and report, on small sizes (the figures
+themselves are the bench's, in docs/performance.md)."""
+
+import json
+import subprocess
+import sys
+
+
+import support
+
+
+def test_memory_case_reports_the_peak_growth_of_one_step():
+  for mode in ("sgd_step", "gradient"):
+    done = support.run([sys.executable, "-m", "tf_hsm.bench.wide", "--memory-case",
+                        f"20000,16,256,{mode}"], timeout=300)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["case"] == "V=20000 D=16 T=256" and result["mode"] == mode
+    # The step holds no [T, V] logits (20 MB here); the gradient is the table's size.
+    assert result["peak growth GiB"] < 0.2
+    assert result["step s"] > 0
+
+
+def test_interleaved_takes_medians_of_every_method():
+  from tf_hsm.bench import wide
+  import tensorflow as tf
+  calls = []
+  methods = {"a": lambda: (calls.append("a"), [tf.constant(1)])[1],
+             "b": lambda: (calls.append("b"), [tf.constant(2)])[1]}
+  medians = wide.interleaved(methods, 3)
+  assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
+  assert calls == ["a", "b"] * 4  # one warm-up round, then three interleaved
+
+
+def test_unknown_parts_are_refused():
+  done = subprocess.run([sys.executable, "-m", "tf_hsm.bench.wide", "--parts", "flat,nope"],
+                        capture_output=True, text=True, cwd=support.REPO, timeout=120)
+  assert done.returncode == 2 and "unknown parts ['nope']" in done.stderr
