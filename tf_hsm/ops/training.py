@@ -247,6 +247,12 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
                     "tf_hsm.optimizers.SparseSGD, which updates each piece's touched rows")
   weights_handle = inputs.variable_handle(weights, "weights")
   biases_handle = weights_handle if biases is None else inputs.variable_handle(biases, "biases")
+  if not fused_sgd_runs_on(inputs.tf_variable(weights).device):
+    tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
+    log_probs, hidden_grad = sgd_step_from_gradient(
+        hidden, weights, biases, tree_inputs, targets, loss_scale,
+        inputs.number_arg(learning_rate, hidden.dtype, "learning_rate"))
+    return log_probs, _first_order_only(hidden_grad)
   log_probs, hidden_grad = loader.ops().hsm_sgd_step(
       hidden, weights_handle, biases_handle, targets, t["child_begin"], t["path_begin"],
       t["path_nodes"], t["path_slots"], loss_scale,
@@ -256,3 +262,38 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
 
 
 tf.no_gradient("Hsm>SgdStep")
+
+
+def fused_sgd_runs_on(device):
+  """Whether Hsm>SgdStep has a kernel on `device`, a variable's device string: the fused
+  step is CPU code (its update runs inside the CPU core's backward pass, row block by row
+  block); a variable not yet placed ("") is on the CPU. Elsewhere sgd_step takes
+  `sgd_step_from_gradient`."""
+  return tf.DeviceSpec.from_string(device or "").device_type in (None, "CPU")
+
+
+def sgd_step_from_gradient(hidden, weights, biases, tree_inputs, targets, loss_scale,
+                           learning_rate):
+  """sgd_step for a table on a device without the fused op (a GPU): Hsm>LogProb and
+  Hsm>LogProbGrad with upstream -loss_scale, which have kernels there, then
+  W[s] -= learning_rate * dW[s] (and the biases alike) by a scatter on the touched rows.
+
+  Unlike the fused step it materialises the gradient rows (one row per child of every
+  visited node) for the scatter. log_prob equals `log_prob(...)` bit for bit, hidden_grad
+  equals its gradient bit for bit, and the table ends where Keras SGD would put it with
+  that gradient (the fused CPU step may round W - lr * dW in one step where this rounds
+  the product first). The values are read before the rows are written: the scatters
+  depend on both ops.
+  """
+  table = inputs.tf_variable(weights)
+  bias_table = None if biases is None else inputs.tf_variable(biases)
+  hidden, weight_values, bias_values, _ = inputs.dense_inputs(hidden, table, bias_table)
+  ops = loader.ops()
+  log_probs = ops.hsm_log_prob(hidden, weight_values, bias_values, targets, *tree_inputs)
+  hidden_grad, weight_rows, bias_rows, row_ids = ops.hsm_log_prob_grad(
+      hidden, weight_values, bias_values, targets, *tree_inputs, tf.negative(loss_scale))
+  with tf.control_dependencies([log_probs, hidden_grad]):
+    table.scatter_sub(tf.IndexedSlices(learning_rate * weight_rows, row_ids))
+    if bias_table is not None:
+      bias_table.scatter_sub(tf.IndexedSlices(learning_rate * bias_rows, row_ids))
+  return log_probs, hidden_grad
