@@ -17,19 +17,13 @@
 #include "cc/core/visit_plan.h"
 #include "cc/kernels/hsm_inputs.h"
 #include "cc/kernels/inference_kernels.h"
+#include "cc/kernels/tf_names.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tf_hsm {
 namespace functor {
-
-using ::tensorflow::DT_INT8;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
 
 namespace {
 

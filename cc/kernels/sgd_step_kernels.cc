@@ -6,20 +6,12 @@
 #include "cc/core/log_prob.h"
 #include "cc/core/visit_plan.h"
 #include "cc/kernels/hsm_inputs.h"
+#include "cc/kernels/tf_names.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
 
 namespace tf_hsm {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::Var;
-namespace errors = ::tensorflow::errors;
 
 namespace {
 
