@@ -15,7 +15,9 @@
 #                                      out-of-bounds reads in the kernels)
 # Every other argument goes to the harness: --quick | --full, --time | --time-only,
 # --plan-only (the host side of each call at the timing scenarios' sizes; no GPU needed),
-# --check-timed, --only SUBSTRING, --seed N, --json FILE, --repeats N, --verbose.
+# --check-timed, --only SUBSTRING, --seed N, --json FILE, --repeats N, --verbose, --hash (a
+# digest per case of the training and candidates work lists and outputs: run it before and
+# after a change to cc/core/*.cu that must keep every bit, and diff the `hash` lines).
 #
 # Environment:
 #   TF_HSM_NVCC         nvcc to use (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)

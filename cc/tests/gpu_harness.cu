@@ -77,6 +77,7 @@ struct Options {
   bool check = true;
   bool check_timed = false;
   bool plan_only = false;
+  bool hash = false;
   bool verbose = false;
   std::uint64_t seed = 1;
   std::string only;  // run only cases whose name contains this
@@ -544,6 +545,57 @@ bool IsPoison(T v) {
 
 constexpr int64 kGuard = 64;  // poisoned elements before and after every output
 
+// --hash: a digest of everything the training and candidates calls of a case produce (the
+// host work lists and the outputs' bits), printed per case, so that a change to the CUDA
+// core that must keep every bit (a refactoring) is proved by diffing two runs' lines.
+// FNV-1a over the bytes, in the order they are fed.
+struct Digest {
+  bool on = false;
+  std::uint64_t value = 14695981039346656037ull;
+  void Bytes(const void* p, size_t n) {
+    if (!on) return;
+    const unsigned char* b = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i) value = (value ^ b[i]) * 1099511628211ull;
+  }
+  template <typename V>
+  void Vector(const std::vector<V>& v) {
+    const int64 n = static_cast<int64>(v.size());
+    Bytes(&n, sizeof(n));
+    if (n > 0) Bytes(v.data(), v.size() * sizeof(V));
+  }
+  void Word(int64 w) { Bytes(&w, sizeof(w)); }
+  void Range(const GpuLogProbPlan::Range& r) {
+    Word(r.begin);
+    Word(r.count);
+  }
+  void Plan(const GpuLogProbPlan& gp) {
+    for (int64 w : {int64{gp.mode}, int64{gp.has_bias}, gp.value_bytes, gp.dim, gp.num_tokens,
+                    gp.num_groups, gp.num_rows, gp.num_slices, gp.num_partials, gp.num_visits,
+                    gp.num_candidates, gp.slices, gp.items, gp.visit_row, gp.visit_slot,
+                    gp.visit_slice, gp.token_begin, gp.token_entries, gp.group_row,
+                    gp.group_first, gp.cand_visit, gp.cand_slot, gp.partial_max,
+                    gp.partial_sum, gp.taken, gp.lse, gp.coef, gp.workspace_bytes}) {
+      Word(w);
+    }
+    Vector(gp.staging);
+    Word(static_cast<int64>(gp.waves.size()));
+    for (const auto& w : gp.waves) {
+      for (int64 x : {w.visit_begin, w.visit_end, w.small_visits, w.coef_elements}) Word(x);
+      for (const auto* r : {&w.logits_wide, &w.logits_narrow, &w.dw[0], &w.dw[1], &w.dw[2],
+                            &w.dw_warp}) {
+        Range(*r);
+      }
+      Word(static_cast<int64>(w.levels.size()));
+      for (const auto& l : w.levels) {
+        for (int64 x : {l.visit_begin, l.visit_end, l.small_visits}) Word(x);
+        Range(l.dh_wide);
+        Range(l.dh_narrow);
+      }
+    }
+  }
+};
+Digest digest;
+
 // A device array with poisoned guard regions on both sides.
 template <typename T>
 struct DeviceArray {
@@ -662,6 +714,8 @@ Result<T> RunGpu(const Case& c, const VisitPlan& plan, DeviceInputs<T>& in, int6
   HARNESS_EXPECT(err.empty(), "%s: %s", c.name.c_str(), err.c_str());
   err = PrepareLogProbGpu<T>(plan, tree, c.dim, c.bias, true, budget, &bwd);
   HARNESS_EXPECT(err.empty(), "%s: %s", c.name.c_str(), err.c_str());
+  digest.Plan(fwd);
+  digest.Plan(bwd);
 
   DeviceArray<T> log_prob(c.tokens), d_hidden(c.tokens * c.dim);
   DeviceArray<T> d_rows(plan.num_rows() * c.dim), d_bias(c.bias ? plan.num_rows() : 0);
@@ -690,6 +744,8 @@ Result<T> RunGpu(const Case& c, const VisitPlan& plan, DeviceInputs<T>& in, int6
   r.d_rows = d_rows.Download((what + " weight_rows").c_str(), true);
   r.d_bias = d_bias.Download((what + " bias_rows").c_str(), true);
   r.row_ids = row_ids.Download((what + " row_ids").c_str(), true);
+  for (const auto* v : {&r.log_prob, &r.d_hidden, &r.d_rows, &r.d_bias}) digest.Vector(*v);
+  digest.Vector(r.row_ids);
   (void)expect_finite;
   if (timing != nullptr) {
     r.forward_ms = TimeCalls(forward, timing->warmup, timing->repeats);
@@ -799,6 +855,7 @@ void CheckCase(const Case& c, std::mt19937_64& rng, const Options& opt) {
   const double cpu_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   DeviceInputs<T> in(data);
+  digest = Digest{opt.hash};
   const auto t1 = std::chrono::steady_clock::now();
   const Result<T> gpu = RunGpu<T>(c, plan, in, c.budget, true, nullptr);
   const double gpu_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
@@ -810,8 +867,10 @@ void CheckCase(const Case& c, std::mt19937_64& rng, const Options& opt) {
   worst = std::max(worst, Compare(what + " bias_rows", gpu.d_bias, ref.d_bias, rtol));
   HARNESS_EXPECT(gpu.row_ids == ref.row_ids, "%s: row ids differ from the CPU core", what.c_str());
 
-  // Run to run: the same bits.
+  // Run to run: the same bits (checked here, so not hashed again).
+  digest.on = false;
   const Result<T> again = RunGpu<T>(c, plan, in, c.budget, true, nullptr);
+  digest.on = opt.hash;
   ExpectSame(what + " (second run)", gpu, again, true);
   // A budget that forces many waves and split groups: the same values.
   const int64 coef = CoefElements(plan, c.tree);
@@ -821,6 +880,8 @@ void CheckCase(const Case& c, std::mt19937_64& rng, const Options& opt) {
     ExpectSame(what + " (coef budget " + std::to_string(small) + ")", gpu, waves, false);
   }
   CheckCandidates<T>(c, data, in, gpu, rng, what);
+  if (opt.hash) std::printf("hash %-44s %016" PRIx64 "\n", what.c_str(), digest.value);
+  digest.on = false;
   CheckInference<T>(c, data, in, rng, what);
 #ifdef TF_HSM_GPU_EMULATE
   // Another thread interleaving must not change a bit.
@@ -871,6 +932,7 @@ void CheckCandidates(const Case& c, const Data<T>& d, DeviceInputs<T>& in,
   GpuLogProbPlan gp;
   std::string gerr = PrepareLogProbCandidatesGpu<T>(plan, c.tree.view(), c.dim, c.bias, M, &gp);
   HARNESS_EXPECT(gerr.empty(), "%s candidates: %s", what.c_str(), gerr.c_str());
+  digest.Plan(gp);
   DeviceArray<T> out(N * M);
   out.Poison();
   DeviceBuffer ws(gp.workspace_bytes);
@@ -880,6 +942,7 @@ void CheckCandidates(const Case& c, const Data<T>& d, DeviceInputs<T>& in,
   HARNESS_EXPECT(gerr.empty(), "%s candidates: %s", what.c_str(), gerr.c_str());
   CudaOrDie(cudaDeviceSynchronize(), "candidates");
   const std::vector<T> got = out.Download((what + " candidates").c_str(), true);
+  digest.Vector(got);
   Compare(what + " candidates (M=" + std::to_string(M) + ")", got, ref,
           sizeof(T) == 8 ? 1e-9 : 1e-3);
   // Candidate 0 is the target: the same bits as the forward kernel.
@@ -1619,6 +1682,8 @@ int Main(int argc, char** argv) {
     } else if (a == "--plan-only") {
       opt.plan_only = true;
       opt.check = false;
+    } else if (a == "--hash") {
+      opt.hash = true;
     } else if (a == "--check-timed") {
       opt.check_timed = true;
     } else if (a == "--verbose" || a == "-v") {
@@ -1636,7 +1701,7 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: gpu_harness [--quick|--full] [--time|--time-only|--plan-only]\n"
-                   "                   [--check-timed]\n"
+                   "                   [--check-timed] [--hash]\n"
                    "                   [--only SUBSTRING] [--seed N] [--json FILE]\n"
                    "                   [--repeats N] [--warmup N] [--verbose]\n");
       return 2;

@@ -234,6 +234,11 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
     log_prob comes from the logsumexps the update computes anyway, with no separate
     forward pass: it equals `log_prob(...)` up to rounding, and hidden_grad equals the
     gradient of `log_prob` bit for bit.
+
+  A table placed off the CPU (on a GPU) is updated from the gradient instead, with the
+  ops that have GPU kernels (`sgd_step_from_gradient`): the same results, log_prob then
+  equal to `log_prob(...)` bit for bit, with the gradient rows materialised for the
+  scatter.
   """
   t = inputs.tree_tensors(tree)
   hidden = tf.convert_to_tensor(hidden)
