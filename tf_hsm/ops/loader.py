@@ -3,11 +3,14 @@
 Which file loads: the newest (last modified) of the libraries that exist, among
   tf_hsm/_hsm_ops.so          the packaged copy: configure.sh installs its build here, and
                               the wheel carries it;
-  bazel-bin/cc/_hsm_ops.so    in a checkout, Bazel's output (also `_hsm_ops_gpu.so`).
+  bazel-bin/cc/_hsm_ops.so    in a checkout, Bazel's outputs: the CPU library, and
+  bazel-bin/cc/_hsm_ops_gpu.so  the CPU+GPU one (TF_HSM_CUDA=1 ./configure.sh).
 configure.sh installs what it built, so right after it the packaged copy is the newest;
 after an edit, `bazel build //cc:_hsm_ops.so` leaves a newer file in bazel-bin, and the
-next Python process loads that one, with nothing to copy. A wheel has no bazel-bin, so
-the packaged copy loads. On a tie the packaged copy wins (its build record sits beside it).
+next Python process loads that one, with nothing to copy. (Where configure.sh built the
+GPU kernels, rebuild //cc:_hsm_ops_gpu.so with its --define flags instead: a newer CPU
+library would load in its place.) A wheel has no bazel-bin, so the packaged copy loads.
+On a tie the packaged copy wins (its build record sits beside it).
 
 `loaded_library()` says which file loaded, when it was built (its modification time) and
 which sources under cc/ changed after that (a build to run before the results mean
