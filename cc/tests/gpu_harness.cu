@@ -1265,6 +1265,11 @@ std::vector<Case> CorrectnessCases(std::mt19937_64& rng, bool quick) {
   // Every token in one wide group: many 64-token tiles, chunks and long dW chains.
   add("many_tokens_one_node", Layout(TwoLevelShape(quick ? 600 : 5000, 1), &rng),
       quick ? 150 : 3000, quick ? 10 : 96, true);
+  // A one-node tree (Tree.flat) past the CPU core's wide-group thresholds (>= 1,024
+  // children, >= 128 tokens): the CPU reference takes its partitioned path, which
+  // recomputes the logits from each visit's log-sum-exp in the gradient.
+  add("flat_wide_group", Layout(TwoLevelShape(quick ? 1100 : 20000, quick ? 1100 : 20000), &rng),
+      quick ? 140 : 600, quick ? 8 : 64, true);
   if (!quick) {
     add("wide_100k_big_dim", Layout(TwoLevelShape(100000, 1), &rng), 257, 300, true);
     add("huffman_b2_d512", Layout(HuffmanShape(ZipfCounts(100000, 1.0), 2), nullptr), 640, 512,
