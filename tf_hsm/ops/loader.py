@@ -1,16 +1,16 @@
 """Finds, checks and loads the compiled op library, once.
 
-Which file loads: the newest (last modified) of the libraries that exist, among
+Which file loads: of these two, the newer (last modified), or the one that exists:
   tf_hsm/_hsm_ops.so          the packaged copy: configure.sh installs its build here, and
                               the wheel carries it;
-  bazel-bin/cc/_hsm_ops.so    in a checkout, Bazel's outputs: the CPU library, and
-  bazel-bin/cc/_hsm_ops_gpu.so  the CPU+GPU one (TF_HSM_CUDA=1 ./configure.sh).
-configure.sh installs what it built, so right after it the packaged copy is the newest;
+  bazel-bin/cc/_hsm_ops.so    in a checkout, Bazel's output.
+configure.sh installs what it built, so right after it the packaged copy is the newer;
 after an edit, `bazel build //cc:_hsm_ops.so` leaves a newer file in bazel-bin, and the
-next Python process loads that one, with nothing to copy. (Where configure.sh built the
-GPU kernels, rebuild //cc:_hsm_ops_gpu.so with its --define flags instead: a newer CPU
-library would load in its place.) A wheel has no bazel-bin, so the packaged copy loads.
-On a tie the packaged copy wins (its build record sits beside it).
+next Python process loads that one, with nothing to copy. A wheel has no bazel-bin, so
+the packaged copy loads. On a tie the packaged copy wins (its build record sits beside
+it). The CPU+GPU library (bazel-bin/cc/_hsm_ops_gpu.so) loads only once `TF_HSM_CUDA=1
+./configure.sh` installs it, since tests build it too; where it is installed, rebuild it
+that way after an edit, as a newer CPU-only bazel-bin/cc/_hsm_ops.so would load instead.
 
 `loaded_library()` says which file loaded, when it was built (its modification time) and
 which sources under cc/ changed after that (a build to run before the results mean
@@ -35,14 +35,12 @@ _SOURCES = ("cc/core/*.cc", "cc/core/*.h", "cc/kernels/*.cc", "cc/kernels/*.h",
 
 def candidates(package_dir=_PACKAGE_DIR):
   """The op libraries that may load, for the package at `package_dir`: its packaged copy,
-  then, when the package sits in a checkout (cc/BUILD beside it), Bazel's outputs."""
+  then, when the package sits in a checkout (cc/BUILD beside it), Bazel's output."""
   packaged = os.path.join(package_dir, _LIBRARY)
   root = os.path.dirname(package_dir)
   if not os.path.exists(os.path.join(root, "cc", "BUILD")):
     return (packaged,)
-  bazel_bin = os.path.join(root, "bazel-bin", "cc")
-  return (packaged, os.path.join(bazel_bin, _LIBRARY),
-          os.path.join(bazel_bin, "_hsm_ops_gpu.so"))
+  return (packaged, os.path.join(root, "bazel-bin", "cc", _LIBRARY))
 
 
 def choose(paths):
