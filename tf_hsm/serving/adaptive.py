@@ -216,9 +216,11 @@ def adaptive_log_prob_all(weights, hidden):
   return tf.reshape(out, tf.concat([leading, [weights.vocabulary_size]], 0))
 
 
-def adaptive_top_k(weights, hidden, k):
+def adaptive_top_k(weights, hidden, k, exclude=None):
   """The k most probable classes, exactly, as `AdaptiveSoftmax.top_k`: each tier's own
   top k (a tree tier by `tf_hsm.serving.top_k`), merged. k > num_classes is clamped.
+  `exclude`: None, or class ids [..., n] a row leaves out, as `tf_hsm.serving.top_k`'s
+  (vocabulary ids with a class order).
 
   Returns:
     (log_probs, int64 classes), each [..., min(k, num_classes)], best first, equal
@@ -228,9 +230,21 @@ def adaptive_top_k(weights, hidden, k):
   """
   if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
     raise ValueError(f"k must be an int >= 1, got {k!r}")
-  k = int(k)
-  k = min(k, weights.num_classes)
+  k = min(int(k), weights.num_classes)
+  rank = tf.convert_to_tensor(hidden).shape.rank
   flat, leading, _ = _flat(weights, hidden)
+  ids = None if exclude is None else hsm.exclusions(exclude, rank, leading,
+                                                    weights.vocabulary_size)
+  wide = k if ids is None else min(k + ids.shape[-1], weights.num_classes)
+  best, chosen = _top_rows(weights, flat, wide)
+  if ids is not None:
+    best, chosen = hsm.drop_excluded(best, chosen, ids, k)
+  shape = tf.concat([leading, [k]], 0)
+  return tf.reshape(best, shape), tf.reshape(chosen, shape)
+
+
+def _top_rows(weights, flat, k):
+  """(log_probs, int64 class ids) [N, k] of the rows flat [N, D]."""
   head = _head(weights, flat)
   values, classes = tf.math.top_k(head[:, :weights.cutoffs[0]], min(k, weights.cutoffs[0]))
   values, classes = [values], [tf.cast(classes, tf.int64)]
@@ -256,9 +270,7 @@ def adaptive_top_k(weights, hidden, k):
   if weights.class_order is not None:
     chosen = weights.class_order.ids(chosen)
   best = tf.where(nan_row[:, None], tf.constant(float("nan"), best.dtype), best)
-  best, chosen = hsm.no_class_where_nan(best, chosen, weights.vocabulary_size)
-  shape = tf.concat([leading, [k]], 0)
-  return tf.reshape(best, shape), tf.reshape(chosen, shape)
+  return hsm.no_class_where_nan(best, chosen, weights.vocabulary_size)
 
 
 def adaptive_sample(weights, hidden, seed, temperature=1.0):

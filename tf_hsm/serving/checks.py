@@ -22,8 +22,9 @@ import os
 
 import tensorflow as tf
 
-__all__ = ["check_k", "check_directory", "check_model", "conform", "runtime_shape",
-           "same_positions", "signature_spec", "targets_below"]
+__all__ = ["broadcast_rows", "check_k", "check_directory", "check_max_exclude",
+           "check_model", "conform", "ids_below", "runtime_shape", "same_positions",
+           "signature_spec", "targets_below"]
 
 
 # --------------------------------------------------------------------------- arguments
@@ -33,6 +34,15 @@ def check_k(k):
   if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
     raise ValueError(f"k must be an int >= 1, got {k!r}")
   return int(k)
+
+
+def check_max_exclude(max_exclude):
+  """max_exclude as an int >= 0 (the "top_k_excluding" signature's ids per row)."""
+  if isinstance(max_exclude, bool) or not isinstance(max_exclude, numbers.Integral) or \
+      max_exclude < 0:
+    raise ValueError(f"max_exclude must be an int >= 0 (0: no top_k_excluding "
+                     f"signature), got {max_exclude!r}")
+  return int(max_exclude)
 
 
 def check_directory(directory):
@@ -172,3 +182,33 @@ def targets_below(targets, num_classes, name):
        "got", tf.reduce_max(flat)], name=f"check_{name}_range")
   with tf.control_dependencies([check]):
     return tf.identity(targets)
+
+
+def ids_below(ids, num_classes, name):
+  """ids, checked to be < num_classes where TensorFlow runs (elsewhere an id out of
+  range matches no class, so excluding it changes nothing)."""
+  check = tf.debugging.Assert(
+      tf.reduce_all(tf.reshape(ids, [-1]) < num_classes),
+      [f"{name} must be class ids < num_classes = {num_classes} (or < 0 for padding), "
+       "got", tf.reduce_max(ids)], name=f"check_{name}_range")
+  with tf.control_dependencies([check]):
+    return tf.identity(ids)
+
+
+def broadcast_rows(ids, leading, name):
+  """ids [..., n] broadcast to [*leading, n]: each leading dimension must be leading's
+  or 1 (an assert where TensorFlow runs; the broadcast itself fails under XLA, when it
+  compiles, and in LiteRT)."""
+  shape = runtime_shape(ids)
+  leading = tf.cast(leading, tf.int32)
+  rows = shape[:-1]
+  ok = tf.logical_and(tf.equal(tf.size(rows), tf.size(leading)), tf.reduce_all(
+      tf.logical_or(tf.equal(rows, 1), tf.equal(rows, leading))))
+  check = tf.debugging.Assert(
+      ok, [f"{name} must be [..., n] with leading shape", leading, "(the positions; 1 in "
+           "a dimension applies to every row along it), got shape", shape],
+      name=f"check_{name}_rows")
+  with tf.control_dependencies([check]):
+    ids = tf.identity(ids)
+  return tf.broadcast_to(ids, tf.concat([leading, shape[-1:]], 0),
+                         name=f"{name}_must_broadcast_to_the_positions")

@@ -100,12 +100,15 @@ class ModelCut:
     inputs: the model's inputs; target_index: which of them are the layer's targets;
     feature_inputs: the others. hidden: the symbolic hidden states the layer reads.
     encoder: `Model(feature_inputs, hidden)`, in the model's Keras.
+    ignore_class: the layer's `ignore_class` (a HierarchicalSoftmax's padding id, which
+      its `top_k` never returns), or None.
   """
 
   def __init__(self, model):
     checks.check_model(model)
     layer = _find_layer(model)
     self.layer, self.kind = layer, _kind(layer)
+    self.ignore_class = _ignore_class(layer)
     nodes = getattr(layer, "_inbound_nodes", [])
     if len(nodes) != 1:
       raise ValueError(f"the tf_hsm layer {layer.name!r} must be called once in the model, "
@@ -133,6 +136,13 @@ class ModelCut:
     except ValueError as e:
       raise ValueError("the tf_hsm layer's hidden input must depend on the model's inputs "
                        f"other than the targets: {e}") from None
+
+
+def _ignore_class(layer):
+  """The layer's `ignore_class` as get_config writes it (None where it has none: an
+  AdaptiveSoftmax leaves padding ids out with its class_order)."""
+  value = getattr(layer, "ignore_class", None)
+  return None if value is None else int(value)
 
 
 class _Untracked:
@@ -163,11 +173,14 @@ class ServingModule(tf.Module):
 
   Usable directly in Python too (`module.top_k(inputs...)`)."""
 
-  def __init__(self, model, k=10, log_prob_all=None, sample=True):
+  def __init__(self, model, k=10, log_prob_all=None, sample=True, max_exclude=0):
     super().__init__(name="tf_hsm_serving")
     k = checks.check_k(k)
+    max_exclude = checks.check_max_exclude(max_exclude)
     cut = ModelCut(model)
     layer, self.kind = cut.layer, cut.kind
+    self.ignore_class = cut.ignore_class
+    self._hidden_rank = len(cut.hidden.shape)
     self._target_index = cut.target_index
     self._encoder = _Untracked(cut.encoder)
     self.encoder_variables = _tf_variables(cut.encoder.weights)
@@ -185,7 +198,7 @@ class ServingModule(tf.Module):
         (layer.kernel if self.kind == "hsm" else layer.head_kernel).dtype)
     if log_prob_all is None:
       log_prob_all = self.num_classes <= LOG_PROB_ALL_MAX_CLASSES
-    self._signatures = self._make_signatures(log_prob_all, sample)
+    self._signatures = self._make_signatures(log_prob_all, sample, max_exclude)
 
   def _init_hsm(self, layer):
     if getattr(layer, "row_layout", None) is not None:
@@ -224,10 +237,23 @@ class ServingModule(tf.Module):
   def _features(self, kwargs):
     return [kwargs[n] for i, n in enumerate(self.input_names) if i != self._target_index]
 
-  def _top_k(self, hidden):
+  def _top_k(self, hidden, exclude=None):
+    exclude = self._with_ignored(exclude)
     if self.kind == "hsm":
-      return hsm.top_k(hidden, self.weights_table, self.bias_table, self._tree, self.k)
-    return adaptive_serving.adaptive_top_k(self._adaptive, hidden, self.k)
+      return hsm.top_k(hidden, self.weights_table, self.bias_table, self._tree, self.k,
+                       exclude=exclude)
+    return adaptive_serving.adaptive_top_k(self._adaptive, hidden, self.k, exclude=exclude)
+
+  def _with_ignored(self, exclude):
+    """`exclude` ([..., n] int64, or None) with the layer's ignore_class added to every
+    row: the layer's top_k never returns it, so neither does the export's."""
+    if self.ignore_class is None:
+      return exclude
+    if exclude is None:  # one id for every row: shape [1, ..., 1]
+      return tf.fill([1] * self._hidden_rank, tf.constant(self.ignore_class, tf.int64))
+    ignored = tf.fill(tf.concat([tf.shape(exclude)[:-1], [1]], 0),
+                      tf.constant(self.ignore_class, tf.int64))
+    return tf.concat([exclude, ignored], -1)
 
   def _log_prob(self, hidden, targets):
     if self.kind == "hsm":
@@ -257,12 +283,27 @@ class ServingModule(tf.Module):
     log_probs, classes = self._top_k(hidden)
     return {"classes": tf.cast(classes, tf.int64), "log_probs": tf.cast(log_probs, tf.float32)}
 
+  def _top_k_excluding_fn(self, *args):
+    features, exclude = list(args[:-1]), args[-1]
+    hidden, _ = self._hidden(self._checked(features, self._feature_indices))
+    dims = [None] * (self._hidden_rank - 1) + [self._max_exclude]
+    exclude = checks.conform(exclude, dims, "exclude")
+    # Broadcast before the ignored id joins it, so that an error shows the caller's shape.
+    exclude = checks.broadcast_rows(exclude, tf.shape(hidden)[:-1], "exclude")
+    # The search's width needs n statically; the graph's shapes alone carry it.
+    exclude.set_shape(dims)
+    log_probs, classes = self._top_k(hidden, exclude)
+    return {"classes": tf.cast(classes, tf.int64), "log_probs": tf.cast(log_probs, tf.float32)}
+
   def _log_prob_fn(self, *tensors):
     tensors = self._checked(tensors, range(len(tensors)))
     name = self.input_names[self._target_index]
     targets = checks.targets_below(tensors[self._target_index], self.num_classes, name)
     hidden, mask = self._hidden(self._features(dict(zip(self.input_names, tensors))))
     targets = checks.same_positions(targets, tf.shape(hidden)[:-1], name)
+    if self.ignore_class is not None:  # padding, as the layer reads it: log-prob 0
+      targets = tf.where(tf.equal(targets, self.ignore_class), -tf.ones_like(targets),
+                         targets)
     if mask is not None:
       targets = tf.where(tf.cast(mask, tf.bool), targets, -tf.ones_like(targets))
     return {"log_prob": self._log_prob(hidden, targets)}
@@ -276,16 +317,17 @@ class ServingModule(tf.Module):
     hidden, _ = self._hidden(self._checked(features, self._feature_indices))
     return {"classes": self._sample(hidden, seed, temperature)}
 
-  def _make_signatures(self, with_log_prob_all, with_sample):
+  def _make_signatures(self, with_log_prob_all, with_sample, max_exclude):
     all_names = [s.name for s in self._specs]
     self._feature_indices = [i for i in range(len(all_names)) if i != self._target_index]
     feature_specs = [self._specs[i] for i in self._feature_indices]
-    for n in all_names + ["seed", "temperature"]:
+    extra = ["seed", "temperature"] + (["exclude"] if max_exclude else [])
+    for n in all_names + extra:
       if not n.isidentifier():
         raise ValueError(f"input name {n!r} is not usable as a signature key")
-    if len(set(all_names)) != len(all_names) or {"seed", "temperature"} & set(all_names):
-      raise ValueError(f"the model's input names must be unique and not seed/temperature: "
-                       f"{all_names}")
+    if len(set(all_names)) != len(all_names) or set(extra) & set(all_names):
+      raise ValueError(f"the model's input names must be unique and not "
+                       f"{'/'.join(extra)}: {all_names}")
     self.top_k = _with_names(self._top_k_fn, feature_specs)
     self.log_prob = _with_names(self._log_prob_fn, self._specs)
     signatures = {"serving_default": self.top_k, "top_k": self.top_k,
@@ -300,6 +342,12 @@ class ServingModule(tf.Module):
           tf.TensorSpec(None, tf.int64, name="seed"),
           tf.TensorSpec(None, tf.float32, name="temperature")])
       signatures["sample"] = self.sample
+    if max_exclude:
+      self._max_exclude = max_exclude
+      # Every dimension unknown, as the other inputs' (checks.conform checks n).
+      self.top_k_excluding = _with_names(self._top_k_excluding_fn, feature_specs + [
+          tf.TensorSpec([None] * self._hidden_rank, tf.int64, name="exclude")])
+      signatures["top_k_excluding"] = self.top_k_excluding
     return signatures
 
 
@@ -314,7 +362,7 @@ def _with_names(fn, specs):
   return tf.function(scope["wrapped"], input_signature=specs)
 
 
-def export(model, directory, k=10, log_prob_all=None, sample=True):
+def export(model, directory, k=10, log_prob_all=None, sample=True, max_exclude=0):
   """Writes a SavedModel of `model` that needs nothing of tf_hsm to load and run.
 
   Args:
@@ -324,11 +372,14 @@ def export(model, directory, k=10, log_prob_all=None, sample=True):
     directory: the folder to write the SavedModel to (a str or path; created if
       missing, its SavedModel files overwritten if present).
     k: an int >= 1, the number of classes the "top_k" signature returns (clamped to
-      num_classes).
+      num_classes). A HierarchicalSoftmax's `ignore_class` is never among them, as in
+      the layer's `top_k` and `inference_model`.
     log_prob_all: whether to add the "log_prob_all" signature; default: when
       num_classes <= `LOG_PROB_ALL_MAX_CLASSES` (1M).
     sample: whether to add the "sample" signature (inputs plus `seed` int64 and
       `temperature` float32 scalars).
+    max_exclude: an int >= 0; when > 0, adds the "top_k_excluding" signature, whose
+      `exclude` input holds this many class ids per row (pad with -1).
 
   Signatures (inputs named as the model's inputs, each checked against the model's
   rank and fixed dimensions; docs/serving.md says what each runtime does with bad
@@ -343,18 +394,27 @@ def export(model, directory, k=10, log_prob_all=None, sample=True):
     "sample": inputs other than the targets, seed, temperature -> {"classes": [...]}:
       temperature positive and finite (InvalidArgumentError otherwise; -1 everywhere
       under XLA); a row without a distribution (NaN) gets -1.
+    "top_k_excluding" (with max_exclude > 0): "top_k"'s inputs and `exclude`, int64
+      [..., max_exclude] class ids per position, each leading dimension the positions'
+      or 1 (for every position along it), ids < 0 padding -> "top_k"'s outputs without
+      the excluded classes (the top k + max_exclude, the excluded ones dropped; a row
+      with fewer than k classes left ends in class -1 with log_prob -inf). An id >=
+      num_classes is an InvalidArgumentError in TensorFlow; elsewhere it excludes
+      nothing.
 
   Returns:
     The `ServingModule` that was saved.
 
   Raises:
     TypeError: `model` is not a functional Keras model (a layer, a subclassed model).
-    ValueError: k is not an int >= 1, a directory that is empty, a file or not
-      writable, or a model that cannot be cut at its tf_hsm layer.
+    ValueError: k is not an int >= 1, max_exclude not an int >= 0, a directory that is
+      empty, a file or not writable, or a model that cannot be cut at its tf_hsm layer.
   """
   k = checks.check_k(k)
+  max_exclude = checks.check_max_exclude(max_exclude)
   checks.check_model(model)
   directory = checks.check_directory(directory)
-  module = ServingModule(model, k=k, log_prob_all=log_prob_all, sample=sample)
+  module = ServingModule(model, k=k, log_prob_all=log_prob_all, sample=sample,
+                         max_exclude=max_exclude)
   tf.saved_model.save(module, directory, signatures=module._signatures)
   return module

@@ -579,7 +579,7 @@ def _top_k_rows(tree, h, weights, biases, k):
   return best, classes
 
 
-def top_k(hidden, weights, biases, tree, k):
+def top_k(hidden, weights, biases, tree, k, exclude=None):
   """The k most probable classes of each row, exactly, as `tf_hsm.top_k`.
 
   Args:
@@ -588,6 +588,10 @@ def top_k(hidden, weights, biases, tree, k):
     tree: a `tf_hsm.Tree` (or its `StockTree`).
     k: a Python int >= 1. Unlike the op, k > num_classes is accepted and clamped: the
       result then has num_classes columns.
+    exclude: None, or int class ids [..., n] a row leaves out, as `tf_hsm.top_k`'s:
+      hidden's rank, each leading dimension hidden's or 1 (1 applies to every row along
+      it), n known; ids < 0 are padding. The top k + n are searched and the excluded
+      ones dropped; a row with fewer than k classes left ends in class -1 with -inf.
 
   Returns:
     ``(log_probs, classes)``: ``[..., min(k, C)]`` log-probabilities in decreasing order
@@ -596,23 +600,74 @@ def top_k(hidden, weights, biases, tree, k):
     tied. A row with a NaN log-probability (a NaN or infinite hidden state, or logits
     that overflow) has no ranking: its classes are all -1 and its log-probabilities
     NaN, so that no id outside [0, num_classes) is ever returned.
+
+  Raises:
+    TypeError, ValueError: as `tf_hsm.top_k` (an `exclude` that is not integer, of
+      another rank than hidden's, or of unknown n); InvalidArgumentError where
+      TensorFlow runs: exclude's leading shape does not broadcast to hidden's, or an
+      excluded id >= num_classes (elsewhere such ids match no class).
   """
   tree = stock_tree(tree)
   if isinstance(k, bool) or not isinstance(k, int) or k < 1:
     raise ValueError(f"k must be a Python int >= 1, got {k!r}")
   k = min(k, tree.num_classes)
+  rank = tf.convert_to_tensor(hidden).shape.rank
   h, leading, weights, biases, out_dtype = _inputs(hidden, weights, biases)
+  ids = None if exclude is None else exclusions(exclude, rank, leading, tree.num_classes)
+  wide = k if ids is None else min(k + ids.shape[-1], tree.num_classes)
+  best, classes = _top_k_flat(tree, h, weights, biases, wide)
+  if ids is not None:
+    best, classes = drop_excluded(best, classes, ids, k)
+  shape = tf.concat([leading, [k]], 0)
+  return _cast_back(tf.reshape(best, shape), out_dtype), tf.reshape(classes, shape)
+
+
+def _top_k_flat(tree, h, weights, biases, k):
+  """(log_probs, int64 classes) [N, k] of the rows h [N, D]; NaN rows -1 and NaN."""
   # An empty batch is searched as one row of zeros: the search's ops refuse zero rows
   # in LiteRT, and under XLA, which compiles for the batch's static size.
   n = tf.shape(h)[0]
   padded = tf.concat([h, tf.zeros(tf.stack([tf.maximum(1 - n, 0), tf.shape(h)[1]]), h.dtype)],
                      0)
   best, classes = _top_k_rows(tree, padded, weights, biases, k)
-  best, classes = best[:n], classes[:n]
-  best, classes = no_class_where_nan(best, classes, tree.num_classes)
-  shape = tf.concat([leading, [k]], 0)
-  return (_cast_back(tf.reshape(best, shape), out_dtype),
-          tf.reshape(tf.cast(classes, tf.int64), shape))
+  best, classes = no_class_where_nan(best[:n], tf.cast(classes[:n], tf.int64),
+                                     tree.num_classes)
+  return best, classes
+
+
+def exclusions(exclude, rank, leading, num_classes):
+  """`exclude` ([..., n] int class ids) checked against hidden's `rank` and broadcast to
+  its `leading` shape: int64 [N, n], one row per row of hidden."""
+  exclude = tf.convert_to_tensor(exclude)
+  if not exclude.dtype.is_integer:
+    raise TypeError(f"exclude must be int class ids, got {exclude.dtype.name}")
+  if rank is None:
+    raise ValueError("exclude needs a hidden of known rank")
+  n = exclude.shape[-1] if exclude.shape.rank else None
+  if exclude.shape.rank != rank or n is None:
+    raise ValueError(f"exclude must be class ids [..., n] with hidden's rank {rank} and a "
+                     f"known n, got shape {exclude.shape} (for the same ids on every row "
+                     f"of a [B, D] batch: shape [1, n])")
+  exclude = checks.ids_below(tf.cast(exclude, tf.int64), num_classes, "exclude")
+  exclude = checks.broadcast_rows(exclude, leading, "exclude")
+  return tf.reshape(exclude, [-1, n])
+
+
+def drop_excluded(values, classes, exclude, k):
+  """The best k of top lists (values, int64 classes) [N, K] that are not in `exclude`
+  [N, n] (ids < 0 match nothing), in the lists' order; -inf and class -1 where fewer
+  than k are left."""
+  wide = classes.shape[-1]
+  hit = tf.logical_and(tf.equal(classes[:, :, None], exclude[:, None, :]),
+                       exclude[:, None, :] >= 0)
+  excluded = tf.reduce_any(hit, -1)
+  # Allowed entries first, each group in the list's order: the k smallest keys (unique),
+  # by tf.math.top_k, which TFLite's builtins have (argsort is not one).
+  key = tf.range(wide, dtype=tf.int32) + wide * tf.cast(excluded, tf.int32)
+  _, order = tf.math.top_k(-key, k)
+  picked = [tf.gather(x, order, batch_dims=1) for x in (values, classes, excluded)]
+  return (tf.where(picked[2], tf.constant(-np.inf, values.dtype), picked[0]),
+          tf.where(picked[2], tf.constant(-1, tf.int64), picked[1]))
 
 
 def no_class_where_nan(values, classes, num_classes):
