@@ -38,10 +38,15 @@ def _zipf_targets(rng, num_classes, tokens):
   return np.minimum(rng.zipf(1.0001, tokens) - 1, num_classes - 1).astype(np.int64)
 
 
-def _problem(rng, num_classes, dim, tokens):
+def _problem(rng, num_classes, dim, tokens, drawn_in_place=False):
+  """hidden, table, biases, targets; with drawn_in_place the table is `_drawn_table`'s
+  (no second copy while it is made, but a variable of unknown row count, which TF's
+  sampled softmax refuses)."""
   hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
   targets = tf.constant(_zipf_targets(rng, num_classes, tokens))
-  return hidden, _drawn_table(num_classes, dim), tf.Variable(tf.zeros([num_classes])), targets
+  table = (_drawn_table(num_classes, dim) if drawn_in_place else
+           tf.Variable(tf.random.normal([num_classes, dim], stddev=0.01, seed=1)))
+  return hidden, table, tf.Variable(tf.zeros([num_classes])), targets
 
 
 def _drawn_table(num_classes, dim):
@@ -183,7 +188,7 @@ def memory_case(classes, dim, tokens, mode):
   from after the set-up (the table, the batch, and one step on a 10-class tree that loads
   the op library), in bytes. One step: at V=1M, T=3,200 it is 7.7 TFLOP."""
   rng = np.random.default_rng(0)
-  hidden, table, biases, targets = _problem(rng, classes, dim, tokens)
+  hidden, table, biases, targets = _problem(rng, classes, dim, tokens, drawn_in_place=True)
 
   def step(tree, table, biases, targets):
     if mode == "sgd_step":
