@@ -74,16 +74,16 @@ def test_wrong_length():
     checked_counts([3, 2, 1], 4)
 
 
-def test_the_planner_notes_unsorted_counts_instead_of_dropping_rows():
-  """plan() with counts the adaptive softmax cannot take: its rows are missing and a
-  note says why (the hierarchical rows do not need sorted counts)."""
+def test_the_planner_notes_unsorted_counts_and_keeps_the_adaptive_rows():
+  """plan() with counts in a tokenizer's id order: the adaptive rows rank the classes by
+  their counts (their layer takes class_order), and a note says so, in the table too."""
   from tf_hsm import planning
   counts = np.random.default_rng(3).permutation(1.0 / np.arange(1, 2001))
   report = planning.plan(2000, 64, 256, counts=counts, trees=("huffman2",),
                          machine={"matmul_flops": 2e11, "read_bytes": 2e10,
                                   "call_seconds": 1e-4})
-  assert not any(r["method"].startswith("AdaptiveSoftmax") for r in report.rows)
-  assert any(n.startswith("no AdaptiveSoftmax rows: counts must be non-increasing")
+  assert any(r["method"].startswith("AdaptiveSoftmax") for r in report.rows)
+  assert any(n.startswith("the counts are not sorted by frequency") and "class_order" in n
              for n in report.notes)
   text = " ".join(report.to_markdown().split())
   assert all(" ".join(n.split()) in text for n in report.notes)
