@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_hsm
+from tf_hsm.bench.worker import reset_peak_rss, status_bytes
 from tf_hsm.planning import Machine
 
 
@@ -165,24 +166,6 @@ def _ms(medians):
   return {name: round(s * 1e3, 1) for name, s in medians.items()}
 
 
-def _peak_bytes():
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_peak():
-  """Resets VmHWM to the current RSS (Linux: write 5 to clear_refs); False if refused."""
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
-
-
 def memory_case(classes, dim, tokens, mode):
   """Run in a process of its own: the growth of the peak (VmHWM) over one training step,
   from after the set-up (the table, the batch, and one step on a 10-class tree that loads
@@ -202,15 +185,15 @@ def memory_case(classes, dim, tokens, mode):
 
   small = [tf.Variable(tf.zeros([10, dim])), tf.Variable(tf.zeros([10]))]
   step(tf_hsm.Tree.flat(10), *small, tf.zeros([tokens], tf.int64))
-  base = _peak_bytes()
-  reset = _reset_peak()
-  base = _peak_bytes() if reset else base
+  base = status_bytes("VmHWM")
+  reset = reset_peak_rss()
+  base = status_bytes("VmHWM") if reset else base
   start = time.perf_counter()
   step(tf_hsm.Tree.flat(classes), table, biases, targets)
   return {"case": f"V={classes} D={dim} T={tokens}", "mode": mode,
           "table GiB": round(classes * dim * 4 / 2**30, 3),
-          "peak growth GiB": round((_peak_bytes() - base) / 2**30, 3),
-          "process peak GiB": round(_peak_bytes() / 2**30, 3),
+          "peak growth GiB": round((status_bytes("VmHWM") - base) / 2**30, 3),
+          "process peak GiB": round(status_bytes("VmHWM") / 2**30, 3),
           "peak reset at the baseline": reset,
           "step s": round(time.perf_counter() - start, 3)}
 

@@ -23,7 +23,7 @@ import os
 import tensorflow as tf
 
 __all__ = ["broadcast_rows", "check_k", "check_directory", "check_max_exclude",
-           "check_model", "conform", "ids_below", "runtime_shape", "same_positions",
+           "check_model", "conform", "runtime_shape", "same_positions",
            "signature_spec", "targets_below"]
 
 
@@ -173,8 +173,9 @@ def same_positions(targets, leading, name):
 
 
 def targets_below(targets, num_classes, name):
-  """targets, checked to be < num_classes where TensorFlow runs (elsewhere the
-  log-probability functions give such targets NaN)."""
+  """targets (or excluded ids), checked to be < num_classes where TensorFlow runs
+  (elsewhere the log-probability functions give such targets NaN, and an excluded id out
+  of range matches no class)."""
   flat = tf.reshape(tf.cast(targets, tf.int64), [-1])
   check = tf.debugging.Assert(
       tf.reduce_all(flat < num_classes),
@@ -182,17 +183,6 @@ def targets_below(targets, num_classes, name):
        "got", tf.reduce_max(flat)], name=f"check_{name}_range")
   with tf.control_dependencies([check]):
     return tf.identity(targets)
-
-
-def ids_below(ids, num_classes, name):
-  """ids, checked to be < num_classes where TensorFlow runs (elsewhere an id out of
-  range matches no class, so excluding it changes nothing)."""
-  check = tf.debugging.Assert(
-      tf.reduce_all(tf.reshape(ids, [-1]) < num_classes),
-      [f"{name} must be class ids < num_classes = {num_classes} (or < 0 for padding), "
-       "got", tf.reduce_max(ids)], name=f"check_{name}_range")
-  with tf.control_dependencies([check]):
-    return tf.identity(ids)
 
 
 def broadcast_rows(ids, leading, name):

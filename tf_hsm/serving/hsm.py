@@ -648,7 +648,7 @@ def exclusions(exclude, rank, leading, num_classes):
     raise ValueError(f"exclude must be class ids [..., n] with hidden's rank {rank} and a "
                      f"known n, got shape {exclude.shape} (for the same ids on every row "
                      f"of a [B, D] batch: shape [1, n])")
-  exclude = checks.ids_below(tf.cast(exclude, tf.int64), num_classes, "exclude")
+  exclude = checks.targets_below(tf.cast(exclude, tf.int64), num_classes, "exclude")
   exclude = checks.broadcast_rows(exclude, leading, "exclude")
   return tf.reshape(exclude, [-1, n])
 
