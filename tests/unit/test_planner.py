@@ -434,7 +434,7 @@ def test_command_line_table_fits_120_columns():
   assert max(map(len, plain.stdout.splitlines())) <= 120
   assert "per shard" not in plain.stdout
   assert "Construct it: " in plain.stdout
-  assert "pricing tree 6/6: learned" in plain.stderr  # progress, on stderr
+  assert "pricing tree 8/8: vectors64_head256" in plain.stderr  # progress, on stderr
   sharded = _cli(*base, "--shards", "4", "--quiet")
   assert sharded.returncode == 0, sharded.stderr[-2000:]
   assert max(map(len, sharded.stdout.splitlines())) <= 120

@@ -59,6 +59,10 @@ ROWS = {
     "vectors32_head256": ("tree", {"start": "huffman32", "rebuild": (32, 256)}),
     "vectors32_head1024": ("tree", {"start": "huffman32", "rebuild": (32, 1024)}),
     "vectors32": ("tree", {"start": "huffman32", "rebuild": (32, 0)}),
+    "vectors64_head256": ("tree", {"start": "huffman32", "rebuild": (64, 256)}),
+    # Rebuilt twice: after --rebuild-after batches and after three times as many.
+    "vectors32_head256_x2": ("tree", {"start": "huffman32", "rebuild": (32, 256),
+                                      "rebuilds": 2}),
 }
 
 
@@ -384,6 +388,7 @@ def train_row(args):
   rng = np.random.default_rng(args.seed)
   record = {"row": args.row, "corpus": meta["corpus"], "vocab_size": len(counts),
             "train_tokens": int(y.size), "eval_tokens": int(held[1].size),
+            "eval_every": args.eval_every, "rebuild_after": args.rebuild_after,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "tf32": args.tf32, "checkpoints": [],
             "rebuilds": [], "tree": None}
@@ -420,7 +425,8 @@ def train_row(args):
       optimizer.apply()
       tokens += yb.numel()
       batches += 1
-      if "rebuild" in options and batches == args.rebuild_after:
+      if "rebuild" in options and batches in (args.rebuild_after, 3 * args.rebuild_after)[
+          :options.get("rebuilds", 1)]:
         t0 = time.monotonic()
         branching, head = _rebuild_shape(options["rebuild"], counts)
         rebuild(torch, model, layer, optimizer, counts, branching, head)
@@ -476,6 +482,11 @@ def run_all(args):
   return 0 if all(code == 0 for code in status.values()) else 1
 
 
+def every(rows):
+  """The runs' --eval-every (recorded with each run)."""
+  return next(iter(rows.values()))["eval_every"]
+
+
 def summary(out):
   """Per corpus, each row's perplexity at the most training tokens every row reached
   (the rows compared at equal tokens) and at its last checkpoint, against full's."""
@@ -512,6 +523,15 @@ def summary(out):
                                f"{t['max_branching']:,}")
       lines.append(f"| {row} | {tree} | {c['perplexity']:.2f} ({c['tokens']:,}) | {vs} | "
                    f"{last['tokens']:,}, {last['perplexity']:.2f} |")
+    lines += ["", "Held-out perplexity by millions of training tokens (regular checkpoints):", ""]
+    steps = sorted({k for r in rows.values() for k in regular(r) if k})
+    lines += ["| row | " + " | ".join(f"{k * every(rows) / 1e6:g}M" for k in steps) + " |",
+              "|---|" + "---|" * len(steps)]
+    for row in ROWS:
+      if row in rows:
+        got = regular(rows[row])
+        lines.append(f"| {row} | " + " | ".join(
+            f"{got[k]['perplexity']:.2f}" if k in got else "" for k in steps) + " |")
   return found, "\n".join(lines)
 
 

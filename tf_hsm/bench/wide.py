@@ -11,9 +11,10 @@ classes, and a training step's memory at a million classes.
   (D=512), its 8 T K D operations a step (the forward's logits, and the gradient's
   logits again, hidden and table gradients) over the median, against the planner's
   matmul rate (`tf_hsm.planning.Machine.measure`) measured in the same process.
-- head: at V=1M, D=300, T=3,200, Zipf(1) targets, 32-ary `Tree.from_vectors` trees with
-  heads of 1,024, 256 and no frequent classes, and TF's `sampled_softmax_loss` (1,024
-  samples), interleaved.
+- head: at V=1M, D=300, T=3,200, Zipf(1) targets, `Tree.from_vectors` trees (16-dim
+  Gaussian vectors: the shape a rebuild gives, mass-balanced, not trained similarity)
+  of `HEAD_TREES` (32-ary with heads of 1,024, 256 and no frequent classes, 64-ary
+  with 256), and TF's `sampled_softmax_loss` (1,024 samples), interleaved.
 - memory: a process of its own per case (V=1M, D=300, T=3,200 and V=10M, D=300, T=256):
   VmHWM after set-up (table, batch, the op library loaded), then the growth of the peak
   over one step of `sgd_step`, and of `nll_loss` with its gradient (at V=1M only: two
@@ -140,18 +141,25 @@ def _sampled_step(hidden, table, biases, targets, num_sampled=1024):
   return step
 
 
+# (branching, head) of the trees from vectors timed by the head part: the rows of
+# `tf_hsm.bench.quality_torch` (vectors32_head1024, vectors32_head256, vectors64_head256,
+# vectors32) at V=1M.
+HEAD_TREES = ((32, 1024), (32, 256), (64, 256), (32, 0))
+
+
 def head_part(rng, rounds):
-  """32-ary trees from vectors with heads of 0, 256 and 1,024 frequent classes, and TF's
-  sampled softmax (1,024 samples), interleaved."""
+  """Trees from vectors (`HEAD_TREES`: 32- and 64-ary, heads of 0, 256 and 1,024
+  frequent classes), and TF's sampled softmax (1,024 samples), interleaved."""
   classes, dim, tokens = 1_000_000, 300, 3200
   counts = 1.0 / np.arange(1, classes + 1)
   vectors = rng.normal(size=(classes, 16)).astype(np.float32)
   targets = tf.constant(_zipf_targets(rng, classes, tokens))
   methods = {}
-  for head in (1024, 256, 0):
-    tree = tf_hsm.Tree.from_vectors(vectors, counts, 32, head=head)
+  for branching, head in HEAD_TREES:
+    tree = tf_hsm.Tree.from_vectors(vectors, counts, branching, head=head)
     hidden, table, biases, _ = _problem(rng, tree.num_slots, dim, tokens)
-    methods[f"32-ary, head {head}"] = _hsm_step(tree, hidden, table, biases, targets)
+    methods[f"{branching}-ary, head {head}"] = _hsm_step(tree, hidden, table, biases,
+                                                        targets)
   hidden, table, biases, _ = _problem(rng, classes, dim, tokens)
   methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
   med = interleaved(methods, rounds)

@@ -65,6 +65,9 @@ class Layer:
 
   kind: "HierarchicalSoftmax", "AdaptiveSoftmax", "full softmax" or "sampled softmax".
   method: its row's `method`. code: how to construct it, as Python.
+  rebuild: for a tree rebuilt during training (the learned and vectors rows), the
+    arguments of the `tf_hsm.callbacks.RebuildTree` that rebuilds it (`rebuild_callback`
+    makes it); None for a layer trained as built.
   kwargs: for AdaptiveSoftmax, `tf_hsm.AdaptiveSoftmax(**kwargs)` (num_classes,
     cutoffs, div_value, tail, counts for a two-level tail, and class_order where the
     counts were not in frequency order); for HierarchicalSoftmax,
@@ -78,6 +81,7 @@ class Layer:
   tail: str = None
   div_value: float = None
   num_classes: int = None
+  rebuild: dict = dataclasses.field(default=None, repr=False, compare=False)
   _build: object = dataclasses.field(default=None, repr=False, compare=False)
   _counts: object = dataclasses.field(default=None, repr=False, compare=False)
   _tree: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -123,9 +127,22 @@ class Layer:
     raise ValueError(f"no layer to build for {self.method!r}: {self.kind} is never "
                      "recommended (its figures are approximate)")
 
+  def rebuild_callback(self, layer, vectors=None):
+    """The `tf_hsm.callbacks.RebuildTree` that turns the built layer into the
+    recommended tree during training (pass it to `model.fit(callbacks=[...])`), or None
+    for a layer trained as built. `layer`: the layer `build()` returned, in its model;
+    `vectors`: what the tree is rebuilt from, the model's input embedding layer as the
+    measurements did (None: the layer's own class rows). Imports TensorFlow."""
+    if not self.rebuild:
+      return None
+    callbacks = importlib.import_module("tf_hsm").callbacks
+    return callbacks.RebuildTree(layer, vectors=vectors, **self.rebuild)
+
   def to_dict(self):
     return {"kind": self.kind, "method": self.method, "code": self.code,
-            "cutoffs": self.cutoffs, "tail": self.tail, "div_value": self.div_value}
+            "cutoffs": self.cutoffs, "tail": self.tail, "div_value": self.div_value,
+            "rebuild": None if not self.rebuild else
+                       {k: v for k, v in self.rebuild.items() if k != "counts"}}
 
 
 @dataclasses.dataclass
@@ -247,8 +264,17 @@ HSM_TREES = ("two_level", "three_level", "huffman2", "huffman8", "huffman32")
 # epoch 1 by `tf_hsm.callbacks.RebuildTree`), priced as that shape with clusters of
 # equal size (similarity clusters mix frequencies); its layer starts on the two-level
 # tree of the counts.
-TREES = HSM_TREES + ("learned",)
+# "vectorsK_headH": H frequent classes at the root, the rest K-ary by similarity: the
+# layer starts on `Tree.huffman(counts, K)` and RebuildTree rebuilds it from the input
+# embeddings (`Tree.from_vectors(..., branching=K, head=H)`) after VECTORS_REBUILD_AFTER
+# batches; priced as that shape with a Huffman tree of the other classes under the root
+# (`vectors_layout`: `from_vectors` balances mass as Huffman's merges do). The two measured
+# at large vocabularies that train at least twice as fast as sampled softmax at V=1M
+# (docs/planner.md, "Large vocabularies").
+VECTOR_TREES = ("vectors32_head256", "vectors64_head256")
+TREES = HSM_TREES + ("learned",) + VECTOR_TREES
 LEARNED_HEAD = 128
+VECTORS_REBUILD_AFTER = 1000
 
 
 def learned_layout(num_classes, counts):
@@ -267,12 +293,30 @@ def learned_layout(num_classes, counts):
   return child_begin, slot_child, C, head, width
 
 
+def vectors_layout(num_classes, counts, branching, head):
+  """The shape a tree from vectors is priced as: the `head` most frequent classes as leaf
+  children of the root beside the root's children of `branching`-ary Huffman tree of
+  the other classes. (child_begin, slot_child, num_classes)."""
+  C = int(num_classes)
+  w = np.ones(C) if counts is None else np.asarray(counts, np.float64)
+  order = np.argsort(-w, kind="stable")
+  top, rest = order[:head], np.sort(order[head:])
+  sub_begin, sub_child, n = builders.huffman(w[rest], branching)
+  sub_begin, sub_child = np.asarray(sub_begin, np.int64), np.asarray(sub_child, np.int64)
+  mapped = np.where(sub_child < n, rest[np.minimum(sub_child, n - 1)], sub_child - n + C)
+  r = int(sub_begin[1])
+  child_begin = np.concatenate([[0], sub_begin[1:] + len(top)])
+  slot_child = np.concatenate([mapped[:r], top, mapped[r:]]).astype(np.int64)
+  return child_begin, slot_child, C
+
+
 @dataclasses.dataclass
 class _TreeCandidate:
   name: str  # as the row's method shows it
   code: str  # how to build it
   work: object  # its TreeWork
   build: object  # () -> the Tree
+  rebuild: dict = None  # RebuildTree's arguments (but the layer and vectors), if any
 
 
 def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes):
@@ -305,7 +349,23 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes)
           f"tf_hsm.callbacks.RebuildTree(layer, branching=[{width}, {width}], "
           f"counts=counts, vectors=embedding_layer, head={head}, after_epoch=1",
           layout_work(*layout, probs, tokens),
-          lambda: Tree.two_level(num_classes, counts=counts)))
+          lambda: Tree.two_level(num_classes, counts=counts),
+          {"branching": [width, width], "counts": counts, "head": head,
+           "after_epoch": 1}))
+    elif re.fullmatch(r"vectors\d+_head\d+", name):
+      k, head = map(int, re.findall(r"\d+", name))
+      if not (2 <= k and 0 <= head and head + k < num_classes):
+        notes.append(f"no {name} row: it needs V > {head + k} classes")
+        continue
+      found.append(_TreeCandidate(
+          f"vectors({k}, head={head})",
+          f"Tree.huffman(counts, branching={k})); rebuilt after {VECTORS_REBUILD_AFTER:,} "
+          f"batches by tf_hsm.callbacks.RebuildTree(layer, branching={k}, counts=counts, "
+          f"vectors=embedding_layer, head={head}, after_batch={VECTORS_REBUILD_AFTER}",
+          layout_work(*vectors_layout(num_classes, counts, k, head), probs, tokens),
+          lambda k=k: Tree.huffman(huffman_counts, branching=k),
+          {"branching": k, "counts": counts, "head": head,
+           "after_batch": VECTORS_REBUILD_AFTER}))
     elif re.fullmatch(r"huffman\d+", name):
       k = int(name[len("huffman"):])
       if not 2 <= k < num_classes:
@@ -320,6 +380,14 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes)
                        "any K)")
     layout = None
   return found
+
+
+def _tree_label(name):
+  """A tree row's label in the table: "HSM learned", "HSM vectors32/256" (branching /
+  head), "HSM huffman(8)"."""
+  if name.startswith(("learned", "two_level")):
+    return "HSM " + re.sub(r"\(.*", "", name)
+  return "HSM " + re.sub(r"vectors\((\d+), head=(\d+)\)", r"vectors\1/\2", name)
 
 
 def _short_list(values):
@@ -499,12 +567,11 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   layers = [Layer("full softmax", "full softmax", f"HierarchicalSoftmax(Tree.flat({V}))",
                   num_classes=V), None]
   for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes):
-    rows.append(row(f"HierarchicalSoftmax {tree.name}",
-                    "HSM " + re.sub(r"\(.*", "", tree.name) if tree.name.startswith(
-                        ("learned", "two_level")) else f"HSM {tree.name}",
+    rows.append(row(f"HierarchicalSoftmax {tree.name}", _tree_label(tree.name),
                     tree_cost(tree.work, D, T, probs)))
     layers.append(Layer("HierarchicalSoftmax", rows[-1]["method"],
-                        f"HierarchicalSoftmax({tree.code})", _build=tree.build))
+                        f"HierarchicalSoftmax({tree.code})", _build=tree.build,
+                        rebuild=tree.rebuild))
   progress("choosing the adaptive softmax's cutoffs")
   order = _frequency_order(counts, probs, adaptive, notes)
   ranked = probs if order is None else probs[order]

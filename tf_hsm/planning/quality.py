@@ -7,7 +7,11 @@ The evidence is the demo's word-level LSTM language model (`python -m tf_hsm.dem
 Embedding -> LSTM(128) -> the output layer, LazyAdam 6e-3, batch 64 x 32 tokens, 3
 epochs, best held-out perplexity) on three corpora: the Python standard library's
 docstrings (V=6,205), the King James Bible (V=4,989) and Debian's fortunes
-(V=10,000), every row re-made by `python -m tf_hsm.bench.quality_runs CORPUS`. A
+(V=10,000), every row re-made by `python -m tf_hsm.bench.quality_runs CORPUS`; and at
+large vocabularies the same model on two corpora of Debian's documentation and comments
+(V=103,450 and 113,946), trained with PyTorch on a GPU (`tf_hsm.bench.quality_torch`:
+full softmax at 100K classes is 14 hours an epoch on 2 vCPUs) and compared at equal
+training tokens (2M and 6M, under an epoch: early in training). A
 layer's figure is the mean over the corpora measured of its best perplexity over full
 softmax's in the same setting; `EVIDENCE` lists every figure with its source.
 
@@ -25,8 +29,16 @@ import re
 STDLIB = "standard library (V=6,205)"
 KJV = "King James Bible (V=4,989)"
 FORTUNES = "fortunes (V=10,000)"
+# The large vocabularies (`tf_hsm.bench.corpora`), trained with PyTorch on a GPU
+# (`tf_hsm.bench.quality_torch`) and compared at equal training tokens: each checkpoint
+# is a corpus of its own here, with its own full-softmax reference.
+LINUX_2M = "linux-comments at 2.0M tokens (V=103,450)"
+DEBIAN_2M = "debian-docs at 2.0M tokens (V=113,946)"
+LINUX_6M = "linux-comments at 6.0M tokens (V=103,450)"
+DEBIAN_6M = "debian-docs at 6.0M tokens (V=113,946)"
 # Each corpus's classes (the demo's vocabulary with <unk>), for the lookup by size.
-CORPUS_CLASSES = {STDLIB: 6_205, KJV: 4_989, FORTUNES: 10_000}
+CORPUS_CLASSES = {STDLIB: 6_205, KJV: 4_989, FORTUNES: 10_000, LINUX_2M: 103_450,
+                  DEBIAN_2M: 113_946, LINUX_6M: 103_450, DEBIAN_6M: 113_946}
 # A row whose V is more than this factor from every vocabulary its figures were
 # measured at is marked `~` in the table: the figure orders layers, it does not give
 # their cost at that V.
@@ -47,6 +59,11 @@ class Figure:
     return self.perplexity / FULL[self.corpus]
 
 
+# The large vocabularies' figures: docs/planner.md, "Large vocabularies" (run 1: every
+# row, compared at 2.0M training tokens, the rows rebuilt from vectors not yet rebuilt
+# there and left out; run 2: the trees from vectors, at 6.0M).
+_GPU_RUNS = ("docs/planner.md, Large vocabularies (python -m tf_hsm.bench.quality_torch "
+             "run, run {}, {}, row {}, NVIDIA H200, 2026-11-26)")
 # Every figure: `python -m tf_hsm.bench.quality_runs CORPUS`, one row each (AMD EPYC, 2
 # vCPUs, each run pinned to one; 2026-11-25), in docs/planner.md's quality table.
 _RUNS = ("docs/planner.md, Quality (python -m tf_hsm.bench.quality_runs {}, row {}, "
@@ -90,7 +107,23 @@ EVIDENCE = (
     Figure("adaptive_fixed", STDLIB, 81.2, _RUNS.format("stdlib", "adaptive_fixed")),
     Figure("adaptive_fixed", KJV, 52.7, _RUNS.format("kjv", "adaptive_fixed")),
     Figure("adaptive_fixed", FORTUNES, 123.4, _RUNS.format("fortunes", "adaptive_fixed")),
-)
+) + tuple(
+    Figure(kind, corpus, ppl, _GPU_RUNS.format(run, corpus.split(" at ")[0], row))
+    for run, corpus, rows in (
+        (1, LINUX_2M, {"full": 157.79, "sampled": 161.21, "two_level": 165.03,
+                       "huffman8": 173.87, "huffman32": 166.26, "balanced": 163.71,
+                       "adaptive_flat": 159.97, "adaptive_fixed": 157.95,
+                       "adaptive_demo": 155.14}),
+        (1, DEBIAN_2M, {"full": 86.86, "sampled": 88.53, "two_level": 91.12,
+                        "huffman8": 97.68, "huffman32": 92.25, "balanced": 89.96,
+                        "adaptive_flat": 86.78, "adaptive_fixed": 85.71,
+                        "adaptive_demo": 84.20}),
+        (2, LINUX_6M, {"full": 116.50, "sampled": 119.93, "vectors32_head256": 122.42,
+                       "vectors32_head1024": 119.39, "vectors64_head256": 120.71}),
+        (2, DEBIAN_6M, {"full": 60.40, "sampled": 61.94, "vectors32_head256": 63.95,
+                        "vectors32_head1024": 62.42, "vectors64_head256": 63.23}))
+    for row, ppl in rows.items()
+    for kind in ["three_level" if row == "balanced" else row])
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
 FULL = {f.corpus: f.perplexity for f in EVIDENCE if f.kind == "full"}
 # What the kinds are, for the table and the notes.
@@ -112,6 +145,13 @@ KINDS = {
                           "planner chooses for the step (choose_cutoffs)",
     "adaptive_fixed": "AdaptiveSoftmax, flat tails, div 4, PyTorch-style fixed cutoffs "
                       "(2,000 x 10^i)",
+    "vectors32_head256": "HierarchicalSoftmax, a tree from vectors: the 256 most frequent "
+                         "classes at the root, the rest 32-ary by similarity, rebuilt from "
+                         "the input embeddings after 1,000 batches (RebuildTree)",
+    "vectors64_head256": "HierarchicalSoftmax, a tree from vectors: head of 256, the rest "
+                         "64-ary by similarity, rebuilt after 1,000 batches",
+    "vectors32_head1024": "HierarchicalSoftmax, a tree from vectors: head of 1,024, the "
+                          "rest 32-ary by similarity, rebuilt after 1,000 batches",
 }
 
 
@@ -179,6 +219,10 @@ def kind_of(method, cutoffs=None, div_value=None, num_classes=None):
     return "full"
   if method.startswith("sampled softmax"):
     return "sampled"
+  match = re.match(r"HierarchicalSoftmax vectors\((\d+), head=(\d+)\)", method)
+  if match:
+    kind = "vectors{}_head{}".format(*match.groups())
+    return kind if any(f.kind == kind for f in EVIDENCE) else None
   match = re.match(r"HierarchicalSoftmax (\w+)(?:\((\d+)\))?", method)
   if match:
     name, arg = match.groups()
