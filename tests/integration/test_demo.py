@@ -217,29 +217,28 @@ def test_command_line_help():
     assert flag in result.stdout
 
 
-def test_planned_tree_is_the_planners_tree(capsys):
-  """--tree planned trains on recommend_tree's choice: by plan's quality rule among the
-  hierarchical rows (the most accurate measured tree within 20% of the fastest)."""
+def test_planned_tree_is_the_planners_layer(capsys):
+  """--tree planned trains plan's recommendation among the exact and hierarchical rows
+  (trees rebuilt from vectors included), with the RebuildTree it needs."""
   counts = np.sort(np.random.default_rng(0).zipf(1.3, 3_000).astype(np.float64))[::-1]
   machine = {"matmul_flops": 5e10, "read_bytes": 1e10, "call_seconds": 2e-4,
              "tree_step": (3e-11, 1e-10, 7e-11, 2e-7, 1e-8, 5e-4)}
-  tree = demo.planned_tree(counts, 128, 2048, machine=machine)
+  tree, rebuild = demo.planned_tree(counts, 128, 2048, machine=machine)
   out = capsys.readouterr().out
   report = tf_hsm.plan(3_000, 128, 2048, counts=counts, optimizer="lazy_adam",
-                       machine=machine)
-  rows = [r for r in report.rows if r["method"].startswith("HierarchicalSoftmax")]
-  expected, best = tf_hsm.planner.recommend_tree(3_000, 128, 2048, counts=counts,
-                                                 optimizer="lazy_adam", machine=machine)
-  assert f"--tree planned: {best['method']}," in out and "| full softmax |" in out
-  np.testing.assert_array_equal(tree.slot_child, expected.slot_child)
-  fastest = min(r["step_seconds"] for r in rows if not r["method"].startswith(
-      "HierarchicalSoftmax learned"))
-  assert best["step_seconds"] <= fastest * (1 + tf_hsm.planner.QUALITY_MARGIN)
-  # Nothing fits a tiny budget: the smallest tree, not the fastest.
-  small, row = tf_hsm.planner.recommend_tree(3_000, 128, 2048, counts=counts,
-                                             optimizer="lazy_adam", memory_budget=1,
-                                             machine=machine)
-  assert not row["fits"] and row["peak_bytes"] == min(r["peak_bytes"] for r in rows)
+                       machine=machine, adaptive=())
+  assert f"--tree planned: {report.recommended}," in out and "| full softmax |" in out
+  assert tree == report.layer.tree and rebuild == report.layer.rebuild
+  # A pick rebuilt from vectors: its callback rebuilds the model's HSM from the inputs'
+  # embeddings.
+  picked = tf_hsm.plan(3_000, 128, 2048, counts=counts, optimizer="lazy_adam",
+                       machine=dict(machine, matmul_flops=1e8),
+                       trees=("vectors32_head256",), adaptive=()).layer
+  rebuild = picked.rebuild
+  model = demo.hsm_model(picked.tree, counts, 16, 8, 1e-3)
+  callback = demo.planned_rebuild_callback(model, rebuild)
+  assert callback.layer is model.get_layer("hsm")
+  assert callback.vectors is model.get_layer("embedding")
 
 
 def test_quality_runs_commands_and_summary(tmp_path, capsys):

@@ -239,20 +239,22 @@ def make_tree(kind, counts, head=0, branching=None):
 
 
 def planned_tree(counts, hidden, tokens_per_step, machine=None):
-  """The tree `tf_hsm.plan` prices fastest for this model's output layer (the
-  vocabulary's training counts, the LSTM's width, a batch's tokens, LazyAdam); prints
-  the planner's table of every candidate first."""
+  """(tree, rebuild): the layer `tf_hsm.plan` recommends for this model's output layer
+  among the exact softmax and the hierarchical rows (every tree it prices, those
+  rebuilt from vectors during training included; the vocabulary's training counts, the
+  LSTM's width, a batch's tokens, LazyAdam), as the tree the layer starts on and the
+  `RebuildTree` arguments that make it the recommended tree (None if it trains as
+  built); prints the planner's table first."""
   import tf_hsm  # pylint: disable=g-import-not-at-top
-  from tf_hsm import planning as planner  # pylint: disable=g-import-not-at-top
   counts = np.asarray(counts, np.float64)
   report = tf_hsm.plan(len(counts), hidden, tokens_per_step, counts=counts,
-                       optimizer="lazy_adam", machine=machine)
+                       optimizer="lazy_adam", machine=machine, adaptive=())
   print("the planner, for this output layer:\n" + report.to_markdown(), flush=True)
-  tree, row = planner.recommend_tree(len(counts), hidden, tokens_per_step, counts=counts,
-                                     optimizer="lazy_adam", machine=machine)
+  row = next(r for r in report.rows if r["method"] == report.recommended)
   print(f"  --tree planned: {row['method']}, {1e3 * row['step_seconds']:.1f} ms a step "
-        "predicted", flush=True)
-  return tree
+        "predicted" + (f"; rebuilt by RebuildTree({report.layer.rebuild_schedule()})"
+                       if report.layer.rebuild else ""), flush=True)
+  return report.layer.tree, report.layer.rebuild
 
 
 def learned_head(vocab_size):
@@ -298,6 +300,15 @@ def learned_tree_callback(model, counts, head=0, after_batches=None, vectors="em
   when = {"after_batch": after_batches} if after_batches else {"after_epoch": 1}
   return RebuildTree(model.get_layer("hsm"), branching=[width, width], counts=counts,
                      vectors=source, head=head, **when)
+
+
+def planned_rebuild_callback(model, rebuild, vectors="embedding"):
+  """The RebuildTree of a planned tree that is rebuilt during training (`rebuild`: its
+  arguments from the planner's `Layer.rebuild`), from the input embeddings or the HSM's
+  rows (`vectors`), as `learned_tree_callback`."""
+  from tf_hsm.keras.callbacks import RebuildTree  # pylint: disable=g-import-not-at-top
+  source = model.get_layer("embedding") if vectors == "embedding" else None
+  return RebuildTree(model.get_layer("hsm"), vectors=source, **rebuild)
 
 
 def unigram_log_probs(counts):
@@ -743,8 +754,9 @@ def main(argv=None):
   unk_rate = float(np.mean(held_out_ids == 0))
   head = learned_head(len(words)) if args.head is None and args.tree == "learned" else \
       min(args.head or 0, len(words) - 1)
+  rebuild = None
   if args.tree == "planned":
-    tree = planned_tree(counts, args.hidden, args.batch * args.seq_len)
+    tree, rebuild = planned_tree(counts, args.hidden, args.batch * args.seq_len)
   else:
     tree = make_tree(args.tree, counts, head, args.branching)
   print(f"corpus: {source}\n  {len(train_tokens):,} training and {len(held_out_tokens):,} "
@@ -781,6 +793,8 @@ def main(argv=None):
       if args.tree == "learned":
         extra = [learned_tree_callback(model, counts, head, args.rebuild_after_batches,
                                        args.rebuild_from, args.width)]
+      elif rebuild:
+        extra = [planned_rebuild_callback(model, rebuild, args.rebuild_from)]
     elif kind == "full":
       name = "full"
       model = full_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate)

@@ -127,6 +127,11 @@ class Layer:
     raise ValueError(f"no layer to build for {self.method!r}: {self.kind} is never "
                      "recommended (its figures are approximate)")
 
+  def rebuild_schedule(self):
+    """The rebuild's arguments as text (counts left out), '' without one."""
+    return ", ".join(f"{k}={v!r}" for k, v in (self.rebuild or {}).items()
+                     if k != "counts")
+
   def rebuild_callback(self, layer, vectors=None):
     """The `tf_hsm.callbacks.RebuildTree` that turns the built layer into the
     recommended tree during training (pass it to `model.fit(callbacks=[...])`), or None

@@ -1,0 +1,80 @@
+"""The planner's trees from vectors: their priced shape, their rows' evidence from the
+large vocabularies, and the layer it hands over with the rebuild it needs."""
+
+import numpy as np
+import pytest
+
+import tf_hsm
+from tf_hsm.planning import candidates, quality
+
+MACHINE = {"matmul_flops": 5e10, "read_bytes": 1e10, "call_seconds": 2e-4,
+           "tree_step": (3e-11, 1e-10, 7e-11, 2e-7, 1e-8, 5e-4)}
+
+
+@pytest.mark.parametrize("classes,branching,head", [(50, 4, 5), (1_000, 32, 256),
+                                                    (3_000, 64, 0), (40, 8, 31)])
+def test_vectors_layout_is_a_head_over_a_huffman_tree(classes, branching, head):
+  rng = np.random.default_rng(classes)
+  counts = rng.zipf(1.3, classes).astype(np.float64)
+  begin, child, c = candidates.vectors_layout(classes, counts, branching, head)
+  tree = tf_hsm.Tree._from_layout(np.asarray(begin), np.asarray(child), c)
+  top = np.argsort(-counts, kind="stable")[:head]
+  root = set(np.asarray(tree.children(0)).tolist())
+  assert set(top.tolist()) <= root  # the head: leaves of the root
+  rest = np.setdiff1d(np.arange(classes), top)
+  huffman = tf_hsm.Tree.huffman(counts[rest], branching)
+  assert len(root) == head + len(huffman.children(0))
+  # Below the head, every class sits as deep as in the Huffman tree of the others.
+  np.testing.assert_array_equal(tree.class_depth[rest], huffman.class_depth)
+
+
+def test_vector_rows_carry_the_large_vocabularies_evidence():
+  counts = 1.0 / np.arange(1, 200_001)
+  report = tf_hsm.plan(200_000, 128, 2048, counts=counts, optimizer="lazy_adam",
+                       machine=MACHINE, trees=candidates.VECTOR_TREES, adaptive=())
+  rows = {r["quality_kind"]: r for r in report.rows}
+  for kind in ("vectors32_head256", "vectors64_head256"):
+    ratio, figures = quality.quality_of(kind, 200_000)
+    assert rows[kind]["quality"] == pytest.approx(ratio) and ratio > 1
+    assert {f.corpus for f in figures} == {quality.LINUX_6M, quality.DEBIAN_6M}
+    assert not rows[kind]["quality_far"]
+  assert quality.kind_of("HierarchicalSoftmax vectors(32, head=256)") == \
+      "vectors32_head256"
+  assert quality.kind_of("HierarchicalSoftmax vectors(16, head=8)") is None  # unmeasured
+  assert "| HSM vectors32/256 |" in report.to_markdown()
+
+
+def test_large_vocabulary_evidence_is_compared_at_equal_tokens():
+  for corpus in (quality.LINUX_2M, quality.DEBIAN_2M, quality.LINUX_6M, quality.DEBIAN_6M):
+    kinds = {f.kind for f in quality.EVIDENCE if f.corpus == corpus}
+    assert {"full", "sampled"} <= kinds  # each checkpoint has its own reference
+  # Rows rebuilt from vectors were not rebuilt yet at 2M tokens: no figures there.
+  early = {f.kind for f in quality.EVIDENCE if f.corpus == quality.LINUX_2M}
+  assert not any(k.startswith("vectors") or k == "learned" for k in early)
+  # At V=1M the nearest measured size is the large vocabularies'.
+  _, figures = quality.quality_of("huffman8", 1_000_000)
+  assert {f.corpus for f in figures} == {quality.LINUX_2M, quality.DEBIAN_2M}
+
+
+def test_a_recommended_tree_from_vectors_comes_with_its_rebuild():
+  counts = np.sort(np.random.default_rng(0).zipf(1.3, 3_000).astype(np.float64))[::-1]
+  report = tf_hsm.plan(3_000, 128, 2048, counts=counts, optimizer="lazy_adam",
+                       machine=dict(MACHINE, matmul_flops=1e8), trees=("vectors32_head256",),
+                       adaptive=())
+  layer = report.layer
+  assert report.recommended == "HierarchicalSoftmax vectors(32, head=256)", report.reason
+  assert layer.tree == tf_hsm.Tree.huffman(counts, branching=32)  # what it starts on
+  assert layer.rebuild["branching"] == 32 and layer.rebuild["head"] == 256
+  assert layer.rebuild["after_batch"] == candidates.VECTORS_REBUILD_AFTER
+  np.testing.assert_array_equal(layer.rebuild["counts"], counts)
+  assert layer.to_dict()["rebuild"] == {"branching": 32, "head": 256,
+                                        "after_batch": candidates.VECTORS_REBUILD_AFTER}
+  assert "RebuildTree(layer, branching=32" in layer.code
+  hsm = layer.build(name="hsm")
+  callback = layer.rebuild_callback(hsm)
+  assert isinstance(callback, tf_hsm.callbacks.RebuildTree)
+  assert (callback.layer, callback.after_batch, callback.head) == (hsm, 1000, 256)
+  # A tree trained as built has no rebuild.
+  plain = tf_hsm.plan(3_000, 128, 2048, counts=counts, machine=MACHINE,
+                      trees=("huffman8",), adaptive=())
+  assert plain.layer.rebuild is None and plain.layer.rebuild_callback(None) is None
