@@ -53,7 +53,19 @@ ROWS = {
         "--tail", "two_level"]),
     "adaptive_fixed": ("adaptive_fixed", ["--models", "adaptive", "--cutoffs", "pytorch",
                                           "--div-value", "4"]),
+    # The planner's trees from vectors: the demo's learned tree with their head and
+    # branching (it starts on the two-level tree and is rebuilt after epoch 1).
+    "vectors32_head256": ("vectors32_head256", ["--models", "hsm", "--tree", "learned",
+                                                "--head", "256", "--width", "32"]),
+    "vectors64_head256": ("vectors64_head256", ["--models", "hsm", "--tree", "learned",
+                                                "--head", "256", "--width", "64"]),
 }
+# The rows run by default: the vectors rows need a vocabulary above 256 + 64 words.
+DEFAULT_ROWS = [r for r in ROWS if not r.startswith("vectors")]
+# --time-steps: each row trains this many epochs of N batches (the second on a rebuilt
+# tree), evaluated on the first TIMING_EVAL_TOKENS held-out tokens: the CPU time of a
+# step at the corpus's vocabulary, not its quality.
+TIMING_EPOCHS, TIMING_EVAL_TOKENS = 2, 20_000
 
 
 def corpus_settings(name):
@@ -76,7 +88,7 @@ def training_counts(corpus, settings=None):
   return counts
 
 
-def command(row, corpus, out, vocab, cpu, settings=None):
+def command(row, corpus, out, vocab, cpu, settings=None, time_steps=None):
   args = [a.replace("{cbrt}", str(max(2, math.ceil(vocab ** (1 / 3) - 1e-9))))
           for a in ROWS[row][1]]
   cmd = [sys.executable, "-m", "tf_hsm.demo", *args, "--quiet",
@@ -85,6 +97,9 @@ def command(row, corpus, out, vocab, cpu, settings=None):
     cmd += ["--corpus", corpus]
   if settings and settings != corpus_settings(None):
     cmd += ["--max-tokens", str(settings["max_tokens"]), "--vocab", str(settings["vocab"])]
+  if time_steps:
+    cmd += ["--steps-per-epoch", str(time_steps), "--epochs", str(TIMING_EPOCHS),
+            "--eval-tokens", str(TIMING_EVAL_TOKENS)]
   if cpu is not None and shutil.which("taskset"):
     cmd = ["taskset", "-c", str(cpu)] + cmd
   return cmd
@@ -106,12 +121,17 @@ def summary(out):
     model = result["models"][0]
     ppl = model["held_out_perplexity"][1:]
     cpu = model["train_cpu_seconds"]
+    # The demo's figure: the median of the epochs after the first (tracing); a timing
+    # run's epochs are --steps-per-epoch batches, scaled to the whole split's.
+    per_epoch = statistics.median(cpu[1:] if len(cpu) > 1 else cpu)
+    steps = result["settings"].get("steps_per_epoch")
+    if steps and result.get("train_batches_per_epoch"):
+      per_epoch *= result["train_batches_per_epoch"] / steps
     rows.append({
         "row": row, "kind": ROWS[row][0], "model": model["name"],
         "vocab_size": result["vocab_size"], "perplexity_per_epoch": ppl,
         "best": min(ppl), "ratio": None if full is None else min(ppl) / full,
-        # The demo's figure: the median of the epochs after the first (tracing).
-        "cpu_seconds_per_epoch": statistics.median(cpu[1:] if len(cpu) > 1 else cpu),
+        "cpu_seconds_per_epoch": per_epoch, "timed_steps": steps,
         "tree": result.get("tree"), "adaptive": result.get("adaptive"),
         "settings": result["settings"]})
   lines = ["| row (kind) | model | V | perplexity per epoch | best | vs full | CPU s/epoch "
@@ -128,7 +148,8 @@ def summary(out):
     ratio = "-" if r["ratio"] is None else f"{100 * (r['ratio'] - 1):+.1f}%"
     lines.append(f"| {r['row']} ({r['kind']}) | {r['model']} | {r['vocab_size']:,} | "
                  + ", ".join(f"{p:.1f}" for p in r["perplexity_per_epoch"])
-                 + f" | {r['best']:.1f} | {ratio} | {r['cpu_seconds_per_epoch']:.1f} | "
+                 + f" | {r['best']:.1f} | {ratio} | {r['cpu_seconds_per_epoch']:.1f}"
+                 + ("*" if r["timed_steps"] else "") + " | "
                  f"{layout} |")
   return rows, "\n".join(lines)
 
@@ -178,9 +199,16 @@ def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m tf_hsm.bench.quality_runs",
                               description=__doc__.split("\n\n")[0])
   p.add_argument("corpus", help=", ".join(corpora.NAMES) + " or a UTF-8 text file")
-  p.add_argument("--rows", default=",".join(ROWS),
+  p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                  help="comma-separated rows to run, of " + ", ".join(ROWS) +
-                      " (default: all)")
+                      " (default: all but the vectors rows)")
+  p.add_argument("--max-tokens", type=int, default=None,
+                 help="the corpus's first N tokens (default: the demo's 300K, the whole "
+                      "text for a large corpus)")
+  p.add_argument("--time-steps", type=int, default=None,
+                 help="a timing run: each row trains %d epochs of N batches (evaluated on "
+                      "%d held-out tokens); the summary's CPU s/epoch scales the second "
+                      "epoch's to the whole split" % (TIMING_EPOCHS, TIMING_EVAL_TOKENS))
   p.add_argument("--out", default=None,
                  help="directory for the results (default: demo_results/quality_runs/CORPUS)")
   p.add_argument("--cpu", type=int, default=None,
@@ -209,11 +237,14 @@ def main(argv=None):
   # A large corpus is prepared once, where `python -m tf_hsm.bench.corpora` writes it.
   corpus = corpus_file(args.corpus, corpora.DEFAULT_OUT if args.corpus in corpora.LARGE
                        else out)
-  settings = corpus_settings(args.corpus)
+  settings = dict(corpus_settings(args.corpus))
+  if args.max_tokens is not None:
+    settings["max_tokens"] = args.max_tokens
   vocab = len(training_counts(corpus, settings)) if any(
       "{cbrt}" in " ".join(ROWS[r][1]) for r in rows) else 0
   for row in rows:
-    cmd = command(row, corpus, out, vocab, None if args.cpu < 0 else args.cpu, settings)
+    cmd = command(row, corpus, out, vocab, None if args.cpu < 0 else args.cpu, settings,
+                  args.time_steps)
     print("$ " + " ".join(cmd), flush=True)
     if not args.dry_run:
       subprocess.run(cmd, check=True)

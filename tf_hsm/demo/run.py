@@ -503,7 +503,8 @@ def _epoch_timer(keras):
   return EpochTimer()
 
 
-def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, callbacks=()):
+def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, callbacks=(),
+          steps_per_epoch=None):
   """Fits the model, timing each epoch and evaluating held-out perplexity after it.
 
   Args:
@@ -516,12 +517,14 @@ def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, call
   """
   import keras  # pylint: disable=g-import-not-at-top
   (x, y), (hx, hy) = train_data, held_out_data
-  tokens = y.size
+  tokens = y.size if steps_per_epoch is None else min(
+      y.size, steps_per_epoch * batch * y.shape[-1])
   initial = model.evaluate(hx, hy, batch_size=4 * batch, verbose=0)
   print(f"\n== {name}: {model.count_params():,} parameters, {tokens:,} training tokens, "
         f"held-out perplexity before training {_exp(initial):.1f}", flush=True)
   timer = _epoch_timer(keras)
   fit = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=verbose,
+                  steps_per_epoch=steps_per_epoch,
                   validation_data=(hx, hy), validation_batch_size=4 * batch,
                   callbacks=[timer, *callbacks])
   for callback in callbacks:
@@ -690,6 +693,12 @@ def parse_args(argv=None):
                  help="the adaptive softmax's tails (default: %(default)s)")
   p.add_argument("--num-sampled", type=int, default=DEFAULTS["num_sampled"],
                  help="sampled softmax candidates per batch (default: %(default)s)")
+  p.add_argument("--steps-per-epoch", type=int, default=None,
+                 help="train this many batches an epoch instead of the whole training "
+                      "split (a timing run: the CPU time of a step at the corpus's "
+                      "vocabulary without its hours; default: the whole split)")
+  p.add_argument("--eval-tokens", type=int, default=0,
+                 help="evaluate on the first N held-out tokens only (0: all)")
   p.add_argument("--skip-full", action="store_true",
                  help="train only the HSM model (the same as --models hsm)")
   p.add_argument("--quiet", action="store_true", help="no Keras progress bars")
@@ -699,6 +708,10 @@ def parse_args(argv=None):
   if unknown or not args.models:
     p.error(f"--models takes a comma-separated list of {', '.join(MODELS)}; got "
             f"{unknown or 'none'}")
+  if args.steps_per_epoch is not None and args.steps_per_epoch < 1:
+    p.error("--steps-per-epoch must be positive")
+  if args.eval_tokens < 0:
+    p.error("--eval-tokens must be >= 0")
   for name in ("vocab", "min_count", "epochs", "hidden", "seq_len", "batch", "num_sampled"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be positive")
@@ -750,7 +763,8 @@ def main(argv=None):
                      f"need at least {args.seq_len + 1} (raise --max-tokens, or lower "
                      "--seq-len)")
   x, y = sequences(train_ids, args.seq_len)
-  hx, hy = sequences(held_out_ids, args.seq_len)
+  hx, hy = sequences(held_out_ids[:args.eval_tokens + 1] if args.eval_tokens else
+                     held_out_ids, args.seq_len)
   unk_rate = float(np.mean(held_out_ids == 0))
   head = learned_head(len(words)) if args.head is None and args.tree == "learned" else \
       min(args.head or 0, len(words) - 1)
@@ -811,13 +825,14 @@ def main(argv=None):
                              cutoffs, args.div_value, args.tail)
       data, held_out = ([x, y], y), ([hx, hy], hy)
     histories.append(train(name, model, data, held_out, args.epochs, args.batch, verbose,
-                           extra))
+                           extra, args.steps_per_epoch))
 
   report = table(histories)
   os.makedirs(args.out, exist_ok=True)
   plot(histories, os.path.join(args.out, "perplexity.png"))
   settings = {k: v for k, v in vars(args).items() if k not in ("quiet",)}
   results = {"settings": settings, "corpus": source, "vocab_size": len(words),
+             "train_batches_per_epoch": math.ceil(len(x) / args.batch),
              "held_out_unk_rate": unk_rate, "tree": {"kind": args.tree, "head": head,
                                                      "num_slots": tree.num_slots,
                                                      "max_depth": tree.max_depth,
