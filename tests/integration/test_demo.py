@@ -253,7 +253,7 @@ def test_quality_runs_commands_and_summary(tmp_path, capsys):
   assert quality_runs.main([str(corpus), "--dry-run", "--out", str(out), "--cpu", "-1"]) == 0
   commands = [line[2:].split() for line in capsys.readouterr().out.splitlines()
               if line.startswith("$ ")]
-  assert len(commands) == len(quality_runs.ROWS)
+  assert len(commands) == len(quality_runs.DEFAULT_ROWS)
   vocab = len(quality_runs.training_counts(str(corpus)))
   by_row = {c[c.index("--out") + 1].rsplit("/", 1)[-1]: c for c in commands}
   assert by_row["balanced"][by_row["balanced"].index("--branching") + 1] == str(
@@ -272,6 +272,17 @@ def test_quality_runs_commands_and_summary(tmp_path, capsys):
   assert [r["row"] for r in rows] == ["full", "huffman2"]
   assert rows[1]["ratio"] == pytest.approx(86.0 / 80.0) and rows[1]["best"] == 86.0
   assert rows[1]["cpu_seconds_per_epoch"] == pytest.approx(2.1) and "+7.5%" in table
+  # A timing run: epochs of --time-steps batches, the CPU time scaled to the split's.
+  assert quality_runs.main([str(corpus), "--dry-run", "--out", str(out), "--cpu", "-1",
+                            "--rows", "vectors32_head256", "--time-steps", "5"]) == 0
+  timed = capsys.readouterr().out.split()
+  assert timed[timed.index("--steps-per-epoch") + 1] == "5"
+  assert timed[timed.index("--head") + 1] == "256" and timed[timed.index("--width") + 1] == "32"
+  result = json.loads((out / "full" / "results.json").read_text())
+  result.update(settings={"steps_per_epoch": 5}, train_batches_per_epoch=50)
+  (out / "full" / "results.json").write_text(json.dumps(result))
+  rows, table = quality_runs.summary(str(out))
+  assert rows[0]["cpu_seconds_per_epoch"] == pytest.approx(21.0) and "| 21.0* |" in table
 
 
 def test_full_softmax_is_the_exact_softmax_of_a_one_node_tree():
