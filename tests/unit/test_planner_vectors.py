@@ -78,3 +78,19 @@ def test_a_recommended_tree_from_vectors_comes_with_its_rebuild():
   plain = tf_hsm.plan(3_000, 128, 2048, counts=counts, machine=MACHINE,
                       trees=("huffman8",), adaptive=())
   assert plain.layer.rebuild is None and plain.layer.rebuild_callback(None) is None
+
+
+@pytest.mark.parametrize("classes,branching,head", [(50, 4, 5), (1_000, 32, 256),
+                                                    (3_000, 64, 0), (400, 8, 1)])
+def test_vectors_work_prices_the_layout_without_building_it(classes, branching, head):
+  from tf_hsm.planning.tree_work import layout_work, vectors_work
+  counts = np.random.default_rng(classes).zipf(1.2, classes).astype(np.float64)
+  counts[:3] = counts[3]  # ties at the head's edge go to the lower ids
+  probs = counts / counts.sum()
+  expected = layout_work(*candidates.vectors_layout(classes, counts, branching, head),
+                         probs, 512)
+  got = vectors_work(counts, branching, head, probs, 512)
+  assert got.num_classes == expected.num_classes and got.num_nodes == expected.num_nodes
+  assert got.path_steps == expected.path_steps
+  for field in ("per_token", "per_token_small", "rows", "path_nodes"):
+    assert getattr(got, field) == pytest.approx(getattr(expected, field), rel=1e-9), field

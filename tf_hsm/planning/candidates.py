@@ -37,7 +37,7 @@ from tf_hsm.planning.costs import (DIV_VALUE, DTYPE_BYTES, OPTIMIZERS, TAILS,
                                    tree_cost)
 from tf_hsm.planning.cutoffs import checked_counts, choose_cutoffs
 from tf_hsm.planning.pricing import price
-from tf_hsm.planning.tree_work import huffman_work, layout_work
+from tf_hsm.planning.tree_work import huffman_work, layout_work, vectors_work
 from tf_hsm.tree import Tree
 from tf_hsm.tree import builders
 
@@ -273,7 +273,7 @@ HSM_TREES = ("two_level", "three_level", "huffman2", "huffman8", "huffman32")
 # layer starts on `Tree.huffman(counts, K)` and RebuildTree rebuilds it from the input
 # embeddings (`Tree.from_vectors(..., branching=K, head=H)`) after VECTORS_REBUILD_AFTER
 # batches; priced as that shape with a Huffman tree of the other classes under the root
-# (`vectors_layout`: `from_vectors` balances mass as Huffman's merges do). The two measured
+# (`tree_work.vectors_work`; `from_vectors` balances mass as Huffman's merges do). The two measured
 # at large vocabularies that train at least twice as fast as sampled softmax at V=1M
 # (docs/planner.md, "Large vocabularies").
 VECTOR_TREES = ("vectors32_head256", "vectors64_head256")
@@ -367,7 +367,7 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes)
           f"Tree.huffman(counts, branching={k})); rebuilt after {VECTORS_REBUILD_AFTER:,} "
           f"batches by tf_hsm.callbacks.RebuildTree(layer, branching={k}, counts=counts, "
           f"vectors=embedding_layer, head={head}, after_batch={VECTORS_REBUILD_AFTER}",
-          layout_work(*vectors_layout(num_classes, counts, k, head), probs, tokens),
+          vectors_work(huffman_counts, k, head, probs, tokens),
           lambda k=k: Tree.huffman(huffman_counts, branching=k),
           {"branching": k, "counts": counts, "head": head,
            "after_batch": VECTORS_REBUILD_AFTER}))

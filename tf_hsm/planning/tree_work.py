@@ -130,8 +130,10 @@ def layout_work(child_begin, slot_child, num_classes, probs, tokens):
   return _work(C, node_p, sizes, round(float(below.sum())), tokens)
 
 
-def huffman_work(counts, branching, probs, tokens):
-  """The `TreeWork` of `Tree.huffman(counts, branching)`, from the merges alone.
+def _huffman_nodes(counts, branching, probs):
+  """(classes, node probabilities, children per node, path steps) of
+  `Tree.huffman(counts, branching)`, its nodes in merge order (the root last), from the
+  merges alone.
 
   The builder's own merges (`tf_hsm.tree.builders.huffman_merges`: the same batches and
   ties, so the same tree), keeping each merged node's weight, its number of children
@@ -145,7 +147,7 @@ def huffman_work(counts, branching, probs, tokens):
   w = counts_array(counts)
   n = w.size
   if n == 1:
-    return TreeWork(1, 1, 1.0, 1.0, 1.0, 1.0, 1)
+    return 1, np.ones(1), np.ones(1, np.int64), 1
   # Sorted ascending (ties in any order: only weights are kept). Counts given by
   # decreasing frequency, as a vocabulary's usually are, need no sort.
   if n > 1 and np.all(w[1:] <= w[:-1]):
@@ -171,4 +173,36 @@ def huffman_work(counts, branching, probs, tokens):
       merged_n / n * total
   sizes = np.full(m, k, np.int64)
   sizes[0] = first
-  return _work(n, node_p, sizes, int(merged_n.sum()), tokens)
+  return n, node_p, sizes, int(merged_n.sum())
+
+
+def huffman_work(counts, branching, probs, tokens):
+  """The `TreeWork` of `Tree.huffman(counts, branching)`, from the merges alone
+  (`_huffman_nodes`): O(C) memory in a few arrays, no layout and no paths."""
+  n, node_p, sizes, steps = _huffman_nodes(counts, branching, probs)
+  return _work(n, node_p, sizes, steps, tokens)
+
+
+def vectors_work(counts, branching, head, probs, tokens):
+  """The `TreeWork` the planner prices a tree from vectors at (`Tree.from_vectors(...,
+  branching=K, head=H)`, whose splits balance mass as Huffman's merges do): the H most
+  frequent classes as leaves of the root beside the root's children of the K-ary
+  Huffman tree of the other classes (`candidates.vectors_layout` builds that layout).
+  From the other classes' merges: the root is visited by every token and scores H more
+  children; every other node is the Huffman tree's."""
+  w = np.asarray(counts, np.float64)
+  probs = np.asarray(probs, np.float64)
+  v = w.size
+  rest = np.ones(v, bool)
+  if head:
+    # The H largest counts, ties to the lower id (as the builders' stable sorts).
+    top = np.argpartition(-w, head - 1)[:head] if head < v else np.arange(v)
+    cut = w[top].min()
+    above = np.flatnonzero(w > cut)
+    tied = np.flatnonzero(w == cut)[:head - above.size]
+    rest[above] = rest[tied] = False
+  n, node_p, sizes, steps = _huffman_nodes(w[rest], branching, probs[rest])
+  node_p, sizes = node_p.copy(), sizes.copy()
+  node_p[-1] = float(probs.sum())
+  sizes[-1] += v - n
+  return _work(v, node_p, sizes, steps + (v - n), tokens)
