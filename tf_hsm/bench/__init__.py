@@ -13,6 +13,8 @@ One module per job:
   tree, full and sampled softmax), also `tf_hsm.baselines`;
 * plan_verify: the planner's figures beside the bench's measurements
   (`python -m tf_hsm.planning --verify`);
+* corpora, quality_runs, quality_torch: the planner's quality evidence (the corpora, the
+  demo's runs on the CPU, the same runs in PyTorch on a GPU at 100K+ classes);
 * adaptive, keras_fit, shards: `python -m tf_hsm.bench.adaptive` (the adaptive softmax
   against PyTorch's), `.keras_fit` (a `model.fit` step at up to 10M classes),
   `.shards` (rows per shard of balanced layouts).
