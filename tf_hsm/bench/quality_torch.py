@@ -368,7 +368,9 @@ def _rebuild_shape(option, counts):
   v = len(counts)
   sqrt = max(2, math.ceil(math.sqrt(v)))
   branching = [sqrt, sqrt] if width == "sqrt" else int(width)
-  head = min(128, v // 8) if head == "learned_head" else int(head)
+  # A head at most 1/8 of the classes (the demo's rule for its learned tree), so that a
+  # small vocabulary keeps most of its classes in the similarity tree below.
+  head = min(128 if head == "learned_head" else int(head), v // 8)
   return branching, head
 
 
