@@ -105,11 +105,6 @@ def _glorot(torch, rows, cols, generator):
   return (torch.rand(rows, cols, generator=generator, dtype=torch.float64) * 2 - 1) * limit
 
 
-def unigram_log_probs(counts):
-  counts = np.asarray(counts, np.float64) + 0.5
-  return np.log(counts / counts.sum())
-
-
 def start_tree(name, counts):
   """The tree a row starts from, by name (tf_hsm's builders)."""
   from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
@@ -210,6 +205,7 @@ def sampled_log_prob(torch, weight, bias, h, y, rng):
 def _make_model(torch, row, counts, meta, device, seed):
   """(module, output-layer state) for ROW: the embedding, the LSTM and the row's layer,
   initialised as Keras initialises the demo's model."""
+  from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
   nn = torch.nn
   kind, options = ROWS[row]
   v = len(counts)
@@ -230,12 +226,12 @@ def _make_model(torch, row, counts, meta, device, seed):
   layer = {"kind": kind}
   if kind in ("full", "sampled"):
     model.weight = nn.Parameter(_glorot(torch, v, HIDDEN, g).float())
-    model.bias = nn.Parameter(torch.as_tensor(unigram_log_probs(counts), dtype=torch.float32))
+    model.bias = nn.Parameter(torch.as_tensor(run.unigram_log_probs(counts),
+                                              dtype=torch.float32))
     if kind == "full":
       from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
       layer["tree"] = Tree.flat(v)
   elif kind == "tree":
-    from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
     tree = start_tree(options["start"], counts)
     model.weight = nn.Parameter(_glorot(torch, tree.num_slots, HIDDEN, g).float())
     model.bias = nn.Parameter(torch.as_tensor(run.tree_unigram_biases(tree, counts),
@@ -250,7 +246,7 @@ def _make_model(torch, row, counts, meta, device, seed):
       for p in model.adaptive.parameters():
         if p.dim() == 2:
           p.copy_(_glorot(torch, p.shape[1], p.shape[0], g).t())
-      log_p = unigram_log_probs(counts)
+      log_p = run.unigram_log_probs(counts)
       bounds = list(cutoffs) + [v]
       head = list(log_p[:cutoffs[0]]) + [np.logaddexp.reduce(log_p[lo:hi])
                                          for lo, hi in zip(bounds[:-1], bounds[1:])]
@@ -346,11 +342,6 @@ def rebuild(torch, model, layer, optimizer, counts, branching, head, seed=0):
   return tree
 
 
-def sequences(ids, seq_len=SEQ_LEN):
-  n = (len(ids) - 1) // seq_len
-  return (ids[:n * seq_len].reshape(n, seq_len), ids[1:n * seq_len + 1].reshape(n, seq_len))
-
-
 def evaluate(torch, model, layer, data, device):
   """Held-out perplexity (exact log-probabilities) over DATA = (inputs, targets)."""
   x, y = data
@@ -382,8 +373,9 @@ def train_row(args):
   torch.backends.cudnn.allow_tf32 = args.tf32
   device = torch.device(args.device)
   train, held_out, counts, meta = load_corpus(args.corpus)
-  x, y = sequences(train)
-  held = sequences(held_out[:args.eval_tokens + 1])
+  from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
+  x, y = run.sequences(train, SEQ_LEN)
+  held = run.sequences(held_out[:args.eval_tokens + 1], SEQ_LEN)
   model, layer = _make_model(torch, args.row, counts, meta, device, args.seed)
   optimizer = LazyAdam(torch, model, LEARNING_RATE)
   options = ROWS[args.row][1]

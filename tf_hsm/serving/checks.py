@@ -133,11 +133,8 @@ def conform(x, dims, name):
     same = tf.reduce_all(tf.equal(tf.gather(padded, [i for i, _ in static]),
                                   [d for _, d in static]))
     ok = tf.logical_and(ok, same)
-  check = tf.debugging.Assert(
-      ok, [f"{name} must have shape {_shape_text(dims)}, got shape", shape],
-      name=f"check_{name}_shape")
-  with tf.control_dependencies([check]):
-    x = tf.identity(x)
+  x = _asserted(x, ok, [f"{name} must have shape {_shape_text(dims)}, got shape", shape],
+                f"check_{name}_shape")
   # A pack needs equal shapes: it fails when XLA compiles a wrong shape, and in LiteRT
   # (where a reshape would read extra dimensions of size 1 as the declared shape).
   shape = runtime_shape(x)
@@ -146,6 +143,14 @@ def conform(x, dims, name):
   label = "x".join("N" if d is None else str(d) for d in dims)
   label = f"must_have_shape_{label}" if dims else "must_be_a_scalar"
   return _first(tf.stack([x, tf.zeros(wanted, x.dtype)], name=f"{name}_{label}"))
+
+
+def _asserted(value, ok, data, name):
+  """`value` after a `tf.debugging.Assert(ok, data, name=name)` (the assert runs where
+  TensorFlow runs; XLA and LiteRT drop it)."""
+  check = tf.debugging.Assert(ok, data, name=name)
+  with tf.control_dependencies([check]):
+    return tf.identity(value)
 
 
 def _first(packed):
@@ -161,12 +166,10 @@ def same_positions(targets, leading, name):
   ok = tf.logical_and(tf.equal(tf.size(shape), tf.size(leading)),
                       tf.reduce_all(tf.equal(
                           tf.concat([shape, leading], 0)[:tf.size(leading)], leading)))
-  check = tf.debugging.Assert(
-      ok, [f"{name} must have one class id per position, shape", leading, "(the "
-           "positions the other inputs give), got shape", shape],
-      name=f"check_{name}_positions")
-  with tf.control_dependencies([check]):
-    targets = tf.identity(targets)
+  targets = _asserted(
+      targets, ok, [f"{name} must have one class id per position, shape", leading, "(the "
+                    "positions the other inputs give), got shape", shape],
+      f"check_{name}_positions")
   # A pack needs equal shapes in XLA and in LiteRT too (where the assert is gone).
   return _first(tf.stack([targets, tf.zeros(leading, targets.dtype)],
                          name=f"{name}_must_have_the_positions_shape"))
@@ -177,12 +180,10 @@ def targets_below(targets, num_classes, name):
   (elsewhere the log-probability functions give such targets NaN, and an excluded id out
   of range matches no class)."""
   flat = tf.reshape(tf.cast(targets, tf.int64), [-1])
-  check = tf.debugging.Assert(
-      tf.reduce_all(flat < num_classes),
+  return _asserted(
+      targets, tf.reduce_all(flat < num_classes),
       [f"{name} must be class ids < num_classes = {num_classes} (or < 0 for padding), "
-       "got", tf.reduce_max(flat)], name=f"check_{name}_range")
-  with tf.control_dependencies([check]):
-    return tf.identity(targets)
+       "got", tf.reduce_max(flat)], f"check_{name}_range")
 
 
 def broadcast_rows(ids, leading, name):
@@ -194,11 +195,9 @@ def broadcast_rows(ids, leading, name):
   rows = shape[:-1]
   ok = tf.logical_and(tf.equal(tf.size(rows), tf.size(leading)), tf.reduce_all(
       tf.logical_or(tf.equal(rows, 1), tf.equal(rows, leading))))
-  check = tf.debugging.Assert(
-      ok, [f"{name} must be [..., n] with leading shape", leading, "(the positions; 1 in "
-           "a dimension applies to every row along it), got shape", shape],
-      name=f"check_{name}_rows")
-  with tf.control_dependencies([check]):
-    ids = tf.identity(ids)
+  ids = _asserted(
+      ids, ok, [f"{name} must be [..., n] with leading shape", leading, "(the positions; 1 "
+                "in a dimension applies to every row along it), got shape", shape],
+      f"check_{name}_rows")
   return tf.broadcast_to(ids, tf.concat([leading, shape[-1:]], 0),
                          name=f"{name}_must_broadcast_to_the_positions")
