@@ -33,10 +33,13 @@ def test_vector_rows_carry_the_large_vocabularies_evidence():
   report = tf_hsm.plan(200_000, 128, 2048, counts=counts, optimizer="lazy_adam",
                        machine=MACHINE, trees=candidates.VECTOR_TREES, adaptive=())
   rows = {r["quality_kind"]: r for r in report.rows}
-  for kind in ("vectors32_head256", "vectors64_head256"):
+  checkpoints = {"vectors32_head256": {quality.LINUX_6M, quality.DEBIAN_6M},
+                 "vectors64_head256": {quality.LINUX_6M, quality.DEBIAN_6M,
+                                       quality.LINUX_EPOCH, quality.DEBIAN_EPOCH}}
+  for kind, corpora in checkpoints.items():
     ratio, figures = quality.quality_of(kind, 200_000)
     assert rows[kind]["quality"] == pytest.approx(ratio) and ratio > 1
-    assert {f.corpus for f in figures} == {quality.LINUX_6M, quality.DEBIAN_6M}
+    assert {f.corpus for f in figures} == corpora
     assert not rows[kind]["quality_far"]
   assert quality.kind_of("HierarchicalSoftmax vectors(32, head=256)") == \
       "vectors32_head256"
@@ -45,7 +48,8 @@ def test_vector_rows_carry_the_large_vocabularies_evidence():
 
 
 def test_large_vocabulary_evidence_is_compared_at_equal_tokens():
-  for corpus in (quality.LINUX_2M, quality.DEBIAN_2M, quality.LINUX_6M, quality.DEBIAN_6M):
+  for corpus in (quality.LINUX_2M, quality.DEBIAN_2M, quality.LINUX_6M, quality.DEBIAN_6M,
+                 quality.LINUX_EPOCH, quality.DEBIAN_EPOCH):
     kinds = {f.kind for f in quality.EVIDENCE if f.corpus == corpus}
     assert {"full", "sampled"} <= kinds  # each checkpoint has its own reference
   # Rows rebuilt from vectors were not rebuilt yet at 2M tokens: no figures there.

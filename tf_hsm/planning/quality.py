@@ -11,7 +11,7 @@ docstrings (V=6,205), the King James Bible (V=4,989) and Debian's fortunes
 large vocabularies the same model on two corpora of Debian's documentation and comments
 (V=103,450 and 113,946), trained with PyTorch on a GPU (`tf_hsm.bench.quality_torch`:
 full softmax at 100K classes is 14 hours an epoch on 2 vCPUs) and compared at equal
-training tokens (2M and 6M, under an epoch: early in training). A
+training tokens (2M and 6M, and the end of one epoch for the rows run that long). A
 layer's figure is the mean over the corpora measured of its best perplexity over full
 softmax's in the same setting; `EVIDENCE` lists every figure with its source.
 
@@ -36,9 +36,12 @@ LINUX_2M = "linux-comments at 2.0M tokens (V=103,450)"
 DEBIAN_2M = "debian-docs at 2.0M tokens (V=113,946)"
 LINUX_6M = "linux-comments at 6.0M tokens (V=103,450)"
 DEBIAN_6M = "debian-docs at 6.0M tokens (V=113,946)"
+LINUX_EPOCH = "linux-comments after an epoch, 10.8M tokens (V=103,450)"
+DEBIAN_EPOCH = "debian-docs after an epoch, 16.6M tokens (V=113,946)"
 # Each corpus's classes (the demo's vocabulary with <unk>), for the lookup by size.
 CORPUS_CLASSES = {STDLIB: 6_205, KJV: 4_989, FORTUNES: 10_000, LINUX_2M: 103_450,
-                  DEBIAN_2M: 113_946, LINUX_6M: 103_450, DEBIAN_6M: 113_946}
+                  DEBIAN_2M: 113_946, LINUX_6M: 103_450, DEBIAN_6M: 113_946,
+                  LINUX_EPOCH: 103_450, DEBIAN_EPOCH: 113_946}
 # A row whose V is more than this factor from every vocabulary its figures were
 # measured at is marked `~` in the table: the figure orders layers, it does not give
 # their cost at that V.
@@ -61,7 +64,8 @@ class Figure:
 
 # The large vocabularies' figures: docs/planner.md, "Large vocabularies" (run 1: every
 # row, compared at 2.0M training tokens, the rows rebuilt from vectors not yet rebuilt
-# there and left out; run 2: the trees from vectors, at 6.0M).
+# there and left out; run 2: the trees from vectors, at 6.0M; run 3: four rows to the end
+# of an epoch).
 _GPU_RUNS = ("docs/planner.md, Large vocabularies (python -m tf_hsm.bench.quality_torch "
              "run, run {}, {}, row {}, NVIDIA H200, 2026-11-26)")
 # Every figure: `python -m tf_hsm.bench.quality_runs CORPUS`, one row each (AMD EPYC, 2
@@ -108,7 +112,7 @@ EVIDENCE = (
     Figure("adaptive_fixed", KJV, 52.7, _RUNS.format("kjv", "adaptive_fixed")),
     Figure("adaptive_fixed", FORTUNES, 123.4, _RUNS.format("fortunes", "adaptive_fixed")),
 ) + tuple(
-    Figure(kind, corpus, ppl, _GPU_RUNS.format(run, corpus.split(" at ")[0], row))
+    Figure(kind, corpus, ppl, _GPU_RUNS.format(run, corpus.split(" ")[0], row))
     for run, corpus, rows in (
         (1, LINUX_2M, {"full": 157.79, "sampled": 161.21, "two_level": 165.03,
                        "huffman8": 173.87, "huffman32": 166.26, "balanced": 163.71,
@@ -121,7 +125,11 @@ EVIDENCE = (
         (2, LINUX_6M, {"full": 116.50, "sampled": 119.93, "vectors32_head256": 122.42,
                        "vectors32_head1024": 119.39, "vectors64_head256": 120.71}),
         (2, DEBIAN_6M, {"full": 60.40, "sampled": 61.94, "vectors32_head256": 63.95,
-                        "vectors32_head1024": 62.42, "vectors64_head256": 63.23}))
+                        "vectors32_head1024": 62.42, "vectors64_head256": 63.23}),
+        (3, LINUX_EPOCH, {"full": 101.62, "sampled": 105.35, "adaptive_fixed": 105.28,
+                          "vectors64_head256": 107.44}),
+        (3, DEBIAN_EPOCH, {"full": 46.37, "sampled": 48.05, "adaptive_fixed": 49.11,
+                           "vectors64_head256": 51.10}))
     for row, ppl in rows.items()
     for kind in ["three_level" if row == "balanced" else row])
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
