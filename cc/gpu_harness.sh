@@ -25,7 +25,8 @@
 #                       PTX of the last one is embedded too)
 #   TF_HSM_MARCH        -march for the CPU core (default native; the core gets the op
 #                       library's flags for it, cc/core_flags.sh, and -O3)
-#   TF_HSM_NVCC_FLAGS   extra nvcc flags for the CUDA sources, e.g. the tuning knobs
+#   TF_HSM_NVCC_FLAGS   extra flags for the CUDA sources (nvcc's, or the host compiler's
+#                       with --emulate), e.g. the tuning knobs
 #                       -DTF_HSM_GPU_CHUNK_SLOTS=256 -DTF_HSM_GPU_SMALL_TILE_BLOCKS=2 of
 #                       cc/core/log_prob_gpu.cu, -DTF_HSM_GPU_SELECT_PER_THREAD=32 of
 #                       cc/core/inference_gpu.cu (use another TF_HSM_HARNESS_DIR per setting)
@@ -87,7 +88,7 @@ if [ "$emulate" = 1 ]; then
   fi
   objdir="$out/$mode"
   cc_cmd() { "$cxx" "${flags[@]}" "${core_flags[@]}" "$core_opt" $(core_extra "$1") -c "$1" -o "$2"; }
-  cu_cmd() { "$cxx" "${flags[@]}" -include cc/tests/gpu_emulation.cuh -x c++ -c "$1" -o "$2"; }
+  cu_cmd() { "$cxx" "${flags[@]}" ${TF_HSM_NVCC_FLAGS:-} -include cc/tests/gpu_emulation.cuh -x c++ -c "$1" -o "$2"; }
   link_cmd() { "$cxx" "${link_flags[@]}" -o "$1" "${@:2}" -lpthread; }
 else
   nvcc="${TF_HSM_NVCC:-}"
@@ -129,7 +130,7 @@ fi
 mkdir -p "$objdir"
 # Rebuild an object when its source, any core header, this script or the flags changed.
 stamp="$objdir/flags"
-flag_text="$mode ${flags[*]} ${gencode[*]:-} ${core_flags[*]} $core_opt"
+flag_text="$mode ${flags[*]} ${TF_HSM_NVCC_FLAGS:-} ${gencode[*]:-} ${core_flags[*]} $core_opt"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$flag_text" ]; then
   rm -f "$objdir"/*.o
   printf '%s' "$flag_text" > "$stamp"

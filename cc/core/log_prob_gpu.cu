@@ -55,12 +55,28 @@ struct Args {
 
 // ---- Logits and partial logsumexps -------------------------------------------------------
 
+// What a logits kernel keeps in the coefficient buffer besides the partials: nothing (a
+// forward), the logits (a backward wave, whose coefficients follow once every chunk is
+// folded), or the coefficients themselves (a wide group's block of children, whose
+// visits' log-sum-exps are already known).
+enum class Keep { kNothing, kLogits, kCoefficients };
+
+// upstream * (onehot(taken) - softmax) for one logit: CoefficientKernel's formula.
+template <typename T>
+TF_HSM_DEVICE T Coefficient(T z, T lse, T up, bool taken) {
+  T c = Exp(z - lse) * -up;
+  if (taken) c += up;
+  return c;
+}
+
 // One item: tokens [m0, m0 + BM) of a slice against slot chunk n0 of its node. The chunk
 // is folded 64 slots at a time into a running (max, sum of exp) per token, written as the
-// partial of (visit, chunk). With kStore the logits are also kept in the coefficient
-// buffer. The taken slot's logit is written by the one thread that computes it.
-template <typename T, class C, bool kStore>
+// partial of (visit, chunk), and the taken slot's logit is written by the one thread that
+// computes it; kKeep says what else is kept. With Keep::kCoefficients the slice is a block
+// of a wide group's children: only its coefficients are written.
+template <typename T, class C, Keep kKeep>
 TF_HSM_GLOBAL void TF_HSM_TILE_BOUNDS LogitsTiledKernel(Args<T> a, int64 item_begin, int64 num_items) {
+  constexpr bool kFold = kKeep != Keep::kCoefficients;
   static_assert(C::kThreadsN <= kWarpSize && (C::kThreadsN & (C::kThreadsN - 1)) == 0,
                 "a tile row must be a power-of-two group of lanes");
   TF_HSM_SHARED TileSmem<T, C> smem;
@@ -73,22 +89,25 @@ TF_HSM_GLOBAL void TF_HSM_TILE_BOUNDS LogitsTiledKernel(Args<T> a, int64 item_be
     const Slice sl = a.slices[item.slice];
     const int64 t0 = item.m0, chunk = item.n0;
     const int64 nt = Min64(C::BM, sl.count - t0);
-    const int64 n_begin = chunk * kChunkSlots;
-    const int64 n_end = Min64(sl.num_slots, n_begin + kChunkSlots);
+    const int64 n_begin = chunk * sl.chunk_slots;
+    const int64 n_end = Min64(sl.num_slots, n_begin + sl.chunk_slots);
     SyncThreads();  // the previous item is done with `rows`
     for (int r = tid; r < C::BM; r += C::kThreads) {
       rows[r] = r < nt ? a.hidden + a.visit_row[sl.visit0 + t0 + r] * dim : nullptr;
     }
     SyncThreads();
 
-    T run_max[C::TM], run_sum[C::TM];
+    T run_max[C::TM], run_sum[C::TM], row_lse[C::TM], row_up[C::TM];
     int64 taken_slot[C::TM];
 #pragma unroll
     for (int i = 0; i < C::TM; ++i) {
       const int r = C::Row(i);
+      const int64 v = sl.visit0 + t0 + r;
       run_max[i] = NegInf<T>();
       run_sum[i] = T(0);
-      taken_slot[i] = r < nt ? a.visit_slot[sl.visit0 + t0 + r] - sl.first_slot : -1;
+      taken_slot[i] = r < nt ? a.visit_slot[v] - sl.first_slot : -1;
+      row_lse[i] = kKeep == Keep::kCoefficients && r < nt ? a.lse[v] : T(0);
+      row_up[i] = kKeep == Keep::kCoefficients && r < nt ? a.upstream[a.visit_row[v]] : T(0);
     }
     for (int64 n0 = n_begin; n0 < n_end; n0 += C::BN) {
       T acc[C::TM][C::TN];
@@ -112,28 +131,36 @@ TF_HSM_GLOBAL void TF_HSM_TILE_BOUNDS LogitsTiledKernel(Args<T> a, int64 item_be
             tile_max = MaxIgnoringNan(tile_max, acc[i][j]);
           }
         }
-        tile_max = GroupMax<C::kThreadsN>(tile_max);
-        const T new_max = MaxIgnoringNan(run_max[i], tile_max);
-        T tile_sum = T(0);
+        if (kFold) {
+          tile_max = GroupMax<C::kThreadsN>(tile_max);
+          const T new_max = MaxIgnoringNan(run_max[i], tile_max);
+          T tile_sum = T(0);
 #pragma unroll
-        for (int j = 0; j < C::TN; ++j) {
-          if (C::Col(j) < nb) tile_sum += Exp(acc[i][j] - new_max);
+          for (int j = 0; j < C::TN; ++j) {
+            if (C::Col(j) < nb) tile_sum += Exp(acc[i][j] - new_max);
+          }
+          tile_sum = GroupSum<C::kThreadsN>(tile_sum);
+          run_sum[i] = run_sum[i] * Exp(run_max[i] - new_max) + tile_sum;
+          run_max[i] = new_max;
         }
-        tile_sum = GroupSum<C::kThreadsN>(tile_sum);
-        run_sum[i] = run_sum[i] * Exp(run_max[i] - new_max) + tile_sum;
-        run_max[i] = new_max;
         if (r < nt) {
 #pragma unroll
           for (int j = 0; j < C::TN; ++j) {
             const int c = C::Col(j);
             if (c >= nb) continue;
-            if (kStore) a.coef[sl.coef + (t0 + r) * sl.num_slots + n0 + c] = acc[i][j];
-            if (n0 + c == taken_slot[i]) a.taken[sl.visit0 + t0 + r] = acc[i][j];
+            const bool taken = n0 + c == taken_slot[i];
+            T* kept = a.coef + sl.coef + (t0 + r) * sl.num_slots + n0 + c;
+            if (kKeep == Keep::kLogits) *kept = acc[i][j];
+            if (kKeep == Keep::kCoefficients) {
+              *kept = Coefficient(acc[i][j], row_lse[i], row_up[i], taken);
+            } else if (taken) {
+              a.taken[sl.visit0 + t0 + r] = acc[i][j];
+            }
           }
         }
       }
     }
-    if (tn == 0) {
+    if (kFold && tn == 0) {
 #pragma unroll
       for (int i = 0; i < C::TM; ++i) {
         const int r = C::Row(i);
@@ -269,11 +296,7 @@ TF_HSM_GLOBAL void CoefficientKernel(Args<T> a, int64 e_begin, int64 e_end) {
     const T up = a.upstream[a.visit_row[e]];
     const T lse = a.lse[e];
     const int64 taken = a.visit_slot[e] - sl.first_slot;
-    for (int64 j = lane; j < sl.num_slots; j += kWarpSize) {
-      T c = Exp(z[j] - lse) * -up;
-      if (j == taken) c += up;
-      z[j] = c;
-    }
+    for (int64 j = lane; j < sl.num_slots; j += kWarpSize) z[j] = Coefficient(z[j], lse, up, j == taken);
   }
 }
 
@@ -495,19 +518,20 @@ std::string CheckCall(const GpuLogProbPlan& plan, GpuLogProbPlan::Mode mode, int
                        workspace, plan.num_tokens > 0);
 }
 
-template <typename T, bool kStore>
+template <typename T, Keep kKeep>
 std::string LaunchLogits(const Args<T>& a, const GpuLogProbPlan::Wave& w, cudaStream_t s) {
   TF_HSM_RETURN_IF_CUDA_ERROR(
-      Launch(&LogitsTiledKernel<T, WideTile, kStore>, Blocks(w.logits_wide.count, 1),
+      Launch(&LogitsTiledKernel<T, WideTile, kKeep>, Blocks(w.logits_wide.count, 1),
              kThreads, s, a, w.logits_wide.begin, w.logits_wide.count),
       "LogitsTiledKernel (64 tokens)");
   TF_HSM_RETURN_IF_CUDA_ERROR(
-      Launch(&LogitsTiledKernel<T, NarrowTile, kStore>, Blocks(w.logits_narrow.count, 1),
+      Launch(&LogitsTiledKernel<T, NarrowTile, kKeep>, Blocks(w.logits_narrow.count, 1),
              kThreads, s, a, w.logits_narrow.begin, w.logits_narrow.count),
       "LogitsTiledKernel (16 tokens)");
-  if (w.small_visits > 0) {
+  // Blocks of a wide group's children never hold small nodes (small_visits is 0).
+  if (kKeep != Keep::kCoefficients && w.small_visits > 0) {
     TF_HSM_RETURN_IF_CUDA_ERROR(
-        Launch(&LogitsSmallKernel<T, kStore>,
+        Launch(&LogitsSmallKernel<T, kKeep == Keep::kLogits>,
                Blocks(w.visit_end - w.visit_begin, kWarpsPerBlock), kThreads, s, a,
                w.visit_begin, w.visit_end),
         "LogitsSmallKernel");
@@ -530,7 +554,7 @@ std::string LogitsThenPathsGpu(GpuLogProbPlan::Mode mode, const GpuLogProbPlan& 
   Args<T> a = MakeArgs(plan, p, workspace);
   a.log_prob = out;
   for (const auto& w : plan.waves) {
-    err = LaunchLogits<T, false>(a, w, stream);
+    err = LaunchLogits<T, Keep::kNothing>(a, w, stream);
     if (!err.empty()) return err;
   }
   if (mode == GpuLogProbPlan::kCandidates) {
@@ -545,6 +569,81 @@ std::string LogitsThenPathsGpu(GpuLogProbPlan::Mode mode, const GpuLogProbPlan& 
         "FinishForwardKernel");
   }
   return "";
+}
+
+// A wave's dh, level by level: within a level each token is in one group, so tiles own
+// their rows; across levels (and waves) the chain continues in order.
+template <typename T>
+std::string LaunchHiddenGrad(const Args<T>& a, const GpuLogProbPlan::Wave& w, cudaStream_t stream) {
+  for (const auto& l : w.levels) {
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&HiddenGradTiledKernel<T, WideTile>, Blocks(l.dh_wide.count, 1), kThreads,
+               stream, a, l.dh_wide.begin, l.dh_wide.count),
+        "HiddenGradTiledKernel (64 tokens)");
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&HiddenGradTiledKernel<T, NarrowTile>, Blocks(l.dh_narrow.count, 1),
+               kThreads, stream, a, l.dh_narrow.begin, l.dh_narrow.count),
+        "HiddenGradTiledKernel (16 tokens)");
+    if (l.small_visits > 0) {
+      TF_HSM_RETURN_IF_CUDA_ERROR(
+          Launch(&HiddenGradSmallKernel<T>,
+                 Blocks(l.visit_end - l.visit_begin, kWarpsPerBlock), kThreads, stream, a,
+                 l.visit_begin, l.visit_end),
+          "HiddenGradSmallKernel");
+    }
+  }
+  return "";
+}
+
+// A wave's weight-gradient rows, by node size.
+template <typename T>
+std::string LaunchWeightGrad(const Args<T>& a, const GpuLogProbPlan::Wave& w, cudaStream_t stream) {
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      Launch(&WeightGradTiledKernel<T, DwTile4>, Blocks(w.dw[0].count, 1), kThreads,
+             stream, a, w.dw[0].begin, w.dw[0].count),
+      "WeightGradTiledKernel (4 slots)");
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      Launch(&WeightGradTiledKernel<T, DwTile16>, Blocks(w.dw[1].count, 1), kThreads,
+             stream, a, w.dw[1].begin, w.dw[1].count),
+      "WeightGradTiledKernel (16 slots)");
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      Launch(&WeightGradTiledKernel<T, DwTile64>, Blocks(w.dw[2].count, 1), kThreads,
+             stream, a, w.dw[2].begin, w.dw[2].count),
+      "WeightGradTiledKernel (64 slots)");
+  TF_HSM_RETURN_IF_CUDA_ERROR(
+      Launch(&WeightGradWarpKernel<T>, Blocks(w.dw_warp.count, kWarpsPerBlock), kThreads,
+             stream, a, w.dw_warp.begin, w.dw_warp.count),
+      "WeightGradWarpKernel");
+  return "";
+}
+
+// One wave of the backward pass, by its kind (GpuLogProbPlan::Wave): the coefficients of
+// its slices (from kept logits, or computed in the logits tiles of a wide group's block of
+// children), then dh and dW; a kLogSumExp wave only folds its group's log-sum-exps.
+template <typename T>
+std::string BackwardWave(const Args<T>& a, const GpuLogProbPlan::Wave& w, int64 dim,
+                         cudaStream_t stream) {
+  using Wave = GpuLogProbPlan::Wave;
+  const int64 entries = w.visit_end - w.visit_begin;
+  std::string err = w.kind == Wave::kSlotBlock   ? LaunchLogits<T, Keep::kCoefficients>(a, w, stream)
+                    : w.kind == Wave::kLogSumExp ? LaunchLogits<T, Keep::kNothing>(a, w, stream)
+                                                 : LaunchLogits<T, Keep::kLogits>(a, w, stream);
+  if (!err.empty()) return err;
+  if (w.kind != Wave::kSlotBlock) {
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&LogSumExpKernel<T>, Blocks(entries, kThreads), kThreads, stream, a,
+               w.visit_begin, w.visit_end),
+        "LogSumExpKernel");
+  }
+  if (w.kind == Wave::kLogSumExp) return "";
+  if (w.kind == Wave::kCoefficients) {
+    TF_HSM_RETURN_IF_CUDA_ERROR(
+        Launch(&CoefficientKernel<T>, Blocks(entries, kWarpsPerBlock), kThreads, stream, a,
+               w.visit_begin, w.visit_end),
+        "CoefficientKernel");
+  }
+  if (dim > 0) err = LaunchHiddenGrad(a, w, stream);
+  return err.empty() ? LaunchWeightGrad(a, w, stream) : err;
 }
 
 }  // namespace
@@ -591,53 +690,8 @@ std::string LogProbBackwardGpu(const GpuLogProbPlan& plan, const SoftmaxParams<T
              a.group_first, plan.num_groups, grads.row_ids, plan.num_rows),
       "RowIdsKernel");
   for (const auto& w : plan.waves) {
-    err = LaunchLogits<T, true>(a, w, stream);
+    err = BackwardWave(a, w, dim, stream);
     if (!err.empty()) return err;
-    const int64 entries = w.visit_end - w.visit_begin;
-    TF_HSM_RETURN_IF_CUDA_ERROR(
-        Launch(&LogSumExpKernel<T>, Blocks(entries, kThreads), kThreads, stream, a,
-               w.visit_begin, w.visit_end),
-        "LogSumExpKernel");
-    TF_HSM_RETURN_IF_CUDA_ERROR(
-        Launch(&CoefficientKernel<T>, Blocks(entries, kWarpsPerBlock), kThreads, stream, a,
-               w.visit_begin, w.visit_end),
-        "CoefficientKernel");
-    // dh level by level: within a level each token is in one group, so tiles own their
-    // rows; across levels the chain continues in order.
-    for (const auto& l : w.levels) {
-      if (dim == 0) break;
-      TF_HSM_RETURN_IF_CUDA_ERROR(
-          Launch(&HiddenGradTiledKernel<T, WideTile>, Blocks(l.dh_wide.count, 1), kThreads,
-                 stream, a, l.dh_wide.begin, l.dh_wide.count),
-          "HiddenGradTiledKernel (64 tokens)");
-      TF_HSM_RETURN_IF_CUDA_ERROR(
-          Launch(&HiddenGradTiledKernel<T, NarrowTile>, Blocks(l.dh_narrow.count, 1),
-                 kThreads, stream, a, l.dh_narrow.begin, l.dh_narrow.count),
-          "HiddenGradTiledKernel (16 tokens)");
-      if (l.small_visits > 0) {
-        TF_HSM_RETURN_IF_CUDA_ERROR(
-            Launch(&HiddenGradSmallKernel<T>,
-                   Blocks(l.visit_end - l.visit_begin, kWarpsPerBlock), kThreads, stream, a,
-                   l.visit_begin, l.visit_end),
-            "HiddenGradSmallKernel");
-      }
-    }
-    TF_HSM_RETURN_IF_CUDA_ERROR(
-        Launch(&WeightGradTiledKernel<T, DwTile4>, Blocks(w.dw[0].count, 1), kThreads,
-               stream, a, w.dw[0].begin, w.dw[0].count),
-        "WeightGradTiledKernel (4 slots)");
-    TF_HSM_RETURN_IF_CUDA_ERROR(
-        Launch(&WeightGradTiledKernel<T, DwTile16>, Blocks(w.dw[1].count, 1), kThreads,
-               stream, a, w.dw[1].begin, w.dw[1].count),
-        "WeightGradTiledKernel (16 slots)");
-    TF_HSM_RETURN_IF_CUDA_ERROR(
-        Launch(&WeightGradTiledKernel<T, DwTile64>, Blocks(w.dw[2].count, 1), kThreads,
-               stream, a, w.dw[2].begin, w.dw[2].count),
-        "WeightGradTiledKernel (64 slots)");
-    TF_HSM_RETURN_IF_CUDA_ERROR(
-        Launch(&WeightGradWarpKernel<T>, Blocks(w.dw_warp.count, kWarpsPerBlock), kThreads,
-               stream, a, w.dw_warp.begin, w.dw_warp.count),
-        "WeightGradWarpKernel");
   }
   return "";
 }

@@ -24,13 +24,19 @@
 //    (64 or 16 tokens x 64 slots, over D in steps of 16) in shared memory with float32
 //    (float) or float64 (double) accumulation; each tile folds into an online logsumexp,
 //    and a node with more than 128 children is split into chunks of 128 slots
-//    (kChunkSlots in log_prob_gpu.cu) whose partial (max, sum) are combined in a fixed
+//    (kChunkSlots in log_prob_gpu_layout.cuh; wider for a node so wide that its visits'
+//    partials would grow with it) whose partial (max, sum) are combined in a fixed
 //    order, so no branching factor is too big for shared memory. Nodes with at most 32 children use a warp per visit instead.
 //  - Backward: logits are recomputed and kept as coefficients upstream * (onehot - p) in
 //    a workspace buffer of at most coef_budget elements (larger batches run in waves of
 //    whole (group, token range) slices; a single slice always fits). Then dh += coef @ W
 //    level by level, and dW = coef^T @ [H | 1] (the column of ones gives db); short
 //    slices of small nodes (binary trees' deep levels) take a warp each instead of tiles.
+//    A wide group whose coefficients exceed the budget (Tree.flat, a wide head) is cut by
+//    children instead of tokens: its log-sum-exps first, then blocks of children against
+//    all of its visits (GpuLogProbPlan::Wave), so its rows are read twice, not once per
+//    token range, and the tiles stay 64 tokens tall. Token ranges remain for a group
+//    whose visits alone exceed the budget at kChunkSlots children.
 //  - Determinism: no atomics. Every output element is owned by one thread and is one
 //    chain of fused multiply-adds in a fixed order: dh over (level, slot), dW and db over
 //    the group's tokens in plan order, continued across waves through memory. Results are
@@ -77,6 +83,15 @@ struct GpuLogProbPlan {
   };
   // Slices whose coefficients fit the buffer together, processed one after another.
   struct Wave {
+    // kCoefficients: logits kept, then the log-sum-exps, coefficients, dh and dW of the
+    // wave's slices. A wide group (one whose [visits x children] coefficients exceed the
+    // budget) takes a kLogSumExp wave (its logits folded into each visit's log-sum-exp,
+    // nothing kept) and then one kSlotBlock wave per block of its children: the block's
+    // logits recomputed for all of the group's visits and turned into coefficients as
+    // they are computed, then dh and the block's dW, so the node's rows are read twice
+    // and no buffer grows with its width.
+    enum Kind { kCoefficients, kLogSumExp, kSlotBlock };
+    Kind kind = kCoefficients;
     int64 visit_begin = 0, visit_end = 0;
     int64 small_visits = 0;
     int64 coef_elements = 0;

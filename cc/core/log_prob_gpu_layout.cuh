@@ -24,6 +24,26 @@ constexpr int64 kSmallSlots = 32;
 #define TF_HSM_GPU_CHUNK_SLOTS 128
 #endif
 constexpr int64 kChunkSlots = TF_HSM_GPU_CHUNK_SLOTS;
+// A very wide node's chunks are widened, by whole kChunkSlots, until a visit keeps at most
+// max(kMinChunks, kChunkItems / its group's token tiles) partials: the partials then take
+// at most 2 * max(kMinChunks * T, kChunkItems * 64) values whatever the width (a one-node
+// tree of 1M classes at T = 3,200 keeps 41 a visit, not 7,813), and a group still spreads
+// over about kChunkItems blocks. (Compile-time knobs: the emulated harness sets them small
+// so that its small cases widen chunks too.)
+#ifndef TF_HSM_GPU_MIN_CHUNKS
+#define TF_HSM_GPU_MIN_CHUNKS 32
+#endif
+#ifndef TF_HSM_GPU_CHUNK_ITEMS
+#define TF_HSM_GPU_CHUNK_ITEMS 2048
+#endif
+constexpr int64 kMinChunks = TF_HSM_GPU_MIN_CHUNKS;
+constexpr int64 kChunkItems = TF_HSM_GPU_CHUNK_ITEMS;
+// Whether the backward cuts a wide group by children (GpuLogProbPlan::Wave::kSlotBlock);
+// 0 keeps token ranges only. (Compile-time knob for comparing the two in the harness.)
+#ifndef TF_HSM_GPU_WIDE_BLOCKS
+#define TF_HSM_GPU_WIDE_BLOCKS 1
+#endif
+constexpr bool kWideBlocks = TF_HSM_GPU_WIDE_BLOCKS != 0;
 // Groups with at most this many tokens use 16-token tiles, the others 64-token tiles.
 constexpr int64 kNarrowTokens = 16;
 // Weight gradients of small nodes' slices of at most this many tokens: a warp per slice.
@@ -70,10 +90,11 @@ struct Slice {
   int64 row0;         // the group's first weight-gradient row (plan.group_row)
   int64 partial0;     // the partial logsumexps of visit0; num_chunks per visit
   int64 num_chunks;
+  int64 chunk_slots;  // slots per chunk, a multiple of kChunkSlots
   int64 offset;       // visit0 - the group's first visit (0: the slice starts a group)
 };
 constexpr int64 kSliceWords = sizeof(Slice) / sizeof(int64);
-static_assert(sizeof(Slice) == 9 * sizeof(int64), "Slice is uploaded as int64 words");
+static_assert(sizeof(Slice) == 10 * sizeof(int64), "Slice is uploaded as int64 words");
 
 // One tile of a tiled kernel: rows from m0, columns (or the slot chunk) n0.
 struct Item {

@@ -56,27 +56,38 @@ void CollectVisits(const VisitPlan& plan, bool candidates, int64 num_candidates,
   v->group_visits[num_groups] = static_cast<int64>(v->visit_row.size());
 }
 
-// Per group: its node's first slot, its slot chunks and its first partial logsumexp (one
-// partial per (visit, chunk)).
+// Per group: its node's first slot, its slot chunks (how many, and their width) and its
+// first partial logsumexp (one partial per (visit, chunk)).
 struct Groups {
-  std::vector<int64> first, chunks, partial;
+  std::vector<int64> first, chunks, chunk_slots, partial;
   int64 num_partials = 0;
 };
+
+// The width of a node's chunks: kChunkSlots, widened for a node so wide that its n visits
+// would otherwise keep more than max(kMinChunks, kChunkItems / token tiles) partials each.
+int64 ChunkSlots(int64 n, int64 k) {
+  const int64 tiles = CeilDiv(n, n > kNarrowTokens ? WideTile::BM : NarrowTile::BM);
+  const int64 most = std::max(kMinChunks, CeilDiv(kChunkItems, std::max<int64>(tiles, 1)));
+  return CeilDiv(CeilDiv(k, kChunkSlots), most) * kChunkSlots;
+}
 
 Groups LayOutGroups(const VisitPlan& plan, const TreeView& tree, const std::vector<int64>& vbegin) {
   const int64 num_groups = plan.num_groups();
   Groups gr;
   gr.first.resize(num_groups);
   gr.chunks.resize(num_groups);
+  gr.chunk_slots.resize(num_groups);
   gr.partial.resize(num_groups);
   for (int64 g = 0; g < num_groups; ++g) {
     // The branching is the plan's row count: the node's entries in the tree, scattered over
     // megabytes for a large tree, are read once.
     gr.first[g] = tree.child_begin[plan.group_node[g]];
     const int64 k = plan.group_row[g + 1] - plan.group_row[g];
-    gr.chunks[g] = k <= kSmallSlots ? 1 : CeilDiv(k, kChunkSlots);
+    const int64 n = vbegin[g + 1] - vbegin[g];
+    gr.chunk_slots[g] = k <= kSmallSlots ? kChunkSlots : ChunkSlots(n, k);
+    gr.chunks[g] = k <= kSmallSlots ? 1 : CeilDiv(k, gr.chunk_slots[g]);
     gr.partial[g] = gr.num_partials;
-    gr.num_partials += (vbegin[g + 1] - vbegin[g]) * gr.chunks[g];
+    gr.num_partials += n * gr.chunks[g];
   }
   return gr;
 }
@@ -117,13 +128,19 @@ class WaveBuilder {
   void AddGroup(int64 level, int64 g) {
     const int64 n = visits_.begin()[g + 1] - visits_.begin()[g];
     const int64 k = plan_.group_row[g + 1] - plan_.group_row[g];
+    // Cut by children rather than tokens (kSlotBlock waves) where the group's coefficients
+    // exceed the budget and a block of kChunkSlots children for all of its visits fits.
+    if (kWideBlocks && backward_ && n * k > budget_ && n * kChunkSlots <= budget_) {
+      AddWideGroup(level, g, n, k);
+      return;
+    }
     for (int64 offset = 0; offset < n;) {
       if (backward_ && used_ > 0 && budget_ - used_ < k) CloseWave();
       const int64 take = backward_ ? std::min(n - offset, std::max<int64>(1, (budget_ - used_) / k))
                                    : n - offset;
       const int64 s = AddSlice(g, k, offset, take);
       const bool small = k <= kSmallSlots, wide = n > kNarrowTokens;
-      if (!small) AddLogitsItems(s, g, take, wide);
+      if (!small) AddLogitsItems(s, groups_.chunks[g], take, wide);
       if (backward_) AddBackwardItems(level, s, k, take, small, wide);
       offset += take;
     }
@@ -159,6 +176,40 @@ class WaveBuilder {
   std::vector<int64> visit_slice;
 
  private:
+  // A wide group (n visits of a node of k > kChunkSlots children): a kLogSumExp wave over
+  // the whole node, then kSlotBlock waves of whole chunks of children, as many as the
+  // budget holds for all n visits, each its own slice (the visits keep the first slice).
+  void AddWideGroup(int64 level, int64 g, int64 n, int64 k) {
+    CloseWave();
+    const bool wide = n > kNarrowTokens;
+    const int64 s = AddSlice(g, k, 0, n);
+    used_ = 0;  // the log-sum-exp wave keeps nothing
+    slices[s].coef = 0;
+    AddLogitsItems(s, groups_.chunks[g], n, wide);
+    wave_.kind = GpuLogProbPlan::Wave::kLogSumExp;
+    wave_.small_visits = 0;
+    CloseWave();
+    const int64 block = budget_ / n / kChunkSlots * kChunkSlots;
+    for (int64 c0 = 0; c0 < k; c0 += block) {
+      Slice sl = slices[s];
+      sl.first_slot += c0;
+      sl.num_slots = std::min(block, k - c0);
+      sl.row0 += c0;
+      sl.chunk_slots = kChunkSlots;  // a block folds no partials
+      sl.num_chunks = CeilDiv(sl.num_slots, kChunkSlots);
+      sl.partial0 = 0;
+      const int64 b = static_cast<int64>(slices.size());
+      slices.push_back(sl);
+      wave_.kind = GpuLogProbPlan::Wave::kSlotBlock;
+      wave_.visit_begin = sl.visit0;
+      wave_.visit_end = sl.visit0 + n;
+      AddLogitsItems(b, sl.num_chunks, n, wide);
+      AddBackwardItems(level, b, sl.num_slots, n, false, wide);
+      used_ = n * sl.num_slots;
+      CloseWave();
+    }
+  }
+
   // Visits [offset, offset + take) of group g as a new slice of the open wave; its index.
   int64 AddSlice(int64 g, int64 k, int64 offset, int64 take) {
     Slice sl;
@@ -170,6 +221,7 @@ class WaveBuilder {
     sl.row0 = plan_.group_row[g];
     sl.partial0 = groups_.partial[g] + offset * groups_.chunks[g];
     sl.num_chunks = groups_.chunks[g];
+    sl.chunk_slots = groups_.chunk_slots[g];
     sl.offset = offset;
     const int64 s = static_cast<int64>(slices.size());
     slices.push_back(sl);
@@ -181,11 +233,11 @@ class WaveBuilder {
   }
 
   // A tile of tokens against each slot chunk (nodes of more than kSmallSlots children).
-  void AddLogitsItems(int64 s, int64 g, int64 take, bool wide) {
+  void AddLogitsItems(int64 s, int64 chunks, int64 take, bool wide) {
     auto& dst = wide ? lists_.logits_wide : lists_.logits_narrow;
     const int64 bm = wide ? WideTile::BM : NarrowTile::BM;
     for (int64 t0 = 0; t0 < take; t0 += bm)
-      for (int64 c = 0; c < groups_.chunks[g]; ++c) dst.push_back({s, t0, c});
+      for (int64 c = 0; c < chunks; ++c) dst.push_back({s, t0, c});
   }
 
   // The slice's dh work in its level's lists, and its dW work.

@@ -580,7 +580,9 @@ struct Digest {
     Vector(gp.staging);
     Word(static_cast<int64>(gp.waves.size()));
     for (const auto& w : gp.waves) {
-      for (int64 x : {w.visit_begin, w.visit_end, w.small_visits, w.coef_elements}) Word(x);
+      for (int64 x : {int64{w.kind}, w.visit_begin, w.visit_end, w.small_visits, w.coef_elements}) {
+        Word(x);
+      }
       for (const auto* r : {&w.logits_wide, &w.logits_narrow, &w.dw[0], &w.dw[1], &w.dw[2],
                             &w.dw_warp}) {
         Range(*r);
@@ -872,7 +874,9 @@ void CheckCase(const Case& c, std::mt19937_64& rng, const Options& opt) {
   const Result<T> again = RunGpu<T>(c, plan, in, c.budget, true, nullptr);
   digest.on = opt.hash;
   ExpectSame(what + " (second run)", gpu, again, true);
-  // A budget that forces many waves and split groups: the same values.
+  // A budget that forces many waves and split groups: the same values. (Groups split by
+  // tokens, or, where a block of kChunkSlots children for all of the group's visits fits,
+  // by children: GpuLogProbPlan::Wave::kSlotBlock, as flat_wide_group's.)
   const int64 coef = CoefElements(plan, c.tree);
   if (coef > 1) {
     const int64 small = std::max<int64>(1, coef / 7);
@@ -1270,6 +1274,9 @@ std::vector<Case> CorrectnessCases(std::mt19937_64& rng, bool quick) {
   // recomputes the logits from each visit's log-sum-exp in the gradient.
   add("flat_wide_group", Layout(TwoLevelShape(quick ? 1100 : 20000, quick ? 1100 : 20000), &rng),
       quick ? 140 : 600, quick ? 8 : 64, true);
+  // The same with at most 16 tokens (16-token tiles in every wave, blocks of children too).
+  add("flat_few_tokens", Layout(TwoLevelShape(quick ? 1100 : 20000, quick ? 1100 : 20000), &rng),
+      12, quick ? 8 : 64, false);
   if (!quick) {
     add("wide_100k_big_dim", Layout(TwoLevelShape(100000, 1), &rng), 257, 300, true);
     add("huffman_b2_d512", Layout(HuffmanShape(ZipfCounts(100000, 1.0), 2), nullptr), 640, 512,
@@ -1424,6 +1431,13 @@ std::vector<Case> TimingCases(std::mt19937_64& rng, int64 shrink) {
       add("D_huffman_T" + std::to_string(T), huff, T, 300);
     }
   }
+  // The exact softmax as a one-node tree (Tree.flat): V = 100K, D = 256, T = 1,024 (the CPU
+  // bench's comparison with TF's dense softmax) and V = 1M, D = 300, T = 3,200, where the
+  // backward's coefficients exceed the budget and go by blocks of children.
+  add("F_flat_V100K_T1024", Layout(TwoLevelShape(100000 / shrink, 100000 / shrink), &rng), 1024,
+      256);
+  add("F_flat_V1M_T3200", Layout(TwoLevelShape(1000000 / shrink, 1000000 / shrink), &rng), 3200,
+      300);
   return cases;
 }
 
@@ -1635,7 +1649,8 @@ void TimeHostPlans(std::mt19937_64& rng, const Options& opt) {
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2];
   };
-  std::printf("host plans (median of %d): visit plan | forward work lists | backward work lists\n",
+  std::printf("host plans (median of %d): visit plan | forward work lists | backward work lists"
+              " | workspaces\n",
               std::max(1, opt.repeats));
   for (const Case& c : TimingCases(rng, 1)) {
     if (!opt.only.empty() && c.name.find(opt.only) == std::string::npos) continue;
@@ -1646,20 +1661,22 @@ void TimeHostPlans(std::mt19937_64& rng, const Options& opt) {
         [&]() { err = BuildVisitPlan(c.tree.view(), targets.data(), c.tokens, &plan); });
     HARNESS_EXPECT(err.empty(), "%s: %s", c.name.c_str(), err.c_str());
     if (!err.empty()) continue;
-    GpuLogProbPlan work;
+    GpuLogProbPlan fwd, bwd;
     const double fwd_ms = median_ms([&]() {
       err = PrepareLogProbGpu<float>(plan, c.tree.view(), c.dim, c.bias, false,
-                                     kDefaultGpuCoefBudget, &work);
+                                     kDefaultGpuCoefBudget, &fwd);
     });
     const double bwd_ms = median_ms([&]() {
       err = PrepareLogProbGpu<float>(plan, c.tree.view(), c.dim, c.bias, true,
-                                     kDefaultGpuCoefBudget, &work);
+                                     kDefaultGpuCoefBudget, &bwd);
     });
     HARNESS_EXPECT(err.empty(), "%s: %s", c.name.c_str(), err.c_str());
     std::printf("  %-26s T=%-5" PRId64 " entries=%-7zu groups=%-7" PRId64
-                " | %7.3f ms | %7.3f ms | %7.3f ms\n",
+                " | %7.3f ms | %7.3f ms | %7.3f ms | forward %.1f MB, backward %.1f MB in %zu"
+                " waves\n",
                 c.name.c_str(), c.tokens, plan.entry_token.size(), plan.num_groups(), plan_ms,
-                fwd_ms, bwd_ms);
+                fwd_ms, bwd_ms, fwd.workspace_bytes / 1e6, bwd.workspace_bytes / 1e6,
+                bwd.waves.size());
     std::fflush(stdout);
   }
 }

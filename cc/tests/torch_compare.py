@@ -1,7 +1,8 @@
 """What a PyTorch user would run instead of tf_hsm's CUDA kernels, timed on the same GPU.
 
-For the benchmark scenarios B, C and D (docs/performance.md) this times one training step's
-output layer (forward + backward, float32) of
+For the benchmark scenarios B, C and D (docs/performance.md), and F (the exact softmax as a
+one-node tree, V=100K D=256 T=1,024 and V=1M D=300 T=3,200, against PyTorch's full softmax
+only), this times one training step's output layer (forward + backward, float32) of
   - full softmax: logits = h @ W^T + b, cross-entropy, backward (OOM is a result);
   - a gather-based HSM: the children rows of every path node gathered into
     [T, depth, max_branching, D] (padded, masked), logsumexp per node, summed over the path;
@@ -11,7 +12,7 @@ kernels next to them.
 
 Run on a GPU machine with PyTorch (never imported by the tests; needs no TensorFlow):
   cc/gpu_harness.sh --time-only --json /tmp/hsm.json
-  python cc/tests/torch_compare.py --harness-json /tmp/hsm.json [--scenarios B,C,D]
+  python cc/tests/torch_compare.py --harness-json /tmp/hsm.json [--scenarios B,C,D,F]
 """
 
 import argparse
@@ -140,8 +141,28 @@ def main():
       "C": (793_471, 512, [320, 2560], [("two_level_891", 891), ("huffman", None)]),
       "D": (1_000_000, 300, [256, 3200, 4096], [("two_level_1000", 1000), ("huffman", None)]),
   }
-  print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+  print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"TF32 matmul {torch.backends.cuda.matmul.allow_tf32}")
   for s in args.scenarios.split(","):
+    if s == "F":
+      for v, d, t, key in [(100_000, 256, 1024, "F_flat_V100K_T1024"),
+                           (1_000_000, 300, 3200, "F_flat_V1M_T3200")]:
+        h = torch.randn(t, d, device=dev, requires_grad=True)
+        targets = torch.from_numpy(rng.integers(0, v, size=t)).to(dev)
+        w_full = torch.randn(v, d, device=dev, requires_grad=True)
+        b_full = torch.zeros(v, device=dev, requires_grad=True)
+
+        def full_softmax():
+          F.cross_entropy(h @ w_full.t() + b_full, targets).backward()
+
+        line = f"F flat V={v} D={d} T={t}: full softmax {run('full', full_softmax)}"
+        if key in hsm:
+          r = hsm[key]
+          line += (f" | tf_hsm kernels {r['forward_ms'] + r['backward_ms']:9.3f} ms "
+                   f"(floor {r['forward_floor_ms'] + r['backward_floor_ms']:.3f})")
+        print(line, flush=True)
+        del w_full, b_full, h
+      continue
     v, d, token_counts, trees = scenarios[s]
     counts = 1.0 / np.arange(1, v + 1)
     probs = counts / counts.sum()
