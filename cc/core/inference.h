@@ -61,6 +61,10 @@ std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows
 // kept with the rows in the vector lanes, so its logsumexp is lane-wise vector work and a
 // run of consecutive classes reaches the output rows through register transposes (the
 // logsumexp then uses simd::LogVec; values agree with the per-row path to rounding).
+// A one-node tree of the classes in order (Tree.flat, the exact softmax) with 16 rows or
+// more goes by blocked products over all rows instead (cc/core/inference_flat.h): each
+// packed tile of weight rows serves every row, the logits go straight to the output and
+// are finished in place once each row's log-sum-exp is known.
 // Needs tree.slot_child, and the paths for a partial range.
 //
 // With a cache, a call over every class (class_begin = 0, class_end = C) keeps its plan of

@@ -13,6 +13,7 @@
 
 #include "cc/core/inference.h"
 #include "cc/core/inference_common.h"
+#include "cc/core/inference_flat.h"
 #include "cc/core/inference_sweep_plan.h"
 
 namespace tf_hsm {
@@ -617,6 +618,10 @@ std::string LogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 nu
   }
   const int64 width = class_end - class_begin;
   if (width == 0 || num_rows == 0) return "";
+  if (FlatPathFits(tree, num_rows)) {  // the exact softmax: blocked products
+    FlatLogProbAll(tree, p, num_rows, class_begin, class_end, parallel_for, out);
+    return "";
+  }
   // Rows per block: up to 64, fewer when the node values would take more than
   // kNodeValueBudget (every block reads the whole table).
   // The kernel is chosen by the batch size alone, so that a row's values do not depend

@@ -2,6 +2,7 @@
 #ifndef TF_HSM_CC_CORE_SOFTMAX_UTIL_H_
 #define TF_HSM_CC_CORE_SOFTMAX_UTIL_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -62,6 +63,24 @@ void FoldLogSumExp(const T* z, int64 n, T* row_max, T* row_sum) {
   if (j < n) acc += simd::ExpVec(tail - mv);
   *row_sum += simd::ReduceSum<T>(acc);
   *row_max = m;
+}
+
+// lse[r] for n rows from P partial (max, sum) folds of their logits, part q's at
+// part_max[q * n + r] and part_sum[q * n + r], merged in part order (a part with no
+// logits has max -inf).
+template <typename T>
+void MergeLogSumExps(int64 P, int64 n, const T* part_max, const T* part_sum, T* lse) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  for (int64 r = 0; r < n; ++r) {
+    T m = ninf;
+    for (int64 q = 0; q < P; ++q) m = std::max(m, part_max[q * n + r]);
+    T sum = 0;
+    for (int64 q = 0; q < P; ++q) {
+      const T mq = part_max[q * n + r];
+      if (mq != ninf) sum += part_sum[q * n + r] * std::exp(mq - m);
+    }
+    lse[r] = m + std::log(sum);
+  }
 }
 
 }  // namespace TF_HSM_SIMD_ISA

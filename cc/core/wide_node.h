@@ -90,16 +90,7 @@ void WideLogSumExp(const SoftmaxParams<T>& p, const VisitPlan& plan, int64 e0, i
                         part_sum.data() + q * n, taken);
     }
   });
-  for (int64 r = 0; r < n; ++r) {
-    T m = -std::numeric_limits<T>::infinity();
-    for (int64 q = 0; q < P; ++q) m = std::max(m, part_max[q * n + r]);
-    T sum = 0;
-    for (int64 q = 0; q < P; ++q) {
-      const T mq = part_max[q * n + r];
-      if (mq != -std::numeric_limits<T>::infinity()) sum += part_sum[q * n + r] * std::exp(mq - m);
-    }
-    lse[r] = m + std::log(sum);
-  }
+  MergeLogSumExps(P, n, part_max.data(), part_sum.data(), lse);
 }
 
 }  // namespace TF_HSM_SIMD_ISA

@@ -177,3 +177,21 @@ def test_sampling_a_wide_node_inverts_its_cumulative_softmax(rng):
   nan_row[3] = np.nan
   got = tf_hsm.sample(nan_row, weights, biases, tree, seed=5).numpy()
   assert got[3] == -1 and (got[np.arange(40) != 3] >= 0).all()
+
+
+def test_log_prob_all_of_a_flat_tree_in_class_ranges(rng):
+  # From 16 rows a one-node tree's log_prob_all goes by blocked products over all rows
+  # (cc/core/inference_flat.cc): a chunk of classes is the slice of the whole result bit
+  # for bit, tiles cut by the range or not, and a NaN row stays in its row.
+  tree = tf_hsm.Tree.flat(3001)
+  hidden, weights, biases, _ = _inputs(rng, tree, 40, 7, np.float32)
+  ref = _dense_softmax(hidden, weights, biases, np.zeros(40, np.int64))[4]
+  full = tf_hsm.log_prob_all(hidden, weights, biases, tree).numpy()
+  np.testing.assert_allclose(full, ref, rtol=2e-4, atol=2e-3)
+  for begin, end in [(0, 1), (5, 130), (127, 129), (128, 256), (1000, 3001), (3000, 3001)]:
+    chunk = tf_hsm.log_prob_all(hidden, weights, biases, tree, class_range=(begin, end))
+    np.testing.assert_array_equal(chunk.numpy(), full[:, begin:end])
+  hidden[3] = np.nan
+  with_nan = tf_hsm.log_prob_all(hidden, weights, biases, tree).numpy()
+  assert np.isnan(with_nan[3]).all()
+  np.testing.assert_array_equal(np.delete(with_nan, 3, 0), np.delete(full, 3, 0))
