@@ -45,7 +45,10 @@ namespace tf_hsm {
 // whose log-softmax was computed for row i (root included). Needs tree.slot_child.
 // Rows are searched 16 at a time: a node one row expands is also expanded for the other
 // rows of its group that have it queued above their k-th best class so far, so rows share
-// the pass over its weights (this changes num_expanded, never the result).
+// the pass over its weights (this changes num_expanded, never the result). A one-node
+// tree of the classes in order (Tree.flat) with 16 rows or more goes by blocked products
+// instead (cc/core/inference_flat.h: one pass keeps each row's best logits besides its
+// log-sum-exp; a row it cannot settle exactly goes to the search); num_expanded is 1.
 template <typename T>
 std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows, int64 k,
                  const ParallelFor& parallel_for, T* log_probs, int64* classes,

@@ -17,6 +17,7 @@ namespace {
 constexpr int64 kFlatRowTile = 96;  // rows per product with a packed slot tile: whole 6-row tiles
 constexpr int64 kFlatMaxPartitions = 8;
 constexpr int64 kFlatPartitionSlots = 4096;  // about this many slots a partition, at least
+constexpr int64 kFlatTopKSpare = 8;  // TopK: logits kept per row and partition beyond k
 
 // The partitions of K slots: 1 to kFlatMaxPartitions ranges of whole kSlotTile tiles.
 std::vector<std::pair<int64, int64>> FlatPartitions(int64 K) {
@@ -31,18 +32,16 @@ std::vector<std::pair<int64, int64>> FlatPartitions(int64 K) {
   return out;
 }
 
-// One partition's slots [begin, end): each slot tile's weight rows packed once, then the
-// logits of every row against them (rows in tiles of kFlatRowTile) written to the output
-// columns they own, or to scratch and copied for a tile that reaches outside the class
-// range, and folded into the rows' running (max, sum).
-template <typename T>
-void FlatPartition(const SoftmaxParams<T>& p, int64 num_rows, int64 begin, int64 end,
-                   int64 class_begin, int64 class_end, T* out, T* row_max, T* row_sum) {
+// The logits of one partition's slots [begin, end) for every row, tile by tile: each slot
+// tile's weight rows are packed once and serve all rows, in row tiles of kFlatRowTile.
+// visit.Dest(r0, k0, kb, &ld) says where a tile's logits go (rows r0..., row stride ld);
+// visit.Tile(r0, nr, z, ld, k0, kb) then sees them. Rows' running (max, sum) start here.
+template <typename T, class Visit>
+void FlatPartitionTiles(const SoftmaxParams<T>& p, int64 num_rows, int64 begin, int64 end,
+                        T* row_max, T* row_sum, Visit& visit) {
   constexpr int64 lanes = simd::Vec<T>::kWidth;
   Scratch<T>& s = ThreadScratch<T>();
-  const int64 width = class_end - class_begin;
   T* panels = Grow(&s.panels, (kSlotTile + lanes - 1) / lanes * lanes * p.dim);
-  T* scratch = Grow(&s.z, kFlatRowTile * kSlotTile);
   const T** rows = Grow(&s.rows, kFlatRowTile);
   for (int64 r = 0; r < num_rows; ++r) {
     row_max[r] = -std::numeric_limits<T>::infinity();
@@ -51,25 +50,118 @@ void FlatPartition(const SoftmaxParams<T>& p, int64 num_rows, int64 begin, int64
   for (int64 k0 = begin; k0 < end; k0 += kSlotTile) {
     const int64 kb = std::min(kSlotTile, end - k0);
     simd::PackPanels<T>(p.weights + k0 * p.dim, p.dim, kb, p.dim, panels);
-    const bool inside = k0 >= class_begin && k0 + kb <= class_end;
-    const int64 lo = std::max(k0, class_begin), hi = std::min(k0 + kb, class_end);
     for (int64 r0 = 0; r0 < num_rows; r0 += kFlatRowTile) {
       const int64 nr = std::min(kFlatRowTile, num_rows - r0);
       for (int64 i = 0; i < nr; ++i) rows[i] = p.hidden + (r0 + i) * p.dim;
-      T* z = inside ? out + r0 * width + (k0 - class_begin) : scratch;
-      const int64 ld = inside ? width : kSlotTile;
+      int64 ld = 0;
+      T* z = visit.Dest(r0, k0, kb, &ld);
       simd::DotRowsPacked<T>(rows, nr, panels, kb, p.dim, z, ld,
                              p.biases == nullptr ? nullptr : p.biases + k0);
-      for (int64 i = 0; i < nr; ++i) {
-        FoldLogSumExp(z + i * ld, kb, &row_max[r0 + i], &row_sum[r0 + i]);
-        if (!inside && lo < hi) {
-          std::memcpy(out + (r0 + i) * width + (lo - class_begin), z + i * ld + (lo - k0),
-                      (hi - lo) * sizeof(T));
-        }
-      }
+      for (int64 i = 0; i < nr; ++i) FoldLogSumExp(z + i * ld, kb, &row_max[r0 + i], &row_sum[r0 + i]);
+      visit.Tile(r0, nr, z, ld, k0, kb);
     }
   }
 }
+
+// The node's parameters (its slots are the table's rows child_begin[0], ...), its
+// partitions, and each row's log-sum-exp from the partitions' folds, merged in order.
+template <typename T>
+struct FlatNode {
+  FlatNode(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows)
+      : params(p), parts(FlatPartitions(tree.num_classes)), rows(num_rows),
+        part_max(parts.size() * num_rows), part_sum(parts.size() * num_rows) {
+    params.weights = p.weights + tree.child_begin[0] * p.dim;
+    if (p.biases != nullptr) params.biases = p.biases + tree.child_begin[0];
+  }
+  int64 count() const { return static_cast<int64>(parts.size()); }
+  template <class MakeVisit>
+  void Run(const ParallelFor& parallel_for, MakeVisit&& make_visit) {
+    const int64 K = parts.back().second;
+    parallel_for(count(), 2 * rows * (K / count()) * params.dim, [&](int64 b, int64 e) {
+      for (int64 q = b; q < e; ++q) {
+        auto visit = make_visit(q);
+        FlatPartitionTiles(params, rows, parts[q].first, parts[q].second,
+                           part_max.data() + q * rows, part_sum.data() + q * rows, visit);
+      }
+    });
+  }
+  std::vector<T> LogSumExps() const {
+    std::vector<T> lse(rows);
+    MergeLogSumExps(count(), rows, part_max.data(), part_sum.data(), lse.data());
+    return lse;
+  }
+  SoftmaxParams<T> params;
+  std::vector<std::pair<int64, int64>> parts;
+  int64 rows;
+  std::vector<T> part_max, part_sum;
+};
+
+// LogProbAll's tiles: inside the class range straight into the output, otherwise through
+// scratch with the range's columns copied.
+template <typename T>
+struct OutputTiles {
+  T* Dest(int64 r0, int64 k0, int64 kb, int64* ld) {
+    if (k0 >= class_begin && k0 + kb <= class_end) {
+      *ld = class_end - class_begin;
+      return out + r0 * *ld + (k0 - class_begin);
+    }
+    *ld = kSlotTile;
+    return scratch;
+  }
+  void Tile(int64 r0, int64 nr, const T* z, int64 ld, int64 k0, int64 kb) {
+    const int64 width = class_end - class_begin;
+    const int64 lo = std::max(k0, class_begin), hi = std::min(k0 + kb, class_end);
+    if (z != scratch || lo >= hi) return;
+    for (int64 i = 0; i < nr; ++i) {
+      std::memcpy(out + (r0 + i) * width + (lo - class_begin), z + i * ld + (lo - k0),
+                  (hi - lo) * sizeof(T));
+    }
+  }
+  T* out;
+  int64 class_begin, class_end;
+  T* scratch;
+};
+
+// Each row's best logits of one partition, for TopK: at most `cap` (logit, slot) pairs
+// per row, best first (larger logit, then smaller slot; slots come in increasing order),
+// and whether the row dropped any (then its last kept logit bounds what it dropped).
+template <typename T>
+struct BestTiles {
+  T* Dest(int64, int64, int64, int64* ld) {
+    *ld = kSlotTile;
+    return scratch;
+  }
+  void Tile(int64 r0, int64 nr, const T* z, int64 ld, int64 k0, int64 kb) {
+    for (int64 i = 0; i < nr; ++i) {
+      const int64 r = r0 + i;
+      T* bz = best_z + r * cap;
+      int64* bs = best_slot + r * cap;
+      int64& n = count[r];
+      const T* zr = z + i * ld;
+      for (int64 j = 0; j < kb; ++j) {
+        const T v = zr[j];
+        if (n == cap) {
+          dropped[r] = 1;
+          if (!(v > bz[cap - 1])) continue;
+          --n;
+        }
+        int64 at = n++;
+        for (; at > 0 && v > bz[at - 1]; --at) {
+          bz[at] = bz[at - 1];
+          bs[at] = bs[at - 1];
+        }
+        bz[at] = v;
+        bs[at] = k0 + j;
+      }
+    }
+  }
+  int64 cap;
+  T* best_z;
+  int64* best_slot;
+  int64* count;
+  char* dropped;
+  T* scratch;
+};
 
 }  // namespace
 
@@ -87,22 +179,13 @@ template <typename T>
 void FlatLogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows,
                     int64 class_begin, int64 class_end, const ParallelFor& parallel_for,
                     T* out) {
-  const int64 K = tree.num_classes, width = class_end - class_begin;
-  // The node's slots are the table's rows child_begin[0], ...: offset the parameters once.
-  SoftmaxParams<T> node = p;
-  node.weights = p.weights + tree.child_begin[0] * p.dim;
-  if (p.biases != nullptr) node.biases = p.biases + tree.child_begin[0];
-  const std::vector<std::pair<int64, int64>> parts = FlatPartitions(K);
-  const int64 P = static_cast<int64>(parts.size());
-  std::vector<T> part_max(P * num_rows), part_sum(P * num_rows);
-  parallel_for(P, 2 * num_rows * (K / P) * p.dim, [&](int64 b, int64 e) {
-    for (int64 q = b; q < e; ++q) {
-      FlatPartition(node, num_rows, parts[q].first, parts[q].second, class_begin, class_end,
-                    out, part_max.data() + q * num_rows, part_sum.data() + q * num_rows);
-    }
+  const int64 width = class_end - class_begin;
+  FlatNode<T> node(tree, p, num_rows);
+  node.Run(parallel_for, [&](int64) {
+    return OutputTiles<T>{out, class_begin, class_end,
+                          Grow(&ThreadScratch<T>().z, kFlatRowTile * kSlotTile)};
   });
-  std::vector<T> lse(num_rows);
-  MergeLogSumExps(P, num_rows, part_max.data(), part_sum.data(), lse.data());
+  const std::vector<T> lse = node.LogSumExps();
   // Every class value is the root's (zero) plus its logit's distance from the row's
   // log-sum-exp, as the sweep writes it.
   parallel_for(num_rows, 2 * width, [&](int64 b, int64 e) {
@@ -114,10 +197,69 @@ void FlatLogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_r
   });
 }
 
+template <typename T>
+std::vector<int64> FlatTopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows,
+                            int64 k, const ParallelFor& parallel_for, T* log_probs,
+                            int64* classes, int64* num_expanded) {
+  // The spare entries make a tie at the k-th value, which the check below sends to the
+  // search, rare.
+  const int64 cap = k + kFlatTopKSpare;
+  FlatNode<T> node(tree, p, num_rows);
+  const int64 P = node.count();
+  std::vector<T> best_z(P * num_rows * cap);
+  std::vector<int64> best_slot(P * num_rows * cap), count(P * num_rows, 0);
+  std::vector<char> dropped(P * num_rows, 0);
+  node.Run(parallel_for, [&](int64 q) {
+    const int64 at = q * num_rows;
+    return BestTiles<T>{cap, best_z.data() + at * cap, best_slot.data() + at * cap,
+                        count.data() + at, dropped.data() + at,
+                        Grow(&ThreadScratch<T>().z, kFlatRowTile * kSlotTile)};
+  });
+  const std::vector<T> lse = node.LogSumExps();
+  std::vector<int64> search;  // rows the exact selection below cannot settle
+  std::vector<std::pair<T, int64>> pool;
+  for (int64 r = 0; r < num_rows; ++r) {
+    num_expanded[r] = 1;
+    const T l = lse[r];
+    pool.clear();
+    for (int64 q = 0; q < P; ++q) {
+      const int64 a = q * num_rows + r;
+      for (int64 i = 0; i < count[a]; ++i) {
+        pool.emplace_back(T(0) + (best_z[a * cap + i] - l), best_slot[a * cap + i]);
+      }
+    }
+    // Values fall with the logits, so each partition's top cap by logit holds its top k
+    // by value; sorted by value, then slot.
+    std::partial_sort(pool.begin(), pool.begin() + k, pool.end(), [](const auto& x, const auto& y) {
+      return x.first > y.first || (x.first == y.first && x.second < y.second);
+    });
+    bool exact = std::isfinite(l);
+    for (int64 q = 0; q < P && exact; ++q) {
+      const int64 a = q * num_rows + r;
+      // What a partition dropped is at most its last kept value: it must be below the k-th.
+      if (dropped[a]) exact = T(0) + (best_z[a * cap + cap - 1] - l) < pool[k - 1].first;
+    }
+    if (!exact) {
+      search.push_back(r);
+      continue;
+    }
+    for (int64 j = 0; j < k; ++j) {
+      log_probs[r * k + j] = pool[j].first;
+      classes[r * k + j] = pool[j].second;
+    }
+  }
+  return search;
+}
+
 template void FlatLogProbAll<float>(const TreeView&, const SoftmaxParams<float>&, int64, int64,
                                     int64, const ParallelFor&, float*);
 template void FlatLogProbAll<double>(const TreeView&, const SoftmaxParams<double>&, int64,
                                      int64, int64, const ParallelFor&, double*);
+template std::vector<int64> FlatTopK<float>(const TreeView&, const SoftmaxParams<float>&, int64,
+                                            int64, const ParallelFor&, float*, int64*, int64*);
+template std::vector<int64> FlatTopK<double>(const TreeView&, const SoftmaxParams<double>&,
+                                             int64, int64, const ParallelFor&, double*, int64*,
+                                             int64*);
 
 }  // namespace TF_HSM_SIMD_ISA
 }  // namespace inference_internal

@@ -6,6 +6,8 @@
 #ifndef TF_HSM_CC_CORE_INFERENCE_FLAT_H_
 #define TF_HSM_CC_CORE_INFERENCE_FLAT_H_
 
+#include <vector>
+
 #include "cc/core/inference_common.h"
 
 namespace tf_hsm {
@@ -27,6 +29,18 @@ template <typename T>
 void FlatLogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows,
                     int64 class_begin, int64 class_end, const ParallelFor& parallel_for,
                     T* out);
+
+// TopK's contract (inference.h) for a tree FlatPathFits accepts: one pass of the same
+// products keeps each row's best k + 8 logits per partition besides its (max, sum); their
+// values (computed as the search computes a class's: 0 + (logit - lse)) are then sorted
+// by value and class. A row is left to the search, and returned, where that cannot be
+// exact: a non-finite log-sum-exp (a NaN or infinite logit), or a partition that dropped a
+// logit whose value reaches the k-th (ties at the k-th value beyond the spare entries).
+// num_expanded is 1 (the root) for every row settled here.
+template <typename T>
+std::vector<int64> FlatTopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows,
+                            int64 k, const ParallelFor& parallel_for, T* log_probs,
+                            int64* classes, int64* num_expanded);
 
 }  // namespace TF_HSM_SIMD_ISA
 }  // namespace inference_internal

@@ -8,6 +8,7 @@
 
 #include "cc/core/inference.h"
 #include "cc/core/inference_common.h"
+#include "cc/core/inference_flat.h"
 
 namespace tf_hsm {
 namespace inference_internal {
@@ -381,6 +382,33 @@ std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows
   if (!err.empty()) return err;
   if (k < 1 || k > tree.num_classes) {
     return Message("k = ", k, " must be in [1, num_classes] = [1, ", tree.num_classes, "]");
+  }
+  if (FlatPathFits(tree, num_rows)) {  // the exact softmax: blocked products
+    // In chunks of rows whose kept logits (8 partitions x (k + 8) a row) stay under 2^21.
+    const int64 chunk = std::max(kPackMinRows, (int64{1} << 21) / (8 * (k + 8)));
+    std::vector<int64> rows;
+    for (int64 r0 = 0; r0 < num_rows; r0 += chunk) {
+      SoftmaxParams<T> part = p;
+      part.hidden = p.hidden + r0 * p.dim;
+      const int64 n = std::min(chunk, num_rows - r0);
+      // A last chunk of fewer than kPackMinRows rows takes the search (FlatPathFits).
+      if (!FlatPathFits(tree, n)) {
+        for (int64 r = r0; r < num_rows; ++r) rows.push_back(r);
+        break;
+      }
+      for (int64 r : FlatTopK(tree, part, n, k, parallel_for, log_probs + r0 * k,
+                              classes + r0 * k, num_expanded + r0)) {
+        rows.push_back(r0 + r);
+      }
+    }
+    std::vector<std::string> errors(rows.size());
+    parallel_for(static_cast<int64>(rows.size()), tree.num_slots * (p.dim + 8) * 4,
+                 [&](int64 begin, int64 end) {
+      for (int64 i = begin; i < end; ++i) {
+        errors[i] = SearchRows(tree, p, k, rows[i], 1, log_probs, classes, num_expanded);
+      }
+    });
+    return FirstError(errors);
   }
   const int64 per_item = SearchRowsPerItem(tree, p.dim, sizeof(T), num_rows);
   const int64 items = (num_rows + per_item - 1) / per_item;

@@ -195,3 +195,54 @@ def test_log_prob_all_of_a_flat_tree_in_class_ranges(rng):
   with_nan = tf_hsm.log_prob_all(hidden, weights, biases, tree).numpy()
   assert np.isnan(with_nan[3]).all()
   np.testing.assert_array_equal(np.delete(with_nan, 3, 0), np.delete(full, 3, 0))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_top_k_of_a_flat_tree_orders_ties_by_class(rng, dtype):
+  # From 16 rows a one-node tree's top_k keeps each partition's best k + 8 logits in one
+  # pass of blocked products; ties at the k-th value beyond those go to the search. Both
+  # give the k best by value, equal values by increasing class, and a NaN row stays in
+  # its row.
+  tree = tf_hsm.Tree.flat(20_000)  # four partitions of slots
+  hidden, weights, biases, _ = _inputs(rng, tree, 24, 5, dtype)
+  biases[:50] = -np.inf  # masked classes
+  tied = np.array([10, 5010, 10_010, 15_010, 19_990] + list(range(7000, 7030)))
+  weights[tied] = 3 * weights[tied[0]]
+  biases[tied] = 2.0
+  for k in (3, 12, 40):
+    values, classes = (t.numpy() for t in tf_hsm.top_k(hidden, weights, biases, tree, k))
+    ref = _dense_softmax(hidden, weights, biases, np.zeros(24, np.int64))[4]
+    best = np.argsort(-ref, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(classes, best)
+    tol = 1e-10 if dtype == np.float64 else 2e-4
+    np.testing.assert_allclose(values, np.take_along_axis(ref, best, 1), rtol=tol, atol=tol)
+    for row_values in values:  # equal float values are listed by increasing class
+      assert (np.diff(row_values) <= 0).all()
+  hidden[7] = np.nan
+  values_nan, classes_nan = (t.numpy() for t in tf_hsm.top_k(hidden, weights, biases, tree, 40))
+  assert np.isnan(values_nan[7]).all()
+  np.testing.assert_array_equal(np.delete(classes_nan, 7, 0), np.delete(classes, 7, 0))
+
+
+def test_top_k_of_a_flat_tree_keeps_ties_that_rounding_makes(rng):
+  # Logits a few float32 ulps apart that round to one log-probability: the partition that
+  # holds them keeps only its k + 8 largest logits (the largest classes), so a tie at the
+  # k-th value among the ones it dropped must go to the search, which lists the tied
+  # classes from the smallest id.
+  tree = tf_hsm.Tree.flat(20_000)
+  hidden = rng.normal(size=(16, 4)).astype(np.float32)
+  weights = np.zeros((20_000, 4), np.float32)
+  biases = np.zeros(20_000, np.float32)
+  biases[3] = 24.0  # the log-sum-exp is 24 to float32's precision
+  tied = np.arange(7000, 7030)
+  biases[tied] = 0.5 + np.arange(30) * np.spacing(np.float32(0.5))  # z increases with class
+  values, classes = (t.numpy() for t in tf_hsm.top_k(hidden, weights, biases, tree, 3))
+  all_lp = tf_hsm.log_prob_all(hidden, weights, biases, tree).numpy()
+  tied_values = all_lp[0, tied]
+  assert len(np.unique(tied_values)) < len(tied)  # rounding made ties
+  order = sorted(tied, key=lambda c: (-all_lp[0, c], c))
+  expected = [3] + order[:2]
+  assert expected[1] < 7019  # a class the partition dropped
+  for row in range(16):
+    np.testing.assert_array_equal(classes[row], expected)
+    np.testing.assert_array_equal(values[row], all_lp[row, expected])
