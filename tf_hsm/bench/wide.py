@@ -2,7 +2,7 @@
 (`Tree.flat`), a node's rate against the machine's matmul rate, heads of frequent
 classes, and a training step's memory at a million classes.
 
-    python -m tf_hsm.bench.wide [--parts flat,rate,head,memory] [--rounds 7]
+    python -m tf_hsm.bench.wide [--parts flat,rate,head,inference,memory] [--rounds 7]
 
 - flat: `nll_loss` forward and backward on `Tree.flat(V)` (V=100K, D=256, T=1,024)
   interleaved with TensorFlow's `matmul` + `sparse_softmax_cross_entropy_with_logits`
@@ -15,6 +15,10 @@ classes, and a training step's memory at a million classes.
   Gaussian vectors: the shape a rebuild gives, mass-balanced, not trained similarity)
   of `HEAD_TREES` (32-ary with heads of 1,024, 256 and no frequent classes, 64-ary
   with 256), and TF's `sampled_softmax_loss` (1,024 samples), interleaved.
+- inference: on `Tree.flat(V)` (V=100K, D=256, 1,024 rows) `log_prob_all` and `top_k`
+  (k=10) interleaved with TF's `log_softmax(matmul + b)` and `top_k(matmul + b)`, each
+  output read back to NumPy (a 410 MB [rows x V] array for `log_prob_all` and TF's
+  log-softmax alike).
 - memory: a process of its own per case (V=1M, D=300, T=3,200 and V=10M, D=300, T=256):
   VmHWM after set-up (table, batch, the op library loaded), then the growth of the peak
   over one step of `sgd_step`, and of `nll_loss` with its gradient (at V=1M only: two
@@ -112,6 +116,23 @@ def flat_part(rng, rounds):
                     rounds)
   ratio = med["TF matmul + softmax xent"] / med["tf_hsm Tree.flat"]
   return {"case": "V=100K D=256 T=1024", "ms": _ms(med), "speed vs TF": round(ratio, 3)}
+
+
+def inference_part(rng, rounds):
+  hidden, table, biases, _ = _problem(rng, 100_000, 256, 1024)
+  tree = tf_hsm.Tree.flat(100_000)
+  logits = lambda: tf.matmul(hidden, table, transpose_b=True) + biases  # noqa: E731
+  med = interleaved({
+      "tf_hsm log_prob_all": tf.function(
+          lambda: [tf_hsm.log_prob_all(hidden, table, biases, tree)]),
+      "TF log_softmax(matmul)": tf.function(lambda: [tf.nn.log_softmax(logits())]),
+      "tf_hsm top_k": tf.function(lambda: list(tf_hsm.top_k(hidden, table, biases, tree, 10))),
+      "TF top_k(matmul)": tf.function(lambda: list(tf.math.top_k(logits(), 10))),
+  }, rounds)
+  return {"case": "V=100K D=256 rows=1024", "ms": _ms(med),
+          "log_prob_all speed vs TF": round(
+              med["TF log_softmax(matmul)"] / med["tf_hsm log_prob_all"], 3),
+          "top_k speed vs TF": round(med["TF top_k(matmul)"] / med["tf_hsm top_k"], 3)}
 
 
 def rate_part(rng, rounds):
@@ -224,13 +245,14 @@ def memory_part():
   return out
 
 
-PARTS = {"flat": flat_part, "rate": rate_part, "head": head_part}
+PARTS = {"flat": flat_part, "rate": rate_part, "head": head_part,
+         "inference": inference_part}
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--parts", default="flat,rate,head,memory",
-                      help="comma-separated, of flat, rate, head, memory")
+  parser.add_argument("--parts", default="flat,rate,head,inference,memory",
+                      help="comma-separated, of flat, rate, head, inference, memory")
   parser.add_argument("--rounds", type=int, default=7, help="timed rounds (medians)")
   parser.add_argument("--memory-case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -241,7 +263,7 @@ def main(argv=None):
   parts = args.parts.split(",")
   unknown = sorted(set(parts) - set(PARTS) - {"memory"})
   if unknown or args.rounds < 1:
-    parser.error(f"unknown parts {unknown} (of flat, rate, head, memory)" if unknown
+    parser.error(f"unknown parts {unknown} (of flat, rate, head, inference, memory)" if unknown
                  else "--rounds must be >= 1")
   rng = np.random.default_rng(0)
   for part in parts:
