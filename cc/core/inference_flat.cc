@@ -17,6 +17,7 @@ namespace {
 constexpr int64 kFlatRowTile = 96;  // rows per product with a packed slot tile: whole 6-row tiles
 constexpr int64 kFlatMaxPartitions = 8;
 constexpr int64 kFlatPartitionSlots = 4096;  // about this many slots a partition, at least
+constexpr int64 kFlatItemRows = 192;  // rows of a work item (with a partition)
 constexpr int64 kFlatTopKSpare = 8;  // TopK: logits kept per row and partition beyond k
 
 // The partitions of K slots: 1 to kFlatMaxPartitions ranges of whole kSlotTile tiles.
@@ -32,26 +33,27 @@ std::vector<std::pair<int64, int64>> FlatPartitions(int64 K) {
   return out;
 }
 
-// The logits of one partition's slots [begin, end) for every row, tile by tile: each slot
-// tile's weight rows are packed once and serve all rows, in row tiles of kFlatRowTile.
-// visit.Dest(r0, k0, kb, &ld) says where a tile's logits go (rows r0..., row stride ld);
-// visit.Tile(r0, nr, z, ld, k0, kb) then sees them. Rows' running (max, sum) start here.
+// The logits of one partition's slots [begin, end) for rows [row_begin, row_end), tile by
+// tile: each slot tile's weight rows are packed once and serve all those rows, in row
+// tiles of kFlatRowTile. visit.Dest(r0, k0, kb, &ld) says where a tile's logits go (rows
+// r0..., row stride ld); visit.Tile(r0, nr, z, ld, k0, kb) then sees them. The rows'
+// running (max, sum) start here. A row's values do not depend on the rows around it.
 template <typename T, class Visit>
-void FlatPartitionTiles(const SoftmaxParams<T>& p, int64 num_rows, int64 begin, int64 end,
-                        T* row_max, T* row_sum, Visit& visit) {
+void FlatPartitionTiles(const SoftmaxParams<T>& p, int64 row_begin, int64 row_end,
+                        int64 begin, int64 end, T* row_max, T* row_sum, Visit& visit) {
   constexpr int64 lanes = simd::Vec<T>::kWidth;
   Scratch<T>& s = ThreadScratch<T>();
   T* panels = Grow(&s.panels, (kSlotTile + lanes - 1) / lanes * lanes * p.dim);
   const T** rows = Grow(&s.rows, kFlatRowTile);
-  for (int64 r = 0; r < num_rows; ++r) {
+  for (int64 r = row_begin; r < row_end; ++r) {
     row_max[r] = -std::numeric_limits<T>::infinity();
     row_sum[r] = 0;
   }
   for (int64 k0 = begin; k0 < end; k0 += kSlotTile) {
     const int64 kb = std::min(kSlotTile, end - k0);
     simd::PackPanels<T>(p.weights + k0 * p.dim, p.dim, kb, p.dim, panels);
-    for (int64 r0 = 0; r0 < num_rows; r0 += kFlatRowTile) {
-      const int64 nr = std::min(kFlatRowTile, num_rows - r0);
+    for (int64 r0 = row_begin; r0 < row_end; r0 += kFlatRowTile) {
+      const int64 nr = std::min(kFlatRowTile, row_end - r0);
       for (int64 i = 0; i < nr; ++i) rows[i] = p.hidden + (r0 + i) * p.dim;
       int64 ld = 0;
       T* z = visit.Dest(r0, k0, kb, &ld);
@@ -74,14 +76,20 @@ struct FlatNode {
     if (p.biases != nullptr) params.biases = p.biases + tree.child_begin[0];
   }
   int64 count() const { return static_cast<int64>(parts.size()); }
+  // Work items of a partition and a block of kFlatItemRows rows (so that a narrow node
+  // still gives every thread work); make_visit(q) makes a partition's visitor.
   template <class MakeVisit>
   void Run(const ParallelFor& parallel_for, MakeVisit&& make_visit) {
     const int64 K = parts.back().second;
-    parallel_for(count(), 2 * rows * (K / count()) * params.dim, [&](int64 b, int64 e) {
-      for (int64 q = b; q < e; ++q) {
+    const int64 blocks = (rows + kFlatItemRows - 1) / kFlatItemRows;
+    const int64 cost = 2 * std::min(rows, kFlatItemRows) * (K / count()) * params.dim;
+    parallel_for(count() * blocks, cost, [&](int64 b, int64 e) {
+      for (int64 item = b; item < e; ++item) {
+        const int64 q = item / blocks, r0 = item % blocks * kFlatItemRows;
         auto visit = make_visit(q);
-        FlatPartitionTiles(params, rows, parts[q].first, parts[q].second,
-                           part_max.data() + q * rows, part_sum.data() + q * rows, visit);
+        FlatPartitionTiles(params, r0, std::min(rows, r0 + kFlatItemRows), parts[q].first,
+                           parts[q].second, part_max.data() + q * rows,
+                           part_sum.data() + q * rows, visit);
       }
     });
   }
@@ -167,8 +175,11 @@ struct BestTiles {
 
 bool FlatPathFits(const TreeView& tree, int64 num_rows) {
   if (tree.num_nodes != 1 || num_rows < kPackMinRows) return false;
-  const int64 K = tree.child_begin[1] - tree.child_begin[0];
-  if (K <= kSlotTile || K != tree.num_classes) return false;
+  // The tree is untrusted: its one node's slots must lie in the table before they are read.
+  const int64 first = tree.child_begin[0], K = tree.child_begin[1] - first;
+  if (first < 0 || K <= kSlotTile || K != tree.num_classes || K > tree.num_slots - first) {
+    return false;
+  }
   for (int64 j = 0; j < K; ++j) {
     if (tree.slot_child[tree.child_begin[0] + j] != j) return false;
   }

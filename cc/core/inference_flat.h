@@ -30,6 +30,10 @@ void FlatLogProbAll(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_r
                     int64 class_begin, int64 class_end, const ParallelFor& parallel_for,
                     T* out);
 
+// TopK takes FlatTopK for k up to this (its kept logits, rows x 8 partitions x (k + 8),
+// are then bounded by the chunks of rows it is called on; a larger k is the search's).
+constexpr int64 kFlatTopKMaxK = 1024;
+
 // TopK's contract (inference.h) for a tree FlatPathFits accepts: one pass of the same
 // products keeps each row's best k + 8 logits per partition besides its (max, sum); their
 // values (computed as the search computes a class's: 0 + (logit - lse)) are then sorted

@@ -383,7 +383,7 @@ std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows
   if (k < 1 || k > tree.num_classes) {
     return Message("k = ", k, " must be in [1, num_classes] = [1, ", tree.num_classes, "]");
   }
-  if (FlatPathFits(tree, num_rows)) {  // the exact softmax: blocked products
+  if (k <= kFlatTopKMaxK && FlatPathFits(tree, num_rows)) {  // the exact softmax
     // In chunks of rows whose kept logits (8 partitions x (k + 8) a row) stay under 2^21.
     const int64 chunk = std::max(kPackMinRows, (int64{1} << 21) / (8 * (k + 8)));
     std::vector<int64> rows;

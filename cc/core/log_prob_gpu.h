@@ -24,8 +24,8 @@
 //    (64 or 16 tokens x 64 slots, over D in steps of 16) in shared memory with float32
 //    (float) or float64 (double) accumulation; each tile folds into an online logsumexp,
 //    and a node with more than 128 children is split into chunks of 128 slots
-//    (kChunkSlots in log_prob_gpu_layout.cuh; wider for a node so wide that its visits'
-//    partials would grow with it) whose partial (max, sum) are combined in a fixed
+//    (kChunkSlots in log_prob_gpu_layout.cuh; wider for a node of more than 32K children,
+//    so that a visit's partials stay bounded) whose partial (max, sum) are combined in a fixed
 //    order, so no branching factor is too big for shared memory. Nodes with at most 32 children use a warp per visit instead.
 //  - Backward: logits are recomputed and kept as coefficients upstream * (onehot - p) in
 //    a workspace buffer of at most coef_budget elements (larger batches run in waves of

@@ -24,20 +24,17 @@ constexpr int64 kSmallSlots = 32;
 #define TF_HSM_GPU_CHUNK_SLOTS 128
 #endif
 constexpr int64 kChunkSlots = TF_HSM_GPU_CHUNK_SLOTS;
-// A very wide node's chunks are widened, by whole kChunkSlots, until a visit keeps at most
-// max(kMinChunks, kChunkItems / its group's token tiles) partials: the partials then take
-// at most 2 * max(kMinChunks * T, kChunkItems * 64) values whatever the width (a one-node
-// tree of 1M classes at T = 3,200 keeps 41 a visit, not 7,813), and a group still spreads
-// over about kChunkItems blocks. (Compile-time knobs: the emulated harness sets them small
-// so that its small cases widen chunks too.)
-#ifndef TF_HSM_GPU_MIN_CHUNKS
-#define TF_HSM_GPU_MIN_CHUNKS 32
+// A node of more than kMaxChunks * kChunkSlots children has its chunks widened, by whole
+// kChunkSlots, to at most kMaxChunks: a visit keeps at most that many partials, so they
+// take at most 2 * kMaxChunks * T values whatever the width (a one-node tree of 1M classes
+// keeps 253 a visit, not 7,813), and a group still spreads over kMaxChunks blocks per tile
+// of tokens. The width depends on the node alone, so a node's log-sum-exp is folded the
+// same way in every call (a candidate gets its forward's bits). (Compile-time knob: the
+// emulated harness sets it small so that its small cases widen chunks too.)
+#ifndef TF_HSM_GPU_MAX_CHUNKS
+#define TF_HSM_GPU_MAX_CHUNKS 256
 #endif
-#ifndef TF_HSM_GPU_CHUNK_ITEMS
-#define TF_HSM_GPU_CHUNK_ITEMS 2048
-#endif
-constexpr int64 kMinChunks = TF_HSM_GPU_MIN_CHUNKS;
-constexpr int64 kChunkItems = TF_HSM_GPU_CHUNK_ITEMS;
+constexpr int64 kMaxChunks = TF_HSM_GPU_MAX_CHUNKS;
 // Whether the backward cuts a wide group by children (GpuLogProbPlan::Wave::kSlotBlock);
 // 0 keeps token ranges only. (Compile-time knob for comparing the two in the harness.)
 #ifndef TF_HSM_GPU_WIDE_BLOCKS

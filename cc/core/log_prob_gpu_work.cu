@@ -63,13 +63,9 @@ struct Groups {
   int64 num_partials = 0;
 };
 
-// The width of a node's chunks: kChunkSlots, widened for a node so wide that its n visits
-// would otherwise keep more than max(kMinChunks, kChunkItems / token tiles) partials each.
-int64 ChunkSlots(int64 n, int64 k) {
-  const int64 tiles = CeilDiv(n, n > kNarrowTokens ? WideTile::BM : NarrowTile::BM);
-  const int64 most = std::max(kMinChunks, CeilDiv(kChunkItems, std::max<int64>(tiles, 1)));
-  return CeilDiv(CeilDiv(k, kChunkSlots), most) * kChunkSlots;
-}
+// The width of a node's chunks: kChunkSlots, widened for a node of k children so wide that
+// it would otherwise have more than kMaxChunks.
+int64 ChunkSlots(int64 k) { return CeilDiv(CeilDiv(k, kChunkSlots), kMaxChunks) * kChunkSlots; }
 
 Groups LayOutGroups(const VisitPlan& plan, const TreeView& tree, const std::vector<int64>& vbegin) {
   const int64 num_groups = plan.num_groups();
@@ -84,7 +80,7 @@ Groups LayOutGroups(const VisitPlan& plan, const TreeView& tree, const std::vect
     gr.first[g] = tree.child_begin[plan.group_node[g]];
     const int64 k = plan.group_row[g + 1] - plan.group_row[g];
     const int64 n = vbegin[g + 1] - vbegin[g];
-    gr.chunk_slots[g] = k <= kSmallSlots ? kChunkSlots : ChunkSlots(n, k);
+    gr.chunk_slots[g] = k <= kSmallSlots ? kChunkSlots : ChunkSlots(k);
     gr.chunks[g] = k <= kSmallSlots ? 1 : CeilDiv(k, gr.chunk_slots[g]);
     gr.partial[g] = gr.num_partials;
     gr.num_partials += n * gr.chunks[g];

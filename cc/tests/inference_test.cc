@@ -783,6 +783,23 @@ void TestValidation() {
   bad = t;
   bad.child_begin[1] = bad.child_begin[0];
   check_all_ops(bad, "child_begin", "empty node");
+  // A one-node tree (the exact softmax, blocked products from 16 rows) whose node's slot
+  // range leaves the table: the blocked path declines it, the search reports it.
+  const Layout flat = Balanced(300, 300);
+  const Problem<float> rows16 = RandomProblem<float>(rng, flat, 16, 3, true, 0.5);
+  EXPECT(flat.num_nodes() == 1 && RunTopK(flat, rows16, 5, SerialFor).err.empty(), "flat tree");
+  for (int64 first : {int64{-1}, int64{0}}) {
+    Layout bad_flat = flat;
+    bad_flat.child_begin = {first, first + 300};
+    if (first == 0) bad_flat.slot_child.resize(200);  // the node names 100 slots too many
+    std::string e_all;
+    RunAll(bad_flat, rows16, 0, 300, SerialFor, &e_all);
+    const std::string e_top = RunTopK(bad_flat, rows16, 5, SerialFor).err;
+    EXPECT(has(e_all, "child_begin"), "flat tree from slot %ld: log_prob_all: %s", (long)first,
+           e_all.c_str());
+    EXPECT(has(e_top, "child_begin"), "flat tree from slot %ld: top_k: %s", (long)first,
+           e_top.c_str());
+  }
   // A class listed twice (another one is then missing).
   bad = t;
   std::vector<int64> class_slots;
