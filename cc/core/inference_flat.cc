@@ -21,16 +21,10 @@ constexpr int64 kFlatItemRows = 192;  // rows of a work item (with a partition)
 constexpr int64 kFlatTopKSpare = 8;  // TopK: logits kept per row and partition beyond k
 
 // The partitions of K slots: 1 to kFlatMaxPartitions ranges of whole kSlotTile tiles.
-std::vector<std::pair<int64, int64>> FlatPartitions(int64 K) {
+std::vector<SlotRange> FlatPartitions(int64 K) {
   const int64 tiles = (K + kSlotTile - 1) / kSlotTile;
-  const int64 parts = std::max<int64>(
-      1, std::min({tiles, K / kFlatPartitionSlots, kFlatMaxPartitions}));
-  std::vector<std::pair<int64, int64>> out;
-  for (int64 q = 0; q < parts; ++q) {
-    out.emplace_back(tiles * q / parts * kSlotTile,
-                     std::min(K, tiles * (q + 1) / parts * kSlotTile));
-  }
-  return out;
+  return TileRanges(K, std::max<int64>(1, std::min({tiles, K / kFlatPartitionSlots,
+                                                    kFlatMaxPartitions})));
 }
 
 // The logits of one partition's slots [begin, end) for rows [row_begin, row_end), tile by
@@ -80,15 +74,15 @@ struct FlatNode {
   // still gives every thread work); make_visit(q) makes a partition's visitor.
   template <class MakeVisit>
   void Run(const ParallelFor& parallel_for, MakeVisit&& make_visit) {
-    const int64 K = parts.back().second;
+    const int64 K = parts.back().end;
     const int64 blocks = (rows + kFlatItemRows - 1) / kFlatItemRows;
     const int64 cost = 2 * std::min(rows, kFlatItemRows) * (K / count()) * params.dim;
     parallel_for(count() * blocks, cost, [&](int64 b, int64 e) {
       for (int64 item = b; item < e; ++item) {
         const int64 q = item / blocks, r0 = item % blocks * kFlatItemRows;
         auto visit = make_visit(q);
-        FlatPartitionTiles(params, r0, std::min(rows, r0 + kFlatItemRows), parts[q].first,
-                           parts[q].second, part_max.data() + q * rows,
+        FlatPartitionTiles(params, r0, std::min(rows, r0 + kFlatItemRows), parts[q].begin,
+                           parts[q].end, part_max.data() + q * rows,
                            part_sum.data() + q * rows, visit);
       }
     });
@@ -99,7 +93,7 @@ struct FlatNode {
     return lse;
   }
   SoftmaxParams<T> params;
-  std::vector<std::pair<int64, int64>> parts;
+  std::vector<SlotRange> parts;
   int64 rows;
   std::vector<T> part_max, part_sum;
 };
@@ -177,7 +171,8 @@ bool FlatPathFits(const TreeView& tree, int64 num_rows) {
   if (tree.num_nodes != 1 || num_rows < kPackMinRows) return false;
   // The tree is untrusted: its one node's slots must lie in the table before they are read.
   const int64 first = tree.child_begin[0], K = tree.child_begin[1] - first;
-  if (first < 0 || K <= kSlotTile || K != tree.num_classes || K > tree.num_slots - first) {
+  if (!tree_checks::ValidSlotRange(tree, first, tree.child_begin[1]) || K <= kSlotTile ||
+      K != tree.num_classes) {
     return false;
   }
   for (int64 j = 0; j < K; ++j) {

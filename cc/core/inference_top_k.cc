@@ -392,7 +392,7 @@ std::string TopK(const TreeView& tree, const SoftmaxParams<T>& p, int64 num_rows
       part.hidden = p.hidden + r0 * p.dim;
       const int64 n = std::min(chunk, num_rows - r0);
       // A last chunk of fewer than kPackMinRows rows takes the search (FlatPathFits).
-      if (!FlatPathFits(tree, n)) {
+      if (n < kPackMinRows) {
         for (int64 r = r0; r < num_rows; ++r) rows.push_back(r);
         break;
       }

@@ -528,8 +528,7 @@ std::string LaunchLogits(const Args<T>& a, const GpuLogProbPlan::Wave& w, cudaSt
       Launch(&LogitsTiledKernel<T, NarrowTile, kKeep>, Blocks(w.logits_narrow.count, 1),
              kThreads, s, a, w.logits_narrow.begin, w.logits_narrow.count),
       "LogitsTiledKernel (16 tokens)");
-  // Blocks of a wide group's children never hold small nodes (small_visits is 0).
-  if (kKeep != Keep::kCoefficients && w.small_visits > 0) {
+  if (w.small_visits > 0) {  // never in a block of a wide group's children
     TF_HSM_RETURN_IF_CUDA_ERROR(
         Launch(&LogitsSmallKernel<T, kKeep == Keep::kLogits>,
                Blocks(w.visit_end - w.visit_begin, kWarpsPerBlock), kThreads, s, a,

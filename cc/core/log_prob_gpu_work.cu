@@ -178,12 +178,10 @@ class WaveBuilder {
   void AddWideGroup(int64 level, int64 g, int64 n, int64 k) {
     CloseWave();
     const bool wide = n > kNarrowTokens;
-    const int64 s = AddSlice(g, k, 0, n);
+    const int64 s = AddSlice(g, k, 0, n);  // at coefficient 0 of the empty wave
     used_ = 0;  // the log-sum-exp wave keeps nothing
-    slices[s].coef = 0;
     AddLogitsItems(s, groups_.chunks[g], n, wide);
     wave_.kind = GpuLogProbPlan::Wave::kLogSumExp;
-    wave_.small_visits = 0;
     CloseWave();
     const int64 block = budget_ / n / kChunkSlots * kChunkSlots;
     for (int64 c0 = 0; c0 < k; c0 += block) {

@@ -65,6 +65,23 @@ void FoldLogSumExp(const T* z, int64 n, T* row_max, T* row_sum) {
   *row_max = m;
 }
 
+// A range of a node's slots.
+struct SlotRange {
+  int64 begin;
+  int64 end;
+};
+
+// K slots cut into `parts` ranges of whole kSlotTile tiles, as equal as the tiles allow
+// (parts at most the number of tiles).
+inline std::vector<SlotRange> TileRanges(int64 K, int64 parts) {
+  const int64 tiles = (K + kSlotTile - 1) / kSlotTile;
+  std::vector<SlotRange> out;
+  for (int64 q = 0; q < parts; ++q) {
+    out.push_back({tiles * q / parts * kSlotTile, std::min(K, tiles * (q + 1) / parts * kSlotTile)});
+  }
+  return out;
+}
+
 // lse[r] for n rows from P partial (max, sum) folds of their logits, part q's at
 // part_max[q * n + r] and part_sum[q * n + r], merged in part order (a part with no
 // logits has max -inf).

@@ -31,23 +31,12 @@ constexpr int64 kWideTokenTile = 64;    // tokens per logits tile of a wide grou
 constexpr int64 kWideMaxPartitions = 8;
 constexpr int64 kWidePartitionSlots = 512;  // about this many slots a partition, at least
 
-struct SlotRange {
-  int64 begin;
-  int64 end;
-};
-
 // The partitions of a node of K slots: between 2 and kWideMaxPartitions ranges of whole
 // kSlotTile tiles, as equal as the tiles allow.
 inline std::vector<SlotRange> WidePartitions(int64 K) {
   const int64 tiles = (K + kSlotTile - 1) / kSlotTile;
-  const int64 parts = std::min(tiles, std::clamp<int64>(K / kWidePartitionSlots, 2,
-                                                        kWideMaxPartitions));
-  std::vector<SlotRange> out;
-  for (int64 q = 0; q < parts; ++q) {
-    out.push_back({tiles * q / parts * kSlotTile,
-                   std::min(K, tiles * (q + 1) / parts * kSlotTile)});
-  }
-  return out;
+  return TileRanges(K, std::min(tiles, std::clamp<int64>(K / kWidePartitionSlots, 2,
+                                                         kWideMaxPartitions)));
 }
 
 // One partition's slots [range) folded into its running (max, sum) for every token of
