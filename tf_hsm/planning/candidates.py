@@ -678,6 +678,7 @@ def _add_quality_and_body(rows, body_row, num_classes, notes):
     r["quality_evidence"] = (quality_lib.describe(kind, num_classes) if kind else
                              "not measured")
     r["quality_far"] = bool(kind) and quality_lib.is_far_kind(kind, num_classes)
+    r["quality_scale_gap"] = quality_lib.scale_gap(kind, num_classes) if kind else None
     r["body_seconds"] = body_row["step_seconds"] if body_row else 0.0
     r["whole_step_seconds"] = r["step_seconds"] + r["body_seconds"]
     # One step's workspace: the body's peak adds its tensors only.
@@ -693,11 +694,17 @@ def _quality_pick(exact, key="whole_step_seconds"):
   `exact` (rows carrying `quality` and `key`), the most accurate whose `key` is within
   QUALITY_MARGIN of the fastest (ratios within QUALITY_TIE of the best count as equal,
   then the fastest by `_pick`); rows of unknown quality only when none in the margin
-  has a measured one, and then the fastest (`_pick`). `measured`: whether the row was
-  chosen by its quality."""
+  has a measured one, and then the fastest (`_pick`). Only the rows whose figures were
+  measured at the vocabulary size nearest the rows' V (`quality_scale_gap`) are
+  compared: a tree's cost in perplexity grows with V, so a 6K-word figure would flatter
+  a row against one measured at 100K. `measured`: whether the row was chosen by its
+  quality."""
   fastest = min(r[key] for r in exact)
   margin = [r for r in exact if r[key] <= fastest * (1 + QUALITY_MARGIN)]
   known = [r for r in margin if r["quality"] is not None]
+  if known:
+    gap = lambda r: r.get("quality_scale_gap") or 0.0
+    known = [r for r in known if gap(r) <= min(map(gap, known)) + 1e-9]
   if not known:
     return _pick(margin, key), False
   top = min(r["quality"] for r in known)
@@ -722,7 +729,11 @@ def _choose(exact, full, whole):
     quickest = min(faster, key=lambda r: r[key])
     worse = (f"; the fastest, {quickest['label']} ({_seconds(quickest[key])}), "
              + ("quality unknown" if quickest["quality"] is None else
-                f"{quickest['quality'] - 1:+.1%} perplexity"))
+                f"{quickest['quality'] - 1:+.1%} perplexity"
+                + (" measured at a vocabulary size farther from this V's, not compared"
+                   if (quickest.get("quality_scale_gap") or 0.0) >
+                   (best.get("quality_scale_gap") or 0.0) + 1e-9
+                   else "")))
   return best, (
       f"the most accurate measured layer within {QUALITY_MARGIN:.0%} of the fastest "
       f"{step}: {best['quality'] - 1:+.1%} perplexity against full softmax "

@@ -11,9 +11,11 @@ docstrings (V=6,205), the King James Bible (V=4,989) and Debian's fortunes
 large vocabularies the same model on two corpora of Debian's documentation and comments
 (V=103,450 and 113,946), trained with PyTorch on a GPU (`tf_hsm.bench.quality_torch`:
 full softmax at 100K classes is 14 hours an epoch on 2 vCPUs) and compared at equal
-training tokens (2M and 6M, and the end of one epoch for the rows run that long). A
-layer's figure is the mean over the corpora measured of its best perplexity over full
-softmax's in the same setting; `EVIDENCE` lists every figure with its source.
+training tokens, every 2M tokens up to one epoch. A layer's figure is the mean over the
+corpora measured of its perplexity over full softmax's in the same setting: on a small
+corpus its best of 3 epochs, on a large one its longest-trained checkpoint
+(`longest_trained`: the gaps to full softmax grow with training, so an early checkpoint
+would flatter a layer); `EVIDENCE` lists every figure with its source.
 
 Quality depends on the vocabulary's size (a tree over a million classes is deeper than
 one over 6,000), so a row of V classes takes the figures of the nearest measured size:
@@ -34,14 +36,24 @@ FORTUNES = "fortunes (V=10,000)"
 # is a corpus of its own here, with its own full-softmax reference.
 LINUX_2M = "linux-comments at 2.0M tokens (V=103,450)"
 DEBIAN_2M = "debian-docs at 2.0M tokens (V=113,946)"
+LINUX_4M = "linux-comments at 4.0M tokens (V=103,450)"
+DEBIAN_4M = "debian-docs at 4.0M tokens (V=113,946)"
 LINUX_6M = "linux-comments at 6.0M tokens (V=103,450)"
 DEBIAN_6M = "debian-docs at 6.0M tokens (V=113,946)"
+DEBIAN_10M = "debian-docs at 10.0M tokens (V=113,946)"
+DEBIAN_12M = "debian-docs at 12.0M tokens (V=113,946)"
 LINUX_EPOCH = "linux-comments after an epoch, 10.8M tokens (V=103,450)"
 DEBIAN_EPOCH = "debian-docs after an epoch, 16.6M tokens (V=113,946)"
 # Each corpus's classes (the demo's vocabulary with <unk>), for the lookup by size.
 CORPUS_CLASSES = {STDLIB: 6_205, KJV: 4_989, FORTUNES: 10_000, LINUX_2M: 103_450,
-                  DEBIAN_2M: 113_946, LINUX_6M: 103_450, DEBIAN_6M: 113_946,
-                  LINUX_EPOCH: 103_450, DEBIAN_EPOCH: 113_946}
+                  DEBIAN_2M: 113_946, LINUX_4M: 103_450, DEBIAN_4M: 113_946,
+                  LINUX_6M: 103_450, DEBIAN_6M: 113_946, DEBIAN_10M: 113_946,
+                  DEBIAN_12M: 113_946, LINUX_EPOCH: 103_450, DEBIAN_EPOCH: 113_946}
+# The training tokens of a large corpus's checkpoint (the small corpora's figures are
+# each the best of 3 epochs, one figure a corpus).
+CHECKPOINT_TOKENS = {LINUX_2M: 2.0e6, DEBIAN_2M: 2.0e6, LINUX_4M: 4.0e6, DEBIAN_4M: 4.0e6,
+                     LINUX_6M: 6.0e6, DEBIAN_6M: 6.0e6, DEBIAN_10M: 10.0e6,
+                     DEBIAN_12M: 12.0e6, LINUX_EPOCH: 10.8e6, DEBIAN_EPOCH: 16.6e6}
 # A row whose V is more than this factor from every vocabulary its figures were
 # measured at is marked `~` in the table: the figure orders layers, it does not give
 # their cost at that V.
@@ -65,7 +77,8 @@ class Figure:
 # The large vocabularies' figures: docs/planner.md, "Large vocabularies" (run 1: every
 # row, compared at 2.0M training tokens, the rows rebuilt from vectors not yet rebuilt
 # there and left out; run 2: the trees from vectors, at 6.0M; run 3: four rows to the end
-# of an epoch).
+# of an epoch, and their checkpoints on the way, the references of run 4; run 4: the
+# other rows for up to an epoch in 470 s each, at the last checkpoint each reached).
 _GPU_RUNS = ("docs/planner.md, Large vocabularies (python -m tf_hsm.bench.quality_torch "
              "run, run {}, {}, row {}, NVIDIA H200, 2026-11-26)")
 # Every figure: `python -m tf_hsm.bench.quality_runs CORPUS`, one row each (AMD EPYC, 2
@@ -129,7 +142,19 @@ EVIDENCE = (
         (3, LINUX_EPOCH, {"full": 101.62, "sampled": 105.35, "adaptive_fixed": 105.28,
                           "vectors64_head256": 107.44}),
         (3, DEBIAN_EPOCH, {"full": 46.37, "sampled": 48.05, "adaptive_fixed": 49.11,
-                           "vectors64_head256": 51.10}))
+                           "vectors64_head256": 51.10}),
+        (3, LINUX_4M, {"full": 129.32, "sampled": 132.89}),
+        (3, DEBIAN_4M, {"full": 68.09, "sampled": 69.61}),
+        (3, DEBIAN_10M, {"full": 52.54, "sampled": 54.40}),
+        (3, DEBIAN_12M, {"full": 49.99, "sampled": 51.94}),
+        (4, LINUX_EPOCH, {"two_level": 113.22, "huffman8": 122.46, "huffman32": 114.65,
+                          "balanced": 112.29, "learned": 108.49,
+                          "vectors32_head256": 109.26, "vectors32_head1024": 106.58}),
+        (4, LINUX_4M, {"adaptive_flat": 133.38, "adaptive_demo": 128.62}),
+        (4, DEBIAN_4M, {"adaptive_flat": 69.40, "adaptive_demo": 66.38}),
+        (4, DEBIAN_10M, {"huffman8": 66.48, "learned": 56.81, "vectors32_head256": 57.13}),
+        (4, DEBIAN_12M, {"two_level": 57.05, "huffman32": 58.88, "balanced": 56.89,
+                         "vectors32_head1024": 53.25}))
     for row, ppl in rows.items()
     for kind in ["three_level" if row == "balanced" else row])
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
@@ -183,14 +208,41 @@ def nearest_figures(figures, num_classes=None):
   return [f for f in figures if round(math.log10(classes_of(f.corpus))) == scale]
 
 
+def longest_trained(figures):
+  """Of each large corpus's checkpoints among FIGURES, the one with the most training
+  tokens (a small corpus's single figure stays)."""
+  latest = {}
+  for f in figures:
+    corpus = f.corpus.split(" ")[0] if f.corpus in CHECKPOINT_TOKENS else f.corpus
+    tokens = CHECKPOINT_TOKENS.get(f.corpus, 0.0)
+    if corpus not in latest or tokens > CHECKPOINT_TOKENS.get(latest[corpus].corpus, 0.0):
+      latest[corpus] = f
+  return [f for f in figures if f in latest.values()]
+
+
 def quality_of(kind, num_classes=None):
   """(mean perplexity ratio against full softmax, [figures]) of a kind key at the
   measured vocabulary size nearest to NUM_CLASSES (`nearest_figures`; all sizes when
-  None), or (None, []) when the project has no measurement of it."""
-  figures = nearest_figures([f for f in EVIDENCE if f.kind == kind], num_classes)
+  None), each large corpus's longest-trained checkpoint, or (None, []) when the project
+  has no measurement of it."""
+  figures = longest_trained(
+      nearest_figures([f for f in EVIDENCE if f.kind == kind], num_classes))
   if not figures:
     return None, []
   return sum(f.ratio for f in figures) / len(figures), figures
+
+
+def scale_gap(kind, num_classes):
+  """How many orders of magnitude (log10) lie between NUM_CLASSES and the vocabulary
+  size whose figures `quality_of` takes for KIND (0 without NUM_CLASSES), or None when
+  KIND was not measured."""
+  _, figures = quality_of(kind, num_classes)
+  if not figures:
+    return None
+  if num_classes is None:
+    return 0.0
+  scale = round(math.log10(classes_of(figures[0].corpus)))
+  return abs(scale - math.log10(num_classes))
 
 
 def measured_range(figures):
@@ -286,6 +338,22 @@ def is_far_kind(kind, num_classes):
   return bool(figures) and is_far(figures, num_classes)
 
 
+def _corpus_names(figures):
+  """The corpora of FIGURES, a large corpus once with its checkpoints' range of training
+  tokens ("linux-comments at 4.0M-10.8M training tokens")."""
+  tokens = {}
+  for f in figures:
+    name = f.corpus.split(" (")[0]
+    if f.corpus in CHECKPOINT_TOKENS:
+      name = f.corpus.split(" ")[0]
+      tokens.setdefault(name, set()).add(CHECKPOINT_TOKENS[f.corpus])
+    else:
+      tokens.setdefault(name, set())
+  return {name if not t else
+          f"{name} at {min(t) / 1e6:.1f}M" + (f"-{max(t) / 1e6:.1f}M" if len(t) > 1 else "")
+          + " training tokens" for name, t in tokens.items()}
+
+
 def column_note(num_classes):
   """Where the table's ppl+% figures come from at NUM_CLASSES classes: the corpora and
   their sizes (each kind's nearest, `quality_of`), and how far from NUM_CLASSES."""
@@ -293,7 +361,7 @@ def column_note(num_classes):
              for f in quality_of(kind, num_classes)[1]]
   if not figures:
     return "ppl+%: not measured for any layer"
-  corpora = ", ".join(sorted({f.corpus.split(" (")[0] for f in figures}))
+  corpora = ", ".join(sorted(_corpus_names(figures)))
   far = is_far(figures, num_classes)
   whose = "the table's V="
   return ("ppl+%: measured perplexity over full softmax's, in % (?: not measured), "
