@@ -29,6 +29,19 @@ def dense(grad, shape=None, sparse=False):
   return out
 
 
+def taped_log_prob(hidden, weights, biases, tree, targets):
+  """tf_hsm.log_prob under a GradientTape: (log_prob, d_hidden, d_weights, d_biases) as
+  NumPy arrays, the gradients of the sum (upstream 1) dense."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_hsm  # pylint: disable=g-import-not-at-top
+  h, w, b = tf.constant(hidden), tf.Variable(weights), tf.Variable(biases)
+  with tf.GradientTape() as tape:
+    tape.watch(h)
+    lp = tf_hsm.log_prob(h, w, b, tree, targets)
+  gh, gw, gb = tape.gradient(lp, [h, w, b])
+  return lp.numpy(), gh.numpy(), dense(gw, w.shape), dense(gb, b.shape)
+
+
 def repo_env(**extra):
   """The environment with the repository first on PYTHONPATH and TensorFlow quiet."""
   path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)

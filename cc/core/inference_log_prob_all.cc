@@ -46,8 +46,12 @@ inline void FoldLanes(const T* zg, int64 kb, int64 ld, simd::VecT<T> tile_max, b
                       simd::VecT<T>* m, simd::VecT<T>* sum) {
   typedef simd::VecT<T> V;
   const V new_max = first ? tile_max : tile_max > *m ? tile_max : *m;
+  // Lanes whose logits so far are all -inf (masked children) add exp(-inf - 0) = 0, not
+  // exp(-inf - -inf) = NaN.
+  const V shift = new_max == simd::Splat<T>(-std::numeric_limits<T>::infinity())
+                      ? simd::Splat<T>(0) : new_max;
   V exps = {};
-  for (int64 j = 0; j < kb; ++j) exps += simd::ExpVec(simd::Load(zg + j * ld) - new_max);
+  for (int64 j = 0; j < kb; ++j) exps += simd::ExpVec(simd::Load(zg + j * ld) - shift);
   if (first) {
     *sum = exps;
   } else {

@@ -134,13 +134,18 @@ TF_HSM_GLOBAL void TF_HSM_TILE_BOUNDS LogitsTiledKernel(Args<T> a, int64 item_be
         if (kFold) {
           tile_max = GroupMax<C::kThreadsN>(tile_max);
           const T new_max = MaxIgnoringNan(run_max[i], tile_max);
+          // While every logit so far is -inf (masked children) they add exp(-inf - 0) = 0,
+          // not exp(-inf - -inf) = NaN, and the running sum is kept as it is (0, or NaN
+          // from a NaN logit), as in the CPU core.
+          const bool none = new_max == NegInf<T>();
+          const T shift = none ? T(0) : new_max;
           T tile_sum = T(0);
 #pragma unroll
           for (int j = 0; j < C::TN; ++j) {
-            if (C::Col(j) < nb) tile_sum += Exp(acc[i][j] - new_max);
+            if (C::Col(j) < nb) tile_sum += Exp(acc[i][j] - shift);
           }
           tile_sum = GroupSum<C::kThreadsN>(tile_sum);
-          run_sum[i] = run_sum[i] * Exp(run_max[i] - new_max) + tile_sum;
+          run_sum[i] = (none ? run_sum[i] : run_sum[i] * Exp(run_max[i] - new_max)) + tile_sum;
           run_max[i] = new_max;
         }
         if (r < nt) {
@@ -227,8 +232,8 @@ TF_HSM_DEVICE T VisitLogSumExp(const Args<T>& a, int64 v) {
     if (cm > m) {
       s = s * Exp(m - cm) + cs;
       m = cm;
-    } else {
-      s = s + cs * Exp(cm - m);
+    } else if (cs != T(0)) {  // a chunk of masked children adds nothing; NaN stays NaN
+      s = s + cs * (cm == m ? T(1) : Exp(cm - m));
     }
   }
   return m + Log(s);

@@ -246,7 +246,9 @@ void FoldKeepingExps(const T* z, int64 n, T* row_max, T* row_sum, T* exps, T* ac
     }
     *row_max = chunk_max;
   }
-  for (int64 j = 0; j < n; ++j) exps[j] = z[j] - *row_max;
+  // All logits so far -inf (masked children): their exponentials are 0, not NaN.
+  const T shift = *row_max == -std::numeric_limits<T>::infinity() ? T(0) : *row_max;
+  for (int64 j = 0; j < n; ++j) exps[j] = z[j] - shift;
   simd::ExpInPlace(exps, n);
   T sum = *row_sum;
   for (int64 j = 0; j < n; ++j) sum += exps[j];

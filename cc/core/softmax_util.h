@@ -57,7 +57,9 @@ void FoldLogSumExp(const T* z, int64 n, T* row_max, T* row_sum) {
     *row_sum *= std::exp(m - chunk_max);
     m = chunk_max;
   }
-  const V mv = simd::Splat<T>(m);
+  // A row whose logits so far are all -inf (masked children) sums exp(z - 0) = 0 for
+  // them, not exp(-inf - -inf) = NaN, so later finite logits still give its sum.
+  const V mv = simd::Splat<T>(m == ninf ? T(0) : m);
   V acc = {};
   for (j = 0; j + w <= n; j += w) acc += simd::ExpVec(simd::Load(z + j) - mv);
   if (j < n) acc += simd::ExpVec(tail - mv);
@@ -84,13 +86,23 @@ inline std::vector<SlotRange> TileRanges(int64 K, int64 parts) {
 
 // lse[r] for n rows from P partial (max, sum) folds of their logits, part q's at
 // part_max[q * n + r] and part_sum[q * n + r], merged in part order (a part with no
-// logits has max -inf).
+// finite logits has max -inf and adds nothing). A NaN in any part's max or sum makes
+// lse NaN, as one NaN logit makes a whole log-sum-exp NaN: a part whose other logits
+// are all -inf can keep max -inf and still carry its NaN in the sum.
 template <typename T>
 void MergeLogSumExps(int64 P, int64 n, const T* part_max, const T* part_sum, T* lse) {
   const T ninf = -std::numeric_limits<T>::infinity();
   for (int64 r = 0; r < n; ++r) {
     T m = ninf;
-    for (int64 q = 0; q < P; ++q) m = std::max(m, part_max[q * n + r]);
+    bool nan = false;
+    for (int64 q = 0; q < P; ++q) {
+      m = std::max(m, part_max[q * n + r]);
+      nan |= std::isnan(part_max[q * n + r]) || std::isnan(part_sum[q * n + r]);
+    }
+    if (nan) {
+      lse[r] = std::numeric_limits<T>::quiet_NaN();
+      continue;
+    }
     T sum = 0;
     for (int64 q = 0; q < P; ++q) {
       const T mq = part_max[q * n + r];

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tf_hsm
 from oracle import log_prob_reference
-from support import dense
+from support import taped_log_prob as _taped
 from tf_hsm.ops import loader as _loader
 from tf_hsm.ops.inputs import tree_tensors
 
@@ -34,15 +34,6 @@ def _inputs(rng, tree, tokens, dim, dtype):
   biases = (0.1 * rng.normal(size=tree.num_slots)).astype(dtype)
   targets = rng.integers(0, tree.num_classes, size=tokens)
   return hidden, weights, biases, targets
-
-
-def _taped(hidden, weights, biases, tree, targets):
-  h, w, b = tf.constant(hidden), tf.Variable(weights), tf.Variable(biases)
-  with tf.GradientTape() as tape:
-    tape.watch(h)
-    lp = tf_hsm.log_prob(h, w, b, tree, targets)
-  gh, gw, gb = tape.gradient(lp, [h, w, b])
-  return lp.numpy(), gh.numpy(), dense(gw, w.shape), dense(gb, b.shape)
 
 
 @pytest.mark.parametrize("num_classes,tokens,dim", [
