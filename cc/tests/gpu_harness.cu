@@ -1720,6 +1720,31 @@ void TimeHostPlans(std::mt19937_64& rng, const Options& opt) {
   }
 }
 
+// The checks of special inputs (a NaN row, masked children), each named like a case so
+// that --only selects it.
+void CheckSpecialInputs(std::mt19937_64& rng, const Options& opt) {
+  const auto selected = [&](const char* name) {
+    return opt.only.empty() || std::string(name).find(opt.only) != std::string::npos;
+  };
+  const auto report = [](const char* name, int before) {
+    std::printf("[%s] %s\n", failures == before ? "PASS" : "FAIL", name);
+  };
+  if (selected("nan_row")) {
+    int before = failures;
+    CheckNanStaysInItsRow(rng);
+    report("nan_row", before);
+    before = failures;
+    CheckInferenceNanRow(rng);
+    report("nan_row_inference", before);
+  }
+  if (selected("masked_children")) {
+    const int before = failures;
+    CheckMaskedChildren<double>(rng);
+    CheckMaskedChildren<float>(rng);
+    report("masked_children", before);
+  }
+}
+
 int Main(int argc, char** argv) {
   Options opt;
   for (int i = 1; i < argc; ++i) {
@@ -1781,20 +1806,7 @@ int Main(int argc, char** argv) {
       std::printf("[%s] %s\n", failures == before ? "PASS" : "FAIL", c.name.c_str());
       std::fflush(stdout);
     }
-    if (opt.only.empty() || std::string("nan_row").find(opt.only) != std::string::npos) {
-      const int before = failures;
-      CheckNanStaysInItsRow(rng);
-      std::printf("[%s] nan_row\n", failures == before ? "PASS" : "FAIL");
-      const int before_inference = failures;
-      CheckInferenceNanRow(rng);
-      std::printf("[%s] nan_row_inference\n", failures == before_inference ? "PASS" : "FAIL");
-    }
-    if (opt.only.empty() || std::string("masked_children").find(opt.only) != std::string::npos) {
-      const int before = failures;
-      CheckMaskedChildren<double>(rng);
-      CheckMaskedChildren<float>(rng);
-      std::printf("[%s] masked_children\n", failures == before ? "PASS" : "FAIL");
-    }
+    CheckSpecialInputs(rng, opt);
   }
   if (opt.plan_only) TimeHostPlans(rng, opt);
   if (opt.time) {
