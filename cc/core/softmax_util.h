@@ -31,7 +31,8 @@ T* Grow(std::vector<T>* v, int64 n) {
 // sums are combined in a fixed order. A NaN logit makes the sum NaN (the max ignores it),
 // so NaN reaches exactly the rows it came from. One pass for the sum: each vector's
 // exponentials are added as they are computed. The lanes past n hold -inf, so they add
-// exp(-inf) = +0 (NaN only when the max is -inf, where every logit's term is NaN too).
+// exp(-inf) = +0; while the max is -inf (every logit so far -inf) the terms are taken
+// against 0, so they add +0 too, and a NaN among them still makes the sum NaN.
 template <typename T>
 void FoldLogSumExp(const T* z, int64 n, T* row_max, T* row_sum) {
   typedef simd::VecT<T> V;

@@ -1219,14 +1219,29 @@ void CheckMaskedChildren(std::mt19937_64& rng) {
   DeviceInputs<T> in(d);
   const double rtol = sizeof(T) == 8 ? 1e-9 : 1e-3;
   const int64 coef = CoefElements(plan, c.tree);
+  const auto finite = [](const auto& v) {
+    return std::all_of(v.begin(), v.end(), [](auto x) { return std::isfinite(x); });
+  };
+  HARNESS_EXPECT(finite(ref.log_prob) && finite(ref.d_hidden), "%s: the CPU core is not finite",
+                 what.c_str());
   for (const int64 budget : {c.budget, std::max<int64>(1, coef / 7)}) {
     const Result<T> gpu = RunGpu<T>(c, plan, in, budget, true, nullptr);
     const std::string at = what + " (coef budget " + std::to_string(budget) + ")";
+    HARNESS_EXPECT(finite(gpu.log_prob) && finite(gpu.d_hidden), "%s: not finite", at.c_str());
     Compare(at + " log_prob", gpu.log_prob, ref.log_prob, rtol);
     Compare(at + " d_hidden", gpu.d_hidden, ref.d_hidden, rtol);
     Compare(at + " weight_rows", gpu.d_rows, ref.d_rows, rtol);
     Compare(at + " bias_rows", gpu.d_bias, ref.d_bias, rtol);
   }
+  // A NaN logit among the masked children: every log-probability NaN, as one NaN makes a
+  // log-sum-exp NaN (its chunk's max stays -inf, its sum is NaN).
+  for (int64 k = 0; k < c.dim; ++k) d.weights[500 * c.dim + k] = NAN;
+  DeviceInputs<T> nan_in(d);
+  const Result<T> nan_out = RunGpu<T>(c, plan, nan_in, c.budget, false, nullptr);
+  const bool all_nan = std::all_of(nan_out.log_prob.begin(), nan_out.log_prob.end(),
+                                   [](T x) { return std::isnan(x); });
+  HARNESS_EXPECT(all_nan, "%s: a NaN among masked children did not make every log_prob NaN",
+                 what.c_str());
 }
 
 // NaN in one token's hidden state: only that token's log-probability is NaN.

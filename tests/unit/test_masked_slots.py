@@ -47,6 +47,7 @@ TREES = {
     "nested": lambda: tf_hsm.Tree.from_nested([list(range(300)), [300, 301, 302], 303,
                                                list(range(304, 1604))]),
     "two_level": lambda: tf_hsm.Tree.two_level(3000),
+    "balanced_200": lambda: tf_hsm.Tree.balanced(6000, 200),  # nodes wider than a tile
     "huffman8": lambda: tf_hsm.Tree.huffman(np.arange(1, 500, dtype=np.float64), 8),
     "binary": lambda: tf_hsm.Tree.huffman(np.arange(1, 300, dtype=np.float64)),
 }

@@ -83,8 +83,8 @@ def test_longest_trained_keeps_one_checkpoint_a_corpus():
 
 def test_rows_are_compared_on_evidence_of_the_nearest_size():
   # At V=1M binary Huffman was measured only at 5-10K words (+11.7% there); Huffman(8)
-  # at 100K (+23.5% after an epoch): the rule compares only the rows measured nearest,
-  # so the 6K figure of a deeper tree cannot win against a 100K figure.
+  # at 100K (+23.5% after 10M tokens to an epoch): the rule compares only the rows
+  # measured nearest, so the 6K figure of a deeper tree cannot win against a 100K one.
   assert quality.scale_gap("huffman2", 1_000_000) == pytest.approx(2.0)
   assert quality.scale_gap("huffman8", 1_000_000) == pytest.approx(1.0)
   assert quality.scale_gap("huffman8", None) == 0.0
@@ -137,3 +137,27 @@ def test_vectors_work_prices_the_layout_without_building_it(classes, branching, 
   assert got.path_steps == expected.path_steps
   for field in ("per_token", "per_token_small", "rows", "path_nodes"):
     assert getattr(got, field) == pytest.approx(getattr(expected, field), rel=1e-9), field
+
+
+def test_rows_trained_much_less_are_not_compared():
+  # The adaptive layouts reached 4M training tokens of the large corpora, the trees 10M
+  # to an epoch: a gap that grows with training would flatter them, so the rule sets
+  # them aside, and says so.
+  assert quality.training_tokens("adaptive_flat", 100_000) == 4e6
+  assert quality.training_tokens("huffman8", 100_000) == 10e6
+  assert quality.training_tokens("huffman8", 6_000) == float("inf")  # best of 3 epochs
+  assert quality.training_tokens("nothing measured", 100_000) is None
+  row = lambda label, kind: {"label": label, "quality_kind": kind,
+                             "quality": quality.quality_of(kind, 100_000)[0],
+                             "quality_scale_gap": quality.scale_gap(kind, 100_000),
+                             "quality_tokens": quality.training_tokens(kind, 100_000),
+                             "step_seconds": 1.0, "whole_step_seconds": 1.0,
+                             "peak_bytes": 1, "method": label}
+  rows = [row("HSM huffman(32)", "huffman32"), row("adaptive flat", "adaptive_flat"),
+          row("adaptive demo", "adaptive_demo"), row("HSM huffman(2)", "huffman2")]
+  assert rows[1]["quality"] < rows[0]["quality"]  # the early figure looks better
+  compared, aside = candidates._comparable(rows)
+  assert compared == [rows[0]] and aside == rows[1:]
+  note = candidates._set_aside_note(rows, "whole_step_seconds", rows[0])
+  assert "adaptive flat (+2.5%, measured after 4.0M training tokens only)" in note, note
+  assert "HSM huffman(2) (+11.7%, measured at a vocabulary size farther" in note, note

@@ -54,7 +54,9 @@ STEP_TIE = 0.10
 # against full softmax, `tf_hsm.planning.quality`) whose whole step (the body's, with a
 # model, and the output layer's) is within this fraction of the fastest whole step;
 # measured perplexity ratios within QUALITY_TIE of the best count as equally accurate
-# (then the fastest, as `STEP_TIE`).
+# (then the fastest, as `STEP_TIE`). Only rows whose figures are alike are compared:
+# measured at the vocabulary size nearest V, and after at least half the training of the
+# longest-trained among them (`_comparable`).
 QUALITY_MARGIN = 0.20
 QUALITY_TIE = 0.005
 
@@ -537,7 +539,9 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     softmax's (`tf_hsm.planning.quality`; None when the project has not measured that
     layer). The recommendation is the most accurate exact row that fits whose whole
     step is within QUALITY_MARGIN (20%) of the fastest whole step (ratios within
-    QUALITY_TIE counting as equal, then the fastest); rows of unknown quality are taken
+    QUALITY_TIE counting as equal, then the fastest), among the rows whose figures were
+    measured at the vocabulary size nearest V and trained at least half as long as the
+    longest-trained of them; rows of unknown quality are taken
     only when no row in the margin has a measured one, and then the fastest (steps
     within STEP_TIE equal; then full softmax before HierarchicalSoftmax before
     AdaptiveSoftmax, then the least peak memory). With none that fits, the exact one that
@@ -679,6 +683,7 @@ def _add_quality_and_body(rows, body_row, num_classes, notes):
                              "not measured")
     r["quality_far"] = bool(kind) and quality_lib.is_far_kind(kind, num_classes)
     r["quality_scale_gap"] = quality_lib.scale_gap(kind, num_classes) if kind else None
+    r["quality_tokens"] = quality_lib.training_tokens(kind, num_classes) if kind else None
     r["body_seconds"] = body_row["step_seconds"] if body_row else 0.0
     r["whole_step_seconds"] = r["step_seconds"] + r["body_seconds"]
     # One step's workspace: the body's peak adds its tensors only.
@@ -694,21 +699,47 @@ def _quality_pick(exact, key="whole_step_seconds"):
   `exact` (rows carrying `quality` and `key`), the most accurate whose `key` is within
   QUALITY_MARGIN of the fastest (ratios within QUALITY_TIE of the best count as equal,
   then the fastest by `_pick`); rows of unknown quality only when none in the margin
-  has a measured one, and then the fastest (`_pick`). Only the rows whose figures were
-  measured at the vocabulary size nearest the rows' V (`quality_scale_gap`) are
-  compared: a tree's cost in perplexity grows with V, so a 6K-word figure would flatter
-  a row against one measured at 100K. `measured`: whether the row was chosen by its
-  quality."""
+  has a measured one, and then the fastest (`_pick`). Only rows whose figures are alike
+  are compared (`_comparable`). `measured`: whether the row was chosen by its quality."""
   fastest = min(r[key] for r in exact)
   margin = [r for r in exact if r[key] <= fastest * (1 + QUALITY_MARGIN)]
-  known = [r for r in margin if r["quality"] is not None]
-  if known:
-    gap = lambda r: r.get("quality_scale_gap") or 0.0
-    known = [r for r in known if gap(r) <= min(map(gap, known)) + 1e-9]
+  known = _comparable([r for r in margin if r["quality"] is not None])[0]
   if not known:
     return _pick(margin, key), False
   top = min(r["quality"] for r in known)
   return _pick([r for r in known if r["quality"] <= top * (1 + QUALITY_TIE)], key), True
+
+
+def _comparable(known):
+  """(compared, set aside) of rows with measured quality: compared, those measured at the
+  vocabulary size nearest V (`quality_scale_gap`: a tree's cost in perplexity grows with
+  V, so a 6K-word figure would flatter a row against one measured at 100K) and trained
+  at least half as long as the longest-trained of those (`quality_tokens`: the gaps to
+  full softmax grow with training, so a figure after 4M tokens would flatter a row
+  against one after an epoch)."""
+  if not known:
+    return [], []
+  gap = lambda r: r.get("quality_scale_gap") or 0.0
+  near = [r for r in known if gap(r) <= min(map(gap, known)) + 1e-9]
+  tokens = lambda r: r.get("quality_tokens") or math.inf
+  longest = max(map(tokens, near))
+  compared = [r for r in near if tokens(r) >= 0.5 * longest]
+  return compared, [r for r in known if r not in compared]
+
+
+def _set_aside_note(exact, key, best):
+  """The measured rows in the margin that `_comparable` did not compare, and why."""
+  fastest = min(r[key] for r in exact)
+  margin = [r for r in exact if r[key] <= fastest * (1 + QUALITY_MARGIN)]
+  _, aside = _comparable([r for r in margin if r["quality"] is not None])
+  if not aside:
+    return ""
+  why = lambda r: ("measured at a vocabulary size farther from this V's"
+                   if (r.get("quality_scale_gap") or 0.0) >
+                   (best.get("quality_scale_gap") or 0.0) + 1e-9 else
+                   f"measured after {r['quality_tokens'] / 1e6:.1f}M training tokens only")
+  return "; not compared: " + ", ".join(
+      f"{r['label']} ({r['quality'] - 1:+.1%}, {why(r)})" for r in aside)
 
 
 def _choose(exact, full, whole):
@@ -729,16 +760,13 @@ def _choose(exact, full, whole):
     quickest = min(faster, key=lambda r: r[key])
     worse = (f"; the fastest, {quickest['label']} ({_seconds(quickest[key])}), "
              + ("quality unknown" if quickest["quality"] is None else
-                f"{quickest['quality'] - 1:+.1%} perplexity"
-                + (" measured at a vocabulary size farther from this V's, not compared"
-                   if (quickest.get("quality_scale_gap") or 0.0) >
-                   (best.get("quality_scale_gap") or 0.0) + 1e-9
-                   else "")))
+                f"{quickest['quality'] - 1:+.1%} perplexity"))
   return best, (
       f"the most accurate measured layer within {QUALITY_MARGIN:.0%} of the fastest "
       f"{step}: {best['quality'] - 1:+.1%} perplexity against full softmax "
       f"({best['quality_evidence']}), {_seconds(best[key])} a {step} "
-      f"({best[key] / fastest - 1:+.0%} over the fastest){worse}")
+      f"({best[key] / fastest - 1:+.0%} over the fastest){worse}"
+      f"{_set_aside_note(exact, key, best)}")
 
 
 def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",

@@ -232,6 +232,16 @@ def quality_of(kind, num_classes=None):
   return sum(f.ratio for f in figures) / len(figures), figures
 
 
+def training_tokens(kind, num_classes):
+  """The fewest training tokens among KIND's figures at NUM_CLASSES (`quality_of`; a
+  small corpus's best-of-3-epochs figure counts as fully trained, inf), or None when
+  KIND was not measured."""
+  _, figures = quality_of(kind, num_classes)
+  if not figures:
+    return None
+  return min(CHECKPOINT_TOKENS.get(f.corpus, math.inf) for f in figures)
+
+
 def scale_gap(kind, num_classes):
   """How many orders of magnitude (log10) lie between NUM_CLASSES and the vocabulary
   size whose figures `quality_of` takes for KIND (0 without NUM_CLASSES), or None when
