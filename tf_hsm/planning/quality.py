@@ -10,7 +10,7 @@ docstrings (V=6,205), the King James Bible (V=4,989) and Debian's fortunes
 (V=10,000), every row re-made by `python -m tf_hsm.bench.quality_runs CORPUS`; and at
 large vocabularies the same model on two corpora of Debian's documentation and comments
 (V=103,450 and 113,946), trained with PyTorch on a GPU (`tf_hsm.bench.quality_torch`:
-full softmax at 100K classes is 14 hours an epoch on 2 vCPUs) and compared at equal
+full softmax at 100K classes is 3.4-5.8 CPU hours an epoch) and compared at equal
 training tokens, every 2M tokens up to one epoch. A layer's figure is the mean over the
 corpora measured of its perplexity over full softmax's in the same setting: on a small
 corpus its best of 3 epochs, on a large one its longest-trained checkpoint
