@@ -3,8 +3,8 @@
 
 The quality runs of `tf_hsm.bench.quality_runs` train the demo's model with tf_hsm on the
 CPU; at 100K+ classes the exact softmax there costs about 8 V D FLOPs a token (3.4 CPU
-hours an epoch of `linux-comments`, 5.8 of `debian-docs`), so every row's run to an
-epoch takes most of a day on 2 vCPUs. This command trains the same model on the same data with the same output
+hours an epoch of `linux-comments`, 5.8 of `debian-docs`; every row on both, about 13
+CPU hours). This command trains the same model on the same data with the same output
 layers in PyTorch, where a GPU is (no TensorFlow needed there):
 
 - the demo's model: Embedding(V, 128) -> LSTM(128) -> the output layer, Keras' initial
