@@ -149,6 +149,27 @@ def test_verify_rows_are_the_planners_rows_of_the_bench_tree():
     planner_verify.run(["Z"])
 
 
+def test_verify_prices_a_case_with_its_optimizer_and_sampled_softmax():
+  """A case naming LazyAdam is priced with its two slots, sampled softmax as the
+  planner's approximate row, both tree methods over the bench's tree (here a tree from
+  vectors with the 256 most frequent classes at its root)."""
+  from tf_hsm.bench import cases as bench_cases
+  case = planner_verify.Case("v", 20_000, 32, 64, "vectors32_head256",
+                             methods=("tf_hsm", "tf_hsm_nll_loss", "sampled_softmax"),
+                             optimizer="lazy_adam")
+  rows = planner_verify.predict(case, MACHINE)
+  tree = bench_cases.build_tree("vectors32_head256", 20_000)
+  root = tree.slot_child[tree.child_begin[0]:tree.child_begin[1]]
+  assert set(range(256)) <= set(root[root < 20_000].tolist())
+  for method in ("tf_hsm", "tf_hsm_nll_loss"):
+    assert rows[method]["param_bytes"] == tree.num_slots * 33 * 4
+    assert rows[method]["slot_bytes"] == 2 * rows[method]["param_bytes"]
+    assert rows[method]["exact"]
+  sampled = rows["sampled_softmax"]
+  assert not sampled["exact"] and sampled["slot_bytes"] == 2 * 20_000 * 33 * 4
+  assert sampled["flops"] == 6 * 64 * 1025 * 32
+
+
 @pytest.mark.slow
 def test_verify_quick_measures_near_the_prediction():
   """The bench's measurements of a small case against the planner's prediction, within

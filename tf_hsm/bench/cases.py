@@ -17,7 +17,14 @@ TREE_LABELS = {
     "three_level": "3-level K=47",
     "huffman": "Huffman-2",
     "freq_two_level": "freq-2-level",
+    "huffman8": "Huffman-8",
+    "vectors32_head256": "vectors 32-ary head 256",
 }
+# The trees from vectors are built from random Gaussian vectors of this width and seed:
+# the shape a rebuild (`Tree.from_vectors`) gives, its mass balanced, not a trained
+# similarity.
+TREE_VECTOR_DIM = 16
+TREE_VECTOR_SEED = 0
 
 # tf_hsm.nll_loss: the loss and its gradient from one op (a tf_hsm variant, compared with
 # tf_hsm's log_prob + tape).
@@ -148,6 +155,12 @@ def build_tree(kind, num_classes):
     return Tree.huffman(zipf_weights(num_classes))
   if kind == "freq_two_level":
     return Tree.two_level(num_classes, counts=zipf_weights(num_classes))
+  if kind == "huffman8":
+    return Tree.huffman(zipf_weights(num_classes), branching=8)
+  if kind == "vectors32_head256":
+    rng = np.random.default_rng(TREE_VECTOR_SEED)
+    vectors = rng.normal(size=(num_classes, TREE_VECTOR_DIM)).astype(np.float32)
+    return Tree.from_vectors(vectors, zipf_weights(num_classes), 32, head=256)
   raise ValueError(f"unknown tree kind {kind!r}; known: {sorted(TREE_LABELS)}")
 
 

@@ -1,15 +1,18 @@
 """`python -m tf_hsm.planning --verify`: the planner's predictions beside the bench's
 measurements of the same cases.
 
-    python -m tf_hsm.planning --verify                      # B, D, E, mem, 10M
+    python -m tf_hsm.planning --verify                      # B, D, E, mem, 10M, 1M
     python -m tf_hsm.planning --verify --cases B E --repeats 5
     python -m tf_hsm.planning --verify --quick              # one small case, about a minute
 
 Each case runs through the bench's own machinery (`tf_hsm.bench.runner`: a memory probe
 per method in a fresh worker process under the RSS watchdog, then the methods timed
-interleaved in one process), with the planner's optimizer `sgd` as the bench's
-`sparse_sgd` (tf_hsm.optimizers.SparseSGD: touched rows only for a sparse gradient, a
-dense update for a dense one). The planner prices the bench's tree (the same builder,
+interleaved in one process), with the case's optimizer: the planner's `sgd` as the
+bench's `sparse_sgd` (tf_hsm.optimizers.SparseSGD: touched rows only for a sparse
+gradient, a dense update for a dense one), `lazy_adam` as itself (case 1M: the planner's
+vectors32/256 row beside sampled softmax, both methods over the tree, `log_prob` with a
+tape and `nll_loss`, as a language model at a million classes is trained). The planner
+prices the bench's tree (the same builder,
 Zipf(1) class probabilities) at the machine's rates measured just before and just after
 the case (the faster of the two): on a shared machine the cached rates may be from
 another load.
@@ -40,8 +43,8 @@ from tf_hsm.bench.watchdog import GB, mem_available_bytes
 
 PEAK_TOLERANCE = 0.15
 TIME_FACTOR = 1.5
-BENCH_OPTIMIZER = "sparse_sgd"  # the bench's name for the planner's "sgd"
-PLANNER_OPTIMIZER = "sgd"
+# The bench's names for the planner's optimizers.
+BENCH_OPTIMIZERS = {"sgd": "sparse_sgd", "lazy_adam": "lazy_adam"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Case:
   tree: str
   methods: tuple = ("tf_hsm", "full_softmax")
   note: str = ""
+  optimizer: str = "sgd"  # the planner's name (BENCH_OPTIMIZERS: the bench's)
 
 
 CASES = {
@@ -62,31 +66,31 @@ CASES = {
     "E": Case("E", 312_000, 100, 1_024, "huffman", note="fastText-like, binary Huffman"),
     "mem": Case("mem", 2_000_000, 300, 3_200, "two_level", note="the bench's mem"),
     "10M": Case("10M", 10_000_000, 300, 3_200, "two_level", note="the bench's D at 10M"),
+    "1M": Case("1M", 1_000_000, 300, 3_200, "vectors32_head256",
+               methods=("tf_hsm", "tf_hsm_nll_loss", "sampled_softmax"),
+               optimizer="lazy_adam",
+               note="the planner's vectors32/256 row against sampled softmax, LazyAdam"),
 }
 # Small enough for a test, large enough that full softmax's FLOPs and logits, not the
 # per-call overhead and TensorFlow's own memory, are most of its figures.
 QUICK_CASES = {"quick": Case("quick", 50_000, 128, 512, "two_level")}
-PREDICTED_NAMES = {"tf_hsm": "HierarchicalSoftmax", "full_softmax": "full softmax"}
+PREDICTED_NAMES = {"tf_hsm": "HierarchicalSoftmax", "tf_hsm_nll_loss": "HierarchicalSoftmax",
+                   "full_softmax": "full softmax", "sampled_softmax": "sampled softmax"}
+# The bench's methods over the case's tree: log_prob with a tape, and nll_loss.
+TREE_METHODS = ("tf_hsm", "tf_hsm_nll_loss")
 
 
 def predict(case, machine, memory_budget=None):
   """{bench method: planner row} for `case`, over the tree the bench builds."""
   from tf_hsm.bench import cases as bench_cases  # pylint: disable=import-outside-toplevel
-  probs = bench_cases.zipf_weights(case.vocab)
-  probs /= probs.sum()
+  tree = (bench_cases.build_tree(case.tree, case.vocab)
+          if set(TREE_METHODS) & set(case.methods) else None)
   rows = {}
   for method in case.methods:
-    if method == "full_softmax":
-      cost = planner.full_softmax_cost(case.vocab, case.dim, case.tokens)
-    elif method == "tf_hsm":
-      tree = bench_cases.build_tree(case.tree, case.vocab)
-      cost = planner.tree_cost(tree, case.dim, case.tokens, probs)
-      del tree
-    else:
-      raise ValueError(f"no planner row for the bench's method {method!r}")
     rows[method] = planner.price(
-        f"{PREDICTED_NAMES[method]}" + (f" {case.tree}" if method == "tf_hsm" else ""),
-        cost, case.dim, case.tokens, PLANNER_OPTIMIZER, "float32", machine, memory_budget)
+        PREDICTED_NAMES[method] + (f" {case.tree}" if method in TREE_METHODS else ""),
+        _cost_of(case, method, tree), case.dim, case.tokens, case.optimizer, "float32",
+        machine, memory_budget, exact=method != "sampled_softmax")
   return rows
 
 
@@ -105,7 +109,8 @@ def measure(case, repeats, quick, limit_bytes, workdir, progress):
   from tf_hsm.bench import cases as bench_cases  # pylint: disable=import-outside-toplevel
   from tf_hsm.bench import runner  # pylint: disable=import-outside-toplevel
   opts = runner.Options(
-      quick=quick, repeats=repeats, optimizer=BENCH_OPTIMIZER, num_sampled=1024, seed=1234,
+      quick=quick, repeats=repeats, optimizer=BENCH_OPTIMIZERS[case.optimizer],
+      num_sampled=1024, seed=1234,
       limit_bytes=limit_bytes, timeout_s=600 if quick else 1800,
       # A full softmax step at D takes 10-30 s on a loaded 2-core machine: room for its
       # repeats.
@@ -144,7 +149,7 @@ def compare(case, bench_case, predicted, machine):
     loop = row.get("step_loop") or row.get("step") or {}
     result = {"case": case.name, "vocab": case.vocab, "dim": case.dim,
               "tokens": case.tokens, "tree": case.tree, "method": method,
-              "status": row.get("status"), "message": row.get("message", ""),
+              "optimizer": case.optimizer, "status": row.get("status"), "message": row.get("message", ""),
               "predicted_peak": pred["peak_bytes"], "predicted_step": pred["step_seconds"],
               "predicted_fits": pred["fits"], "peak_rss": mem.get("peak_rss"),
               "measured_peak": None, "measured_step": loop.get("median"),
@@ -212,7 +217,8 @@ def compare(case, bench_case, predicted, machine):
                                 ceilings["read_gbps"] * 1e9, machine.call_seconds,
                                 "the bench's", machine.softmax_seconds)
         again = planner.price("", _cost_of(case, method), case.dim, case.tokens,
-                              PLANNER_OPTIMIZER, "float32", rates)["step_seconds"]
+                              case.optimizer, "float32", rates,
+                              exact=method != "sampled_softmax")["step_seconds"]
         why += (f"; at the rates the bench measured in the run ({ceilings['matmul_gflops']:.0f}"
                 f" GFLOP/s, {ceilings['read_gbps']:.1f} GB/s) the model gives {_time(again)}")
       result["why"].append(why)
@@ -246,13 +252,20 @@ def _faster_fit(first, second):
   return min(first, second, key=lambda c: sum(a * b for a, b in zip(c, probe)))
 
 
-def _cost_of(case, method):
+def _cost_of(case, method, tree=None):
+  """The planner's cost of one bench method on `case` (`tree`: the case's, when built)."""
   from tf_hsm.bench import cases as bench_cases  # pylint: disable=import-outside-toplevel
   if method == "full_softmax":
     return planner.full_softmax_cost(case.vocab, case.dim, case.tokens)
   probs = bench_cases.zipf_weights(case.vocab)
-  return planner.tree_cost(bench_cases.build_tree(case.tree, case.vocab), case.dim,
-                           case.tokens, probs / probs.sum())
+  probs /= probs.sum()
+  if method == "sampled_softmax":
+    return planner.sampled_softmax_cost(case.vocab, case.dim, case.tokens, probs)
+  if method not in TREE_METHODS:
+    raise ValueError(f"no planner row for the bench's method {method!r}")
+  if tree is None:
+    tree = bench_cases.build_tree(case.tree, case.vocab)
+  return planner.tree_cost(tree, case.dim, case.tokens, probs)
 
 
 def run(names=None, quick=False, repeats=None, memory_limit_gb=None, machine=None,
@@ -320,7 +333,8 @@ def markdown(report):
       f"{report['machine']}; TensorFlow {report['tf_version']}; planner rates: " + (
           "measured before and after each case, the faster of the two (below)"
           if rates is None else _rates(rates)) + "; "
-      f"optimizer sgd (the bench's {BENCH_OPTIMIZER}); measured step: median of "
+      "optimizer: sgd (the bench's sparse_sgd) but where a case names another; "
+      f"measured step: median of "
       f"{report['repeats']} steps back to back; peak: the worker's peak RSS less its RSS "
       "before the case's tree, inputs and tables (the whole process's in brackets).",
       "",
@@ -328,7 +342,8 @@ def markdown(report):
       "| step measured | ratio | verdict |",
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in report["results"]:
-    title = f"{r['case']}: V={r['vocab']:,} D={r['dim']} T={r['tokens']:,} {r['tree']}"
+    title = f"{r['case']}: V={r['vocab']:,} D={r['dim']} T={r['tokens']:,} {r['tree']}" + (
+        "" if r.get("optimizer", "sgd") == "sgd" else f", {r['optimizer']}")
     measured_peak = ("–" if r["measured_peak"] is None else
                      f"{_gb(r['measured_peak'])} ({_gb(r['peak_rss'])})")
     if r["time_ok"] is None:
