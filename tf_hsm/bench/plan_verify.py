@@ -12,10 +12,9 @@ bench's `sparse_sgd` (tf_hsm.optimizers.SparseSGD: touched rows only for a spars
 gradient, a dense update for a dense one), `lazy_adam` as itself (case 1M: the planner's
 vectors32/256 row beside sampled softmax, both methods over the tree, `log_prob` with a
 tape and `nll_loss`, as a language model at a million classes is trained). The planner
-prices the bench's tree (the same builder,
-Zipf(1) class probabilities) at the machine's rates measured just before and just after
-the case (the faster of the two): on a shared machine the cached rates may be from
-another load.
+prices the bench's tree (the same builder, Zipf(1) class probabilities) at the machine's
+rates measured just before and just after the case (the faster of the two): on a shared
+machine the cached rates may be from another load.
 
 Compared:
 * peak: the planner's peak (tables, gradient, slots, activations) against what the
@@ -149,7 +148,8 @@ def compare(case, bench_case, predicted, machine):
     loop = row.get("step_loop") or row.get("step") or {}
     result = {"case": case.name, "vocab": case.vocab, "dim": case.dim,
               "tokens": case.tokens, "tree": case.tree, "method": method,
-              "optimizer": case.optimizer, "status": row.get("status"), "message": row.get("message", ""),
+              "optimizer": case.optimizer, "status": row.get("status"),
+              "message": row.get("message", ""),
               "predicted_peak": pred["peak_bytes"], "predicted_step": pred["step_seconds"],
               "predicted_fits": pred["fits"], "peak_rss": mem.get("peak_rss"),
               "measured_peak": None, "measured_step": loop.get("median"),
