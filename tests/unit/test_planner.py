@@ -2,6 +2,7 @@
 sampled batch, the recommendation, the adaptive softmax rows, the command line, and
 `--verify`'s predictions against the bench's measurements of a small case."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -168,6 +169,21 @@ def test_verify_prices_a_case_with_its_optimizer_and_sampled_softmax():
   sampled = rows["sampled_softmax"]
   assert not sampled["exact"] and sampled["slot_bytes"] == 2 * 20_000 * 33 * 4
   assert sampled["flops"] == 6 * 64 * 1025 * 32
+  assert planner_verify.CASES["1M"].optimizer == "lazy_adam"
+  assert planner_verify.BENCH_OPTIMIZERS[planner_verify.CASES["1M"].optimizer] == "lazy_adam"
+  with pytest.raises(ValueError, match="optimizer must be one of"):
+    planner_verify.Case("s", 1000, 8, 16, "huffman", optimizer="adam")
+  # compare() reports each row with its case's optimizer, and the table names it.
+  bench_case = {"methods": {m: {"status": "ok", "step_loop": {"median": 0.01}}
+                            for m in case.methods}}
+  machine = planner.Machine(**MACHINE)
+  results = planner_verify.compare(case, bench_case, rows, machine,
+                                   planner_verify.case_costs(case))
+  assert {r["optimizer"] for r in results} == {"lazy_adam"}
+  report = {"machine": "m", "tf_version": "t", "rates": None, "repeats": 1,
+            "results": [dict(r, rates=dataclasses.asdict(machine)) for r in results]}
+  assert "| v: V=20,000 D=32 T=64 vectors32_head256, lazy_adam | sampled_softmax |" in \
+      planner_verify.markdown(report)
 
 
 @pytest.mark.slow

@@ -25,6 +25,8 @@ TREE_LABELS = {
 # similarity.
 TREE_VECTOR_DIM = 16
 TREE_VECTOR_SEED = 0
+# Kinds that need more classes than their head holds.
+TREE_MIN_CLASSES = {"vectors32_head256": 257}
 
 # tf_hsm.nll_loss: the loss and its gradient from one op (a tf_hsm variant, compared with
 # tf_hsm's log_prob + tape).

@@ -115,6 +115,10 @@ def parse_args(argv):
     if min(v, d, t) < 1:
       p.error("--custom sizes must be positive")
     args.custom = (v, d, t)
+    for name in args.trees:
+      if v < cases.TREE_MIN_CLASSES.get(name, 1):
+        p.error(f"--custom V={v}: tree {name} needs at least "
+                f"{cases.TREE_MIN_CLASSES[name]} classes")
     if "custom" not in args.scenario:
       args.scenario.append("custom")
   elif "custom" in args.scenario:

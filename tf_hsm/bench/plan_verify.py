@@ -9,12 +9,13 @@ Each case runs through the bench's own machinery (`tf_hsm.bench.runner`: a memor
 per method in a fresh worker process under the RSS watchdog, then the methods timed
 interleaved in one process), with the case's optimizer: the planner's `sgd` as the
 bench's `sparse_sgd` (tf_hsm.optimizers.SparseSGD: touched rows only for a sparse
-gradient, a dense update for a dense one), `lazy_adam` as itself (case 1M: the planner's
-vectors32/256 row beside sampled softmax, both methods over the tree, `log_prob` with a
-tape and `nll_loss`, as a language model at a million classes is trained). The planner
-prices the bench's tree (the same builder, Zipf(1) class probabilities) at the machine's
-rates measured just before and just after the case (the faster of the two): on a shared
-machine the cached rates may be from another load.
+gradient, a dense update for a dense one), `lazy_adam` as itself (case 1M: a tree of the
+planner's vectors32/256 kind, as `Tree.from_vectors` builds it, beside sampled softmax,
+the tree timed as `log_prob` with a tape and as `nll_loss`: a language model at a
+million classes as it is trained). The planner prices the bench's tree (the same
+builder, Zipf(1) class probabilities) at the machine's rates measured just before and
+just after the case (the faster of the two): on a shared machine the cached rates may be
+from another load.
 
 Compared:
 * peak: the planner's peak (tables, gradient, slots, activations) against what the
@@ -58,6 +59,11 @@ class Case:
   note: str = ""
   optimizer: str = "sgd"  # the planner's name (BENCH_OPTIMIZERS: the bench's)
 
+  def __post_init__(self):
+    if self.optimizer not in BENCH_OPTIMIZERS:
+      raise ValueError(f"optimizer must be one of {sorted(BENCH_OPTIMIZERS)} (the ones the "
+                       f"bench and the planner share), got {self.optimizer!r}")
+
 
 CASES = {
     "B": Case("B", 100_000, 512, 640, "two_level", note="the bench's B"),
@@ -68,7 +74,7 @@ CASES = {
     "1M": Case("1M", 1_000_000, 300, 3_200, "vectors32_head256",
                methods=("tf_hsm", "tf_hsm_nll_loss", "sampled_softmax"),
                optimizer="lazy_adam",
-               note="the planner's vectors32/256 row against sampled softmax, LazyAdam"),
+               note="a from_vectors tree (32-ary, head 256) against sampled softmax, LazyAdam"),
 }
 # Small enough for a test, large enough that full softmax's FLOPs and logits, not the
 # per-call overhead and TensorFlow's own memory, are most of its figures.
@@ -79,18 +85,22 @@ PREDICTED_NAMES = {"tf_hsm": "HierarchicalSoftmax", "tf_hsm_nll_loss": "Hierarch
 TREE_METHODS = ("tf_hsm", "tf_hsm_nll_loss")
 
 
-def predict(case, machine, memory_budget=None):
-  """{bench method: planner row} for `case`, over the tree the bench builds."""
+def case_costs(case):
+  """{bench method: the planner's `Cost`} for `case`, the bench's tree built once."""
   from tf_hsm.bench import cases as bench_cases  # pylint: disable=import-outside-toplevel
   tree = (bench_cases.build_tree(case.tree, case.vocab)
           if set(TREE_METHODS) & set(case.methods) else None)
-  rows = {}
-  for method in case.methods:
-    rows[method] = planner.price(
-        PREDICTED_NAMES[method] + (f" {case.tree}" if method in TREE_METHODS else ""),
-        _cost_of(case, method, tree), case.dim, case.tokens, case.optimizer, "float32",
-        machine, memory_budget, exact=method != "sampled_softmax")
-  return rows
+  return {method: _cost_of(case, method, tree) for method in case.methods}
+
+
+def predict(case, machine, memory_budget=None, costs=None):
+  """{bench method: planner row} for `case`, over the tree the bench builds (`costs`:
+  `case_costs(case)`, when already computed)."""
+  costs = costs or case_costs(case)
+  return {method: planner.price(
+      PREDICTED_NAMES[method] + (f" {case.tree}" if method in TREE_METHODS else ""),
+      costs[method], case.dim, case.tokens, case.optimizer, "float32", machine,
+      memory_budget, exact=method != "sampled_softmax") for method in case.methods}
 
 
 def _limit_bytes(limit_gb):
@@ -137,9 +147,9 @@ def _time(seconds):
   return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
 
 
-def compare(case, bench_case, predicted, machine):
+def compare(case, bench_case, predicted, machine, costs=None):
   """One result per method: predicted and measured peak and step, verdicts, and why a
-  miss missed."""
+  miss missed (`costs`: `case_costs(case)`, when already computed)."""
   out = []
   ceilings = bench_case.get("ceilings") or {}
   for method, row in bench_case["methods"].items():
@@ -216,7 +226,8 @@ def compare(case, bench_case, predicted, machine):
         rates = planner.Machine(ceilings["matmul_gflops"] * 1e9,
                                 ceilings["read_gbps"] * 1e9, machine.call_seconds,
                                 "the bench's", machine.softmax_seconds)
-        again = planner.price("", _cost_of(case, method), case.dim, case.tokens,
+        cost = costs[method] if costs else _cost_of(case, method)
+        again = planner.price("", cost, case.dim, case.tokens,
                               case.optimizer, "float32", rates,
                               exact=method != "sampled_softmax")["step_seconds"]
         why += (f"; at the rates the bench measured in the run ({ceilings['matmul_gflops']:.0f}"
@@ -306,8 +317,9 @@ def run(names=None, quick=False, repeats=None, memory_limit_gb=None, machine=Non
       before = machine or planner.Machine.measure()
       bench_case = measure(case, repeats, quick, limit, workdir, progress)
       rates = machine or _best(before, planner.Machine.measure())
-      predicted = predict(case, rates, limit)
-      for result in compare(case, bench_case, predicted, rates):
+      costs = case_costs(case)
+      predicted = predict(case, rates, limit, costs)
+      for result in compare(case, bench_case, predicted, rates, costs):
         result.update(limit_bytes=limit, rates=dataclasses.asdict(rates))
         report["results"].append(result)
   finally:

@@ -18,8 +18,10 @@ SAMPLED = 1024  # tf.nn.sampled_softmax_loss's samples in the sampled-softmax ro
 CALLS_PER_STEP = 3  # forward+backward op, optimizer update, the step's own function
 DIV_VALUE = 4.0  # the adaptive rows' div_value: PyTorch's default, docs/adaptive.md's cases
 # What a training step allocates beyond its tensors (the executor's buffers, the
-# allocator's per-thread arenas): 20-80 MB measured over `--verify`'s cases on 2 vCPUs
-# (the worker's peak RSS less its tensors), at most 150 MB for full softmax.
+# allocator's per-thread arenas): 20-80 MB measured over `--verify`'s SGD cases on 2 vCPUs
+# (the worker's peak RSS less its tensors), at most 150 MB for full softmax; case 1M
+# (LazyAdam, V=1M) measured 0.27 GB (the tree) and 0.42 GB (sampled softmax) above the
+# prediction with this allowance, within the 15% --verify allows.
 STEP_WORKSPACE_BYTES = 48 * 2**20
 # The adaptive softmax's tails: a flat table per cluster, or a two-level tree over it.
 TAILS = ("flat", "two_level")
