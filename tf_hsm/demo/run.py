@@ -621,27 +621,31 @@ def parse_args(argv=None):
       description="Train a word-level LSTM language model with a hierarchical softmax "
                   "and with a full softmax, and compare held-out perplexity and speed.")
   p.add_argument("--tree", choices=("huffman", "two_level", "balanced", "learned",
-                                    "planned"),
+                                    "context", "planned"),
                  default=DEFAULTS["tree"],
                  help="HSM tree: two_level (~sqrt(V) clusters of equal training-count "
                       "mass), huffman (binary Huffman tree of the training counts), "
                       "balanced (~sqrt(V) equal-size clusters of frequency-ranked words) "
                       "or learned (two_level, rebuilt after epoch 1 with Tree.from_vectors "
                       "from the trained input embeddings: --head frequent words at the "
-                      "root, the rest in ~sqrt(V) x ~sqrt(V) similarity clusters) "
+                      "root, the rest in ~sqrt(V) x ~sqrt(V) similarity clusters), "
+                      "context (Tree.from_context: built before training from the words' "
+                      "left contexts in the training text, --branching-ary, default 32, "
+                      "below --head frequent words) "
                       "or planned (the tree tf_hsm.plan prices fastest for this "
                       "vocabulary's counts, --hidden and --batch x --seq-len tokens a "
                       "step with LazyAdam; its table is printed). "
                       "Default: %(default)s")
   p.add_argument("--branching", type=int, default=None,
                  help="children per node of --tree huffman (Tree.huffman(counts, "
-                      "branching=K); default 2, binary) or --tree balanced (default "
-                      "ceil(sqrt(V)))")
+                      "branching=K); default 2, binary), --tree balanced (default "
+                      "ceil(sqrt(V))) or --tree context (default 32)")
   p.add_argument("--head", type=int, default=None,
                  help="how many of the most frequent words sit directly under the root "
                       "(less than the vocabulary): of the rebuilt tree with --tree "
                       "learned (default: the smaller of %d and 1/8 of the vocabulary), "
-                      "of the two-level tree with --tree two_level (default: 0)"
+                      "of the two-level tree with --tree two_level or of --tree context "
+                      "(default: 0)"
                       % LEARNED_HEAD)
   p.add_argument("--rebuild-after-batches", type=int, default=None,
                  help="--tree learned: rebuild after this many training batches instead "
@@ -722,15 +726,15 @@ def parse_args(argv=None):
     p.error("--vocab must be at least 2 (<unk> and one word)")
   if args.head is not None and args.head < 0:
     p.error("--head must be >= 0")
-  if args.head and args.tree not in ("two_level", "learned"):
-    p.error("--head applies to --tree two_level and learned")
+  if args.head and args.tree not in ("two_level", "learned", "context"):
+    p.error("--head applies to --tree two_level, learned and context")
   if args.rebuild_after_batches is not None and args.rebuild_after_batches < 1:
     p.error("--rebuild-after-batches must be positive")
   if args.width is not None and args.width < 2:
     p.error("--width must be at least 2")
   if args.branching is not None and (args.branching < 2 or
-                                     args.tree not in ("huffman", "balanced")):
-    p.error("--branching takes an int >= 2, with --tree huffman or balanced")
+                                     args.tree not in ("huffman", "balanced", "context")):
+    p.error("--branching takes an int >= 2, with --tree huffman, balanced or context")
   if not (args.div_value > 0 and math.isfinite(args.div_value)):
     p.error("--div-value must be a positive number")
   adaptive_flags = {"cutoffs": "--cutoffs", "div_value": "--div-value", "tail": "--tail"}
@@ -774,6 +778,10 @@ def main(argv=None):
   rebuild = None
   if args.tree == "planned":
     tree, rebuild = planned_tree(counts, args.hidden, args.batch * args.seq_len)
+  elif args.tree == "context":
+    from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
+    tree = Tree.from_context(train_ids, len(words), counts, branching=args.branching or 32,
+                             head=head)
   else:
     tree = make_tree(args.tree, counts, head, args.branching)
   print(f"corpus: {source}\n  {len(train_tokens):,} training and {len(held_out_tokens):,} "

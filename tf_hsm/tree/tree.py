@@ -298,6 +298,37 @@ class Tree:
         return cls.from_parents(parents, num_classes=vectors.shape[0])
 
     @classmethod
+    def from_context(cls, token_ids, num_classes, counts=None, branching=32, seed=0,
+                     head=0, contexts=2000, lags=2, dims=64):
+        """A tree from the classes' left contexts in a corpus, built before training.
+
+        `Tree.from_vectors` over `tf_hsm.tree.context.context_vectors(token_ids, ...)`:
+        classes that follow the same words share nodes, with no trained model and no
+        `RebuildTree` (docs/planner.md, "Trees from contexts").
+
+        Args:
+          token_ids: 1-D integer array, the training corpus as class ids in order,
+            the ids ranked by frequency (0 the most frequent) so that the `contexts`
+            told apart are the frequent ones.
+          num_classes: the number of classes.
+          counts: class frequencies (default: the counts of `token_ids`).
+          branching, seed, head: as `Tree.from_vectors`.
+          contexts, lags, dims: as `context_vectors`.
+
+        Returns:
+          A Tree.
+
+        Raises:
+          ValueError: as `context_vectors` and `Tree.from_vectors`.
+        """
+        from tf_hsm.tree import context  # pylint: disable=import-outside-toplevel
+        vectors = context.context_vectors(token_ids, num_classes, contexts, lags, dims,
+                                          seed)
+        if counts is None:
+            counts = np.bincount(np.asarray(token_ids, np.int64), minlength=num_classes)
+        return cls.from_vectors(vectors, counts, branching, seed, head)
+
+    @classmethod
     def from_paths(cls, paths):
         """Builds the trie of per-class child-position paths.
 
