@@ -302,3 +302,31 @@ def test_full_softmax_is_the_exact_softmax_of_a_one_node_tree():
   log_softmax = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
   np.testing.assert_allclose(got, np.take_along_axis(log_softmax, targets[..., None], -1)[..., 0],
                              rtol=1e-4, atol=1e-4)
+
+
+def test_run_with_a_tree_from_contexts(tmp_path, capsys, monkeypatch):
+  """--tree context trains on Tree.from_context of the training ids, from the start."""
+  trained = []
+  real_model = demo.hsm_model
+  monkeypatch.setattr(demo, "hsm_model", lambda tree, *a, **k: trained.append(tree) or
+                      real_model(tree, *a, **k))
+  corpus = tmp_path / "corpus.txt"
+  words = [f"w{i}" for i in range(30)]
+  rng = np.random.default_rng(1)
+  corpus.write_text("\n\n".join(" ".join(rng.choice(words, 12, p=np.arange(30, 0, -1) /
+                                                      465.0)) for _ in range(80)))
+  results = demo.main(["--corpus", str(corpus), "--max-tokens", "900", "--epochs", "1",
+                       "--hidden", "16", "--seq-len", "5", "--batch", "4", "--quiet",
+                       "--tree", "context", "--branching", "4", "--head", "3",
+                       "--models", "hsm", "--out", str(tmp_path / "out")])
+  train = demo.split_corpus(demo.file_documents(str(corpus)), 900)[0]
+  names, counts = demo.build_vocab(train, 10000, 2)
+  expected = tf_hsm.Tree.from_context(demo.encode(train, names), len(names), counts,
+                                      branching=4, head=3)
+  assert "HSM tree: context" in capsys.readouterr().out
+  (tree,) = trained
+  np.testing.assert_array_equal(tree.slot_child, expected.slot_child)
+  np.testing.assert_array_equal(tree.child_begin, expected.child_begin)
+  assert len(tree.children(0)) >= 3  # the head's words and the root's slots
+  assert results["models"][0]["name"] == "hsm-context"
+  assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))

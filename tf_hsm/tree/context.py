@@ -17,6 +17,7 @@ import numpy as np
 
 from tf_hsm.tree.checks import check_int
 
+DIMS = 64  # the vectors' default width
 _OVERSAMPLE = 16  # extra random directions of the randomized SVD
 _CHUNK = 1 << 21  # nonzeros multiplied at a time
 
@@ -77,7 +78,7 @@ def _context_matrix(ids, num_classes, contexts, lags):
   return _Sparse(rows, cols, np.sqrt(count / totals[block]), (num_classes, lags * width))
 
 
-def context_vectors(token_ids, num_classes, contexts=2000, lags=2, dims=64, seed=0):
+def context_vectors(token_ids, num_classes, contexts=2000, lags=2, dims=None, seed=0):
   """[num_classes, dims] vectors of the classes' left contexts in `token_ids`.
 
   Args:
@@ -87,7 +88,8 @@ def context_vectors(token_ids, num_classes, contexts=2000, lags=2, dims=64, seed
       the ids by frequency (most frequent first) for these to be the frequent ones;
       every other context counts as one.
     lags: how many preceding positions are contexts (each its own block of columns).
-    dims: the vectors' width (the leading principal directions).
+    dims: the vectors' width (the leading principal directions); None for DIMS, or
+      fewer where the classes or context columns are fewer.
     seed: seed of the randomized SVD's directions.
 
   Returns:
@@ -101,7 +103,8 @@ def context_vectors(token_ids, num_classes, contexts=2000, lags=2, dims=64, seed
   num_classes = check_int(num_classes, "num_classes", 1)
   contexts = check_int(contexts, "contexts", 1)
   lags = check_int(lags, "lags", 1)
-  dims = check_int(dims, "dims", 1)
+  dims = (min(DIMS, num_classes, lags * (contexts + 1)) if dims is None
+          else check_int(dims, "dims", 1))
   seed = check_int(seed, "seed", 0)
   ids = _checked_ids(token_ids, num_classes)
   if dims > min(num_classes, lags * (contexts + 1)):

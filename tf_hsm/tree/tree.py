@@ -299,7 +299,7 @@ class Tree:
 
     @classmethod
     def from_context(cls, token_ids, num_classes, counts=None, branching=32, seed=0,
-                     head=0, contexts=2000, lags=2, dims=64):
+                     head=0, contexts=2000, lags=2, dims=None):
         """A tree from the classes' left contexts in a corpus, built before training.
 
         `Tree.from_vectors` over `tf_hsm.tree.context.context_vectors(token_ids, ...)`:
