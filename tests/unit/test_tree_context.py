@@ -46,6 +46,19 @@ def test_context_matrix_matches_the_definition(rng):
     np.testing.assert_allclose(m.tdot(np.eye(num_classes)), ref.T, rtol=1e-12, atol=1e-12)
 
 
+def test_products_by_chunks_match_one_product(rng, monkeypatch):
+  """Chunks that cut a row's nonzeros apart add up to the whole product."""
+  ids = rng.integers(0, 40, 3000)
+  m = context._context_matrix(ids, 40, 10, 2)  # pylint: disable=protected-access
+  x, q = rng.standard_normal((22, 5)), rng.standard_normal((40, 5))
+  whole = m.dot(x), m.tdot(q)
+  monkeypatch.setattr(context, "_CHUNK_VALUES", 7 * 5)
+  np.testing.assert_allclose(m.dot(x), whole[0], rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(m.tdot(q), whole[1], rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(m.dot(np.eye(22)), _dense_reference(ids, 40, 10, 2),
+                             rtol=1e-12, atol=1e-12)
+
+
 def test_vectors_span_the_leading_principal_directions(rng):
   ids, _, num_classes = _grouped_corpus(rng)
   vectors = context.context_vectors(ids, num_classes, contexts=30, lags=2, dims=8)

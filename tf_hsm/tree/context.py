@@ -19,7 +19,7 @@ from tf_hsm.tree.checks import check_int
 
 DIMS = 64  # the vectors' default width
 _OVERSAMPLE = 16  # extra random directions of the randomized SVD
-_CHUNK = 1 << 21  # nonzeros multiplied at a time
+_CHUNK_VALUES = 1 << 23  # products (nonzeros x columns) held at a time: 64 MB of float64
 
 
 def _checked_ids(token_ids, num_classes):
@@ -49,12 +49,14 @@ class _Sparse:
 
 
 def _sorted_product(rows, cols, vals, x, num_rows):
-  """sum over nonzeros of vals * x[cols] into out[rows] (`rows` sorted), by chunks."""
+  """sum over nonzeros of vals * x[cols] into out[rows] (`rows` sorted), by chunks of
+  nonzeros small enough that their products stay within _CHUNK_VALUES."""
   out = np.zeros((num_rows, x.shape[1]))
-  for s in range(0, rows.size, _CHUNK):
-    ids = rows[s:s + _CHUNK]
+  chunk = max(1, _CHUNK_VALUES // x.shape[1])
+  for s in range(0, rows.size, chunk):
+    ids = rows[s:s + chunk]
     starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
-    out[ids[starts]] += np.add.reduceat(vals[s:s + _CHUNK, None] * x[cols[s:s + _CHUNK]],
+    out[ids[starts]] += np.add.reduceat(vals[s:s + chunk, None] * x[cols[s:s + chunk]],
                                         starts, axis=0)
   return out
 
