@@ -110,6 +110,8 @@ def test_bad_arguments_name_the_problem():
       context.context_vectors(ids, 3, **{name: 0})
   with pytest.raises(ValueError, match="num_classes"):
     context.context_vectors(ids, True)
+  with pytest.raises(ValueError, match="counts must have num_classes = 3 entries"):
+    Tree.from_context(ids, 3, counts=np.ones(4))
 
 
 def test_the_demo_takes_a_context_tree():

@@ -326,6 +326,9 @@ class Tree:
                                           seed)
         if counts is None:
             counts = np.bincount(np.asarray(token_ids, np.int64), minlength=num_classes)
+        elif np.shape(counts) != (vectors.shape[0],):
+            raise ValueError(f"counts must have num_classes = {vectors.shape[0]} entries, "
+                             f"got shape {np.shape(counts)}")
         return cls.from_vectors(vectors, counts, branching, seed, head)
 
     @classmethod
