@@ -60,7 +60,8 @@ def test_products_by_chunks_match_one_product(rng, monkeypatch):
 
 
 def test_vectors_span_the_leading_principal_directions(rng):
-  ids, _, num_classes = _grouped_corpus(rng)
+  ids, _, seen = _grouped_corpus(rng)
+  num_classes = seen + 200  # classes never seen: their rows are zero before centring
   vectors = context.context_vectors(ids, num_classes, contexts=30, lags=2, dims=8)
   ref = _dense_reference(ids, num_classes, 30, 2)
   ref -= ref.mean(0)
@@ -93,6 +94,12 @@ def test_from_context_puts_each_group_under_its_own_nodes(rng):
   assert pure >= 0.9 * 8, pure
 
 
+def test_default_width_is_64_or_what_the_classes_allow(rng):
+  ids = rng.integers(0, 500, 5000)
+  assert context.context_vectors(ids, 500).shape == (500, context.DIMS) == (500, 64)
+  assert context.context_vectors(ids[ids < 20], 20).shape == (20, 20)
+
+
 def test_bad_arguments_name_the_problem():
   ids = np.array([0, 1, 2, 1])
   with pytest.raises(ValueError, match="1-D integer"):
@@ -110,6 +117,11 @@ def test_bad_arguments_name_the_problem():
       context.context_vectors(ids, 3, **{name: 0})
   with pytest.raises(ValueError, match="num_classes"):
     context.context_vectors(ids, True)
+  for few in ([], [1]):
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+      context.context_vectors(few, 3)
+  with pytest.raises(ValueError, match="below 2"):
+    context.context_vectors(ids, 3, lags=2**61)
   with pytest.raises(ValueError, match="counts must have num_classes = 3 entries"):
     Tree.from_context(ids, 3, counts=np.ones(4))
 

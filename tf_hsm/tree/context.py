@@ -24,13 +24,16 @@ _CHUNK_VALUES = 1 << 23  # products (nonzeros x columns) held at a time: 64 MB o
 
 def _checked_ids(token_ids, num_classes):
   ids = np.asarray(token_ids)
+  if ids.ndim == 1 and ids.size < 2:
+    raise ValueError(f"token_ids must hold at least 2 tokens (a class and one before it), "
+                     f"got {ids.size}")
   if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
     raise ValueError(f"token_ids must be a 1-D integer array, got shape {ids.shape} and "
                      f"dtype {ids.dtype}")
   if ids.size and (ids.min() < 0 or ids.max() >= num_classes):
     raise ValueError(f"token_ids must lie in [0, {num_classes}), got values from "
                      f"{ids.min()} to {ids.max()}")
-  return ids.astype(np.int64)
+  return ids.astype(np.int64, copy=False)
 
 
 class _Sparse:
@@ -66,14 +69,18 @@ def _context_matrix(ids, num_classes, contexts, lags):
   lag, sqrt(p(context | c)) over the `contexts` most frequent classes and one pooled
   column for the others."""
   width = contexts + 1
-  keys = []
-  for lag in range(1, lags + 1):
-    if ids.size > lag:
-      keys.append(ids[lag:] * (lags * width) + (lag - 1) * width
-                  + np.minimum(ids[:-lag], contexts))
-  if not keys:
-    return _Sparse(*(np.zeros(0, np.int64),) * 2, np.zeros(0), (num_classes, lags * width))
-  key, count = np.unique(np.concatenate(keys), return_counts=True)
+  # Every (class, lag, context) pair as one key, written into one array and sorted in
+  # place: the counts of equal keys are the runs' lengths.
+  pairs = [max(0, ids.size - lag) for lag in range(1, lags + 1)]
+  keys = np.empty(sum(pairs), np.int64)
+  at = 0
+  for lag, n in zip(range(1, lags + 1), pairs):
+    np.minimum(ids[:n], contexts, out=keys[at:at + n])
+    keys[at:at + n] += ids[lag:] * (lags * width) + (lag - 1) * width
+    at += n
+  keys.sort()
+  starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+  key, count = keys[starts], np.diff(np.r_[starts, keys.size])
   rows, cols = key // (lags * width), key % (lags * width)
   block = rows * lags + cols // width
   totals = np.bincount(block, weights=count, minlength=num_classes * lags)
@@ -88,7 +95,7 @@ def context_vectors(token_ids, num_classes, contexts=2000, lags=2, dims=None, se
     num_classes: the number of classes.
     contexts: how many context classes are told apart: ids below `contexts`, so rank
       the ids by frequency (most frequent first) for these to be the frequent ones;
-      every other context counts as one.
+      every other context counts as one (at most num_classes are told apart).
     lags: how many preceding positions are contexts (each its own block of columns).
     dims: the vectors' width (the leading principal directions); None for DIMS, or
       fewer where the classes or context columns are fewer.
@@ -99,12 +106,17 @@ def context_vectors(token_ids, num_classes, contexts=2000, lags=2, dims=None, se
     distribution, which the centring maps to minus the mean.
 
   Raises:
-    ValueError: token_ids not 1-D integers or out of range; a size argument not a
-      positive int; dims larger than the context columns or the classes allow.
+    ValueError: token_ids not 1-D integers, out of range, or fewer than 2; a size
+      argument not a positive int; dims larger than the context columns or the classes
+      allow; sizes whose pairs would not fit int64 keys.
   """
   num_classes = check_int(num_classes, "num_classes", 1)
-  contexts = check_int(contexts, "contexts", 1)
+  # Context ids above the classes' would be columns no token fills.
+  contexts = min(check_int(contexts, "contexts", 1), num_classes)
   lags = check_int(lags, "lags", 1)
+  if num_classes * lags * (contexts + 1) >= 2**62:
+    raise ValueError(f"num_classes x lags x (contexts + 1) must be below 2^62 (the pairs' "
+                     f"keys are int64), got {num_classes} x {lags} x {contexts + 1}")
   dims = (min(DIMS, num_classes, lags * (contexts + 1)) if dims is None
           else check_int(dims, "dims", 1))
   seed = check_int(seed, "seed", 0)

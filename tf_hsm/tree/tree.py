@@ -322,13 +322,13 @@ class Tree:
           ValueError: as `context_vectors` and `Tree.from_vectors`.
         """
         from tf_hsm.tree import context  # pylint: disable=import-outside-toplevel
+        if counts is not None and np.shape(counts) != (num_classes,):
+            raise ValueError(f"counts must have num_classes = {num_classes} entries, "
+                             f"got shape {np.shape(counts)}")
         vectors = context.context_vectors(token_ids, num_classes, contexts, lags, dims,
                                           seed)
         if counts is None:
             counts = np.bincount(np.asarray(token_ids, np.int64), minlength=num_classes)
-        elif np.shape(counts) != (vectors.shape[0],):
-            raise ValueError(f"counts must have num_classes = {vectors.shape[0]} entries, "
-                             f"got shape {np.shape(counts)}")
         return cls.from_vectors(vectors, counts, branching, seed, head)
 
     @classmethod
