@@ -20,9 +20,9 @@ TREE_LABELS = {
     "huffman8": "Huffman-8",
     "vectors32_head256": "vectors 32-ary head 256",
 }
-# The trees from vectors are built from random Gaussian vectors of this width and seed:
-# the shape a rebuild (`Tree.from_vectors`) gives, its mass balanced, not a trained
-# similarity.
+# The trees from vectors (`vectors_tree`) are built from random Gaussian vectors of this
+# width and seed: the shape a rebuild (`Tree.from_vectors`) gives, its mass balanced, not
+# a trained similarity.
 TREE_VECTOR_DIM = 16
 TREE_VECTOR_SEED = 0
 # Kinds that need more classes than their head holds.
@@ -160,10 +160,16 @@ def build_tree(kind, num_classes):
   if kind == "huffman8":
     return Tree.huffman(zipf_weights(num_classes), branching=8)
   if kind == "vectors32_head256":
-    rng = np.random.default_rng(TREE_VECTOR_SEED)
-    vectors = rng.normal(size=(num_classes, TREE_VECTOR_DIM)).astype(np.float32)
-    return Tree.from_vectors(vectors, zipf_weights(num_classes), 32, head=256)
+    return vectors_tree(num_classes, 32, 256)
   raise ValueError(f"unknown tree kind {kind!r}; known: {sorted(TREE_LABELS)}")
+
+
+def vectors_tree(num_classes, branching, head):
+  """`Tree.from_vectors` of TREE_VECTOR_DIM-wide Gaussian vectors (seed TREE_VECTOR_SEED)
+  with Zipf(1) counts: the shape a rebuild gives, not a trained similarity."""
+  rng = np.random.default_rng(TREE_VECTOR_SEED)
+  vectors = rng.normal(size=(num_classes, TREE_VECTOR_DIM)).astype(np.float32)
+  return Tree.from_vectors(vectors, zipf_weights(num_classes), branching, head=head)
 
 
 def work_counts(tree, targets):

@@ -97,10 +97,16 @@ def predict(case, machine, memory_budget=None, costs=None):
   """{bench method: planner row} for `case`, over the tree the bench builds (`costs`:
   `case_costs(case)`, when already computed)."""
   costs = costs or case_costs(case)
-  return {method: planner.price(
+  return {method: _price(case, method, costs[method], machine, memory_budget)
+          for method in case.methods}
+
+
+def _price(case, method, cost, machine, memory_budget=None):
+  """The planner's row for one bench method of `case` at `machine`'s rates."""
+  return planner.price(
       PREDICTED_NAMES[method] + (f" {case.tree}" if method in TREE_METHODS else ""),
-      costs[method], case.dim, case.tokens, case.optimizer, "float32", machine,
-      memory_budget, exact=method != "sampled_softmax") for method in case.methods}
+      cost, case.dim, case.tokens, case.optimizer, "float32", machine, memory_budget,
+      exact=method != "sampled_softmax")
 
 
 def _limit_bytes(limit_gb):
@@ -227,9 +233,7 @@ def compare(case, bench_case, predicted, machine, costs=None):
                                 ceilings["read_gbps"] * 1e9, machine.call_seconds,
                                 "the bench's", machine.softmax_seconds)
         cost = costs[method] if costs else _cost_of(case, method)
-        again = planner.price("", cost, case.dim, case.tokens,
-                              case.optimizer, "float32", rates,
-                              exact=method != "sampled_softmax")["step_seconds"]
+        again = _price(case, method, cost, rates)["step_seconds"]
         why += (f"; at the rates the bench measured in the run ({ceilings['matmul_gflops']:.0f}"
                 f" GFLOP/s, {ceilings['read_gbps']:.1f} GB/s) the model gives {_time(again)}")
       result["why"].append(why)

@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_hsm
+from tf_hsm.bench import cases
 from tf_hsm.bench.worker import reset_peak_rss, status_bytes
 from tf_hsm.planning import Machine
 
@@ -172,12 +173,10 @@ def head_part(rng, rounds):
   """Trees from vectors (`HEAD_TREES`: 32- and 64-ary, heads of 0, 256 and 1,024
   frequent classes), and TF's sampled softmax (1,024 samples), interleaved."""
   classes, dim, tokens = 1_000_000, 300, 3200
-  counts = 1.0 / np.arange(1, classes + 1)
-  vectors = rng.normal(size=(classes, 16)).astype(np.float32)
   targets = tf.constant(_zipf_targets(rng, classes, tokens))
   methods = {}
   for branching, head in HEAD_TREES:
-    tree = tf_hsm.Tree.from_vectors(vectors, counts, branching, head=head)
+    tree = cases.vectors_tree(classes, branching, head)
     hidden, table, biases, _ = _problem(rng, tree.num_slots, dim, tokens)
     methods[f"{branching}-ary, head {head}"] = _hsm_step(tree, hidden, table, biases,
                                                         targets)

@@ -117,13 +117,13 @@ def context_vectors(token_ids, num_classes, contexts=2000, lags=2, dims=None, se
   if num_classes * lags * (contexts + 1) >= 2**62:
     raise ValueError(f"num_classes x lags x (contexts + 1) must be below 2^62 (the pairs' "
                      f"keys are int64), got {num_classes} x {lags} x {contexts + 1}")
-  dims = (min(DIMS, num_classes, lags * (contexts + 1)) if dims is None
-          else check_int(dims, "dims", 1))
+  widest = min(num_classes, lags * (contexts + 1))
+  dims = min(DIMS, widest) if dims is None else check_int(dims, "dims", 1)
   seed = check_int(seed, "seed", 0)
   ids = _checked_ids(token_ids, num_classes)
-  if dims > min(num_classes, lags * (contexts + 1)):
+  if dims > widest:
     raise ValueError(f"dims must be at most min(num_classes, lags * (contexts + 1)) = "
-                     f"{min(num_classes, lags * (contexts + 1))}, got {dims}")
+                     f"{widest}, got {dims}")
   m = _context_matrix(ids, num_classes, contexts, lags)
   mean = np.bincount(m.c, weights=m.v, minlength=m.shape[1]) / num_classes
   k = min(dims + _OVERSAMPLE, *m.shape)
