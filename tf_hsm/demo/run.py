@@ -340,24 +340,29 @@ def _body(keras, vocab_size, hidden, seq_len):
   return tokens, x
 
 
-def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm"):
+def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
+              output_lr_scale=1.0):
   """[tokens, targets] -> log P(targets), trained with tf_hsm.losses.nll.
 
-  The biases start at the unigram distribution of `counts` (see `tree_unigram_biases`).
+  The biases start at the unigram distribution of `counts` (see `tree_unigram_biases`);
+  the output layer's table trains at `output_lr_scale` x `learning_rate`
+  (`tf_hsm.demo.optimizer`), as in every model here.
   """
   import keras  # pylint: disable=g-import-not-at-top
-  from tf_hsm.keras import losses, optimizers  # pylint: disable=g-import-not-at-top
+  from tf_hsm.demo import optimizer as demo_optimizer  # pylint: disable=g-import-not-at-top
+  from tf_hsm.keras import losses  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=g-import-not-at-top
   tokens, x = _body(keras, tree.num_classes, hidden, seq_len)
   targets = keras.Input((seq_len,), dtype="int32", name="targets")
   biases = keras.initializers.Constant(tree_unigram_biases(tree, counts))
   log_probs = HierarchicalSoftmax(tree, bias_initializer=biases, name="hsm")(x, targets)
   model = keras.Model([tokens, targets], log_probs, name=name)
-  model.compile(optimizer=optimizers.LazyAdam(learning_rate), loss=losses.nll)
+  model.compile(optimizer=demo_optimizer.lazy_adam(learning_rate, "hsm", output_lr_scale),
+                loss=losses.nll)
   return model
 
 
-def full_softmax_model(counts, hidden, seq_len, learning_rate):
+def full_softmax_model(counts, hidden, seq_len, learning_rate, output_lr_scale=1.0):
   """The exact softmax over the vocabulary: `HierarchicalSoftmax(Tree.flat(V))`, one node
   whose children are all the words, so log P(target) = log_softmax(W h + b)[target],
   computed without [tokens, V] logits (a 100K-word vocabulary trains in the memory of its
@@ -365,10 +370,11 @@ def full_softmax_model(counts, hidden, seq_len, learning_rate):
   distribution of `counts`, as the HSM's do."""
   from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
   return hsm_model(Tree.flat(len(counts)), counts, hidden, seq_len, learning_rate,
-                   name="full_softmax_lm")
+                   name="full_softmax_lm", output_lr_scale=output_lr_scale)
 
 
-def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled):
+def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled,
+                          output_lr_scale=1.0):
   """[tokens, targets] -> per-token log-probabilities, trained with TensorFlow's own
   `tf.nn.sampled_softmax_loss` (log-uniform candidates, as TF's word2vec and language
   model tutorials use) and evaluated exactly: in training the output is minus the
@@ -376,7 +382,8 @@ def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled):
   so held-out perplexity is comparable with the other models'."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_hsm.keras import losses, optimizers  # pylint: disable=g-import-not-at-top
+  from tf_hsm.demo import optimizer as demo_optimizer  # pylint: disable=g-import-not-at-top
+  from tf_hsm.keras import losses  # pylint: disable=g-import-not-at-top
 
   class SampledSoftmax(keras.layers.Layer):
 
@@ -405,7 +412,8 @@ def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled):
   targets = keras.Input((seq_len,), dtype="int32", name="targets")
   log_probs = SampledSoftmax(name="sampled_softmax")(x, targets)
   model = keras.Model([tokens, targets], log_probs, name="sampled_softmax_lm")
-  model.compile(optimizer=optimizers.LazyAdam(learning_rate), loss=losses.nll)
+  model.compile(optimizer=demo_optimizer.lazy_adam(learning_rate, "sampled_softmax",
+                                                   output_lr_scale), loss=losses.nll)
   return model
 
 
@@ -444,12 +452,13 @@ def layout_cutoffs(name, counts, hidden, tokens_per_step, div_value=2.0, tail="f
 
 
 def adaptive_model(counts, hidden, seq_len, learning_rate, cutoffs=None, div_value=2.0,
-                   tail="flat"):
+                   tail="flat", output_lr_scale=1.0):
   """[tokens, targets] -> log P(targets) with `tf_hsm.AdaptiveSoftmax` (by default the
   demo's layout: flat tails, `adaptive_cutoffs`, div value 2); the head's biases start at
   the unigram masses of its words and clusters."""
   import keras  # pylint: disable=g-import-not-at-top
-  from tf_hsm.keras import losses, optimizers  # pylint: disable=g-import-not-at-top
+  from tf_hsm.demo import optimizer as demo_optimizer  # pylint: disable=g-import-not-at-top
+  from tf_hsm.keras import losses  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.adaptive import AdaptiveSoftmax  # pylint: disable=g-import-not-at-top
   cutoffs = list(cutoffs) if cutoffs is not None else adaptive_cutoffs(len(counts))
   log_p = unigram_log_probs(counts)
@@ -470,7 +479,8 @@ def adaptive_model(counts, hidden, seq_len, learning_rate, cutoffs=None, div_val
   log_probs = layer(x, targets)
   layer.head_bias_weight.assign(np.asarray(head, np.float32))
   model = keras.Model([tokens, targets], log_probs, name="adaptive_lm")
-  model.compile(optimizer=optimizers.LazyAdam(learning_rate), loss=losses.nll)
+  model.compile(optimizer=demo_optimizer.lazy_adam(learning_rate, "adaptive", output_lr_scale),
+                loss=losses.nll)
   return model
 
 
@@ -677,6 +687,9 @@ def parse_args(argv=None):
                  help="UTF-8 text file to train on instead of the Python stdlib docs")
   p.add_argument("--learning-rate", type=float, default=DEFAULTS["learning_rate"],
                  help="LazyAdam learning rate for both models (default: %(default)s)")
+  p.add_argument("--output-lr-scale", type=float, default=1.0,
+                 help="every model's output layer (its table and biases) trains at this "
+                      "multiple of --learning-rate (default: %(default)s)")
   p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="default: %(default)s")
   p.add_argument("--out", default=DEFAULTS["out"],
                  help="directory for results.json, results.md and perplexity.png "
@@ -735,6 +748,8 @@ def parse_args(argv=None):
   if args.branching is not None and (args.branching < 2 or
                                      args.tree not in ("huffman", "balanced", "context")):
     p.error("--branching takes an int >= 2, with --tree huffman, balanced or context")
+  if not (args.output_lr_scale > 0 and math.isfinite(args.output_lr_scale)):
+    p.error("--output-lr-scale must be a positive number")
   if not (args.div_value > 0 and math.isfinite(args.div_value)):
     p.error("--div-value must be a positive number")
   adaptive_flags = {"cutoffs": "--cutoffs", "div_value": "--div-value", "tail": "--tail"}
@@ -813,7 +828,8 @@ def main(argv=None):
     extra = []
     if kind == "hsm":
       name = f"hsm-{args.tree}"
-      model = hsm_model(tree, counts, args.hidden, args.seq_len, args.learning_rate)
+      model = hsm_model(tree, counts, args.hidden, args.seq_len, args.learning_rate,
+                        output_lr_scale=args.output_lr_scale)
       data, held_out = ([x, y], y), ([hx, hy], hy)
       if args.tree == "learned":
         extra = [learned_tree_callback(model, counts, head, args.rebuild_after_batches,
@@ -822,18 +838,19 @@ def main(argv=None):
         extra = [planned_rebuild_callback(model, rebuild, args.rebuild_from)]
     elif kind == "full":
       name = "full"
-      model = full_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate)
+      model = full_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate,
+                                 args.output_lr_scale)
       data, held_out = ([x, y], y), ([hx, hy], hy)
     elif kind == "sampled":
       num_sampled = min(args.num_sampled, len(words))
       name = f"sampled-{num_sampled}"
       model = sampled_softmax_model(counts, args.hidden, args.seq_len, args.learning_rate,
-                                    num_sampled)
+                                    num_sampled, args.output_lr_scale)
       data, held_out = ([x, y], y), ([hx, hy], hy)
     else:
       name = "adaptive"
       model = adaptive_model(counts, args.hidden, args.seq_len, args.learning_rate,
-                             cutoffs, args.div_value, args.tail)
+                             cutoffs, args.div_value, args.tail, args.output_lr_scale)
       data, held_out = ([x, y], y), ([hx, hy], hy)
     histories.append(train(name, model, data, held_out, args.epochs, args.batch, verbose,
                            extra, args.steps_per_epoch))
