@@ -1,8 +1,8 @@
 """The demo's optimizer: LazyAdam, its output layer's table trained at a multiple of the
 learning rate (`--output-lr-scale`).
 
-At 100K classes every output layer the demo trains does better with its table at a
-few times the body's rate, full softmax's most (docs/planner.md, "The output table's
+At 100K classes the context tree and full softmax both train better with their tables at
+a few times the body's rate, full softmax most (docs/planner.md, "The output table's
 learning rate"). Every model takes the same flag, so that each is compared at the same
 scale.
 """
