@@ -340,6 +340,16 @@ def _body(keras, vocab_size, hidden, seq_len):
   return tokens, x
 
 
+def _compile(model, output_layer, learning_rate, output_lr_scale):
+  """Compiles `model` as every model here is: tf_hsm's nll loss, LazyAdam at
+  `learning_rate` with the layer named `output_layer` at `output_lr_scale` x it."""
+  from tf_hsm.demo import optimizer as demo_optimizer  # pylint: disable=g-import-not-at-top
+  from tf_hsm.keras import losses  # pylint: disable=g-import-not-at-top
+  model.compile(optimizer=demo_optimizer.lazy_adam(learning_rate, output_layer,
+                                                   output_lr_scale), loss=losses.nll)
+  return model
+
+
 def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
               output_lr_scale=1.0):
   """[tokens, targets] -> log P(targets), trained with tf_hsm.losses.nll.
@@ -349,17 +359,13 @@ def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
   (`tf_hsm.demo.optimizer`), as in every model here.
   """
   import keras  # pylint: disable=g-import-not-at-top
-  from tf_hsm.demo import optimizer as demo_optimizer  # pylint: disable=g-import-not-at-top
-  from tf_hsm.keras import losses  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=g-import-not-at-top
   tokens, x = _body(keras, tree.num_classes, hidden, seq_len)
   targets = keras.Input((seq_len,), dtype="int32", name="targets")
   biases = keras.initializers.Constant(tree_unigram_biases(tree, counts))
   log_probs = HierarchicalSoftmax(tree, bias_initializer=biases, name="hsm")(x, targets)
-  model = keras.Model([tokens, targets], log_probs, name=name)
-  model.compile(optimizer=demo_optimizer.lazy_adam(learning_rate, "hsm", output_lr_scale),
-                loss=losses.nll)
-  return model
+  return _compile(keras.Model([tokens, targets], log_probs, name=name), "hsm",
+                  learning_rate, output_lr_scale)
 
 
 def full_softmax_model(counts, hidden, seq_len, learning_rate, output_lr_scale=1.0):
@@ -382,8 +388,6 @@ def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled,
   so held-out perplexity is comparable with the other models'."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_hsm.demo import optimizer as demo_optimizer  # pylint: disable=g-import-not-at-top
-  from tf_hsm.keras import losses  # pylint: disable=g-import-not-at-top
 
   class SampledSoftmax(keras.layers.Layer):
 
@@ -411,10 +415,8 @@ def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled,
   tokens, x = _body(keras, len(counts), hidden, seq_len)
   targets = keras.Input((seq_len,), dtype="int32", name="targets")
   log_probs = SampledSoftmax(name="sampled_softmax")(x, targets)
-  model = keras.Model([tokens, targets], log_probs, name="sampled_softmax_lm")
-  model.compile(optimizer=demo_optimizer.lazy_adam(learning_rate, "sampled_softmax",
-                                                   output_lr_scale), loss=losses.nll)
-  return model
+  return _compile(keras.Model([tokens, targets], log_probs, name="sampled_softmax_lm"),
+                  "sampled_softmax", learning_rate, output_lr_scale)
 
 
 def adaptive_cutoffs(vocab_size):
@@ -457,8 +459,6 @@ def adaptive_model(counts, hidden, seq_len, learning_rate, cutoffs=None, div_val
   demo's layout: flat tails, `adaptive_cutoffs`, div value 2); the head's biases start at
   the unigram masses of its words and clusters."""
   import keras  # pylint: disable=g-import-not-at-top
-  from tf_hsm.demo import optimizer as demo_optimizer  # pylint: disable=g-import-not-at-top
-  from tf_hsm.keras import losses  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.adaptive import AdaptiveSoftmax  # pylint: disable=g-import-not-at-top
   cutoffs = list(cutoffs) if cutoffs is not None else adaptive_cutoffs(len(counts))
   log_p = unigram_log_probs(counts)
@@ -478,10 +478,8 @@ def adaptive_model(counts, hidden, seq_len, learning_rate, cutoffs=None, div_val
                           tail=tail, counts=tail_counts, name="adaptive")
   log_probs = layer(x, targets)
   layer.head_bias_weight.assign(np.asarray(head, np.float32))
-  model = keras.Model([tokens, targets], log_probs, name="adaptive_lm")
-  model.compile(optimizer=demo_optimizer.lazy_adam(learning_rate, "adaptive", output_lr_scale),
-                loss=losses.nll)
-  return model
+  return _compile(keras.Model([tokens, targets], log_probs, name="adaptive_lm"),
+                  "adaptive", learning_rate, output_lr_scale)
 
 
 def _epoch_timer(keras):
