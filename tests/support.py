@@ -1,5 +1,5 @@
-"""Helpers the tests share: where the repository is, gradients as dense arrays, and
-subprocesses bounded in time that are always stopped."""
+"""Helpers the tests share: where the repository is, gradients as dense arrays,
+subprocesses bounded in time that are always stopped, and a tiny corpus for the demo."""
 
 import os
 import subprocess
@@ -67,3 +67,14 @@ def run(command, timeout, cwd=REPO, env=None, check=True):
   if check:
     assert result.returncode == 0, (command, out[-2000:], err[-4000:])
   return result
+
+
+def zipf_corpus(path, seed=0, num_words=30, documents=80, length=12):
+  """Writes a corpus of `documents` documents of `length` words w0, w1, ... drawn with
+  probabilities falling linearly in the rank, blank lines between them; returns `path`."""
+  words = [f"w{i}" for i in range(num_words)]
+  probs = np.arange(num_words, 0, -1, dtype=np.float64)
+  rng = np.random.default_rng(seed)
+  path.write_text("\n\n".join(" ".join(rng.choice(words, length, p=probs / probs.sum()))
+                               for _ in range(documents)))
+  return path

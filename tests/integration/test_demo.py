@@ -105,11 +105,7 @@ def test_cutoffs_that_leave_no_tail_name_the_flag(tmp_path):
 
 
 def test_run_with_a_k_ary_tree_and_a_two_level_adaptive_tail(tmp_path, capsys):
-  corpus = tmp_path / "corpus.txt"
-  words = [f"w{i}" for i in range(30)]
-  rng = np.random.default_rng(0)
-  corpus.write_text("\n\n".join(" ".join(rng.choice(words, 12, p=np.arange(30, 0, -1) /
-                                                      465.0)) for _ in range(80)))
+  corpus = support.zipf_corpus(tmp_path / "corpus.txt")
   out = tmp_path / "results"
   results = demo.main(["--corpus", str(corpus), "--max-tokens", "900", "--epochs", "1",
                        "--hidden", "16", "--seq-len", "5", "--batch", "4", "--quiet",
@@ -310,11 +306,7 @@ def test_run_with_a_tree_from_contexts(tmp_path, capsys, monkeypatch):
   real_model = demo.hsm_model
   monkeypatch.setattr(demo, "hsm_model", lambda tree, *a, **k: trained.append(tree) or
                       real_model(tree, *a, **k))
-  corpus = tmp_path / "corpus.txt"
-  words = [f"w{i}" for i in range(30)]
-  rng = np.random.default_rng(1)
-  corpus.write_text("\n\n".join(" ".join(rng.choice(words, 12, p=np.arange(30, 0, -1) /
-                                                      465.0)) for _ in range(80)))
+  corpus = support.zipf_corpus(tmp_path / "corpus.txt", seed=1)
   results = demo.main(["--corpus", str(corpus), "--max-tokens", "900", "--epochs", "1",
                        "--hidden", "16", "--seq-len", "5", "--batch", "4", "--quiet",
                        "--tree", "context", "--branching", "4", "--head", "3",

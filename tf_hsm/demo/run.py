@@ -56,6 +56,8 @@ import time
 
 import numpy as np
 
+from tf_hsm.demo import bands
+
 DEFAULTS = {
     "tree": "learned",
     "vocab": 10000,
@@ -512,7 +514,7 @@ def _epoch_timer(keras):
 
 
 def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, callbacks=(),
-          steps_per_epoch=None):
+          steps_per_epoch=None, band_edges=None):
   """Fits the model, timing each epoch and evaluating held-out perplexity after it.
 
   Args:
@@ -521,10 +523,14 @@ def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, call
   Returns:
     A dict with the per-epoch history: train_seconds (training wall-clock per epoch,
     held-out evaluation excluded), tokens_per_second, train_loss, held_out_perplexity
-    (its first entry is before training).
+    (its first entry is before training); with `band_edges`, held_out_bands (the
+    held-out loss by rank band after each epoch, `tf_hsm.demo.bands`).
   """
   import keras  # pylint: disable=g-import-not-at-top
   (x, y), (hx, hy) = train_data, held_out_data
+  report = None
+  if band_edges is not None:
+    report = bands.band_callback(keras, hx, hy, band_edges, 4 * batch)
   tokens = y.size if steps_per_epoch is None else min(
       y.size, steps_per_epoch * batch * y.shape[-1])
   initial = model.evaluate(hx, hy, batch_size=4 * batch, verbose=0)
@@ -534,7 +540,7 @@ def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, call
   fit = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=verbose,
                   steps_per_epoch=steps_per_epoch,
                   validation_data=(hx, hy), validation_batch_size=4 * batch,
-                  callbacks=[timer, *callbacks])
+                  callbacks=[timer, *callbacks] + ([report] if report else []))
   for callback in callbacks:
     # A rebuild at the end of an epoch runs after the timer stopped (fit's validation has
     # begun): its cost counts in that epoch's training time. One after a batch is timed
@@ -553,6 +559,8 @@ def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, call
              "tokens_per_second": [tokens / s for s in timer.seconds],
              "train_loss": [float(v) for v in fit.history["loss"]],
              "held_out_perplexity": [_exp(v) for v in [initial] + fit.history["val_loss"]]}
+  if report is not None:
+    history["held_out_bands"] = report.bands
   for epoch, (seconds, cpu) in enumerate(zip(timer.seconds, timer.cpu_seconds)):
     print(f"   {name} epoch {epoch + 1}: {seconds:.1f} s ({cpu:.1f} CPU s), "
           f"{tokens / seconds:,.0f} tokens/s, held-out perplexity "
@@ -688,6 +696,9 @@ def parse_args(argv=None):
   p.add_argument("--output-lr-scale", type=float, default=1.0,
                  help="every model's output layer (its table and biases) trains at this "
                       "multiple of --learning-rate (default: %(default)s)")
+  p.add_argument("--bands", action="store_true",
+                 help="after each epoch also the held-out loss by word-frequency band "
+                      "(tf_hsm.demo.bands; one more pass over the held-out tokens)")
   p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="default: %(default)s")
   p.add_argument("--out", default=DEFAULTS["out"],
                  help="directory for results.json, results.md and perplexity.png "
@@ -851,7 +862,8 @@ def main(argv=None):
                              cutoffs, args.div_value, args.tail, args.output_lr_scale)
       data, held_out = ([x, y], y), ([hx, hy], hy)
     histories.append(train(name, model, data, held_out, args.epochs, args.batch, verbose,
-                           extra, args.steps_per_epoch))
+                           extra, args.steps_per_epoch,
+                           bands.band_edges(len(words)) if args.bands else None))
 
   report = table(histories)
   os.makedirs(args.out, exist_ok=True)
