@@ -101,6 +101,10 @@ def context_vectors(token_ids, num_classes, contexts=2000, lags=2, dims=None, se
       fewer where the classes or context columns are fewer.
     seed: seed of the randomized SVD's directions.
 
+  The same seed gives the same vectors with the same BLAS and thread count; the dense
+  products and QR factorizations run in NumPy's BLAS, whose sums' order depends on its
+  thread count, so the last bits, and the tree built from them, can differ with another.
+
   Returns:
     float64 [num_classes, dims]; a class never seen after another token has the zero
     distribution, which the centring maps to minus the mean.
