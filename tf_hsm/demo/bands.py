@@ -94,8 +94,11 @@ def compare(bands_a, bands_b):
 def _run_bands(path, epoch, model=None):
   """(model name, its band rows at `epoch`) from a demo's results.json: the model named
   `model`, or the first with bands."""
-  with open(path) as f:
-    results = json.load(f)
+  try:
+    with open(path) as f:
+      results = json.load(f)
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"cannot read the demo's results from {path}: {e}") from e
   found = [(m["name"], m["held_out_bands"]) for m in results["models"]
            if m.get("held_out_bands") and model in (None, m["name"])]
   if not found:
