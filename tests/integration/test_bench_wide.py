@@ -35,3 +35,15 @@ def test_unknown_parts_are_refused():
   done = subprocess.run([sys.executable, "-m", "tf_hsm.bench.wide", "--parts", "flat,nope"],
                         capture_output=True, text=True, cwd=support.REPO, timeout=120)
   assert done.returncode == 2 and "unknown parts ['nope']" in done.stderr
+
+
+def test_heads_are_parsed_and_bad_ones_refused():
+  from tf_hsm.bench import wide
+  assert wide.parse_heads("32:1024,64:256,32:0") == ((32, 1024), (64, 256), (32, 0))
+  assert wide.parse_heads(",".join(f"{b}:{h}" for b, h in wide.HEAD_TREES)) == \
+      wide.HEAD_TREES
+  for bad in ("32", "32:x", "1:256", "32:-1"):
+    done = subprocess.run([sys.executable, "-m", "tf_hsm.bench.wide", "--parts", "head",
+                           "--heads", bad], capture_output=True, text=True,
+                          cwd=support.REPO, timeout=120)
+    assert done.returncode == 2 and f"got '{bad}'" in done.stderr, done.stderr

@@ -3,6 +3,7 @@
 classes, and a training step's memory at a million classes.
 
     python -m tf_hsm.bench.wide [--parts flat,rate,head,inference,memory] [--rounds 7]
+        [--heads 32:1024,32:256,64:256,32:0]
 
 - flat: `nll_loss` forward and backward on `Tree.flat(V)` (V=100K, D=256, T=1,024)
   interleaved with TensorFlow's `matmul` + `sparse_softmax_cross_entropy_with_logits`
@@ -14,7 +15,8 @@ classes, and a training step's memory at a million classes.
 - head: at V=1M, D=300, T=3,200, Zipf(1) targets, `Tree.from_vectors` trees (16-dim
   Gaussian vectors: the shape a rebuild gives, mass-balanced, not trained similarity)
   of `HEAD_TREES` (32-ary with heads of 1,024, 256 and no frequent classes, 64-ary
-  with 256), and TF's `sampled_softmax_loss` (1,024 samples), interleaved.
+  with 256; `--heads BRANCHING:HEAD,...` for others), and TF's `sampled_softmax_loss`
+  (1,024 samples), interleaved.
 - inference: on `Tree.flat(V)` (V=100K, D=256, 1,024 rows) `log_prob_all` and `top_k`
   (k=10) interleaved with TF's `log_softmax(matmul + b)` and `top_k(matmul + b)`, each
   output read back to NumPy (a 410 MB [rows x V] array for `log_prob_all` and TF's
@@ -169,13 +171,14 @@ def _sampled_step(hidden, table, biases, targets, num_sampled=1024):
 HEAD_TREES = ((32, 1024), (32, 256), (64, 256), (32, 0))
 
 
-def head_part(rng, rounds):
-  """Trees from vectors (`HEAD_TREES`: 32- and 64-ary, heads of 0, 256 and 1,024
-  frequent classes), and TF's sampled softmax (1,024 samples), interleaved."""
+def head_part(rng, rounds, trees=HEAD_TREES):
+  """Trees from vectors (`trees`, (branching, head) pairs: by default 32- and 64-ary,
+  heads of 0, 256 and 1,024 frequent classes), and TF's sampled softmax (1,024
+  samples), interleaved."""
   classes, dim, tokens = 1_000_000, 300, 3200
   targets = tf.constant(_zipf_targets(rng, classes, tokens))
   methods = {}
-  for branching, head in HEAD_TREES:
+  for branching, head in trees:
     tree = cases.vectors_tree(classes, branching, head)
     hidden, table, biases, _ = _problem(rng, tree.num_slots, dim, tokens)
     methods[f"{branching}-ary, head {head}"] = _hsm_step(tree, hidden, table, biases,
@@ -184,10 +187,28 @@ def head_part(rng, rounds):
   methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
   med = interleaved(methods, rounds)
   sampled = med["sampled softmax 1024"]
-  return {"case": "V=1M D=300 T=3200", "ms": _ms(med),
-          "head 1024 / no head": round(med["32-ary, head 1024"] / med["32-ary, head 0"], 3),
-          "speed vs sampled": {name: round(sampled / s, 2) for name, s in med.items()
-                               if name != "sampled softmax 1024"}}
+  result = {"case": "V=1M D=300 T=3200", "ms": _ms(med),
+            "speed vs sampled": {name: round(sampled / s, 2) for name, s in med.items()
+                                 if name != "sampled softmax 1024"}}
+  if (32, 1024) in trees and (32, 0) in trees:
+    result["head 1024 / no head"] = round(med["32-ary, head 1024"] / med["32-ary, head 0"],
+                                          3)
+  return result
+
+
+def parse_heads(text):
+  """"32:1024,64:256" -> ((32, 1024), (64, 256)); ValueError naming a bad entry."""
+  trees = []
+  for entry in text.split(","):
+    try:
+      branching, head = (int(v) for v in entry.split(":"))
+    except ValueError:
+      raise ValueError(f"--heads takes BRANCHING:HEAD pairs, got {entry!r}") from None
+    if branching < 2 or head < 0:
+      raise ValueError(f"--heads needs a branching of at least 2 and a head of at least "
+                       f"0, got {entry!r}")
+    trees.append((branching, head))
+  return tuple(trees)
 
 
 def _ms(medians):
@@ -253,8 +274,14 @@ def main(argv=None):
   parser.add_argument("--parts", default="flat,rate,head,inference,memory",
                       help="comma-separated, of flat, rate, head, inference, memory")
   parser.add_argument("--rounds", type=int, default=7, help="timed rounds (medians)")
+  parser.add_argument("--heads", default=",".join(f"{b}:{h}" for b, h in HEAD_TREES),
+                      help="the head part's trees, BRANCHING:HEAD pairs (default: %(default)s)")
   parser.add_argument("--memory-case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  try:
+    heads = parse_heads(args.heads)
+  except ValueError as e:
+    parser.error(str(e))
   if args.memory_case:
     classes, dim, tokens, mode = args.memory_case.split(",")
     print(json.dumps(memory_case(int(classes), int(dim), int(tokens), mode)))
@@ -266,7 +293,12 @@ def main(argv=None):
                  else "--rounds must be >= 1")
   rng = np.random.default_rng(0)
   for part in parts:
-    result = memory_part() if part == "memory" else PARTS[part](rng, args.rounds)
+    if part == "memory":
+      result = memory_part()
+    elif part == "head":
+      result = head_part(rng, args.rounds, heads)
+    else:
+      result = PARTS[part](rng, args.rounds)
     print(json.dumps({part: result}), flush=True)
 
 
