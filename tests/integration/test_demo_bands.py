@@ -92,5 +92,10 @@ def test_demo_records_bands_that_add_up_to_its_perplexity(tmp_path, capsys):
     bands.main([results_path, results_path, "--model-a", "sampled"])
   with pytest.raises(SystemExit, match="--epoch must be 1-2"):
     bands.main([results_path, results_path, "--epoch", "3"])
+  copy = tmp_path / "again" / "results.json"
+  copy.parent.mkdir()
+  copy.write_text((out / "results.json").read_text())
+  bands.main([results_path, str(copy), "--model-a", "full", "--model-b", "full"])
+  assert "| full (results) loss | full (again) loss |" in capsys.readouterr().out
   with pytest.raises(SystemExit, match="cannot read the demo's results from"):
     bands.main([results_path, str(out / "missing.json")])

@@ -14,6 +14,7 @@ Two runs' gap in log perplexity is then the sum over bands of (share of tokens) 
 
 import argparse
 import json
+import os
 
 import numpy as np
 
@@ -124,6 +125,9 @@ def main(argv=None):
   name_a, a = _run_bands(args.run_a, args.epoch, args.model_a)
   name_b, b = _run_bands(args.run_b, args.epoch, args.model_b)
   rows = compare(a, b)
+  if name_a == name_b:  # one model in two runs: name the runs' folders too
+    name_a, name_b = (f"{name} ({os.path.basename(os.path.dirname(os.path.abspath(path)))})"
+                      for name, path in ((name_a, args.run_a), (name_b, args.run_b)))
   print(f"| ranks | share of tokens | {name_a} loss | {name_b} loss | part of the gap |\n"
         "| --- | --- | --- | --- | --- |")
   for row in rows:
