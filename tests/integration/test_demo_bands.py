@@ -20,6 +20,8 @@ def test_band_edges():
   assert bands.band_edges(50, first=4, factor=2) == [0, 1, 4, 8, 16, 32, 50]
   with pytest.raises(ValueError, match="num_classes must be at least 2"):
     bands.band_edges(1)
+  with pytest.raises(ValueError, match="first and factor must be at least 2"):
+    bands.band_edges(100, factor=1)
 
 
 def test_band_losses_match_a_loop_over_the_tokens():

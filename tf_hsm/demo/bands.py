@@ -29,6 +29,8 @@ def band_edges(num_classes, first=FIRST, factor=FACTOR):
   num_classes] (band i is ids edges[i] <= id < edges[i + 1]; `<unk>` alone first)."""
   if num_classes < 2:
     raise ValueError(f"num_classes must be at least 2, got {num_classes}")
+  if first < 2 or factor < 2:
+    raise ValueError(f"first and factor must be at least 2, got {first} and {factor}")
   edges, end = [0, 1], int(first)
   while end < num_classes:
     edges.append(end)
