@@ -114,3 +114,50 @@ def test_tree_log_prob_matches_the_definition():
       numeric = (_reference(tree, up, bias, hidden, targets).sum() -
                  _reference(tree, down, bias, hidden, targets).sum()) / (2 * eps)
       assert abs(numeric - float(w.grad[i, j])) < 1e-5
+
+
+def test_context_tree_is_the_demos_and_is_kept_beside_the_corpus(tmp_path):
+  rng = np.random.default_rng(3)
+  ids = rng.zipf(1.2, 6_000) % 400
+  counts = np.bincount(ids, minlength=400).astype(np.float64)
+  corpus = tmp_path / "c.npz"
+  np.savez(corpus, train=ids.astype(np.uint32), held_out=ids[:50].astype(np.uint32),
+           counts=counts, meta=np.array(json.dumps({"corpus": "c"})))
+  tree = qt.context_tree(str(corpus), 8, 16)
+  assert tree == tf_hsm.Tree.from_context(ids, 400, counts, branching=8, head=16)
+  path = tmp_path / "c.context8_head16.tree.npz"
+  assert qt.context_tree_path(str(corpus), 8, 16) == str(path) and path.exists()
+  tf_hsm.Tree.flat(3).save(str(path))  # read, not built again, when it is there
+  assert qt.context_tree(str(corpus), 8, 16) == tf_hsm.Tree.flat(3)
+
+
+@pytest.mark.parametrize("flag", ["--hidden=0", "--hidden=-3", "--output-lr-scale=0",
+                                  "--output-lr-scale=nan", "--output-lr-scale=inf"])
+def test_run_rejects_a_bad_width_or_scale(flag, capsys):
+  with pytest.raises(SystemExit):
+    qt.main(["run", "c.npz", flag])
+  assert "must be a positive" in capsys.readouterr().err
+
+
+def test_lazy_adam_scales_only_the_output_layers_steps():
+  torch = pytest.importorskip("torch")
+  model = torch.nn.Module()
+  model.embedding = torch.nn.Embedding(6, 3)
+  model.weight = torch.nn.Parameter(torch.zeros(5, 3))
+  model.bias = torch.nn.Parameter(torch.zeros(5))
+  before = model.embedding.weight.detach().clone()
+  optimizer = qt.LazyAdam(torch, model, 0.01, output_scale=4.0)
+  # Adam's first step moves each element with a gradient by lr g / (|g| + eps).
+  loss = (model.embedding(torch.tensor([1])).sum() * 2 +
+          (model.weight[2] * torch.tensor([1.0, -1.0, 3.0])).sum() - model.bias[4])
+  loss.backward()
+  optimizer.apply()
+  step = lambda scale, g: -scale * 0.01 * g / (abs(g) + 1e-7)
+  np.testing.assert_allclose(model.weight.detach()[2].numpy(),
+                             [step(4, 1.0), step(4, -1.0), step(4, 3.0)], rtol=1e-5)
+  np.testing.assert_allclose(model.bias.detach().numpy(), [0, 0, 0, 0, step(4, -1.0)],
+                             rtol=1e-5)
+  moved = (model.embedding.weight.detach() - before).numpy()
+  np.testing.assert_allclose(moved[1], [step(1, 2.0)] * 3, rtol=1e-4)
+  assert not moved[[0, 2, 3, 4, 5]].any()  # rows without a gradient stay
+  assert not model.weight.detach()[[0, 1, 3, 4]].any()

@@ -63,6 +63,11 @@ ROWS = {
     # Rebuilt twice: after --rebuild-after batches and after three times as many.
     "vectors32_head256_x2": ("tree", {"start": "huffman32", "rebuild": (32, 256),
                                       "rebuilds": 2}),
+    # Built before training from the words' left contexts (the demo's --tree context),
+    # (branching, head); never rebuilt.
+    "context32_head256": ("tree", {"start": "context", "context": (32, 256)}),
+    "context64_head256": ("tree", {"start": "context", "context": (64, 256)}),
+    "context32_head1024": ("tree", {"start": "context", "context": (32, 1024)}),
 }
 
 
@@ -116,6 +121,26 @@ def start_tree(name, counts):
   if name == "balanced":  # the planner's three-level tree
     return Tree.balanced(v, max(2, math.ceil(v ** (1 / 3) - 1e-9)))
   raise ValueError(f"unknown tree {name!r}")
+
+
+def context_tree_path(corpus, branching, head):
+  """Where `context_tree` keeps CORPUS's tree: beside the .npz of `prepare`."""
+  return f"{os.path.splitext(corpus)[0]}.context{branching}_head{head}.tree.npz"
+
+
+def context_tree(corpus, branching, head):
+  """`Tree.from_context` over CORPUS's training ids with the demo's arguments (`--tree
+  context --branching B --head H`), read from `context_tree_path` when it is there, else
+  built (NumPy; minutes at 100K classes) and written there."""
+  from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
+  path = context_tree_path(corpus, branching, head)
+  if os.path.exists(path):
+    return Tree.load(path)
+  train, _, counts, _ = load_corpus(corpus)
+  v = len(counts)
+  tree = Tree.from_context(train, v, counts, branching=branching, head=min(head, v - 1))
+  tree.save(path)
+  return tree
 
 
 class TreeArrays:
@@ -202,44 +227,46 @@ def sampled_log_prob(torch, weight, bias, h, y, rng):
   return torch.log_softmax(both, dim=1)[:, 0]
 
 
-def _make_model(torch, row, counts, meta, device, seed):
-  """(module, output-layer state) for ROW: the embedding, the LSTM and the row's layer,
-  initialised as Keras initialises the demo's model."""
+def _make_model(torch, row, corpus, counts, meta, device, seed, hidden=HIDDEN):
+  """(module, output-layer state) for ROW on CORPUS (a .npz of `prepare`): the embedding,
+  the LSTM and the row's layer, `hidden` wide, initialised as Keras initialises the demo's
+  model."""
   from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
   nn = torch.nn
   kind, options = ROWS[row]
   v = len(counts)
   g = torch.Generator().manual_seed(seed)
   model = nn.Module()
-  model.embedding = nn.Embedding(v, HIDDEN)
-  model.lstm = nn.LSTM(HIDDEN, HIDDEN, batch_first=True)
+  model.embedding = nn.Embedding(v, hidden)
+  model.lstm = nn.LSTM(hidden, hidden, batch_first=True)
   with torch.no_grad():
-    model.embedding.weight.copy_((torch.rand(v, HIDDEN, generator=g) * 2 - 1) * 0.05)
+    model.embedding.weight.copy_((torch.rand(v, hidden, generator=g) * 2 - 1) * 0.05)
     # Keras: one [D, 4U] Glorot kernel, an orthogonal [U, 4U] recurrent kernel, the
     # forget gate's bias 1 (the gates' order i, f, c/g, o is the same).
-    model.lstm.weight_ih_l0.copy_(_glorot(torch, HIDDEN, 4 * HIDDEN, g).t())
-    q, r = torch.linalg.qr(torch.randn(4 * HIDDEN, HIDDEN, generator=g, dtype=torch.float64))
+    model.lstm.weight_ih_l0.copy_(_glorot(torch, hidden, 4 * hidden, g).t())
+    q, r = torch.linalg.qr(torch.randn(4 * hidden, hidden, generator=g, dtype=torch.float64))
     model.lstm.weight_hh_l0.copy_(q * torch.sign(torch.diagonal(r)))
     model.lstm.bias_ih_l0.zero_()
     model.lstm.bias_hh_l0.zero_()
-    model.lstm.bias_ih_l0[HIDDEN:2 * HIDDEN] = 1.0
+    model.lstm.bias_ih_l0[hidden:2 * hidden] = 1.0
   layer = {"kind": kind}
   if kind in ("full", "sampled"):
-    model.weight = nn.Parameter(_glorot(torch, v, HIDDEN, g).float())
+    model.weight = nn.Parameter(_glorot(torch, v, hidden, g).float())
     model.bias = nn.Parameter(torch.as_tensor(run.unigram_log_probs(counts),
                                               dtype=torch.float32))
     if kind == "full":
       from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
       layer["tree"] = Tree.flat(v)
   elif kind == "tree":
-    tree = start_tree(options["start"], counts)
-    model.weight = nn.Parameter(_glorot(torch, tree.num_slots, HIDDEN, g).float())
+    tree = (context_tree(corpus, *options["context"]) if options["start"] == "context"
+            else start_tree(options["start"], counts))
+    model.weight = nn.Parameter(_glorot(torch, tree.num_slots, hidden, g).float())
     model.bias = nn.Parameter(torch.as_tensor(run.tree_unigram_biases(tree, counts),
                                               dtype=torch.float32))
     layer["tree"] = tree
   else:
     cutoffs = meta["cutoffs"][options["cutoffs"]]
-    model.adaptive = nn.AdaptiveLogSoftmaxWithLoss(HIDDEN, v, cutoffs,
+    model.adaptive = nn.AdaptiveLogSoftmaxWithLoss(hidden, v, cutoffs,
                                                    div_value=options["div_value"],
                                                    head_bias=True)
     with torch.no_grad():
@@ -260,7 +287,7 @@ def _make_model(torch, row, counts, meta, device, seed):
 def _log_prob(torch, model, layer, tokens, targets, training, rng):
   """Per-token log P(target) (minus the sampled loss for `sampled` in training)."""
   h, _ = model.lstm(model.embedding(tokens))
-  h = h.reshape(-1, HIDDEN)
+  h = h.reshape(-1, h.shape[-1])
   y = targets.reshape(-1)
   if layer["kind"] == "sampled":
     if training:
@@ -275,10 +302,12 @@ def _log_prob(torch, model, layer, tokens, targets, training, rng):
 class LazyAdam:
   """Keras' Adam update (epsilon 1e-7); for the tables (embeddings, output rows and
   biases) only the rows whose gradient is not all zero move, as tf_hsm's LazyAdam moves
-  the rows of its IndexedSlices."""
+  the rows of its IndexedSlices. The output layer's steps are `output_scale` x the
+  learning rate's (the demo's `--output-lr-scale`; the moments are the same)."""
 
-  def __init__(self, torch, model, learning_rate):
+  def __init__(self, torch, model, learning_rate, output_scale=1.0):
     self.torch, self.lr, self.step = torch, learning_rate, 0
+    self.model, self.output_scale = model, output_scale
     # Dense as in the Keras model: the LSTM and the adaptive tails' projections (the
     # variables tf_hsm's layers read whole); the rest are tables read by rows.
     dense = lambda n: n.startswith("lstm") or (".tail." in n and n.endswith(".0.weight"))
@@ -300,12 +329,16 @@ class LazyAdam:
     torch = self.torch
     self.step += 1
     b1, b2, eps = 0.9, 0.999, 1e-7
-    alpha = self.lr * math.sqrt(1 - b2 ** self.step) / (1 - b1 ** self.step)
+    base = self.lr * math.sqrt(1 - b2 ** self.step) / (1 - b1 ** self.step)
+    # The output layer's variables, named afresh each step (a rebuild replaces them).
+    output = {id(p) for n, p in self.model.named_parameters()
+              if n in ("weight", "bias") or n.startswith("adaptive.")}
     with torch.no_grad():
       dense = {id(p) for p in self.dense}
       for p in self.dense + self.rows:
         if p.grad is None:
           continue
+        alpha = base * (self.output_scale if id(p) in output else 1.0)
         m, v = self._moments(self.state, p)
         g = p.grad
         if id(p) in dense:
@@ -376,15 +409,17 @@ def train_row(args):
   from tf_hsm.demo import run  # pylint: disable=g-import-not-at-top
   x, y = run.sequences(train, SEQ_LEN)
   held = run.sequences(held_out[:args.eval_tokens + 1], SEQ_LEN)
-  model, layer = _make_model(torch, args.row, counts, meta, device, args.seed)
-  optimizer = LazyAdam(torch, model, LEARNING_RATE)
+  model, layer = _make_model(torch, args.row, args.corpus, counts, meta, device, args.seed,
+                             args.hidden)
+  optimizer = LazyAdam(torch, model, LEARNING_RATE, args.output_lr_scale)
   options = ROWS[args.row][1]
   rng = np.random.default_rng(args.seed)
   record = {"row": args.row, "corpus": meta["corpus"], "vocab_size": len(counts),
             "train_tokens": int(y.size), "eval_tokens": int(held[1].size),
             "eval_every": args.eval_every, "rebuild_after": args.rebuild_after,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "tf32": args.tf32, "checkpoints": [],
+            "torch": torch.__version__, "tf32": args.tf32, "hidden": args.hidden,
+            "output_lr_scale": args.output_lr_scale, "seed": args.seed, "checkpoints": [],
             "rebuilds": [], "tree": None}
 
   def checkpoint(tokens, epoch, regular=True):
@@ -447,6 +482,9 @@ def run_all(args):
   rows = [r for r in args.rows.split(",") if r]
   jobs = [(c, r) for r in rows for c in args.corpora]
   os.makedirs(args.out, exist_ok=True)
+  for c, r in jobs:  # each context tree built once, before the rows that read it start
+    if ROWS[r][1].get("start") == "context":
+      context_tree(c, *ROWS[r][1]["context"])
   running, status = [], {}
   while jobs or running:
     while jobs and len(running) < args.jobs:
@@ -456,7 +494,9 @@ def run_all(args):
              "--out", os.path.join(args.out, name + ".json"), "--seconds", str(args.seconds),
              "--device", args.device, "--eval-every", str(args.eval_every),
              "--eval-tokens", str(args.eval_tokens), "--rebuild-after",
-             str(args.rebuild_after), "--epochs", str(args.epochs)]
+             str(args.rebuild_after), "--epochs", str(args.epochs), "--hidden",
+             str(args.hidden), "--output-lr-scale", str(args.output_lr_scale), "--seed",
+             str(args.seed)]
       if not args.tf32:
         cmd.append("--no-tf32")
       log = open(os.path.join(args.out, name + ".log"), "w")
@@ -501,7 +541,9 @@ def summary(out):
     full = rows.get("full")
     ref = at(full, common)["perplexity"] if full else None
     some = next(iter(rows.values()))
-    lines += [f"\n{corpus}: V = {some['vocab_size']:,}, {some['train_tokens']:,} training "
+    lines += [f"\n{corpus}: V = {some['vocab_size']:,}, D = {some.get('hidden', HIDDEN)}, "
+              f"output layer's rate x{some.get('output_lr_scale', 1.0):g}, "
+              f"{some['train_tokens']:,} training "
               f"tokens an epoch, perplexity on {some['eval_tokens']:,} held-out tokens; "
               f"rows compared at about {common:,} training tokens", "",
               "| row | tree after training | perplexity at common tokens | vs full | last "
@@ -527,6 +569,20 @@ def summary(out):
         lines.append(f"| {row} | " + " | ".join(
             f"{got[k]['perplexity']:.2f}" if k in got else "" for k in steps) + " |")
   return found, "\n".join(lines)
+
+
+def _positive_int(text):
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+  return value
+
+
+def _positive_float(text):
+  value = float(text)
+  if not (value > 0 and math.isfinite(value)):
+    raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+  return value
 
 
 def main(argv=None):
@@ -558,6 +614,11 @@ def main(argv=None):
     q.add_argument("--rebuild-after", type=int, default=1000,
                    help="training batches before a tree is rebuilt from the embeddings")
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--hidden", type=_positive_int, default=HIDDEN,
+                   help="the embedding's and LSTM's width (the demo's --hidden)")
+    q.add_argument("--output-lr-scale", type=_positive_float, default=1.0,
+                   help="the output layer's steps at this multiple of the learning rate "
+                        "(the demo's --output-lr-scale)")
     q.add_argument("--no-tf32", dest="tf32", action="store_false")
   summ = sub.add_parser("summary")
   summ.add_argument("out")
