@@ -225,6 +225,10 @@ def test_planned_tree_is_the_planners_layer(capsys):
                        machine=machine, adaptive=())
   assert f"--tree planned: {report.recommended}," in out and "| full softmax |" in out
   assert tree == report.layer.tree and rebuild == report.layer.rebuild
+  # With the training text (the demo passes its training ids), the context tree is a row.
+  ids = (np.random.default_rng(1).zipf(1.2, 20_000) - 1) % 3_000
+  demo.planned_tree(counts, 128, 2048, machine=machine, token_ids=ids)
+  assert "| HSM context32/256 |" in capsys.readouterr().out
   # A pick rebuilt from vectors: its callback rebuilds the model's HSM from the inputs'
   # embeddings.
   picked = tf_hsm.plan(3_000, 128, 2048, counts=counts, optimizer="lazy_adam",

@@ -240,17 +240,19 @@ def make_tree(kind, counts, head=0, branching=None):
   raise ValueError(f"unknown tree kind {kind!r}")
 
 
-def planned_tree(counts, hidden, tokens_per_step, machine=None):
+def planned_tree(counts, hidden, tokens_per_step, machine=None, token_ids=None):
   """(tree, rebuild): the layer `tf_hsm.plan` recommends for this model's output layer
   among the exact softmax and the hierarchical rows (every tree it prices, those
-  rebuilt from vectors during training included; the vocabulary's training counts, the
-  LSTM's width, a batch's tokens, LazyAdam), as the tree the layer starts on and the
+  rebuilt from vectors during training and, given the training text's `token_ids`, the
+  context tree included; the vocabulary's training counts, the LSTM's width, a batch's
+  tokens, LazyAdam), as the tree the layer starts on and the
   `RebuildTree` arguments that make it the recommended tree (None if it trains as
   built); prints the planner's table first."""
   import tf_hsm  # pylint: disable=g-import-not-at-top
   counts = np.asarray(counts, np.float64)
   report = tf_hsm.plan(len(counts), hidden, tokens_per_step, counts=counts,
-                       optimizer="lazy_adam", machine=machine, adaptive=())
+                       optimizer="lazy_adam", machine=machine, adaptive=(),
+                       token_ids=token_ids)
   print("the planner, for this output layer:\n" + report.to_markdown(), flush=True)
   row = next(r for r in report.rows if r["method"] == report.recommended)
   print(f"  --tree planned: {row['method']}, {1e3 * row['step_seconds']:.1f} ms a step "
@@ -801,7 +803,8 @@ def main(argv=None):
       min(args.head or 0, len(words) - 1)
   rebuild = None
   if args.tree == "planned":
-    tree, rebuild = planned_tree(counts, args.hidden, args.batch * args.seq_len)
+    tree, rebuild = planned_tree(counts, args.hidden, args.batch * args.seq_len,
+                                 token_ids=train_ids)
   elif args.tree == "context":
     from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
     tree = Tree.from_context(train_ids, len(words), counts, branching=args.branching or 32,

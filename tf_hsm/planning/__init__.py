@@ -21,8 +21,9 @@ Start at candidates.py.
 """
 
 from tf_hsm.planning.body import Body, body_cost, body_price
-from tf_hsm.planning.candidates import (HSM_TREES, QUALITY_MARGIN, QUALITY_TIE, STEP_TIE,
-                                        TREES, Layer, Report, plan, recommend_tree)
+from tf_hsm.planning.candidates import (CONTEXT_TREES, HSM_TREES, QUALITY_MARGIN,
+                                        QUALITY_TIE, STEP_TIE, TREES, Layer, Report, plan,
+                                        recommend_tree)
 from tf_hsm.planning.cli import main, parse_bytes, parse_count
 from tf_hsm.planning.costs import (CALLS_PER_STEP, DIV_VALUE, DTYPE_BYTES, OPTIMIZERS,
                                    SAMPLED, STEP_WORKSPACE_BYTES, TAILS, Cost, Part,
@@ -39,7 +40,7 @@ from tf_hsm.planning.tree_work import (TREE_STEP_TERMS, WALK_MAX_BRANCHING, Tree
                                        tree_step_terms, work_of_tree)
 
 __all__ = [
-    "Body", "EVIDENCE", "HSM_TREES", "QUALITY_MARGIN", "QUALITY_TIE", "body_cost",
+    "Body", "CONTEXT_TREES", "EVIDENCE", "HSM_TREES", "QUALITY_MARGIN", "QUALITY_TIE", "body_cost",
     "body_price", "quality_of", "CALLS_PER_STEP", "Cost", "DIV_VALUE", "DTYPE_BYTES", "Layer", "Machine", "OPTIMIZERS",
     "Part", "Report", "SAMPLED", "STEP_TIE", "STEP_WORKSPACE_BYTES", "TAILS", "TREES",
     "TREE_STEP_TERMS", "TreeWork", "WALK_MAX_BRANCHING", "adaptive_cluster_cost",

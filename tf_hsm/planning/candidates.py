@@ -280,6 +280,11 @@ HSM_TREES = ("two_level", "three_level", "huffman2", "huffman8", "huffman32")
 # (docs/planner.md, "Large vocabularies").
 VECTOR_TREES = ("vectors32_head256", "vectors64_head256")
 TREES = HSM_TREES + ("learned",) + VECTOR_TREES
+# "contextK_headH": the same shape built before training from the words' left contexts in
+# the training text (`Tree.from_context(token_ids, ..., branching=K, head=H)`, no
+# rebuild; docs/planner.md, "Trees from contexts"): priced as the vectors rows, and a row
+# only where `plan` is given the training text's `token_ids` to build it from.
+CONTEXT_TREES = ("context32_head256",)
 LEARNED_HEAD = 128
 VECTORS_REBUILD_AFTER = 1000
 
@@ -326,10 +331,12 @@ class _TreeCandidate:
   rebuild: dict = None  # RebuildTree's arguments (but the layer and vectors), if any
 
 
-def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes):
+def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes,
+                     token_ids=None):
   """The hierarchical-softmax candidates: each tree's `TreeWork` from its shape alone
   (the layout of a two-level or balanced tree, a Huffman tree's merges), never its
-  paths: the `Tree` is built only for the one recommended."""
+  paths: the `Tree` is built only for the one recommended (a context tree from
+  `token_ids`)."""
   found = []
   huffman_counts = counts if counts is not None else np.ones(num_classes)
   for i, name in enumerate(names):
@@ -359,20 +366,14 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes)
           lambda: Tree.two_level(num_classes, counts=counts),
           {"branching": [width, width], "counts": counts, "head": head,
            "after_epoch": 1}))
-    elif re.fullmatch(r"vectors\d+_head\d+", name):
+    elif re.fullmatch(r"(context|vectors)\d+_head\d+", name):
       k, head = map(int, re.findall(r"\d+", name))
       if not (2 <= k and 0 <= head and head + k < num_classes):
         notes.append(f"no {name} row: it needs V > {head + k} classes")
         continue
-      found.append(_TreeCandidate(
-          f"vectors({k}, head={head})",
-          f"Tree.huffman(counts, branching={k})); rebuilt after {VECTORS_REBUILD_AFTER:,} "
-          f"batches by tf_hsm.callbacks.RebuildTree(layer, branching={k}, counts=counts, "
-          f"vectors=embedding_layer, head={head}, after_batch={VECTORS_REBUILD_AFTER}",
-          vectors_work(huffman_counts, k, head, probs, tokens),
-          lambda k=k: Tree.huffman(huffman_counts, branching=k),
-          {"branching": k, "counts": counts, "head": head,
-           "after_batch": VECTORS_REBUILD_AFTER}))
+      found.append(_head_tree(name.startswith("context"), k, head, num_classes, counts,
+                              vectors_work(huffman_counts, k, head, probs, tokens),
+                              token_ids))
     elif re.fullmatch(r"huffman\d+", name):
       k = int(name[len("huffman"):])
       if not 2 <= k < num_classes:
@@ -389,12 +390,33 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes)
   return found
 
 
+def _head_tree(from_context, k, head, num_classes, counts, work, token_ids):
+  """The candidate of a head over K-ary similarity clusters: built from the training
+  text's contexts before training, or rebuilt from the input embeddings during it
+  (started on the K-ary Huffman tree of the counts)."""
+  if from_context:
+    return _TreeCandidate(
+        f"context({k}, head={head})",
+        f"Tree.from_context(token_ids, num_classes, counts, branching={k}, head={head})",
+        work, lambda: Tree.from_context(token_ids, num_classes, counts, branching=k,
+                                        head=head))
+  huffman_counts = counts if counts is not None else np.ones(num_classes)
+  return _TreeCandidate(
+      f"vectors({k}, head={head})",
+      f"Tree.huffman(counts, branching={k})); rebuilt after {VECTORS_REBUILD_AFTER:,} "
+      f"batches by tf_hsm.callbacks.RebuildTree(layer, branching={k}, counts=counts, "
+      f"vectors=embedding_layer, head={head}, after_batch={VECTORS_REBUILD_AFTER}",
+      work, lambda: Tree.huffman(huffman_counts, branching=k),
+      {"branching": k, "counts": counts, "head": head,
+       "after_batch": VECTORS_REBUILD_AFTER})
+
+
 def _tree_label(name):
   """A tree row's label in the table: "HSM learned", "HSM vectors32/256" (branching /
   head), "HSM huffman(8)"."""
   if name.startswith(("learned", "two_level")):
     return "HSM " + re.sub(r"\(.*", "", name)
-  return "HSM " + re.sub(r"vectors\((\d+), head=(\d+)\)", r"vectors\1/\2", name)
+  return "HSM " + re.sub(r"(vectors|context)\((\d+), head=(\d+)\)", r"\1\2/\3", name)
 
 
 def _short_list(values):
@@ -492,8 +514,8 @@ def _kind_rank(method):
 
 def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
          optimizer="sgd", dtype="float32", memory_budget=None, num_shards=1, machine=None,
-         trees=TREES, adaptive=TAILS, cutoffs=None, div_value=DIV_VALUE, progress=None,
-         model=None, sequence_length=None):
+         trees=None, adaptive=TAILS, cutoffs=None, div_value=DIV_VALUE, progress=None,
+         model=None, sequence_length=None, token_ids=None):
   """Plans the output layer of a model: one row per candidate and a recommendation.
 
   Args:
@@ -513,8 +535,10 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
       so through `progress`), or a dict of its fields.
     trees: the trees of the hierarchical-softmax rows: "two_level" (equal-mass clusters
       with counts), "three_level" (balanced, branching V^(1/3)), "huffmanK" (K-ary
-      Huffman on the counts). They are priced from their shapes, never built; the
-      recommended one is built when `report.layer.tree` is first read.
+      Huffman on the counts), "learned", "vectorsK_headH" and "contextK_headH" (built
+      from `token_ids`). Default: `TREES`, and `CONTEXT_TREES` with `token_ids`. They are
+      priced from their shapes, never built; the recommended one is built when
+      `report.layer.tree` is first read.
     adaptive: the tails of the `AdaptiveSoftmax` rows, of "flat" and "two_level" (() for
       none).
     cutoffs: the adaptive rows' cutoffs (default: for each tail those
@@ -551,6 +575,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
                                            counts, sequence_length)
   _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
                         dtype, div_value, adaptive)
+  trees, token_ids = _trees_and_text(trees, token_ids, num_classes)
   # A measurement of the machine is announced on stderr even without `progress`.
   machine = machine_lib.resolve(machine, progress)
   progress = progress or _quiet
@@ -575,7 +600,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
               exact=False)]
   layers = [Layer("full softmax", "full softmax", f"HierarchicalSoftmax(Tree.flat({V}))",
                   num_classes=V), None]
-  for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes):
+  for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes, token_ids):
     rows.append(row(f"HierarchicalSoftmax {tree.name}", _tree_label(tree.name),
                     tree_cost(tree.work, D, T, probs)))
     layers.append(Layer("HierarchicalSoftmax", rows[-1]["method"],
@@ -646,6 +671,27 @@ def _model_sizes(model, num_classes, hidden, tokens_per_step, counts, sequence_l
     raise ValueError("num_classes is required: the model holds no tf_hsm output layer "
                      "to read it from")
   return body, num_classes, hidden
+
+
+def _trees_and_text(trees, token_ids, num_classes):
+  """(tree names, token ids as an int64 array or None): `plan`'s default trees, checked
+  against the training text a context tree is built from."""
+  names = tuple(TREES + (CONTEXT_TREES if token_ids is not None else ())
+                if trees is None else trees)
+  context = [n for n in names if re.fullmatch(r"context\d+_head\d+", n)]
+  if token_ids is None:
+    if context:
+      raise ValueError(f"the {context[0]} row is built from the training text: pass "
+                       "token_ids (the training corpus as class ids, in order)")
+    return names, None
+  ids = np.asarray(token_ids)
+  if ids.ndim != 1 or ids.size < 2 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError("token_ids must be a 1-D array of at least 2 integer class ids, got "
+                     f"shape {ids.shape}, dtype {ids.dtype}")
+  if ids.min() < 0 or ids.max() >= num_classes:
+    raise ValueError(f"token_ids must lie in [0, num_classes={num_classes}), got "
+                     f"[{ids.min()}, {ids.max()}]")
+  return names, ids.astype(np.int64, copy=False)
 
 
 def _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
@@ -771,7 +817,7 @@ def _choose(exact, full, whole):
 
 def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
                    dtype="float32", memory_budget=None, machine=None, trees=HSM_TREES,
-                   progress=None):
+                   progress=None, token_ids=None):
   """The `HierarchicalSoftmax` tree to use, chosen by `plan`'s rule (the same code,
   `_quality_pick`) among the hierarchical rows alone: of `trees` (as `plan` takes them)
   that fit `memory_budget`, the most accurate by the project's measured perplexity
@@ -782,15 +828,18 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
   then the fastest. When none fits, the smallest. Only that tree is built. ("learned"
   is not among the defaults: its layer starts on the two-level tree, which is what it
   would return, and needs `tf_hsm.callbacks.RebuildTree` to become the learned tree.)
+  `token_ids`: the training text, for a context tree among `trees` (as `plan`).
 
   Returns:
     (tree, row): the `tf_hsm.Tree` and its planner row (a dict, as in `plan`'s rows,
     with `quality`, None where not measured).
 
   Raises:
-    ValueError: if no tree of `trees` can be built for `num_classes`.
+    ValueError: if no tree of `trees` can be built for `num_classes`, or a context tree
+      is asked for without `token_ids`.
   """
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
+  trees, token_ids = _trees_and_text(trees, token_ids, V)
   probs = probabilities(V, counts)
   machine = machine_lib.resolve(machine, progress)
   progress = progress or _quiet
@@ -798,7 +847,8 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
   candidates = [(tree, price(f"HierarchicalSoftmax {tree.name}",
                              tree_cost(tree.work, D, T, probs), D, T, optimizer, dtype,
                              machine, memory_budget))
-                for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes)]
+                for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes,
+                                             token_ids)]
   if not candidates:
     raise ValueError(f"no tree among {list(trees)} can be built for {V} classes: "
                      + "; ".join(notes))

@@ -85,6 +85,18 @@ def _load_counts(path, num_classes):
   return counts
 
 
+def _load_token_ids(path):
+  """The training text's class ids of a .npy file (`plan`'s token_ids; it checks them);
+  ValueError with a one-line message where the file cannot be read."""
+  if not os.path.exists(path):
+    raise ValueError(f"--token-ids: no such file: {path}")
+  try:
+    return np.load(path, allow_pickle=False, mmap_mode="r")
+  except (OSError, ValueError, EOFError) as error:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise ValueError(f"--token-ids: cannot read {path} as a .npy array: {first}") from None
+
+
 class _Progress:
   """Progress on stderr: one line rewritten in place on a terminal, a line each
   otherwise."""
@@ -147,6 +159,10 @@ def main(argv=None):
   group.add_argument("--zipf", type=float, metavar="S",
                      help="class frequencies 1 / rank^S, class 0 the most frequent "
                           "(1.0 is typical of words); default: uniform")
+  parser.add_argument("--token-ids", metavar="FILE.npy",
+                      help="the training text as class ids in order (a 1-D integer .npy): "
+                           "adds the row of a tree built from the words' contexts "
+                           "(Tree.from_context, context32/256)")
   parser.add_argument("--shards", type=_count_arg, default=1,
                       help="parameter servers the table and slots are split over "
                            "(default 1)")
@@ -202,9 +218,11 @@ def main(argv=None):
     else:
       machine = Machine.cached(refresh=args.remeasure, name=args.machine_name,
                                progress=progress)
+    token_ids = _load_token_ids(args.token_ids) if args.token_ids else None
     report = plan(num_classes, args.hidden, args.tokens, counts=counts,
                   optimizer=args.optimizer, dtype=args.dtype, memory_budget=args.memory,
-                  num_shards=args.shards, machine=machine, progress=progress)
+                  num_shards=args.shards, machine=machine, progress=progress,
+                  token_ids=token_ids)
   except (ValueError, TypeError, OSError) as error:
     progress.done()
     message = " ".join(str(error).split())

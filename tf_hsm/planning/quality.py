@@ -81,6 +81,9 @@ class Figure:
 # other rows for up to an epoch in 470 s each, at the last checkpoint each reached).
 _GPU_RUNS = ("docs/planner.md, Large vocabularies (python -m tf_hsm.bench.quality_torch "
              "run, run {}, {}, row {}, NVIDIA H200, 2026-11-26)")
+_CPU_CONTEXT = ("docs/planner.md, Trees from contexts, on the CPU (python -m tf_hsm.demo "
+                "--corpus {} --tree context --branching 32 --head 256, AMD EPYC, "
+                "2026-11-26)")
 # Every figure: `python -m tf_hsm.bench.quality_runs CORPUS`, one row each (AMD EPYC, 2
 # vCPUs, each run pinned to one; 2026-11-25), in docs/planner.md's quality table.
 _RUNS = ("docs/planner.md, Quality (python -m tf_hsm.bench.quality_runs {}, row {}, "
@@ -156,7 +159,13 @@ EVIDENCE = (
         (4, DEBIAN_12M, {"two_level": 57.05, "huffman32": 58.88, "balanced": 56.89,
                          "vectors32_head1024": 53.25}))
     for row, ppl in rows.items()
-    for kind in ["three_level" if row == "balanced" else row])
+    for kind in ["three_level" if row == "balanced" else row]) + tuple(
+    # The context tree on the CPU with tf_hsm, against the GPU runs' full softmax (the
+    # CPU runs of the other rows ended within 0.3% of PyTorch's for the same models).
+    Figure("context32_head256", corpus, ppl, _CPU_CONTEXT.format(name))
+    for corpus, name, ppl in ((LINUX_EPOCH, "linux-comments", 107.7),
+                              (DEBIAN_10M, "debian-docs", 54.9),
+                              (DEBIAN_EPOCH, "debian-docs", 50.4)))
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
 FULL = {f.corpus: f.perplexity for f in EVIDENCE if f.kind == "full"}
 # What the kinds are, for the table and the notes.
@@ -185,6 +194,9 @@ KINDS = {
                          "64-ary by similarity, rebuilt after 1,000 batches",
     "vectors32_head1024": "HierarchicalSoftmax, a tree from vectors: head of 1,024, the "
                           "rest 32-ary by similarity, rebuilt after 1,000 batches",
+    "context32_head256": "HierarchicalSoftmax, a tree from the words' left contexts "
+                         "(Tree.from_context), built before training: head of 256, the "
+                         "rest 32-ary, never rebuilt",
 }
 
 
@@ -289,9 +301,9 @@ def kind_of(method, cutoffs=None, div_value=None, num_classes=None):
     return "full"
   if method.startswith("sampled softmax"):
     return "sampled"
-  match = re.match(r"HierarchicalSoftmax vectors\((\d+), head=(\d+)\)", method)
+  match = re.match(r"HierarchicalSoftmax (vectors|context)\((\d+), head=(\d+)\)", method)
   if match:
-    kind = "vectors{}_head{}".format(*match.groups())
+    kind = "{}{}_head{}".format(*match.groups())
     return kind if any(f.kind == kind for f in EVIDENCE) else None
   match = re.match(r"HierarchicalSoftmax (\w+)(?:\((\d+)\))?", method)
   if match:
