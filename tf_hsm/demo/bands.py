@@ -3,8 +3,10 @@ another.
 
 The demo's word ids are ranks (`build_vocab`: `<unk>` is 0, then the words by decreasing
 training count), so a band of ranks is a band of frequencies. After each epoch the
-callback scores the held-out tokens once more (`model.predict`: every model here outputs
-log P(target) a token) and records, for each band, its tokens and their mean loss in nats.
+callback scores the held-out tokens (`model.predict`: every model here outputs log
+P(target) a token) and records, for each band, its tokens and their mean loss in nats,
+and the mean loss of all of them: with `--bands` this pass is the epoch's held-out
+evaluation (Keras' validation is not run beside it).
 Two runs' gap in log perplexity is then the sum over bands of (share of tokens) x
 (difference of mean loss), which `compare` splits by band:
 
@@ -58,17 +60,20 @@ def band_losses(log_probs, targets, edges):
 
 def band_callback(keras, inputs, targets, edges, batch_size):
   """A Keras callback that records `band_losses` on the held-out `inputs` after every
-  epoch, in its `bands` list (one list of rows an epoch)."""
+  epoch, in its `bands` list (one list of rows an epoch), and the mean loss of all the
+  tokens in `losses` (nats; the held-out loss Keras' validation would report)."""
 
   class BandReport(keras.callbacks.Callback):
 
     def __init__(self):
       super().__init__()
-      self.bands = []
+      self.bands, self.losses = [], []
 
     def on_epoch_end(self, epoch, logs=None):
-      log_probs = self.model.predict(inputs, batch_size=batch_size, verbose=0)
+      log_probs = np.asarray(self.model.predict(inputs, batch_size=batch_size, verbose=0),
+                             np.float64)
       self.bands.append(band_losses(log_probs, targets, edges))
+      self.losses.append(float(-log_probs.mean()))
       print("   held-out loss by rank band: " + ", ".join(
           f"{row['first']}-{row['end'] - 1} {row['loss']:.3f}"
           for row in self.bands[-1] if row["tokens"]), flush=True)

@@ -539,10 +539,14 @@ def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, call
   print(f"\n== {name}: {model.count_params():,} parameters, {tokens:,} training tokens, "
         f"held-out perplexity before training {_exp(initial):.1f}", flush=True)
   timer = _epoch_timer(keras)
+  # With bands, their pass is the held-out evaluation (no validation beside it), before
+  # any callback that rebuilds the tree at the epoch's end, as validation would be.
+  validation = {} if report else {"validation_data": (hx, hy),
+                                  "validation_batch_size": 4 * batch}
   fit = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=verbose,
                   steps_per_epoch=steps_per_epoch,
-                  validation_data=(hx, hy), validation_batch_size=4 * batch,
-                  callbacks=[timer, *callbacks] + ([report] if report else []))
+                  callbacks=[timer] + ([report] if report else []) + list(callbacks),
+                  **validation)
   for callback in callbacks:
     # A rebuild at the end of an epoch runs after the timer stopped (fit's validation has
     # begun): its cost counts in that epoch's training time. One after a batch is timed
@@ -560,7 +564,8 @@ def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, call
                                       if getattr(c, "rebuild_seconds", None)), None),
              "tokens_per_second": [tokens / s for s in timer.seconds],
              "train_loss": [float(v) for v in fit.history["loss"]],
-             "held_out_perplexity": [_exp(v) for v in [initial] + fit.history["val_loss"]]}
+             "held_out_perplexity": [_exp(v) for v in [initial] + (
+                 report.losses if report else fit.history["val_loss"])]}
   if report is not None:
     history["held_out_bands"] = report.bands
   for epoch, (seconds, cpu) in enumerate(zip(timer.seconds, timer.cpu_seconds)):
@@ -700,7 +705,8 @@ def parse_args(argv=None):
                       "multiple of --learning-rate (default: %(default)s)")
   p.add_argument("--bands", action="store_true",
                  help="after each epoch also the held-out loss by word-frequency band "
-                      "(tf_hsm.demo.bands; one more pass over the held-out tokens)")
+                      "(tf_hsm.demo.bands; the epoch's held-out pass, by predict in "
+                      "place of Keras' validation)")
   p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="default: %(default)s")
   p.add_argument("--out", default=DEFAULTS["out"],
                  help="directory for results.json, results.md and perplexity.png "
