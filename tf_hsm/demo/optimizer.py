@@ -2,9 +2,9 @@
 learning rate (`--output-lr-scale`).
 
 At 100K classes the context tree, sampled softmax and full softmax all train better with
-their tables at a few times the body's rate, full and sampled softmax most (docs/planner.md, "The
-output table's learning rate" and "At 4x for an epoch"). Every model takes the same flag,
-so that each is compared at the same scale.
+their tables at a few times the body's rate, full and sampled softmax most
+(docs/planner.md, "The output table's learning rate" and "At 4x for an epoch"). Every
+model takes the same flag, so that each is compared at the same scale.
 """
 
 from tf_hsm.keras import optimizers
