@@ -19,13 +19,17 @@ layers in PyTorch, where a GPU is (no TensorFlow needed there):
   over the path nodes' children, exact); PyTorch's adaptive softmax (the layout tf_hsm's
   `AdaptiveSoftmax` loads); and trees rebuilt from the input embeddings during training
   (`Tree.from_vectors`, weights carried over by `tf_hsm.tree.transfer`, as
-  `tf_hsm.keras.callbacks.RebuildTree` does);
+  `tf_hsm.keras.callbacks.RebuildTree` does); the demo's trees from the words' left
+  contexts (`Tree.from_context`, built once before training and kept beside the corpus's
+  .npz);
 - held-out perplexity (exact, every layer) every `--eval-every` training tokens on the
   first `--eval-tokens` held-out tokens, written as the run goes (a run cut by its time
   budget keeps its checkpoints), so layers are compared at equal training tokens.
 
-Matrix products use TF32 on the GPU (`--tf32`, default on; float32 accumulation), the same
-for every layer. `prepare` runs where tf_hsm's demo runs: it tokenises a corpus with the
+`--hidden` sets the embedding's and LSTM's width, `--output-lr-scale` the output layer's
+steps as a multiple of the learning rate (the demo's flags), `--seed` the initial values
+and batch order. Matrix products use TF32 on the GPU (`--tf32`, default on; float32
+accumulation), the same for every layer. `prepare` runs where tf_hsm's demo runs: it tokenises a corpus with the
 demo's tokeniser, split and vocabulary (`tf_hsm.demo.run`) and writes the ids, the counts
 and the adaptive layouts' cutoffs to one .npz; `run` and `summary` need PyTorch and NumPy
 only.
