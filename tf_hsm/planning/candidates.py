@@ -515,7 +515,7 @@ def _kind_rank(method):
 def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
          optimizer="sgd", dtype="float32", memory_budget=None, num_shards=1, machine=None,
          trees=None, adaptive=TAILS, cutoffs=None, div_value=DIV_VALUE, progress=None,
-         model=None, sequence_length=None, token_ids=None):
+         model=None, sequence_length=None, token_ids=None, max_perplexity_increase=None):
   """Plans the output layer of a model: one row per candidate and a recommendation.
 
   Args:
@@ -569,13 +569,16 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     only when no row in the margin has a measured one, and then the fastest (steps
     within STEP_TIE equal; then full softmax before HierarchicalSoftmax before
     AdaptiveSoftmax, then the least peak memory). With none that fits, the exact one that
-    needs the least memory.
+    needs the least memory. With `max_perplexity_increase` (a fraction: 0.1 is +10%
+    perplexity against full softmax), the rule runs over the rows measured within it
+    (full softmax always is); where none that fits is, over all (a note says so).
   """
   body, num_classes, hidden = _model_sizes(model, num_classes, hidden, tokens_per_step,
                                            counts, sequence_length)
   _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
                         dtype, div_value, adaptive)
   trees, token_ids = _trees_and_text(trees, token_ids, num_classes)
+  _check_quality_bound(max_perplexity_increase)
   # A measurement of the machine is announced on stderr even without `progress`.
   machine = machine_lib.resolve(machine, progress)
   progress = progress or _quiet
@@ -632,10 +635,14 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
             ", class_order=AdaptiveSoftmax.frequency_order(counts, padding=())") + ")",
         list(chosen), tail, float(div), V, _counts=counts, _class_order=order))
   _add_quality_and_body(rows, body_row, V, notes)
-  exact = [r for r in rows if r["exact"] and r["fits"]]
+  exact = _within_quality([r for r in rows if r["exact"] and r["fits"]],
+                          max_perplexity_increase, notes)
   full = rows[0]
   if exact:
     best, reason = _choose(exact, full, body_row is not None)
+    if max_perplexity_increase is not None and best["quality"] is not None and \
+        best["quality"] <= 1 + max_perplexity_increase:
+      reason = f"of the layers within {max_perplexity_increase:+.1%} perplexity, " + reason
   else:
     best = min((r for r in rows if r["exact"]), key=lambda r: r["per_shard_bytes"])
     reason = (f"nothing exact fits {_size(memory_budget)}; this one needs the least "
@@ -644,6 +651,8 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   settings = {"num_classes": V, "hidden": D, "tokens_per_step": T, "optimizer": optimizer,
               "dtype": dtype, "memory_budget": memory_budget, "num_shards": num_shards,
               "machine": dataclasses.asdict(machine)}
+  if max_perplexity_increase is not None:
+    settings["max_perplexity_increase"] = float(max_perplexity_increase)
   if body_row is not None:
     settings["body"] = body_lib.describe(body_row)
   return Report(rows, best["method"], reason, settings, layer, notes, body_row)
@@ -692,6 +701,31 @@ def _trees_and_text(trees, token_ids, num_classes):
     raise ValueError(f"token_ids must lie in [0, num_classes={num_classes}), got "
                      f"[{ids.min()}, {ids.max()}]")
   return names, ids.astype(np.int64, copy=False)
+
+
+def _check_quality_bound(bound):
+  if bound is not None and (isinstance(bound, bool) or not isinstance(
+      bound, (int, float, np.integer, np.floating)) or not 0 <= bound < math.inf):
+    raise ValueError("max_perplexity_increase must be a fraction >= 0 (0.1: +10% "
+                     f"perplexity against full softmax) or None, got {bound!r}")
+
+
+def _within_quality(rows, bound, notes):
+  """The rows measured within `bound` (a fraction over full softmax's perplexity), or all
+  of `rows` with a note where `bound` is None or none of them is. Only figures that
+  `_comparable` compares vouch for a row (an early or far figure can flatter it); full
+  softmax is always within."""
+  if bound is None:
+    return rows
+  compared = _comparable([r for r in rows if r["quality"] is not None])[0]
+  within = [r for r in rows if r["method"] == "full softmax" or (
+      r in compared and r["quality"] <= 1 + bound)]
+  if within:
+    return within
+  if rows:
+    notes.append(f"no layer that fits was measured within {bound:+.1%} perplexity: the "
+                 "recommendation is the rule's over every layer")
+  return rows
 
 
 def _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
@@ -817,7 +851,7 @@ def _choose(exact, full, whole):
 
 def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
                    dtype="float32", memory_budget=None, machine=None, trees=HSM_TREES,
-                   progress=None, token_ids=None):
+                   progress=None, token_ids=None, max_perplexity_increase=None):
   """The `HierarchicalSoftmax` tree to use, chosen by `plan`'s rule (the same code,
   `_quality_pick`) among the hierarchical rows alone: of `trees` (as `plan` takes them)
   that fit `memory_budget`, the most accurate by the project's measured perplexity
@@ -828,7 +862,8 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
   then the fastest. When none fits, the smallest. Only that tree is built. ("learned"
   is not among the defaults: its layer starts on the two-level tree, which is what it
   would return, and needs `tf_hsm.callbacks.RebuildTree` to become the learned tree.)
-  `token_ids`: the training text, for a context tree among `trees` (as `plan`).
+  `token_ids`: the training text, for a context tree among `trees`, and
+  `max_perplexity_increase`, the bound on the trees' measured perplexity, as `plan`'s.
 
   Returns:
     (tree, row): the `tf_hsm.Tree` and its planner row (a dict, as in `plan`'s rows,
@@ -840,6 +875,7 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
   """
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   trees, token_ids = _trees_and_text(trees, token_ids, V)
+  _check_quality_bound(max_perplexity_increase)
   probs = probabilities(V, counts)
   machine = machine_lib.resolve(machine, progress)
   progress = progress or _quiet
@@ -856,7 +892,8 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
   for row in rows:
     row["label"] = row["method"]
   _add_quality_and_body(rows, None, V, notes)
-  fitting = [row for row in rows if row["fits"]]
+  fitting = _within_quality([row for row in rows if row["fits"]], max_perplexity_increase,
+                            notes)
   best = _quality_pick(fitting)[0] if fitting else min(rows, key=lambda r: r["peak_bytes"])
   tree = next(t for t, row in candidates if row is best)
   return tree.build(), best

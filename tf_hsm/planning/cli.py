@@ -6,6 +6,7 @@ print one line and exit with status 2; progress goes to stderr (--quiet: none)."
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -85,6 +86,17 @@ def _load_counts(path, num_classes):
   return counts
 
 
+def _percent_arg(text):
+  """A percentage ("10" or "10%") as a fraction (0.1)."""
+  try:
+    value = float(text.strip().rstrip("%"))
+  except ValueError:
+    value = math.nan
+  if not 0 <= value < math.inf:
+    raise argparse.ArgumentTypeError(f"not a percentage >= 0: {text!r} (e.g. 10 or 10%)")
+  return value / 100
+
+
 def _load_token_ids(path):
   """The training text's class ids of a .npy file (`plan`'s token_ids; it checks them);
   ValueError with a one-line message where the file cannot be read."""
@@ -159,6 +171,10 @@ def main(argv=None):
   group.add_argument("--zipf", type=float, metavar="S",
                      help="class frequencies 1 / rank^S, class 0 the most frequent "
                           "(1.0 is typical of words); default: uniform")
+  parser.add_argument("--max-ppl-increase", type=_percent_arg, metavar="PCT",
+                      help="recommend among the layers measured within PCT%% perplexity "
+                           "of full softmax (e.g. 10), the rule's choice over all "
+                           "where none fits")
   parser.add_argument("--token-ids", metavar="FILE.npy",
                       help="the training text as class ids in order (a 1-D integer .npy): "
                            "adds the row of a tree built from the words' contexts "
@@ -222,7 +238,7 @@ def main(argv=None):
     report = plan(num_classes, args.hidden, args.tokens, counts=counts,
                   optimizer=args.optimizer, dtype=args.dtype, memory_budget=args.memory,
                   num_shards=args.shards, machine=machine, progress=progress,
-                  token_ids=token_ids)
+                  token_ids=token_ids, max_perplexity_increase=args.max_ppl_increase)
   except (ValueError, TypeError, OSError) as error:
     progress.done()
     message = " ".join(str(error).split())
