@@ -88,6 +88,12 @@ def test_branching_and_adaptive_layouts():
     demo.parse_args(["--models", "adaptive", "--cutoffs", "ten"])
   with pytest.raises(SystemExit):  # adaptive settings for a run that trains no adaptive
     demo.parse_args(["--models", "hsm", "--tail", "two_level"])
+  for flags in (["--max-ppl-increase", "10"],  # a bound for a tree the planner does not pick
+                ["--tree", "planned", "--max-ppl-increase", "-1"]):
+    with pytest.raises(SystemExit):
+      demo.parse_args(flags)
+  assert demo.parse_args(["--tree", "planned", "--max-ppl-increase", "10"]
+                         ).max_ppl_increase == 10.0
   args = demo.parse_args(["--models", "adaptive", "--cutoffs", "5,50", "--tail",
                           "two_level", "--div-value", "4"])
   assert args.cutoffs == [5, 50] and args.tail == "two_level" and args.div_value == 4.0
@@ -229,6 +235,11 @@ def test_planned_tree_is_the_planners_layer(capsys):
   ids = (np.random.default_rng(1).zipf(1.2, 20_000) - 1) % 3_000
   demo.planned_tree(counts, 128, 2048, machine=machine, token_ids=ids)
   assert "| HSM context32/256 |" in capsys.readouterr().out
+  # A bound on the perplexity reaches the planner: within +0% only full softmax is.
+  tree, rebuild = demo.planned_tree(counts, 128, 2048, machine=machine,
+                                    max_perplexity_increase=0.0)
+  assert tree == tf_hsm.Tree.flat(3_000) and rebuild is None
+  assert "--tree planned: full softmax," in capsys.readouterr().out
   # A pick rebuilt from vectors: its callback rebuilds the model's HSM from the inputs'
   # embeddings.
   picked = tf_hsm.plan(3_000, 128, 2048, counts=counts, optimizer="lazy_adam",

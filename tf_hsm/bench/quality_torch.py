@@ -29,10 +29,10 @@ layers in PyTorch, where a GPU is (no TensorFlow needed there):
 `--hidden` sets the embedding's and LSTM's width, `--output-lr-scale` the output layer's
 steps as a multiple of the learning rate (the demo's flags), `--seed` the initial values
 and batch order. Matrix products use TF32 on the GPU (`--tf32`, default on; float32
-accumulation), the same for every layer. `prepare` runs where tf_hsm's demo runs: it tokenises a corpus with the
-demo's tokeniser, split and vocabulary (`tf_hsm.demo.run`) and writes the ids, the counts
-and the adaptive layouts' cutoffs to one .npz; `run` and `summary` need PyTorch and NumPy
-only.
+accumulation), the same for every layer. `prepare` runs where tf_hsm's demo runs: it
+tokenises a corpus with the demo's tokeniser, split and vocabulary (`tf_hsm.demo.run`)
+and writes the ids, the counts and the adaptive layouts' cutoffs to one .npz; `run` and
+`summary` need PyTorch and NumPy only.
 """
 
 import argparse

@@ -240,19 +240,20 @@ def make_tree(kind, counts, head=0, branching=None):
   raise ValueError(f"unknown tree kind {kind!r}")
 
 
-def planned_tree(counts, hidden, tokens_per_step, machine=None, token_ids=None):
+def planned_tree(counts, hidden, tokens_per_step, machine=None, token_ids=None,
+                 max_perplexity_increase=None):
   """(tree, rebuild): the layer `tf_hsm.plan` recommends for this model's output layer
   among the exact softmax and the hierarchical rows (every tree it prices, those
   rebuilt from vectors during training and, given the training text's `token_ids`, the
   context tree included; the vocabulary's training counts, the LSTM's width, a batch's
-  tokens, LazyAdam), as the tree the layer starts on and the
-  `RebuildTree` arguments that make it the recommended tree (None if it trains as
-  built); prints the planner's table first."""
+  tokens, LazyAdam; `max_perplexity_increase` as `plan`'s), as the tree the layer starts
+  on and the `RebuildTree` arguments that make it the recommended tree (None if it
+  trains as built); prints the planner's table first."""
   import tf_hsm  # pylint: disable=g-import-not-at-top
   counts = np.asarray(counts, np.float64)
   report = tf_hsm.plan(len(counts), hidden, tokens_per_step, counts=counts,
                        optimizer="lazy_adam", machine=machine, adaptive=(),
-                       token_ids=token_ids)
+                       token_ids=token_ids, max_perplexity_increase=max_perplexity_increase)
   print("the planner, for this output layer:\n" + report.to_markdown(), flush=True)
   row = next(r for r in report.rows if r["method"] == report.recommended)
   print(f"  --tree planned: {row['method']}, {1e3 * row['step_seconds']:.1f} ms a step "
@@ -655,10 +656,14 @@ def parse_args(argv=None):
                       "context (Tree.from_context: built before training from the words' "
                       "left contexts in the training text, --branching-ary, default 32, "
                       "below --head frequent words) "
-                      "or planned (the tree tf_hsm.plan prices fastest for this "
-                      "vocabulary's counts, --hidden and --batch x --seq-len tokens a "
-                      "step with LazyAdam; its table is printed). "
+                      "or planned (the layer tf_hsm.plan recommends by its quality rule "
+                      "for this vocabulary's counts and training text, --hidden and "
+                      "--batch x --seq-len tokens a step with LazyAdam, within "
+                      "--max-ppl-increase if given; its table is printed). "
                       "Default: %(default)s")
+  p.add_argument("--max-ppl-increase", type=float, default=None, metavar="PCT",
+                 help="with --tree planned: the planner recommends among the layers "
+                      "measured within PCT%% perplexity of full softmax (e.g. 10)")
   p.add_argument("--branching", type=int, default=None,
                  help="children per node of --tree huffman (Tree.huffman(counts, "
                       "branching=K); default 2, binary), --tree balanced (default "
@@ -765,6 +770,9 @@ def parse_args(argv=None):
   if args.branching is not None and (args.branching < 2 or
                                      args.tree not in ("huffman", "balanced", "context")):
     p.error("--branching takes an int >= 2, with --tree huffman, balanced or context")
+  if args.max_ppl_increase is not None and (args.tree != "planned" or not (
+      0 <= args.max_ppl_increase < math.inf)):
+    p.error("--max-ppl-increase takes a percentage >= 0, with --tree planned")
   if not (args.output_lr_scale > 0 and math.isfinite(args.output_lr_scale)):
     p.error("--output-lr-scale must be a positive number")
   if not (args.div_value > 0 and math.isfinite(args.div_value)):
@@ -809,8 +817,10 @@ def main(argv=None):
       min(args.head or 0, len(words) - 1)
   rebuild = None
   if args.tree == "planned":
-    tree, rebuild = planned_tree(counts, args.hidden, args.batch * args.seq_len,
-                                 token_ids=train_ids)
+    tree, rebuild = planned_tree(
+        counts, args.hidden, args.batch * args.seq_len, token_ids=train_ids,
+        max_perplexity_increase=None if args.max_ppl_increase is None else
+        args.max_ppl_increase / 100)
   elif args.tree == "context":
     from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
     tree = Tree.from_context(train_ids, len(words), counts, branching=args.branching or 32,
