@@ -93,7 +93,7 @@ def test_branching_and_adaptive_layouts():
     with pytest.raises(SystemExit):
       demo.parse_args(flags)
   assert demo.parse_args(["--tree", "planned", "--max-ppl-increase", "10"]
-                         ).max_ppl_increase == 10.0
+                         ).max_ppl_increase == 0.1
   args = demo.parse_args(["--models", "adaptive", "--cutoffs", "5,50", "--tail",
                           "two_level", "--div-value", "4"])
   assert args.cutoffs == [5, 50] and args.tail == "two_level" and args.div_value == 4.0

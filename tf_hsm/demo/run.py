@@ -57,6 +57,7 @@ import time
 import numpy as np
 
 from tf_hsm.demo import bands
+from tf_hsm.planning.cli import percent_arg
 
 DEFAULTS = {
     "tree": "learned",
@@ -661,7 +662,7 @@ def parse_args(argv=None):
                       "--batch x --seq-len tokens a step with LazyAdam, within "
                       "--max-ppl-increase if given; its table is printed). "
                       "Default: %(default)s")
-  p.add_argument("--max-ppl-increase", type=float, default=None, metavar="PCT",
+  p.add_argument("--max-ppl-increase", type=percent_arg, default=None, metavar="PCT",
                  help="with --tree planned: the planner recommends among the layers "
                       "measured within PCT%% perplexity of full softmax (e.g. 10)")
   p.add_argument("--branching", type=int, default=None,
@@ -770,9 +771,8 @@ def parse_args(argv=None):
   if args.branching is not None and (args.branching < 2 or
                                      args.tree not in ("huffman", "balanced", "context")):
     p.error("--branching takes an int >= 2, with --tree huffman, balanced or context")
-  if args.max_ppl_increase is not None and (args.tree != "planned" or not (
-      0 <= args.max_ppl_increase < math.inf)):
-    p.error("--max-ppl-increase takes a percentage >= 0, with --tree planned")
+  if args.max_ppl_increase is not None and args.tree != "planned":
+    p.error("--max-ppl-increase applies to --tree planned")
   if not (args.output_lr_scale > 0 and math.isfinite(args.output_lr_scale)):
     p.error("--output-lr-scale must be a positive number")
   if not (args.div_value > 0 and math.isfinite(args.div_value)):
@@ -819,8 +819,7 @@ def main(argv=None):
   if args.tree == "planned":
     tree, rebuild = planned_tree(
         counts, args.hidden, args.batch * args.seq_len, token_ids=train_ids,
-        max_perplexity_increase=None if args.max_ppl_increase is None else
-        args.max_ppl_increase / 100)
+        max_perplexity_increase=args.max_ppl_increase)
   elif args.tree == "context":
     from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
     tree = Tree.from_context(train_ids, len(words), counts, branching=args.branching or 32,

@@ -64,19 +64,24 @@ def _bytes_arg(text):
         f"not a size: {text!r} (e.g. 24GiB, 12GB, 512MiB, or bytes)") from None
 
 
+def _read(flag, path, what, load):
+  """load(path), or a ValueError with a one-line message naming `flag`, the file and
+  `what` it should hold."""
+  if not os.path.exists(path):
+    raise ValueError(f"{flag}: no such file: {path}")
+  try:
+    return load(path)
+  except (OSError, ValueError, EOFError) as error:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise ValueError(f"{flag}: cannot read {path} as {what}: {first}") from None
+
+
 def _load_counts(path, num_classes):
   """The counts of a .npy file or a text file (one number a line, or whitespace
   separated), checked for length; ValueError with a one-line message otherwise."""
-  if not os.path.exists(path):
-    raise ValueError(f"--counts: no such file: {path}")
-  try:
-    if path.endswith(".npy"):
-      counts = np.load(path, allow_pickle=False)
-    else:
-      counts = np.loadtxt(path, dtype=np.float64, ndmin=1)
-  except (OSError, ValueError, EOFError) as error:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    raise ValueError(f"--counts: cannot read {path} as class counts: {first}") from None
+  counts = _read("--counts", path, "class counts",
+                 lambda p: np.load(p, allow_pickle=False) if p.endswith(".npy") else
+                 np.loadtxt(p, dtype=np.float64, ndmin=1))
   if counts.ndim != 1:
     raise ValueError(f"--counts: {path} holds an array of shape {counts.shape}; expected "
                      "one count a class")
@@ -86,8 +91,9 @@ def _load_counts(path, num_classes):
   return counts
 
 
-def _percent_arg(text):
-  """A percentage ("10" or "10%") as a fraction (0.1)."""
+def percent_arg(text):
+  """An argparse type: a percentage ("10" or "10%") as a fraction (0.1); the planner's
+  --max-ppl-increase and the demo's."""
   try:
     value = float(text.strip().rstrip("%"))
   except ValueError:
@@ -100,13 +106,8 @@ def _percent_arg(text):
 def _load_token_ids(path):
   """The training text's class ids of a .npy file (`plan`'s token_ids; it checks them);
   ValueError with a one-line message where the file cannot be read."""
-  if not os.path.exists(path):
-    raise ValueError(f"--token-ids: no such file: {path}")
-  try:
-    return np.load(path, allow_pickle=False, mmap_mode="r")
-  except (OSError, ValueError, EOFError) as error:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    raise ValueError(f"--token-ids: cannot read {path} as a .npy array: {first}") from None
+  return _read("--token-ids", path, "a .npy array",
+               lambda p: np.load(p, allow_pickle=False, mmap_mode="r"))
 
 
 class _Progress:
@@ -171,7 +172,7 @@ def main(argv=None):
   group.add_argument("--zipf", type=float, metavar="S",
                      help="class frequencies 1 / rank^S, class 0 the most frequent "
                           "(1.0 is typical of words); default: uniform")
-  parser.add_argument("--max-ppl-increase", type=_percent_arg, metavar="PCT",
+  parser.add_argument("--max-ppl-increase", type=percent_arg, metavar="PCT",
                       help="recommend among the layers measured within PCT%% perplexity "
                            "of full softmax (e.g. 10), the rule's choice over all "
                            "where none fits")
