@@ -284,7 +284,7 @@ def test_two_level_tails_priced_by_the_fitted_tree_step():
   table_bytes = planner.moved_elements(table, "sgd") * 4
   assert b1 == pytest.approx(b0 - table_bytes / 1e9)
   groups = 200  # ceil(sqrt(40,000))
-  amounts = (cost.tree_flops, 0.0, table_bytes, 2 * tokens, tokens * (groups + 200))
+  amounts = (cost.tree_flops, 0.0, table_bytes, 0.0, 2 * tokens, tokens * (groups + 200))
   assert s1 - s0 == pytest.approx(sum(c * a for c, a in zip(fitted.tree_step, amounts)))
   assert cost.tree_bytes == 8 * (9 * 40_000 + 4 * groups)
   flat = planner.adaptive_cluster_cost(40_000, 0.2, 256, 1000, 64, "flat")

@@ -522,7 +522,7 @@ def test_machine_cache_is_keyed_by_name_and_measures_only_when_asked(tmp_path,
 
   def fake_measure(cls, progress=None):
     measured.append(progress)
-    return cls(1e11, 1e10, 1e-4, "measured", 1e-9, (1e-11,) * 6)
+    return cls(1e11, 1e10, 1e-4, "measured", 1e-9, (1e-11,) * 7, 1e-5, 5e-9)
 
   monkeypatch.setattr(planner.Machine, "measure", classmethod(fake_measure))
   path = str(tmp_path / "machine.json")
@@ -540,16 +540,22 @@ def test_machine_cache_is_keyed_by_name_and_measures_only_when_asked(tmp_path,
   # The older one-machine file reads as one entry under its CPU key.
   old = tmp_path / "old.json"
   fields = dict(matmul_flops=1.0, read_bytes=2.0, call_seconds=3.0, source="measured",
-                softmax_seconds=0.0, tree_step=[0.0] * 6, loop_step_seconds=4.0)
+                softmax_seconds=0.0, tree_step=[0.0] * 7, loop_step_seconds=4.0,
+                sampled_logit_seconds=5.0)
   old.write_text(json.dumps(dict(fields, cpu="CPU x2")))
   cached = planner.Machine.cached(str(old), name="CPU x2")
   assert cached.read_bytes == 2.0 and cached.loop_step_seconds == 4.0
+  assert cached.sampled_logit_seconds == 5.0
   assert len(measured) == 3
-  # Rates cached by a tf_hsm without the loop probe are measured again, and said so.
-  del fields["loop_step_seconds"]
-  old.write_text(json.dumps(dict(fields, cpu="CPU x2")))
-  planner.Machine.cached(str(old), name="CPU x2", progress=said.append)
-  assert len(measured) == 4 and "incomplete" in said[-2]
+  # Rates cached by an older tf_hsm (without the loop probe, without sampled softmax's
+  # rate, with a tree step fitted without the slots' term) are measured again, said so.
+  older = [dict(fields, loop_step_seconds=None), dict(fields, tree_step=[0.0] * 6)]
+  del older[0]["loop_step_seconds"]
+  older.append({k: v for k, v in fields.items() if k != "sampled_logit_seconds"})
+  for count, entry in enumerate(older, 4):
+    old.write_text(json.dumps(dict(entry, cpu="CPU x2")))
+    planner.Machine.cached(str(old), name="CPU x2", progress=said.append)
+    assert len(measured) == count and "incomplete" in said[-2]
 
 
 @pytest.mark.slow

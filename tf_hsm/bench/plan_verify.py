@@ -213,8 +213,9 @@ def compare(case, bench_case, predicted, machine, costs=None):
       if pred.get("node_visits") and machine.tree_step is not None:
         terms = zip(planner.TREE_STEP_TERMS, machine.tree_step,
                     planner.tree_step_terms(pred["flops"], pred["small_node_flops"],
-                                            pred["bytes_moved"], pred["node_visits"],
-                                            pred["children_scored"]))
+                                            pred["bytes_moved"] - pred["slot_bytes_moved"],
+                                            pred["node_visits"], pred["children_scored"],
+                                            pred["slot_bytes_moved"]))
         result["why"].append("step: the fitted model's terms: " + "; ".join(
             f"{name} {_time(coefficient * amount)}" for name, coefficient, amount in terms))
         out.append(result)
@@ -224,14 +225,17 @@ def compare(case, bench_case, predicted, machine, costs=None):
              f" = {_time(compute)}; {pred['bytes_moved'] / 1e6:,.0f} MB at "
              f"{machine.read_bytes / 1e9:.1f} GB/s = {_time(traffic)}; softmax "
              f"cross-entropy {pred['softmax_logits'] / 1e6:,.1f}M logits = "
-             f"{_time(pred['softmax_logits'] * machine.softmax_seconds)}; calls "
+             f"{_time(pred['softmax_logits'] * machine.softmax_seconds)}; sampled "
+             f"softmax's {pred['sampled_logits'] / 1e6:,.1f}M logits = "
+             f"{_time(pred['sampled_logits'] * machine.sampled_logit_seconds)}; calls "
              f"{_time(planner.CALLS_PER_STEP * machine.call_seconds)}); measured "
              f"{pred['flops'] / seconds / 1e9:,.1f} GFLOP/s and "
              f"{pred['bytes_moved'] / seconds / 1e9:.1f} GB/s of that work")
       if ceilings.get("matmul_gflops"):
         rates = planner.Machine(ceilings["matmul_gflops"] * 1e9,
                                 ceilings["read_gbps"] * 1e9, machine.call_seconds,
-                                "the bench's", machine.softmax_seconds)
+                                "the bench's", machine.softmax_seconds,
+                                sampled_logit_seconds=machine.sampled_logit_seconds)
         cost = costs[method] if costs else _cost_of(case, method)
         again = _price(case, method, cost, rates)["step_seconds"]
         why += (f"; at the rates the bench measured in the run ({ceilings['matmul_gflops']:.0f}"
@@ -248,7 +252,9 @@ def _best(first, second):
                          min(first.call_seconds, second.call_seconds), "measured",
                          min(first.softmax_seconds, second.softmax_seconds),
                          _faster_fit(first.tree_step, second.tree_step),
-                         _smaller(first.loop_step_seconds, second.loop_step_seconds))
+                         _smaller(first.loop_step_seconds, second.loop_step_seconds),
+                         _smaller(first.sampled_logit_seconds,
+                                  second.sampled_logit_seconds))
 
 
 def _smaller(first, second):
@@ -260,10 +266,10 @@ def _smaller(first, second):
 def _faster_fit(first, second):
   """Of two fitted tree steps, the one with the smaller total over its own terms at a
   mid-sized step (1 GFLOP in large nodes, 0.1 in small ones, 100 MB, 10K visits, 1M
-  children): its coefficients stay one fit's."""
+  children, 100 MB of slots): its coefficients stay one fit's."""
   if first is None or second is None:
     return first or second
-  probe = planner.tree_step_terms(1.1e9, 1e8, 1e8, 1e4, 1e6)
+  probe = planner.tree_step_terms(1.1e9, 1e8, 1e8, 1e4, 1e6, 1e8)
   return min(first, second, key=lambda c: sum(a * b for a, b in zip(c, probe)))
 
 
@@ -390,6 +396,8 @@ def _rates(rates):
   return (f"matmul {rates['matmul_flops'] / 1e9:.0f} GFLOP/s, read "
           f"{rates['read_bytes'] / 1e9:.1f} GB/s, {rates['call_seconds'] * 1e6:.0f} µs a "
           f"call, softmax {rates['softmax_seconds'] * 1e9:.1f} ns a logit"
+          + (f", sampled softmax {rates['sampled_logit_seconds'] * 1e9:.1f} ns a logit"
+             if rates.get("sampled_logit_seconds") else "")
           + (f", {rates['loop_step_seconds'] * 1e6:.1f} µs a loop step"
              if rates.get("loop_step_seconds") else ""))
 

@@ -186,7 +186,8 @@ def main(argv=None):
   parser.add_argument("--machine", metavar="JSON",
                       help="plan for another machine: a JSON object (or a file holding "
                            "one) with matmul_flops, read_bytes, call_seconds and "
-                           "optionally softmax_seconds, tree_step and loop_step_seconds")
+                           "optionally softmax_seconds, sampled_logit_seconds, tree_step "
+                           "and loop_step_seconds")
   parser.add_argument("--machine-name", metavar="NAME",
                       help="the key of this machine's rates in the cache (default: its "
                            "CPU model and count)")

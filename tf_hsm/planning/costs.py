@@ -57,6 +57,8 @@ class Cost:
   it holds for the backward (logits, their gradient, hidden states), the logits that go
   through TensorFlow's softmax cross-entropy (tf_hsm's op does its own), the calls it
   makes beyond `CALLS_PER_STEP` (an adaptive softmax runs each tier's kernels apart), and
+  the logits of `tf.nn.sampled_softmax_loss` (`sampled_logits`: its true and sampled
+  logits go through a chain of TensorFlow ops of their own, priced per logit apart), and
   for a tree: the nodes its tokens' paths visit, the children those nodes score (a
   logit, its exponential and its gradient coefficient each) and the FLOPs in nodes of at
   most WALK_MAX_BRANCHING children (what tf_hsm's fitted step time counts beside FLOPs
@@ -72,6 +74,7 @@ class Cost:
   small_node_flops: float = 0.0
   tree_flops: float = 0.0
   tree_bytes: float = 0.0
+  sampled_logits: float = 0.0
 
 
 def moved_elements(part, optimizer):
@@ -84,6 +87,14 @@ def moved_elements(part, optimizer):
   grad = part.elements if part.dense_grad else part.touched
   updated = part.touched if (lazy and not part.dense_grad) else part.elements
   return 2 * part.touched + grad + 2 * updated * (1 + slots)
+
+
+def slot_elements(part, optimizer):
+  """Of `moved_elements`, the optimizer's slots' read and write (NumPy arrays
+  broadcast): 2 x the elements it updates x its slots."""
+  lazy = optimizer in ("sgd", "adagrad", "lazy_adam")
+  updated = part.touched if (lazy and not part.dense_grad) else part.elements
+  return 2 * updated * OPTIMIZERS[optimizer]
 
 def full_softmax_cost(num_classes, hidden, tokens_per_step):
   """TensorFlow's dense softmax (`matmul` + `sparse_softmax_cross_entropy_with_logits`):
@@ -110,12 +121,15 @@ def flat_softmax_cost(num_classes, hidden, tokens_per_step):
 
 def sampled_softmax_cost(num_classes, hidden, tokens_per_step, probs,
                          num_sampled=SAMPLED):
-  """The true classes' and the sampled classes' rows, a sparse gradient."""
+  """The true classes' and the sampled classes' rows, a sparse gradient, and T x
+  (num_sampled + 1) logits through `tf.nn.sampled_softmax_loss`'s own ops (the sampler,
+  its biases, log Q subtracted, accidental hits masked, the true logit joined, a
+  cross-entropy with dense labels: `Cost.sampled_logits`)."""
   V, D, T = num_classes, hidden, tokens_per_step
   rows = min(V, distinct(probs, T) + num_sampled)
   return Cost([Part("table", V * (D + 1), rows * (D + 1), False)], rows,
               6.0 * T * (num_sampled + 1) * D, T * (num_sampled + 1) + 2 * T * D,
-              T * (num_sampled + 1))
+              sampled_logits=T * (num_sampled + 1))
 
 
 def tree_cost(tree, hidden, tokens_per_step, probs):
@@ -222,7 +236,7 @@ def _total(costs):
               *(float(sum(getattr(c, f) for c in costs))
                 for f in ("rows_touched", "flops", "activations", "softmax_logits",
                           "calls", "node_visits", "children_scored", "small_node_flops",
-                          "tree_flops", "tree_bytes")))
+                          "tree_flops", "tree_bytes", "sampled_logits")))
 
 
 def adaptive_cost(num_classes, hidden, tokens_per_step, cutoffs, div_value=DIV_VALUE,

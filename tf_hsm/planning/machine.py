@@ -12,6 +12,9 @@ import re
 import sys
 import time
 
+from tf_hsm.planning import tree_work
+
+
 @dataclasses.dataclass
 class Machine:
   """Rates used for step time: matmul FLOP/s, streaming read bytes/s, seconds per call,
@@ -21,7 +24,14 @@ class Machine:
   fitted on this machine, seconds per each of TREE_STEP_TERMS (`tf_hsm.planning.step_fit`);
   None prices tf_hsm's rows with the roofline instead. `loop_step_seconds`: one
   iteration of a loop of small ops (`LOOP_PROBE`), the unit of the costs the roofline
-  does not see in a model's body (`tf_hsm.planning.body`); None: the body's default."""
+  does not see in a model's body (`tf_hsm.planning.body`); None: the body's default.
+  `sampled_logit_seconds`: seconds per logit of `tf.nn.sampled_softmax_loss`'s forward
+  and backward beyond its matrix products (its sampler, biases, log Q, accidental hits,
+  the joined true logit and the dense-label cross-entropy: ~7 ns a logit on 2 vCPUs,
+  about three times the fused softmax's); None: `softmax_seconds`, as before it was
+  measured.
+  A `tree_step` of 6 coefficients (before slot bytes had their own) prices the slots at
+  its bytes' rate (`tree_work.full_tree_step`)."""
   matmul_flops: float
   read_bytes: float
   call_seconds: float
@@ -29,6 +39,12 @@ class Machine:
   softmax_seconds: float = 0.0
   tree_step: tuple = None
   loop_step_seconds: float = None
+  sampled_logit_seconds: float = None
+
+  def __post_init__(self):
+    self.tree_step = tree_work.full_tree_step(self.tree_step)
+    if self.sampled_logit_seconds is None:
+      self.sampled_logit_seconds = self.softmax_seconds
 
   @classmethod
   def measure(cls, progress=None):
@@ -83,10 +99,12 @@ class Machine:
       return tape.gradient(loss, logits)[:1, :1]
 
     softmax_seconds = best(lambda: softmax().numpy(), 5) / (256 * 32768)
+    sampled_seconds = best(_sampled_probe(tf), 5) / _SAMPLED_PROBE_LOGITS
     loop_step = best(_loop_probe(tf), 3) / LOOP_PROBE["iterations"]
     from tf_hsm.planning import step_fit  # pylint: disable=import-outside-toplevel
     return cls(matmul_flops, big.shape[0] * 4 / read_seconds, call, "measured",
-               softmax_seconds, step_fit.measure(progress=progress), loop_step)
+               softmax_seconds, step_fit.measure(progress=progress), loop_step,
+               sampled_seconds)
 
   @classmethod
   def cached(cls, path=None, refresh=False, name=None, progress=None):
@@ -108,9 +126,11 @@ class Machine:
     saved = entries.get(name)
     if saved is not None and not refresh:
       try:
+        if len(saved["tree_step"]) != len(tree_work.TREE_STEP_TERMS):
+          raise KeyError("tree_step")
         return cls(saved["matmul_flops"], saved["read_bytes"], saved["call_seconds"],
                    "cached", saved["softmax_seconds"], tuple(saved["tree_step"]),
-                   saved["loop_step_seconds"])
+                   saved["loop_step_seconds"], saved["sampled_logit_seconds"])
       except (KeyError, TypeError):
         progress(f"the cached rates of {name!r} in {path} are incomplete (an older "
                  "tf_hsm): measuring again")
@@ -151,6 +171,34 @@ def _loop_probe(tf):
                          (tf.constant(0), start))[1][:1, :1]
 
   return lambda: loop().numpy()
+
+
+# TF's sampled softmax at a width where its products cost nothing: what is left is its
+# cost per logit, the same within 20% from T=512 to 3,200, 256 to 4,096 samples and
+# V=100K to 1M on 2 vCPUs.
+_SAMPLED_PROBE = {"classes": 100_000, "dim": 8, "tokens": 1024, "sampled": 1024}
+_SAMPLED_PROBE_LOGITS = _SAMPLED_PROBE["tokens"] * (_SAMPLED_PROBE["sampled"] + 1)
+
+
+def _sampled_probe(tf):
+  """A function that runs one forward and backward of `tf.nn.sampled_softmax_loss` at
+  `_SAMPLED_PROBE`'s shape (traced on the first call)."""
+  probe = _SAMPLED_PROBE
+  weights = tf.random.normal([probe["classes"], probe["dim"]]) * 0.01
+  biases = tf.zeros([probe["classes"]])
+  hidden = tf.random.normal([probe["tokens"], probe["dim"]])
+  labels = tf.random.uniform([probe["tokens"], 1], 0, probe["classes"], tf.int64)
+
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      tape.watch([weights, biases, hidden])
+      loss = tf.reduce_sum(tf.nn.sampled_softmax_loss(
+          weights, biases, labels, hidden, probe["sampled"], probe["classes"], seed=7))
+    grads = tape.gradient(loss, [weights, biases, hidden])
+    return loss + tf.reduce_sum(grads[2][:1]) + tf.reduce_sum(grads[0].values[:1])
+
+  return lambda: step().numpy()
 
 
 def _to_stderr(text):

@@ -6,8 +6,15 @@ import numpy as np
 
 from tf_hsm.planning import machine as machine_lib
 from tf_hsm.planning.costs import (CALLS_PER_STEP, DTYPE_BYTES, OPTIMIZERS,
-                                   STEP_WORKSPACE_BYTES, moved_elements)
+                                   STEP_WORKSPACE_BYTES, moved_elements, slot_elements)
 from tf_hsm.planning.tree_work import tree_step_terms
+
+
+def _bytes_and_slot_bytes(parts, optimizer, dtype_bytes):
+  """(bytes a step moves for `parts` but their slots', the slots' read and write)."""
+  slot = sum(slot_elements(p, optimizer) for p in parts) * dtype_bytes
+  moved = sum(moved_elements(p, optimizer) for p in parts) * dtype_bytes
+  return moved - slot, slot
 
 
 def step_terms(cost, optimizer, dtype, machine):
@@ -23,11 +30,14 @@ def step_terms(cost, optimizer, dtype, machine):
   moved = sum(moved_elements(p, optimizer) for p in cost.parts
               if not (fitted and p.tree)) * b
   flops = cost.flops - (cost.tree_flops if fitted else 0.0)
-  other = cost.softmax_logits * machine.softmax_seconds + cost.calls * machine.call_seconds
+  other = (cost.softmax_logits * machine.softmax_seconds +
+           cost.sampled_logits * machine.sampled_logit_seconds +
+           cost.calls * machine.call_seconds)
   if fitted:
-    tree_moved = sum(moved_elements(p, optimizer) for p in cost.parts if p.tree) * b
+    tree_moved, slots = _bytes_and_slot_bytes([p for p in cost.parts if p.tree],
+                                              optimizer, b)
     amounts = tree_step_terms(cost.tree_flops, cost.small_node_flops, tree_moved,
-                              cost.node_visits, cost.children_scored)[:-1]
+                              cost.node_visits, cost.children_scored, slots)[:-1]
     other = other + sum(c * a for c, a in zip(machine.tree_step, amounts))
   return flops / machine.matmul_flops, moved / machine.read_bytes, other
 
@@ -67,11 +77,13 @@ def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32
   peak = param + grad + slot + activation_bytes + cost.tree_bytes + STEP_WORKSPACE_BYTES
   moved = (sum(moved_elements(p, optimizer) for p in cost.parts) +
            2 * int(tokens_per_step) * int(hidden)) * b
+  slot_moved = _bytes_and_slot_bytes(cost.parts, optimizer, b)[1]
   if machine.tree_step is not None and cost.parts and all(p.tree for p in cost.parts):
     # tf_hsm's op and sparse update, as fitted to its steps on this machine.
     seconds = float(np.dot(machine.tree_step,
-                           tree_step_terms(cost.flops, cost.small_node_flops, moved,
-                                           cost.node_visits, cost.children_scored)))
+                           tree_step_terms(cost.flops, cost.small_node_flops,
+                                           moved - slot_moved, cost.node_visits,
+                                           cost.children_scored, slot_moved)))
   else:
     flop_seconds, byte_seconds, other_seconds = step_terms(cost, optimizer, dtype, machine)
     hidden_seconds, call_seconds = fixed_step_terms(hidden, tokens_per_step, dtype,
@@ -88,6 +100,7 @@ def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32
           "children_scored": cost.children_scored,
           "peak_bytes": peak,
           "per_shard_bytes": per_shard, "rows_touched": cost.rows_touched,
-          "flops": cost.flops, "bytes_moved": moved, "softmax_logits": cost.softmax_logits,
+          "flops": cost.flops, "bytes_moved": moved, "slot_bytes_moved": slot_moved,
+          "softmax_logits": cost.softmax_logits, "sampled_logits": cost.sampled_logits,
           "step_seconds": seconds,
           "fits": memory_budget is None or budget_bytes <= memory_budget, "exact": exact}

@@ -6,17 +6,20 @@ rate (nodes of at most 8 children, walked one at a time, far below it), its grad
 scattered rows, the optimizer's sparse update gathers and scatters them again, and a step
 is a few dozen TensorFlow ops whose fixed cost dominates small batches. So the planner
 times the step the way it runs: a few real training steps (`log_prob` forward and
-backward with respect to the hidden states and the table, then `SparseSGD` on the
-touched rows, in one `tf.function`: the bench's `sparse_sgd` step), on shapes chosen so
-that each term dominates one of them, and fits seconds as a sum of
+backward with respect to the hidden states and the table, then `SparseSGD`'s or
+`LazyAdam`'s fused update of the touched rows, in one `tf.function`: the bench's
+`sparse_sgd` and `lazy_adam` steps), on shapes chosen so that each term dominates one of
+them, and fits seconds as a sum of
 
-    FLOPs in nodes of more than 8 children, FLOPs in nodes of at most 8, bytes moved,
-    node visits (a token's path nodes, summed over the step's tokens), children scored
-    (their children: a logit, its exponential and gradient coefficient each), and 1
+    FLOPs in nodes of more than 8 children, FLOPs in nodes of at most 8, bytes moved
+    (but the slots'), the slots' bytes read and written, node visits (a token's path
+    nodes, summed over the step's tokens), children scored (their children: a logit,
+    its exponential and gradient coefficient each), and 1
 
 (`tf_hsm.planning.tree_work.TREE_STEP_TERMS`) times one coefficient each, by least squares on
 relative error with the coefficients kept non-negative; the amounts are the planner's own
-(`tf_hsm.planning.costs.tree_cost`, `moved_elements` for SGD, float32).
+(`tf_hsm.planning.costs.tree_cost`, `moved_elements` and `slot_elements`, float32). Two
+shapes run twice, with SGD and with Adam: their difference is the slots'.
 """
 
 import statistics
@@ -28,17 +31,20 @@ from tf_hsm.planning import costs
 from tf_hsm.planning import tree_work
 from tf_hsm.tree import Tree
 
-# (classes, hidden, tokens, tree): what dominates each step's time.
+# (classes, hidden, tokens, tree, optimizer): what dominates each step's time.
 SHAPES = (
-    (1_000, 16, 16, "two_level"),         # the fixed cost: a handful of rows
-    (4_096, 512, 8_192, "two_level"),     # large nodes' FLOPs: 128 children of 512 a token
-    (300_000, 256, 128, "two_level"),     # bytes: ~60K rows of 257 read once each
-    (100_000, 16, 2_048, "huffman2"),     # node visits: 17 a token, 2 children each
-    (100_000, 256, 1_024, "huffman2"),    # small nodes' FLOPs
-    (50_000, 128, 2_048, "two_level"),    # between them
-    (400_000, 32, 4_096, "huffman32"),    # children scored at a narrow D
-    (200_000, 128, 4_096, "huffman8"),
+    (1_000, 16, 16, "two_level", "sgd"),         # the fixed cost: a handful of rows
+    (4_096, 512, 8_192, "two_level", "sgd"),     # large nodes' FLOPs: 128 children of 512
+    (300_000, 256, 128, "two_level", "sgd"),     # bytes: ~60K rows of 257 read once each
+    (100_000, 16, 2_048, "huffman2", "sgd"),     # node visits: 17 a token, 2 children each
+    (100_000, 256, 1_024, "huffman2", "sgd"),    # small nodes' FLOPs
+    (50_000, 128, 2_048, "two_level", "sgd"),    # between them
+    (400_000, 32, 4_096, "huffman32", "sgd"),    # children scored at a narrow D
+    (200_000, 128, 4_096, "huffman8", "sgd"),
+    (300_000, 256, 128, "two_level", "lazy_adam"),  # the slots' bytes: twice the rows'
+    (200_000, 128, 4_096, "huffman8", "lazy_adam"),
 )
+OPTIMIZERS = ("sgd", "lazy_adam")
 REPEATS = 7
 
 
@@ -52,8 +58,12 @@ def _zipf(num_classes):
   return 1.0 / np.arange(1, num_classes + 1, dtype=np.float64)
 
 
-def time_step(num_classes, hidden, tokens, kind, repeats=REPEATS, seed=0):
-  """(median seconds of one training step, the tree) on Zipf(1) targets."""
+def time_step(num_classes, hidden, tokens, kind, repeats=REPEATS, seed=0,
+              optimizer="sgd"):
+  """(median seconds of one training step, the tree) on Zipf(1) targets, updated by
+  `optimizer` (OPTIMIZERS)."""
+  if optimizer not in OPTIMIZERS:
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tf_hsm import ops  # pylint: disable=import-outside-toplevel
   from tf_hsm.ops import loader  # pylint: disable=import-outside-toplevel
@@ -66,14 +76,7 @@ def time_step(num_classes, hidden, tokens, kind, repeats=REPEATS, seed=0):
   h = tf.constant(rng.standard_normal((tokens, hidden)).astype(np.float32) * 0.1)
   w = tf.Variable(rng.standard_normal((tree.num_slots, hidden)).astype(np.float32) * 0.01)
   b = tf.Variable(tf.zeros([tree.num_slots]))
-  # SparseSGD's update, without Keras: the fused row update it runs on the CPU.
-  library = loader.ops()
-  learning_rate = tf.constant(1e-3, tf.float32)
-
-  def sgd(gradient, variable):
-    library.hsm_sparse_sgd_rows(variable.handle, variable.handle, gradient.indices,
-                                gradient.values, learning_rate, tf.constant(0.0),
-                                use_momentum=False, nesterov=False)
+  update = _row_update(tf, loader.ops(), optimizer, [w, b])
 
   @tf.function
   def step():
@@ -81,8 +84,8 @@ def time_step(num_classes, hidden, tokens, kind, repeats=REPEATS, seed=0):
       tape.watch(h)
       loss = -tf.reduce_mean(ops.log_prob(h, w, b, tree, targets))
     dh, dw, db = tape.gradient(loss, [h, w, b])
-    sgd(dw, w)
-    sgd(db, b)
+    update(dw, w)
+    update(db, b)
     return loss, dh
 
   step()[0].numpy()
@@ -94,14 +97,35 @@ def time_step(num_classes, hidden, tokens, kind, repeats=REPEATS, seed=0):
   return statistics.median(times), tree
 
 
-def features(tree, hidden, tokens, probs):
-  """The amounts of `tf_hsm.planning.tree_work.tree_step_terms` (the constant left out) of a float32
-  SGD step over `tree`, as the planner counts them."""
+def _row_update(tf, library, optimizer, variables):
+  """update(gradient, variable): SparseSGD's or LazyAdam's fused row update (the one
+  they run on the CPU) of one of `variables`, without Keras."""
+  learning_rate = tf.constant(1e-3, tf.float32)
+  if optimizer == "sgd":
+    return lambda gradient, variable: library.hsm_sparse_sgd_rows(
+        variable.handle, variable.handle, gradient.indices, gradient.values,
+        learning_rate, tf.constant(0.0), use_momentum=False, nesterov=False)
+  slots = {v.ref(): [tf.Variable(tf.zeros_like(v)) for _ in range(2)] for v in variables}
+
+  def adam(gradient, variable):
+    m, v = slots[variable.ref()]
+    library.hsm_sparse_adam_rows(variable.handle, m.handle, v.handle, v.handle,
+                                 gradient.indices, gradient.values, learning_rate,
+                                 tf.constant(0.1), tf.constant(0.001),
+                                 tf.constant(1e-7), amsgrad=False)
+  return adam
+
+
+def features(tree, hidden, tokens, probs, optimizer="sgd"):
+  """The amounts of `tf_hsm.planning.tree_work.tree_step_terms` (the constant left out)
+  of a float32 step over `tree` updated by `optimizer`, as the planner counts them."""
   cost = costs.tree_cost(tree, hidden, tokens, probs)
-  moved = sum(costs.moved_elements(p, "sgd") for p in cost.parts)
+  moved = sum(costs.moved_elements(p, optimizer) for p in cost.parts)
+  slot = sum(costs.slot_elements(p, optimizer) for p in cost.parts)
   return tree_work.tree_step_terms(cost.flops, cost.small_node_flops,
-                                 (moved + 2.0 * tokens * hidden) * 4.0,
-                                 cost.node_visits, cost.children_scored)[:-1]
+                                   (moved - slot + 2.0 * tokens * hidden) * 4.0,
+                                   cost.node_visits, cost.children_scored,
+                                   slot * 4.0)[:-1]
 
 
 def fit(rows):
@@ -129,11 +153,13 @@ def measure(shapes=SHAPES, repeats=REPEATS, progress=None):
   """The coefficients of `tf_hsm.planning.tree_work.TREE_STEP_TERMS` fitted to `shapes`
   (`progress(text)` told before each)."""
   rows = []
-  for i, (num_classes, hidden, tokens, kind) in enumerate(shapes):
+  for i, (num_classes, hidden, tokens, kind, optimizer) in enumerate(shapes):
     if progress:
       progress(f"measuring this machine: tf_hsm's step {i + 1}/{len(shapes)} "
-               f"(V={num_classes:,}, D={hidden}, T={tokens:,}, {kind})")
-    seconds, tree = time_step(num_classes, hidden, tokens, kind, repeats)
+               f"(V={num_classes:,}, D={hidden}, T={tokens:,}, {kind}, {optimizer})")
+    seconds, tree = time_step(num_classes, hidden, tokens, kind, repeats,
+                              optimizer=optimizer)
     probs = _zipf(num_classes)
-    rows.append(features(tree, hidden, tokens, probs / probs.sum()) + (seconds,))
+    rows.append(features(tree, hidden, tokens, probs / probs.sum(), optimizer) +
+                (seconds,))
   return fit(rows)

@@ -29,13 +29,34 @@ def tree_costs(tree, probs, tokens):
 
 
 TREE_STEP_TERMS = ("FLOPs in large nodes", "FLOPs in small nodes", "bytes moved",
-                   "node visits", "children scored", "step")
+                   "slot bytes moved", "node visits", "children scored", "step")
 
 
-def tree_step_terms(flops, small_node_flops, bytes_moved, node_visits, children_scored):
-  """The amounts `Machine.tree_step` prices, one coefficient each (TREE_STEP_TERMS)."""
-  return (flops - small_node_flops, small_node_flops, bytes_moved, node_visits,
-          children_scored, 1.0)
+def tree_step_terms(flops, small_node_flops, bytes_moved, node_visits, children_scored,
+                    slot_bytes_moved=0.0):
+  """The amounts `Machine.tree_step` prices, one coefficient each (TREE_STEP_TERMS).
+
+  `bytes_moved` is everything the step moves but the optimizer's slots, whose read and
+  write (`slot_bytes_moved`, `tf_hsm.planning.costs.slot_elements`) have a coefficient of
+  their own, fitted on steps updated by Adam (`step_fit.SHAPES`) rather than assumed to
+  cost what the rest of an SGD step's bytes do: the fused row update streams them beside
+  a row it already holds."""
+  return (flops - small_node_flops, small_node_flops, bytes_moved, slot_bytes_moved,
+          node_visits, children_scored, 1.0)
+
+
+def full_tree_step(coefficients):
+  """`coefficients` as one per TREE_STEP_TERMS: a fit of the terms before slot bytes had
+  their own (6 coefficients) prices them at its bytes' rate, as it did."""
+  if coefficients is None:
+    return None
+  coefficients = tuple(float(c) for c in coefficients)
+  if len(coefficients) == len(TREE_STEP_TERMS) - 1:
+    coefficients = coefficients[:3] + coefficients[2:3] + coefficients[3:]
+  if len(coefficients) != len(TREE_STEP_TERMS):
+    raise ValueError(f"tree_step needs {len(TREE_STEP_TERMS)} coefficients, one per "
+                     f"{TREE_STEP_TERMS}, got {len(coefficients)}")
+  return coefficients
 
 
 def tree_bytes(tree):
