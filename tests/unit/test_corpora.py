@@ -215,3 +215,25 @@ def test_quality_runs_prepare_a_large_corpus_once(tmp_path, monkeypatch, capsys)
   # The words seen twice in training (539 of 600: the held-out blocks take the rest) and
   # <unk>: V=540, branching ceil(540^(1/3)) = 9 (the demo's 10,000 cap would not bind).
   assert balanced[balanced.index("--branching") + 1] == "9"
+
+
+def test_a_few_bytes_outside_utf8_are_replaced_and_said(tmp_path):
+  """A stray Latin-1 byte in a long UTF-8 text is read as U+FFFD with a warning that
+  says where; a file mostly outside UTF-8, or none at all, is an error naming it."""
+  path = tmp_path / "mixed.txt"
+  path.write_bytes("naïve words here\n".encode("utf-8") * 200 + b"caf\xe9 au lait\n\nend")
+  said = []
+  documents = run.file_documents(str(path), warn=said.append)
+  assert documents[0].endswith("caf\ufffd au lait") and documents[1] == "end"
+  assert len(said) == 1 and "1 places" in said[0] and f"byte {200 * 18 + 3:,}" in said[0]
+  assert not said[0].count("\ufffd")
+  clean = tmp_path / "clean.txt"
+  clean.write_text("real \ufffd kept\n", encoding="utf-8")  # a U+FFFD of its own
+  assert run.file_documents(str(clean), warn=said.append) == ["real \ufffd kept\n"]
+  assert len(said) == 1
+  latin = tmp_path / "latin.txt"
+  latin.write_bytes("café résumé naïve\n".encode("latin-1") * 50)
+  with pytest.raises(ValueError, match=r"latin.txt is not UTF-8 text: 200 places.*iconv"):
+    run.file_documents(str(latin))
+  with pytest.raises(ValueError, match=r"cannot read the corpus .*missing.txt"):
+    run.file_documents(str(tmp_path / "missing.txt"))

@@ -146,11 +146,45 @@ def stdlib_documents():
   return documents
 
 
-def file_documents(path):
-  """A text file as documents: the pieces between blank lines (runs of them)."""
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
+# A text file with more places outside UTF-8 than this share of its bytes is not read as
+# text (it is another encoding, or not text); fewer are read as U+FFFD, with a warning.
+MAX_NON_UTF8_SHARE = 0.01
+
+
+def file_documents(path, warn=None):
+  """A UTF-8 text file as documents: the pieces between blank lines (runs of them).
+
+  A few places that are not UTF-8 (a stray Latin-1 character in a long document) are
+  read as U+FFFD and `warn(text)` (default: a line on stderr) says how many and where
+  the first is; more than MAX_NON_UTF8_SHARE of the bytes' count is an error.
+
+  Raises:
+    ValueError: the file cannot be read, or is not UTF-8 text; the message names it.
+  """
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as error:
+    raise ValueError(f"cannot read the corpus {path}: {error.strerror or error}") from None
+  text = data.decode("utf-8", errors="replace")
+  bad = text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+  if bad:
+    try:
+      data.decode("utf-8")
+    except UnicodeDecodeError as error:
+      first = error.start
+    if bad > MAX_NON_UTF8_SHARE * len(data):
+      raise ValueError(
+          f"the corpus {path} is not UTF-8 text: {bad:,} places in its {len(data):,} "
+          f"bytes are not UTF-8 (the first at byte {first:,}); convert it, e.g. iconv "
+          f"-f latin1 -t utf-8")
+    (warn or _warn)(f"the corpus {path}: {bad:,} places that are not UTF-8 (the first at "
+                    f"byte {first:,}) are read as U+FFFD")
   return [d for d in re.split(r"\n\s*\n", text) if d.strip()]
+
+
+def _warn(text):
+  sys.stderr.write(f"warning: {text}\n")
 
 
 def tokenize(text):
@@ -755,6 +789,10 @@ def parse_args(argv=None):
     p.error("--steps-per-epoch must be positive")
   if args.eval_tokens < 0:
     p.error("--eval-tokens must be >= 0")
+  if args.max_tokens < 0:
+    p.error("--max-tokens must be >= 0 (0: the whole corpus)")
+  if not 0 <= args.seed < 2**32:
+    p.error("--seed must be in [0, 2**32)")
   for name in ("vocab", "min_count", "epochs", "hidden", "seq_len", "batch", "num_sampled"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be positive")
@@ -773,8 +811,9 @@ def parse_args(argv=None):
     p.error("--branching takes an int >= 2, with --tree huffman, balanced or context")
   if args.max_ppl_increase is not None and args.tree != "planned":
     p.error("--max-ppl-increase applies to --tree planned")
-  if not (args.output_lr_scale > 0 and math.isfinite(args.output_lr_scale)):
-    p.error("--output-lr-scale must be a positive number")
+  for name in ("learning_rate", "output_lr_scale"):
+    if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
+      p.error(f"--{name.replace('_', '-')} must be a positive number")
   if not (args.div_value > 0 and math.isfinite(args.div_value)):
     p.error("--div-value must be a positive number")
   adaptive_flags = {"cutoffs": "--cutoffs", "div_value": "--div-value", "tail": "--tail"}
@@ -798,7 +837,10 @@ def main(argv=None):
   import keras  # pylint: disable=g-import-not-at-top
 
   if args.corpus:
-    documents, source = file_documents(args.corpus), args.corpus
+    try:
+      documents, source = file_documents(args.corpus), args.corpus
+    except ValueError as error:
+      raise SystemExit(f"--corpus: {error}") from None
   else:
     documents = stdlib_documents()
     source = f"Python {sys.version.split()[0]} standard library docstrings and comments"
