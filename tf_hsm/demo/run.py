@@ -779,7 +779,12 @@ def parse_args(argv=None):
   p.add_argument("--skip-full", action="store_true",
                  help="train only the HSM model (the same as --models hsm)")
   p.add_argument("--quiet", action="store_true", help="no Keras progress bars")
-  args = p.parse_args(argv)
+  return _checked(p, p.parse_args(argv))
+
+
+def _checked(p, args):
+  """`args` with --models and --cutoffs parsed, after `p.error` for any value that would
+  train a wrong model or fail later."""
   args.models = ["hsm"] if args.skip_full else [m for m in args.models.split(",") if m]
   unknown = [m for m in args.models if m not in MODELS]
   if unknown or not args.models:
