@@ -104,3 +104,21 @@ def test_the_sampled_probe_runs():
   from tf_hsm.planning import machine  # pylint: disable=import-outside-toplevel
   probe = machine._sampled_probe(tf)  # pylint: disable=protected-access
   assert np.isfinite(probe())
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(matmul_flops=-1.0), "matmul_flops must be a finite number > 0"),
+    (dict(read_bytes=0.0), "read_bytes must be a finite number > 0"),
+    (dict(call_seconds=float("nan")), "call_seconds must be a finite number >= 0"),
+    (dict(softmax_seconds=-1e-9), "softmax_seconds must be"),
+    (dict(sampled_logit_seconds=float("inf")), "sampled_logit_seconds must be"),
+    (dict(loop_step_seconds="fast"), "loop_step_seconds must be a number"),
+    (dict(tree_step=SEVEN[:6] + (-1.0,)), "tree_step's 'step' coefficient must be"),
+    (dict(tree_step=("x",) * 7), "tree_step must be numbers"),
+])
+def test_a_machine_with_a_rate_that_prices_nonsense_is_refused(fields, named):
+  """A negative matmul rate priced a step at 176 million seconds, silently."""
+  rates = dict(matmul_flops=1e11, read_bytes=1e10, call_seconds=1e-4)
+  with pytest.raises(ValueError, match=named):
+    planner.Machine(**dict(rates, **fields))
+  planner.Machine(**rates, loop_step_seconds=None, tree_step=SEVEN)  # the defaults pass

@@ -7,6 +7,7 @@ Measuring needs TensorFlow and tf_hsm's op library, imported only then
 
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -42,9 +43,18 @@ class Machine:
   sampled_logit_seconds: float = None
 
   def __post_init__(self):
+    """Checks the rates (a negative or infinite one would price every row nonsense)."""
     self.tree_step = tree_work.full_tree_step(self.tree_step)
     if self.sampled_logit_seconds is None:
       self.sampled_logit_seconds = self.softmax_seconds
+    for name in ("matmul_flops", "read_bytes"):
+      _check_rate(name, getattr(self, name), positive=True)
+    for name in ("call_seconds", "softmax_seconds", "sampled_logit_seconds",
+                 "loop_step_seconds"):
+      if name != "loop_step_seconds" or self.loop_step_seconds is not None:
+        _check_rate(name, getattr(self, name), positive=False)
+    for term, coefficient in zip(tree_work.TREE_STEP_TERMS, self.tree_step or ()):
+      _check_rate(f"tree_step's {term!r} coefficient", coefficient, positive=False)
 
   @classmethod
   def measure(cls, progress=None):
@@ -146,6 +156,18 @@ class Machine:
     except OSError as error:
       progress(f"could not save the rates to {path}: {error}")
     return machine
+
+
+def _check_rate(name, value, positive):
+  """ValueError naming `name` unless `value` is a finite number > 0 (`positive`) or
+  >= 0."""
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"Machine: {name} must be a number, got {value!r}") from None
+  if not math.isfinite(number) or number < 0 or (positive and number == 0):
+    raise ValueError(f"Machine: {name} must be a finite number "
+                     f"{'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 # A recurrent layer's time step in miniature: a [8, 32] x [32, 128] product split into

@@ -50,7 +50,11 @@ def full_tree_step(coefficients):
   their own (6 coefficients) prices them at its bytes' rate, as it did."""
   if coefficients is None:
     return None
-  coefficients = tuple(float(c) for c in coefficients)
+  try:
+    coefficients = tuple(float(c) for c in coefficients)
+  except (TypeError, ValueError):
+    raise ValueError(f"tree_step must be numbers, one per {TREE_STEP_TERMS}, got "
+                     f"{coefficients!r}") from None
   if len(coefficients) == len(TREE_STEP_TERMS) - 1:
     coefficients = coefficients[:3] + coefficients[2:3] + coefficients[3:]
   if len(coefficients) != len(TREE_STEP_TERMS):
