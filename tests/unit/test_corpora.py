@@ -237,3 +237,17 @@ def test_a_few_bytes_outside_utf8_are_replaced_and_said(tmp_path):
     run.file_documents(str(latin))
   with pytest.raises(ValueError, match=r"cannot read the corpus .*missing.txt"):
     run.file_documents(str(tmp_path / "missing.txt"))
+
+
+def test_rows_with_a_head_run_by_default_on_a_large_vocabulary(tmp_path):
+  """The planner's trees with a head of 256 (from vectors, from contexts) are measured
+  by default where the vocabulary is large enough to hold them; the context row is the
+  demo's --tree context with the planner's arguments."""
+  small, large = quality_runs.default_rows(300), quality_runs.default_rows(5_000)
+  assert "context32_head256" not in small and "vectors32_head256" not in small
+  assert set(large) == set(quality_runs.ROWS) and set(small) < set(large)
+  cmd = quality_runs.command("context32_head256", "c.txt", str(tmp_path), 5_000, None)
+  assert cmd[cmd.index("--tree") + 1] == "context"
+  assert cmd[cmd.index("--branching") + 1] == "32" and cmd[cmd.index("--head") + 1] == "256"
+  from tf_hsm.planning import quality  # pylint: disable=import-outside-toplevel
+  assert quality_runs.ROWS["context32_head256"][0] in quality.KINDS

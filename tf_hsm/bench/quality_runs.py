@@ -59,9 +59,17 @@ ROWS = {
                                                 "--head", "256", "--width", "32"]),
     "vectors64_head256": ("vectors64_head256", ["--models", "hsm", "--tree", "learned",
                                                 "--head", "256", "--width", "64"]),
+    # The planner's tree from the words' left contexts, built before training.
+    "context32_head256": ("context32_head256", ["--models", "hsm", "--tree", "context",
+                                                "--branching", "32", "--head", "256"]),
 }
-# The rows run by default: the vectors rows need a vocabulary above 256 + 64 words.
-DEFAULT_ROWS = [r for r in ROWS if not r.startswith("vectors")]
+# Rows with a head of 256 frequent words over 32- or 64-ary nodes: run by default only on
+# a vocabulary larger than HEAD_ROWS_MIN_VOCAB (on a smaller one the head would hold
+# nearly every word, and the row would measure another layout).
+HEAD_ROWS = [r for r in ROWS if r.startswith(("vectors", "context"))]
+HEAD_ROWS_MIN_VOCAB = 256 + 64
+# The rows run by default on a smaller vocabulary (`default_rows`).
+DEFAULT_ROWS = [r for r in ROWS if r not in HEAD_ROWS]
 # --time-steps: each row trains this many epochs of N batches (a learned tree rebuilt
 # after the first, re-traced in the second), evaluated on the first TIMING_EVAL_TOKENS
 # held-out tokens; the last epoch's CPU time is the step's at the corpus's vocabulary
@@ -87,6 +95,12 @@ def training_counts(corpus, settings=None):
   train, _ = run.split_corpus(documents, settings["max_tokens"], run.DEFAULTS["seed"])
   _, counts = run.build_vocab(train, settings["vocab"], run.DEFAULTS["min_count"])
   return counts
+
+
+def default_rows(vocab):
+  """The rows `--rows` runs by default on a vocabulary of `vocab` classes: every row,
+  the HEAD_ROWS only above HEAD_ROWS_MIN_VOCAB."""
+  return list(ROWS) if vocab > HEAD_ROWS_MIN_VOCAB else list(DEFAULT_ROWS)
 
 
 def command(row, corpus, out, vocab, cpu, settings=None, time_steps=None):
@@ -201,9 +215,10 @@ def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m tf_hsm.bench.quality_runs",
                               description=__doc__.split("\n\n")[0])
   p.add_argument("corpus", help=", ".join(corpora.NAMES) + " or a UTF-8 text file")
-  p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+  p.add_argument("--rows", default=None,
                  help="comma-separated rows to run, of " + ", ".join(ROWS) +
-                      " (default: all but the vectors rows)")
+                      " (default: all; the vectors and context rows only on a "
+                      f"vocabulary of more than {HEAD_ROWS_MIN_VOCAB} words)")
   p.add_argument("--max-tokens", type=int, default=None,
                  help="the corpus's first N tokens (default: the demo's 300K, the whole "
                       "text for a large corpus)")
@@ -224,9 +239,9 @@ def main(argv=None):
                       "(real counts, cached rates) beside the measured rows, written to "
                       "OUT/acceptance.json (with --rows '': that alone)")
   args = p.parse_args(argv)
-  rows = [r for r in args.rows.split(",") if r]
-  unknown = [r for r in rows if r not in ROWS]
-  if unknown or not (rows or args.acceptance):
+  rows = None if args.rows is None else [r for r in args.rows.split(",") if r]
+  unknown = [r for r in rows or () if r not in ROWS]
+  if unknown or not (rows is None or rows or args.acceptance):
     p.error(f"--rows takes rows of {', '.join(ROWS)}; got {unknown or 'none'}")
   allowed = sorted(os.sched_getaffinity(0))
   if args.cpu is None:
@@ -242,8 +257,10 @@ def main(argv=None):
   settings = dict(corpus_settings(args.corpus))
   if args.max_tokens is not None:
     settings["max_tokens"] = args.max_tokens
-  vocab = len(training_counts(corpus, settings)) if any(
+  vocab = len(training_counts(corpus, settings)) if rows is None or any(
       "{cbrt}" in " ".join(ROWS[r][1]) for r in rows) else 0
+  if rows is None:
+    rows = default_rows(vocab)
   for row in rows:
     cmd = command(row, corpus, out, vocab, None if args.cpu < 0 else args.cpu, settings,
                   args.time_steps)
