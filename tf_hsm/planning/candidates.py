@@ -59,6 +59,10 @@ STEP_TIE = 0.10
 # longest-trained among them (`_comparable`).
 QUALITY_MARGIN = 0.20
 QUALITY_TIE = 0.005
+# A more accurate layer this far beyond the margin (up to 1.3x the fastest) is named in
+# the reason: whether it falls inside turns on a few % of the measured rates, so a
+# re-measured machine may pick it (docs/planner.md, "What it recommends").
+NEAR_MISS = 0.10
 
 
 @dataclasses.dataclass
@@ -822,6 +826,22 @@ def _set_aside_note(exact, key, best):
       f"{r['label']} ({r['quality'] - 1:+.1%}, {why(r)})" for r in aside)
 
 
+def _near_miss_note(exact, key, best):
+  """The most accurate row just outside the margin (within NEAR_MISS beyond it) whose
+  figure is comparable with `best`'s and better, named with its quality and step."""
+  fastest = min(r[key] for r in exact)
+  near = [r for r in exact if r["quality"] is not None and
+          fastest * (1 + QUALITY_MARGIN) < r[key] <= fastest * (1 + QUALITY_MARGIN + NEAR_MISS)]
+  compared, _ = _comparable([best] + near)
+  better = [r for r in compared if r is not best and
+            r["quality"] < best["quality"] / (1 + QUALITY_TIE)]
+  if not better:
+    return ""
+  r = min(better, key=lambda r: (r["quality"], r[key]))
+  return (f"; just outside the margin: {r['label']} ({r['quality'] - 1:+.1%} perplexity, "
+          f"{_seconds(r[key])}, {r[key] / fastest - 1:+.0%} over the fastest)")
+
+
 def _choose(exact, full, whole):
   """(row, one-line reason): `_quality_pick` of `exact` by whole step, and why."""
   key = "whole_step_seconds"
@@ -846,7 +866,7 @@ def _choose(exact, full, whole):
       f"{step}: {best['quality'] - 1:+.1%} perplexity against full softmax "
       f"({best['quality_evidence']}), {_seconds(best[key])} a {step} "
       f"({best[key] / fastest - 1:+.0%} over the fastest){worse}"
-      f"{_set_aside_note(exact, key, best)}")
+      f"{_near_miss_note(exact, key, best)}{_set_aside_note(exact, key, best)}")
 
 
 def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer="sgd",
