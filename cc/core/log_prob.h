@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <memory>
 
+#include "cc/core/sparse_rows.h"
 #include "cc/core/tree_view.h"
 #include "cc/core/visit_plan.h"
 
@@ -87,6 +88,17 @@ struct LogProbGrads {
   T* sgd_weights = nullptr;
   T* sgd_biases = nullptr;
   T sgd_learning_rate = 0;
+
+  // With sgd_update: Adam's update in place of SGD's when adam_m is set (the fused
+  // LazyAdam step). Every visited row of sgd_weights (and sgd_biases) gets AdamRow with
+  // adam_step and its moments' rows of adam_m, adam_v (adam_bias_m, adam_bias_v): the
+  // update `tf_hsm.optimizers.LazyAdam` gives the rows of this step's gradient, once
+  // each, as each row's gradient is complete when its block ends.
+  T* adam_m = nullptr;
+  T* adam_v = nullptr;
+  T* adam_bias_m = nullptr;
+  T* adam_bias_v = nullptr;
+  AdamStep<T> adam_step{};
 
   // When set, receives log_prob[num_tokens] from the logsumexps the backward computes
   // anyway, with no forward pass over the grouped nodes: equal to LogProbForward's up to

@@ -520,15 +520,34 @@ class BackwardPass {
     }
   }
 
-  // In-place SGD: the finished block applied to the table, W -= lr * dW.
+  // In-place SGD: the finished block applied to the table, W -= lr * dW; or Adam's
+  // update of its rows and their moments (LogProbGrads::adam_m).
   void EndRows(int64 g, int64 k0, int64 kb, const RowBlock& block) {
     if (!sgd_) return;
     const int64 first = tree_.child_begin[plan_.group_node[g]] + k0;
+    if (grads_.adam_m != nullptr) {
+      AdamRows(first, kb, block);
+      return;
+    }
     const T lr = grads_.sgd_learning_rate;
     T* w = grads_.sgd_weights + first * D_;
     for (int64 i = 0; i < kb * D_; ++i) w[i] -= lr * block.dw[i];
     if (block.db != nullptr) {
       for (int64 j = 0; j < kb; ++j) grads_.sgd_biases[first + j] -= lr * block.db[j];
+    }
+  }
+
+  // Rows [first, first + kb) of the table and their moments: AdamRow over the block's
+  // weight rows (one call for the block: its rows are contiguous in every variable),
+  // then each bias.
+  void AdamRows(int64 first, int64 kb, const RowBlock& block) {
+    const AdamStep<T>& step = grads_.adam_step;
+    const int64 at = first * D_;
+    AdamRow<T>(block.dw, kb * D_, step, grads_.sgd_weights + at, grads_.adam_m + at,
+               grads_.adam_v + at, nullptr);
+    if (block.db != nullptr) {
+      AdamRow<T>(block.db, kb, step, grads_.sgd_biases + first, grads_.adam_bias_m + first,
+                 grads_.adam_bias_v + first, nullptr);
     }
   }
 
@@ -625,7 +644,12 @@ class BackwardPass {
           if (sgd_ && g + kSgdRowsAhead < runs[r].end) {
             const int64 ahead = plan_.group_node[g + kSgdRowsAhead];
             if (IsWalked(tree_, ahead)) {
-              RequestRows(grads_.sgd_weights, BlockOf<T>(tree_, ahead), D_, true);
+              const auto block = BlockOf<T>(tree_, ahead);
+              RequestRows(grads_.sgd_weights, block, D_, true);
+              if (grads_.adam_m != nullptr) {
+                RequestRows(grads_.adam_m, block, D_, true);
+                RequestRows(grads_.adam_v, block, D_, true);
+              }
             }
           }
           WalkedGroupRows(g, group_level[g], coefs);

@@ -1,11 +1,16 @@
-// OpKernel for Hsm>SgdStep: the forward pass, then the backward pass with in-place SGD on
-// the table's resource variables, under their locks.
+// OpKernels for Hsm>SgdStep and Hsm>AdamStep: the backward pass with the optimizer's
+// update applied in place to the table's resource variables (and Adam's moments), row
+// block by row block, under the variables' locks.
 #include <cstring>
-#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "cc/core/log_prob.h"
+#include "cc/core/sparse_rows.h"
 #include "cc/core/visit_plan.h"
 #include "cc/kernels/hsm_inputs.h"
+#include "cc/kernels/locked_variables.h"
 #include "cc/kernels/tf_names.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -15,94 +20,133 @@ namespace tf_hsm {
 
 namespace {
 
+// Inputs of both ops: hidden, weights, biases, targets, the tree's four arrays,
+// loss_scale; then SgdStep's learning_rate, or AdamStep's m, v, bias_m, bias_v, alpha,
+// one_minus_beta_1, one_minus_beta_2 and epsilon.
+constexpr int kLossScale = 8;
+constexpr int kAdamSlots = 9;
+constexpr int kAdamScalars = 13;
+
 template <typename T>
-class SgdStepOp : public OpKernel {
+class FusedStepOp : public OpKernel {
  public:
-  explicit SgdStepOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  FusedStepOp(OpKernelConstruction* ctx, bool adam) : OpKernel(ctx), adam_(adam) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("use_bias", &use_bias_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<Var> weights_var, biases_var;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 1), &weights_var));
-    if (use_bias_) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 2), &biases_var));
-      OP_REQUIRES(ctx, biases_var.get() != weights_var.get(),
-                  errors::InvalidArgument("weights and biases must be different variables"));
+    // Variables: weights, [biases], then with Adam m, v, [bias_m, bias_v].
+    std::vector<int> inputs = {1};
+    std::vector<const char*> names = {"weights"};
+    std::vector<int> like = {-1};
+    if (use_bias_) inputs.push_back(2), names.push_back("biases"), like.push_back(-1);
+    const int bias_at = use_bias_ ? 1 : -1;
+    if (adam_) {
+      for (int k = 0; k < 2; ++k) {
+        inputs.push_back(kAdamSlots + k), names.push_back(k ? "v" : "m"), like.push_back(0);
+      }
+      for (int k = 0; use_bias_ && k < 2; ++k) {
+        inputs.push_back(kAdamSlots + 2 + k);
+        names.push_back(k ? "bias_v" : "bias_m");
+        like.push_back(bias_at);
+      }
     }
-    ::tensorflow::mutex_lock weights_lock(*weights_var->mu());
-    std::optional<::tensorflow::mutex_lock> biases_lock;
-    if (use_bias_) {
-      biases_lock.emplace(*biases_var->mu());
-    }
-    Tensor* weights = nullptr;
-    Tensor* biases = nullptr;
-    OP_REQUIRES_OK(ctx, ExclusiveTensor<T>(ctx, weights_var.get(), "weights", "hidden", &weights));
+    LockedVariables<T> vars(ctx, inputs, names, like, "hidden");
+    if (!vars.ok()) return;
     Tensor no_bias(::tensorflow::DataTypeToEnum<T>::value, ::tensorflow::TensorShape({0}));
-    if (use_bias_) {
-      OP_REQUIRES_OK(ctx, ExclusiveTensor<T>(ctx, biases_var.get(), "biases", "hidden", &biases));
-    } else {
-      biases = &no_bias;
-    }
-
+    const Tensor& weights = *vars.tensor(0);
+    const Tensor& biases = use_bias_ ? *vars.tensor(bias_at) : no_bias;
     SoftmaxInputs in;
-    OP_REQUIRES_OK(ctx, CheckSoftmaxTensors(ctx->input(0), *weights, *biases, &in));
+    OP_REQUIRES_OK(ctx, CheckSoftmaxTensors(ctx->input(0), weights, biases, &in));
     OP_REQUIRES(ctx, !use_bias_ || in.has_bias,
                 errors::InvalidArgument("biases must have one entry per weight row"));
     TreeView tree;
-    OP_REQUIRES_OK(ctx, ReadTree(ctx, 4, -1, weights->dim_size(0), &tree));
+    OP_REQUIRES_OK(ctx, ReadTree(ctx, 4, -1, weights.dim_size(0), &tree));
     const auto batch = BatchShape(*in.hidden);
     std::vector<int64> targets;
     OP_REQUIRES_OK(ctx, ReadClassIds(ctx->input(3), "targets", batch, &targets));
-    const Tensor& scale = ctx->input(8);
-    const Tensor& learning_rate = ctx->input(9);
+    const Tensor& scale = ctx->input(kLossScale);
     OP_REQUIRES(ctx, scale.shape() == batch,
                 errors::InvalidArgument("loss_scale must have shape ", batch.DebugString(),
                                         ", got ", scale.shape().DebugString()));
-    OP_REQUIRES(ctx, learning_rate.dims() == 0,
-                errors::InvalidArgument("learning_rate must be a scalar, got shape ",
-                                        learning_rate.shape().DebugString()));
+    LogProbGrads<T> grads;
+    grads.sgd_update = true;
+    grads.sgd_weights = vars.data(0);
+    grads.sgd_biases = use_bias_ ? vars.data(bias_at) : nullptr;
+    OP_REQUIRES_OK(ctx, adam_ ? SetAdam(ctx, vars, &grads) : SetSgd(ctx, &grads));
     const PlanPool::Lease lease = plans_.Acquire();
-    const VisitPlan& plan = *lease;
     const std::string problem = BuildVisitPlan(tree, targets.data(), in.num_tokens, lease.get());
     OP_REQUIRES(ctx, problem.empty(), errors::InvalidArgument(problem));
 
     Tensor *log_prob, *hidden_grad;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, batch, &log_prob));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, in.hidden->shape(), &hidden_grad));
-    T* w = weights->flat<T>().data();
-    T* b = use_bias_ ? biases->flat<T>().data() : nullptr;
     // The table is read and updated in place: params.weights aliases grads.sgd_weights.
     const SoftmaxParams<T> params = ParamsOf<T>(in);
-    const ParallelFor parallel_for = CpuParallelFor(ctx);
     // d loss / d log_prob = -loss_scale.
     std::vector<T> upstream(in.num_tokens);
     const T* s = scale.flat<T>().data();
     for (int64 i = 0; i < in.num_tokens; ++i) upstream[i] = -s[i];
-    LogProbGrads<T> grads;
     grads.hidden = hidden_grad->flat<T>().data();
-    grads.sgd_update = true;
-    grads.sgd_weights = w;
-    grads.sgd_biases = b;
-    grads.sgd_learning_rate = learning_rate.scalar<T>()();
     // The log-probabilities from the logsumexps the update needs anyway (no forward pass
     // over the grouped nodes, as in nll_loss); the rows are read before they are updated.
     grads.log_prob_from_backward = log_prob->flat<T>().data();
     const typename LeasePool<CoefficientStore<T>>::Lease store = stores_.Acquire();
     grads.coefficient_store = store.get();
-    LogProbBackward<T>(plan, tree, params, upstream.data(), parallel_for, grads,
-                       CoefficientBudget(plan, in.dim));
+    LogProbBackward<T>(*lease, tree, params, upstream.data(), CpuParallelFor(ctx), grads,
+                       CoefficientBudget(*lease, in.dim));
   }
 
  private:
+  ::tensorflow::Status SetSgd(OpKernelContext* ctx, LogProbGrads<T>* grads) {
+    return ReadScalar(ctx->input(kLossScale + 1), "learning_rate", &grads->sgd_learning_rate);
+  }
+
+  ::tensorflow::Status SetAdam(OpKernelContext* ctx, const LockedVariables<T>& vars,
+                               LogProbGrads<T>* grads) {
+    const int slots = use_bias_ ? 2 : 1;  // weights, [biases], then the moments
+    grads->adam_m = vars.data(slots);
+    grads->adam_v = vars.data(slots + 1);
+    if (use_bias_) {
+      grads->adam_bias_m = vars.data(slots + 2);
+      grads->adam_bias_v = vars.data(slots + 3);
+    }
+    AdamStep<T>& step = grads->adam_step;
+    const std::pair<const char*, T*> scalars[] = {
+        {"alpha", &step.alpha},
+        {"one_minus_beta_1", &step.one_minus_beta_1},
+        {"one_minus_beta_2", &step.one_minus_beta_2},
+        {"epsilon", &step.epsilon}};
+    for (int k = 0; k < 4; ++k) {
+      TF_RETURN_IF_ERROR(
+          ReadScalar(ctx->input(kAdamScalars + k), scalars[k].first, scalars[k].second));
+    }
+    return ::tensorflow::Status();
+  }
+
+  const bool adam_;
   bool use_bias_ = false;
   PlanPool plans_;
   LeasePool<CoefficientStore<T>> stores_;
 };
 
-#define REGISTER_CPU(T)                                                                   \
-  REGISTER_KERNEL_BUILDER(Name("Hsm>SgdStep").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-                          SgdStepOp<T>);
+template <typename T>
+class SgdStepOp : public FusedStepOp<T> {
+ public:
+  explicit SgdStepOp(OpKernelConstruction* ctx) : FusedStepOp<T>(ctx, false) {}
+};
+
+template <typename T>
+class AdamStepOp : public FusedStepOp<T> {
+ public:
+  explicit AdamStepOp(OpKernelConstruction* ctx) : FusedStepOp<T>(ctx, true) {}
+};
+
+#define REGISTER_CPU(T)                                                                    \
+  REGISTER_KERNEL_BUILDER(Name("Hsm>SgdStep").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
+                          SgdStepOp<T>);                                                   \
+  REGISTER_KERNEL_BUILDER(Name("Hsm>AdamStep").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          AdamStepOp<T>);
 REGISTER_CPU(float)
 REGISTER_CPU(double)
 #undef REGISTER_CPU

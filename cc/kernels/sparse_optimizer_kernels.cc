@@ -7,6 +7,7 @@
 #include "cc/core/prefetch.h"
 #include "cc/core/sparse_rows.h"
 #include "cc/kernels/hsm_inputs.h"
+#include "cc/kernels/locked_variables.h"
 #include "cc/kernels/tf_names.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -16,54 +17,39 @@ namespace tf_hsm {
 
 namespace {
 
-// The variables at inputs [0, count), looked up, distinct, locked in address order (so
-// that two ops locking the same variables cannot deadlock) and made safe to update in
-// place; all must have the first one's shape, of rank >= 1.
+// The variables at inputs [0, count) (`LockedVariables`), all of the first one's shape,
+// of rank >= 1.
 template <typename T>
 class LockedRows {
  public:
-  LockedRows(OpKernelContext* ctx, const std::vector<const char*>& names) {
-    vars_.resize(names.size());
-    for (size_t i = 0; i < names.size(); ++i) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &vars_[i]));
-      for (size_t j = 0; j < i; ++j) {
-        OP_REQUIRES(ctx, vars_[i].get() != vars_[j].get(),
-                    errors::InvalidArgument(names[j], " and ", names[i],
-                                            " must be different variables"));
-      }
-    }
-    for (const auto& var : vars_) locked_.push_back(var->mu());
-    std::sort(locked_.begin(), locked_.end());
-    for (auto* mu : locked_) mu->lock();
-    tensors_.resize(names.size());
-    for (size_t i = 0; i < names.size(); ++i) {
-      OP_REQUIRES_OK(ctx, ExclusiveTensor<T>(ctx, vars_[i].get(), names[i], "gradient",
-                                             &tensors_[i]));
-      OP_REQUIRES(ctx, tensors_[i]->dims() >= 1,
-                  errors::InvalidArgument(names[i], " must have rank >= 1, got shape ",
-                                          tensors_[i]->shape().DebugString()));
-      OP_REQUIRES(ctx, tensors_[i]->shape() == tensors_[0]->shape(),
-                  errors::InvalidArgument(names[i], " has shape ",
-                                          tensors_[i]->shape().DebugString(), " but ",
-                                          names[0], " has ",
-                                          tensors_[0]->shape().DebugString()));
-    }
+  LockedRows(OpKernelContext* ctx, const std::vector<const char*>& names)
+      : vars_(ctx, Range(names.size()), names, Like(names.size()), "gradient") {
+    if (!vars_.ok()) return;
+    OP_REQUIRES(ctx, shape().dims() >= 1,
+                errors::InvalidArgument(names[0], " must have rank >= 1, got shape ",
+                                        shape().DebugString()));
     ok_ = true;
   }
-  ~LockedRows() {
-    for (auto* mu : locked_) mu->unlock();
-  }
   bool ok() const { return ok_; }
-  T* data(int i) const { return tensors_[i]->template flat<T>().data(); }
-  const TensorShape& shape() const { return tensors_[0]->shape(); }
+  T* data(int i) const { return vars_.data(i); }
+  const TensorShape& shape() const { return vars_.tensor(0)->shape(); }
   int64 num_rows() const { return shape().dim_size(0); }
   // Elements per row (1 for a vector of biases).
   int64 width() const { return shape().num_elements() / std::max<int64>(1, num_rows()); }
 
  private:
-  std::vector<::tensorflow::core::RefCountPtr<Var>> vars_;
-  std::vector<::tensorflow::mutex*> locked_;
-  std::vector<Tensor*> tensors_;
+  static std::vector<int> Range(size_t n) {
+    std::vector<int> out(n);
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<int>(i);
+    return out;
+  }
+  static std::vector<int> Like(size_t n) {
+    std::vector<int> out(n, 0);
+    out[0] = -1;
+    return out;
+  }
+
+  LockedVariables<T> vars_;
   bool ok_ = false;
 };
 
@@ -94,15 +80,6 @@ Status ReadSparseGradient(const Tensor& indices, const Tensor& gradient,
     }
     (*rows)[k] = row;
   }
-  return Status();
-}
-
-template <typename T>
-Status ReadScalar(const Tensor& t, const char* name, T* value) {
-  if (t.dims() != 0) {
-    return errors::InvalidArgument(name, " must be a scalar, got shape ", t.shape().DebugString());
-  }
-  *value = t.scalar<T>()();
   return Status();
 }
 

@@ -182,6 +182,25 @@ hidden_grad, weight_grad_rows, bias_grad_rows, row_ids: as Hsm>LogProbGrad.
 
 #undef TF_HSM_LOG_PROB_INPUTS
 
+// The fused training steps' shapes (inputs hidden, weights, biases, targets, the tree's
+// four arrays, loss_scale, then the step's own): log_prob takes the batch shape, shared
+// by targets and loss_scale, hidden_grad hidden's; inputs [scalars_begin, scalars_end)
+// are scalars.
+static Status FusedStepShape(InferenceContext* c, int scalars_begin, int scalars_end) {
+  ShapeHandle hidden, batch, unused;
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &hidden));
+  TF_RETURN_IF_ERROR(c->Subshape(hidden, 0, -1, &batch));
+  TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &batch));
+  TF_RETURN_IF_ERROR(c->Merge(batch, c->input(8), &batch));
+  for (int i = 4; i < 8; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
+  for (int i = scalars_begin; i < scalars_end; ++i) {
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+  }
+  c->set_output(0, batch);
+  c->set_output(1, hidden);
+  return Status();
+}
+
 REGISTER_OP("Hsm>SgdStep")
     .Input("hidden: T")
     .Input("weights: resource")
@@ -199,18 +218,7 @@ REGISTER_OP("Hsm>SgdStep")
     .Attr("Tidx: {int32, int64} = DT_INT64")
     .Attr("use_bias: bool")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle hidden, batch, unused;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &hidden));
-      TF_RETURN_IF_ERROR(c->Subshape(hidden, 0, -1, &batch));
-      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &batch));
-      TF_RETURN_IF_ERROR(c->Merge(batch, c->input(8), &batch));
-      for (int i = 4; i < 8; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(9), 0, &unused));
-      c->set_output(0, batch);
-      c->set_output(1, hidden);
-      return Status();
-    })
+    .SetShapeFn([](InferenceContext* c) { return FusedStepShape(c, 9, 10); })
     .Doc(R"doc(
 One fused training step of the hierarchical softmax with in-place SGD on the table.
 
@@ -227,6 +235,47 @@ loss_scale: targets' shape; the weight of each token's negative log-likelihood.
 learning_rate: scalar.
 log_prob: targets' shape, before the update.
 hidden_grad: hidden's shape, dloss/dhidden.
+)doc");
+
+REGISTER_OP("Hsm>AdamStep")
+    .Input("hidden: T")
+    .Input("weights: resource")
+    .Input("biases: resource")
+    .Input("targets: Tidx")
+    .Input("child_begin: int64")
+    .Input("path_begin: int64")
+    .Input("path_nodes: int64")
+    .Input("path_slots: int64")
+    .Input("loss_scale: T")
+    .Input("m: resource")
+    .Input("v: resource")
+    .Input("bias_m: resource")
+    .Input("bias_v: resource")
+    .Input("alpha: T")
+    .Input("one_minus_beta_1: T")
+    .Input("one_minus_beta_2: T")
+    .Input("epsilon: T")
+    .Output("log_prob: T")
+    .Output("hidden_grad: T")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .Attr("use_bias: bool")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) { return FusedStepShape(c, 13, 17); })
+    .Doc(R"doc(
+One fused training step of the hierarchical softmax with Adam's update in place (the row
+update of tf_hsm.optimizers.LazyAdam) on the table and its moments.
+
+With loss = -sum(loss_scale * log_prob), every weight row (and bias) the batch visits,
+and its rows of m and v (bias_m, bias_v), get
+  m <- m + (g - m) one_minus_beta_1, v <- v + (g^2 - v) one_minus_beta_2,
+  w <- w - (m alpha) / (sqrt(v) + epsilon)
+with g = dloss/dw, without materialising any gradient tensor; returns the
+log-probabilities before the update and dloss/dhidden. The variables are locked.
+
+m, v: resource variables of weights' shape; bias_m, bias_v: of biases' (ignored unless
+use_bias).
+alpha: learning_rate * sqrt(1 - beta_2^t) / (1 - beta_1^t), as Keras' Adam computes it.
 )doc");
 
 // Shapes are checked by the kernels: the variables' shapes are not known here.

@@ -62,8 +62,8 @@ def test_float64_case_computes_and_measures_in_float64(tmp_path):
   # layer's too), the ceilings are measured in float64, and the report says so.
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tf_hsm.bench import methods as bench_methods  # pylint: disable=import-outside-toplevel
-  methods = ("tf_hsm", cases.NLL_LOSS, cases.FUSED_SGD, "gather", "full_softmax",
-             "sampled_softmax")
+  methods = ("tf_hsm", cases.NLL_LOSS, cases.FUSED_SGD, cases.FUSED_ADAM, "gather",
+             "full_softmax", "sampled_softmax")
   _, report, markdown = _bench(
       tmp_path, "--custom", "300,8,32", "--trees", "huffman", "--repeats", "3",
       "--time-budget", "10", "--num-sampled", "16", "--no-memory", "--no-plot",
@@ -118,7 +118,9 @@ def test_methods_named_on_the_command_line_are_run():
       ([cases.FUSED_SGD], ["tf_hsm", cases.FUSED_SGD]),
       ([cases.KERAS_STEP, "gather"], ["tf_hsm", cases.KERAS_STEP, "gather"]),
       ([cases.KERAS_STEP, cases.FUSED_SGD],
-       ["tf_hsm", cases.FUSED_SGD, cases.KERAS_STEP])):
+       ["tf_hsm", cases.FUSED_SGD, cases.KERAS_STEP]),
+      ([cases.FUSED_ADAM, "sampled_softmax"],
+       ["tf_hsm", cases.FUSED_ADAM, "sampled_softmax"])):
     args = cli.parse_args(["--custom", "300,8,32", "--methods", *named])
     (case,) = runner.expand_cases(cli._scenarios(args), args, "/nonexistent",
                                   cli.options_from_args(args))

@@ -41,6 +41,9 @@ TOPK_METHODS = ("tf_hsm_top_k", "dense_top_k", LOG_PROB_ALL)
 # tf_hsm.sgd_step: forward, backward and SGD update fused, no gradient materialised. Runs
 # in the memory scenario and, with --optimizer sgd, in every training scenario.
 FUSED_SGD = "tf_hsm_sgd_step"
+# tf_hsm.adam_step: the same with LazyAdam's row update. Runs when named and, with
+# --optimizer lazy_adam, in every training scenario.
+FUSED_ADAM = "tf_hsm_adam_step"
 # HierarchicalSoftmax in a keras.Model compiled with tf_hsm.losses.nll: forward is the
 # model's call, the step `model.train_on_batch` (forward, backward, the optimizer's update
 # and Keras' own loss and metric bookkeeping, as `model.fit` runs each step). It always
@@ -48,7 +51,9 @@ FUSED_SGD = "tf_hsm_sgd_step"
 KERAS_STEP = "tf_hsm_keras"
 KERAS_DEFAULT_OPTIMIZER = "sparse_sgd"
 # Methods a training scenario runs when named on the command line, beyond its own list.
-EXTRA_TRAIN_METHODS = (FUSED_SGD, KERAS_STEP)
+EXTRA_TRAIN_METHODS = (FUSED_SGD, FUSED_ADAM, KERAS_STEP)
+# The fused steps, and the --optimizer each implies.
+FUSED_STEPS = {FUSED_SGD: "sgd", FUSED_ADAM: "lazy_adam"}
 ALL_METHODS = TRAIN_METHODS + EXTRA_TRAIN_METHODS + TOPK_METHODS
 # Methods over the [V, D] class table rather than the [S, D] slot table.
 CLASS_TABLE_METHODS = ("full_softmax", "sampled_softmax", "dense_top_k")
@@ -117,10 +122,12 @@ OPTIMIZER_SLOTS = {"sgd": 0, "sgd_momentum": 1, "adagrad": 1, "adam": 2, "sparse
 
 
 def step_optimizer(kind, method, optimizer):
-  """The optimizer a method's timed step applies: the fused SGD step's own SGD; the Keras
-  step's --optimizer, SparseSGD by default; in the memory scenario --optimizer, Keras'
-  SGD by default; elsewhere --optimizer."""
-  if method == FUSED_SGD or (kind == "mem" and optimizer == "none"):
+  """The optimizer a method's timed step applies: a fused step's own (SGD, LazyAdam); the
+  Keras step's --optimizer, SparseSGD by default; in the memory scenario --optimizer,
+  Keras' SGD by default; elsewhere --optimizer."""
+  if method in FUSED_STEPS:
+    return FUSED_STEPS[method]
+  if kind == "mem" and optimizer == "none":
     return "sgd"
   if method == KERAS_STEP and optimizer == "none":
     return KERAS_DEFAULT_OPTIMIZER

@@ -59,7 +59,7 @@ def add_speedups(case):
   for name, row in methods.items():
     if name == ref_name:
       continue
-    if name in (cases.FUSED_SGD, cases.NLL_LOSS, cases.KERAS_STEP):  # tf_hsm variants
+    if name in (*cases.FUSED_STEPS, cases.NLL_LOSS, cases.KERAS_STEP):  # tf_hsm variants
       row["faster_than_tf_hsm"] = {
           kind: ref[kind]["median"] / row[kind]["median"] for kind in ("fwd", "step")
           if ref.get(kind) and row.get(kind)}

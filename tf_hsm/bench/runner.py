@@ -68,8 +68,9 @@ def expand_cases(scenarios, args, tree_dir, opts):
         # implies it); E lists both by default.
         if sc.kind == "train":
           wanted = [m for m in cases.EXTRA_TRAIN_METHODS if m in (args.methods or ())]
-          if opts.optimizer == "sgd" and cases.FUSED_SGD not in wanted:
-            wanted.insert(0, cases.FUSED_SGD)
+          for fused, optimizer in cases.FUSED_STEPS.items():
+            if opts.optimizer == optimizer and fused not in wanted:
+              wanted.insert(0, fused)
           for m in reversed(wanted):
             if m not in methods:
               methods.insert(1, m)   # next to tf_hsm, whose variants they are
@@ -248,8 +249,8 @@ def run_case(case, workdir, opts, progress, available):
     if name == "tf_hsm_top_k" and not available["top_k"]:
       row.update(status="skipped", message="tf_hsm.inference.top_k not available")
       continue
-    if name == cases.FUSED_SGD and not available["sgd_step"]:
-      row.update(status="skipped", message="tf_hsm.sgd_step not available")
+    if name in cases.FUSED_STEPS and not available["sgd_step"]:
+      row.update(status="skipped", message="tf_hsm's fused steps are not available")
       continue
     need = min_memory_estimate(name, case)
     if need > opts.limit_bytes:

@@ -130,21 +130,24 @@ class LazyAdam(_SlotsInPieces, keras.optimizers.Adam):
   def update_step(self, gradient, variable, learning_rate):
     if not isinstance(gradient, tf.IndexedSlices):
       return super().update_step(gradient, variable, learning_rate)
-    dtype = variable.dtype
-    # The same scalar expressions as keras.optimizers.Adam.update_step.
+    index = self._get_variable_index(variable)
+    slots = [self._momentums[index], self._velocities[index]]
+    if self.amsgrad:
+      slots.append(self._velocity_hats[index])
+    _by_piece(self._sparse_rows, gradient, variable, slots,
+              self.row_constants(variable.dtype, learning_rate))
+
+  def row_constants(self, dtype, learning_rate):
+    """(alpha, 1 - beta_1, 1 - beta_2, epsilon) of this step in `dtype`: the same scalar
+    expressions as keras.optimizers.Adam.update_step, at t = iterations + 1 (what the
+    row update and `tf_hsm.adam_step` apply)."""
     lr = ops.cast(learning_rate, dtype)
     local_step = ops.cast(self.iterations + 1, dtype)
     beta_1_power = ops.power(ops.cast(self.beta_1, dtype), local_step)
     beta_2_power = ops.power(ops.cast(self.beta_2, dtype), local_step)
     alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-
-    index = self._get_variable_index(variable)
-    slots = [self._momentums[index], self._velocities[index]]
-    if self.amsgrad:
-      slots.append(self._velocity_hats[index])
-    constants = (alpha, tf.cast(1 - self.beta_1, dtype), tf.cast(1 - self.beta_2, dtype),
-                 tf.cast(self.epsilon, dtype))
-    _by_piece(self._sparse_rows, gradient, variable, slots, constants)
+    return (alpha, tf.cast(1 - self.beta_1, dtype), tf.cast(1 - self.beta_2, dtype),
+            tf.cast(self.epsilon, dtype))
 
   def _sparse_rows(self, gradient, table, slots, constants):
     """The update of one table (or one piece of it) and its slots' rows."""
