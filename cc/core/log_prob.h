@@ -89,11 +89,13 @@ struct LogProbGrads {
   T* sgd_biases = nullptr;
   T sgd_learning_rate = 0;
 
-  // With sgd_update: Adam's update in place of SGD's when adam_m is set (the fused
+  // With sgd_update: Adam's update in place of SGD's when adam_update is set (the fused
   // LazyAdam step). Every visited row of sgd_weights (and sgd_biases) gets AdamRow with
   // adam_step and its moments' rows of adam_m, adam_v (adam_bias_m, adam_bias_v): the
   // update `tf_hsm.optimizers.LazyAdam` gives the rows of this step's gradient, once
-  // each, as each row's gradient is complete when its block ends.
+  // each, as each row's gradient is complete when its block ends. A flag, as sgd_update
+  // is: adam_m is null for a hidden size of 0, whose biases still get Adam's update.
+  bool adam_update = false;
   T* adam_m = nullptr;
   T* adam_v = nullptr;
   T* adam_bias_m = nullptr;

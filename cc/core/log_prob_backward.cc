@@ -521,11 +521,11 @@ class BackwardPass {
   }
 
   // In-place SGD: the finished block applied to the table, W -= lr * dW; or Adam's
-  // update of its rows and their moments (LogProbGrads::adam_m).
+  // update of its rows and their moments (LogProbGrads::adam_update).
   void EndRows(int64 g, int64 k0, int64 kb, const RowBlock& block) {
     if (!sgd_) return;
     const int64 first = tree_.child_begin[plan_.group_node[g]] + k0;
-    if (grads_.adam_m != nullptr) {
+    if (grads_.adam_update) {
       AdamRows(first, kb, block);
       return;
     }
@@ -646,7 +646,7 @@ class BackwardPass {
             if (IsWalked(tree_, ahead)) {
               const auto block = BlockOf<T>(tree_, ahead);
               RequestRows(grads_.sgd_weights, block, D_, true);
-              if (grads_.adam_m != nullptr) {
+              if (grads_.adam_update) {
                 RequestRows(grads_.adam_m, block, D_, true);
                 RequestRows(grads_.adam_v, block, D_, true);
               }

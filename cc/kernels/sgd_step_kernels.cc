@@ -105,6 +105,7 @@ class FusedStepOp : public OpKernel {
   ::tensorflow::Status SetAdam(OpKernelContext* ctx, const LockedVariables<T>& vars,
                                LogProbGrads<T>* grads) {
     const int slots = use_bias_ ? 2 : 1;  // weights, [biases], then the moments
+    grads->adam_update = true;
     grads->adam_m = vars.data(slots);
     grads->adam_v = vars.data(slots + 1);
     if (use_bias_) {

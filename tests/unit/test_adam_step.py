@@ -163,3 +163,24 @@ def test_ragged_sequences_step_as_their_flat_tokens(rng):
   np.testing.assert_array_equal(lp.flat_values.numpy(), lp_flat.numpy())
   np.testing.assert_array_equal(dh.flat_values.numpy(), dh_flat.numpy())
   np.testing.assert_array_equal(w_ragged.numpy(), w_flat.numpy())
+
+
+def test_a_hidden_size_of_zero_gives_the_biases_adams_update(rng):
+  """With D=0 the table and its moments are empty (null data): the biases must still get
+  Adam's update, not SGD's at a learning rate of 0."""
+  tree = tf_hsm.Tree.huffman(rng.integers(1, 50, 30), branching=3)
+  targets = rng.integers(0, tree.num_classes, 7)
+  b0 = rng.normal(size=tree.num_slots).astype(np.float32)
+  results = []
+  for fused in (True, False):
+    weights = tf.Variable(np.zeros((tree.num_slots, 0), np.float32))
+    biases, optimizer = tf.Variable(b0), optimizers.LazyAdam(0.1)
+    if fused:
+      lp, dh = tf_hsm.adam_step(tf.zeros([7, 0]), weights, biases, tree, targets, optimizer)
+      assert dh.shape == (7, 0)
+    else:
+      _by_gradient(np.zeros((7, 0), np.float32), targets, tree, weights, biases,
+                   np.full(7, 1 / 7, np.float32), optimizer)
+    results.append(biases.numpy())
+  assert not np.array_equal(results[0], b0)
+  np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
