@@ -45,12 +45,16 @@ def _by_gradient(hidden, targets, tree, w, b, scale, optimizer):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_matches_lazy_adam_on_the_sparse_gradient_bit_for_bit(rng, bias, dtype):
+  # A decaying rate: read at the step's own count, as apply_gradients reads it.
+  rate = lambda: tf.keras.optimizers.schedules.ExponentialDecay(0.05, 1, 0.5)
   for tree in _trees(rng):
-    hidden, targets, w0, b0, scale = _problem(rng, tree, dtype)
+    hidden, _, w0, b0, scale = _problem(rng, tree, dtype)
     w_ref, b_ref = tf.Variable(w0), tf.Variable(b0)
     w, b = tf.Variable(w0), tf.Variable(b0)
-    reference, fused = optimizers.LazyAdam(0.05), optimizers.LazyAdam(0.05)
+    reference, fused = optimizers.LazyAdam(rate()), optimizers.LazyAdam(rate())
     for _ in range(3):  # the moments and the bias correction carry over
+      # Other targets each step: rows visited before and not now keep their moments.
+      targets = rng.integers(0, tree.num_classes, size=hidden.shape[:-1])
       lp_ref, dh_ref, _ = _by_gradient(hidden, targets, tree, w_ref,
                                        b_ref if bias else None, scale, reference)
       lp, dh = tf_hsm.adam_step(hidden, w, b if bias else None, tree, targets, fused,
@@ -139,6 +143,11 @@ def test_what_it_cannot_fuse_is_refused_by_name(rng):
   other.build([tf.Variable(w0)])
   with pytest.raises(ValueError, match="built for other variables"):
     tf_hsm.adam_step(*args, other)
+  # One optimizer for the table and the rest of a model would count two steps a step.
+  shared = optimizers.LazyAdam(0.1)
+  shared.build([w, b, tf.Variable(np.ones(3, np.float32))])
+  with pytest.raises(ValueError, match="also updates 1 other variables"):
+    tf_hsm.adam_step(*args, shared)
   with pytest.raises(tf.errors.InvalidArgumentError, match="weights and biases must be "
                      "different variables"):
     tf_hsm.adam_step(hidden, w, w, tree, targets, optimizers.LazyAdam(0.1))

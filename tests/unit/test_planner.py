@@ -552,6 +552,7 @@ def test_machine_cache_is_keyed_by_name_and_measures_only_when_asked(tmp_path,
   older = [dict(fields, loop_step_seconds=None), dict(fields, tree_step=[0.0] * 6)]
   del older[0]["loop_step_seconds"]
   older.append({k: v for k, v in fields.items() if k != "sampled_logit_seconds"})
+  older.append(dict(fields, read_bytes=-2.0))  # not a rate (a hand-edited file)
   for count, entry in enumerate(older, 4):
     old.write_text(json.dumps(dict(entry, cpu="CPU x2")))
     planner.Machine.cached(str(old), name="CPU x2", progress=said.append)

@@ -216,7 +216,8 @@ def main(argv=None):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_hsm.bench import methods  # pylint: disable=import-outside-toplevel
     available = {"top_k": methods.top_k_available(),
-                 "sgd_step": methods.fused_sgd_available()}
+                 "sgd_step": methods.fused_sgd_available(),
+                 "adam_step": methods.fused_adam_available()}
     report = {"meta": {
         "argv": sys.argv[1:] if argv is None else list(argv), "quick": quick,
         "machine": _machine(), "tf_version": tf.__version__,

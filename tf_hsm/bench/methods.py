@@ -114,6 +114,13 @@ def fused_sgd_available():
   return hasattr(ops, "sgd_step")
 
 
+def fused_adam_available():
+  """Whether the loaded op library has the fused Adam step (one built before it has
+  not)."""
+  from tf_hsm.ops import loader  # pylint: disable=import-outside-toplevel
+  return hasattr(loader.ops(), "hsm_adam_step")
+
+
 def make_optimizer(name):
   """A Keras optimizer by name (None for "none"); lazy_adam, sparse_adagrad and
   sparse_sgd[_momentum] are tf_hsm.optimizers' row-sparse versions; the _momentum forms

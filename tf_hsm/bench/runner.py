@@ -249,8 +249,10 @@ def run_case(case, workdir, opts, progress, available):
     if name == "tf_hsm_top_k" and not available["top_k"]:
       row.update(status="skipped", message="tf_hsm.inference.top_k not available")
       continue
-    if name in cases.FUSED_STEPS and not available["sgd_step"]:
-      row.update(status="skipped", message="tf_hsm's fused steps are not available")
+    step = {cases.FUSED_SGD: "sgd_step", cases.FUSED_ADAM: "adam_step"}.get(name)
+    if step and not available.get(step):
+      row.update(status="skipped", message=f"tf_hsm.{step} not available (an op library "
+                 "built before it: rebuild with ./configure.sh)")
       continue
     need = min_memory_estimate(name, case)
     if need > opts.limit_bytes:

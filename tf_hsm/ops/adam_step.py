@@ -26,8 +26,10 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
   in the backward pass as each row's gradient is complete, and `optimizer.iterations`
   counts the step. The table's gradient (one row per child of every visited node) is
   never written and read back, which at V=1M, D=300, 3,200 tokens is most of a LazyAdam
-  step's traffic beyond the moments'. The results are those of `log_prob`'s gradient and
-  `optimizer.apply_gradients` bit for bit on the CPU.
+  step's traffic beyond the moments'. The table, its biases, the moments and
+  hidden_grad end as `log_prob`'s gradient and `optimizer.apply_gradients` leave them,
+  bit for bit on the CPU; log_prob comes from the backward's own logsumexps, equal to
+  `log_prob(...)` up to rounding (as `nll_loss`'s and `sgd_step`'s).
 
   Args:
     hidden: [..., D] float32/float64 hidden states, or a `tf.RaggedTensor` [batch,
@@ -36,10 +38,11 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
     biases: a variable [tree.num_slots], or None.
     tree: a `tf_hsm.Tree`.
     targets: int32/int64 class ids with hidden's leading shape.
-    optimizer: a `tf_hsm.optimizers.LazyAdam` (Keras 3) that updates this table, built
-      for it or not yet built (then built for [weights, biases]); its learning rate (or
-      schedule), betas and epsilon are used. One optimizer per fused table: its step
-      count is the table's, so the rest of a model wants an optimizer of its own.
+    optimizer: a `tf_hsm.optimizers.LazyAdam` (Keras 3) of this table alone, built for
+      [weights, biases] or not yet built (then built for them); its learning rate (or
+      schedule), betas and epsilon are used. Its step count is the table's: one that
+      also updates other variables (the rest of a model, whose `apply_gradients` would
+      count a second step a step) is refused.
     loss_scale: weight of each token's negative log-likelihood, targets' shape; default
       1 / number of tokens (the mean). Zero for padding tokens.
 
@@ -52,10 +55,11 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
     TypeError: also for a table held in pieces (`nll_loss` and LazyAdam update those).
     ValueError: if it applies amsgrad, weight decay, EMA, gradient accumulation,
       clipping or loss scaling (which `apply_gradients` applies beside the row update:
-      use `nll_loss` and `optimizer.apply_gradients`), or was built for other variables.
+      use `nll_loss` and `optimizer.apply_gradients`), or was built for other variables
+      or more.
 
   A table placed off the CPU (on a GPU), where the fused op has no kernel, is updated by
-  `log_prob`'s gradient and `optimizer.apply_gradients` instead: the same results.
+  `log_prob`'s gradient and `optimizer.apply_gradients` instead: the same update.
   """
   from tf_hsm.keras import optimizers  # pylint: disable=import-outside-toplevel
   if not isinstance(optimizer, optimizers.LazyAdam):
@@ -76,6 +80,7 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
   variables = [weights] + ([] if biases is None else [biases])
   if not optimizer.built:
     optimizer.build(variables)
+  _check_own(optimizer, variables)
   targets = inputs.class_ids(targets, "targets")
   loss_scale = training._token_weights(loss_scale, targets, hidden.dtype)  # pylint: disable=protected-access
   if not training.fused_sgd_runs_on(inputs.tf_variable(weights).device):
@@ -99,13 +104,27 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
 tf.no_gradient("Hsm>AdamStep")
 
 
+def _check_own(optimizer, variables):
+  """ValueError unless `optimizer` updates exactly `variables` (each step it counts is
+  then one of theirs)."""
+  for variable in variables:
+    try:
+      optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+    except KeyError:
+      raise ValueError(f"the optimizer was built for other variables than "
+                       f"{variable.name}: give adam_step an optimizer of this table's "
+                       "own") from None
+  others = len(optimizer._trainable_variables) - len(variables)  # pylint: disable=protected-access
+  if others:
+    raise ValueError(f"the optimizer also updates {others} other variables: adam_step "
+                     "counts a step of it, and their apply_gradients would count another "
+                     "(a wrong bias correction for both); give the table an optimizer of "
+                     "its own")
+
+
 def _slots(optimizer, variable):
-  """[m, v]: `optimizer`'s moments of `variable`."""
-  try:
-    index = optimizer._get_variable_index(variable)  # pylint: disable=protected-access
-  except KeyError:
-    raise ValueError(f"the optimizer was built for other variables than {variable.name}: "
-                     "give adam_step an optimizer of this table's own") from None
+  """[m, v]: `optimizer`'s moments of `variable` (one of those `_check_own` checked)."""
+  index = optimizer._get_variable_index(variable)  # pylint: disable=protected-access
   return [optimizer._momentums[index], optimizer._velocities[index]]  # pylint: disable=protected-access
 
 
