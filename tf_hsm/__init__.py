@@ -41,7 +41,7 @@ _PUBLIC = {
     "log_prob": ("tf_hsm.ops", "log_prob"),
     "nll_loss": ("tf_hsm.ops", "nll_loss"),
     "sgd_step": ("tf_hsm.ops", "sgd_step"),
-    "adam_step": ("tf_hsm.ops", "adam_step"),
+    "adam_step": ("tf_hsm.keras.adam_step", "adam_step"),
     "top_k": ("tf_hsm.ops", "top_k"),
     "log_prob_all": ("tf_hsm.ops", "log_prob_all"),
     "sample": ("tf_hsm.ops", "sample"),

@@ -186,10 +186,10 @@ class Method:
       self.step = tf.function(lambda: ops.sgd_step(h, w, b, tree, y, 1e-3))
       return
     if name == cases.FUSED_ADAM:
-      from tf_hsm import ops  # pylint: disable=import-outside-toplevel
+      from tf_hsm.keras import adam_step  # pylint: disable=import-outside-toplevel
       self.optimizer = make_optimizer("lazy_adam")
       self.fwd = tf.function(lambda: log_prob(h, w, b, tree, y))
-      self.step = tf.function(lambda: ops.adam_step(h, w, b, tree, y, self.optimizer))
+      self.step = tf.function(lambda: adam_step.adam_step(h, w, b, tree, y, self.optimizer))
       return
     if name == cases.NLL_LOSS:
       # Its forward is log_prob's; the timed step takes the loss's gradient.
