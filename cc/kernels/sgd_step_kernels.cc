@@ -1,6 +1,6 @@
-// OpKernels for Hsm>SgdStep and Hsm>AdamStep: the backward pass with the optimizer's
-// update applied in place to the table's resource variables (and Adam's moments), row
-// block by row block, under the variables' locks.
+// OpKernels for Hsm>SgdStep, Hsm>AdamStep and Hsm>AdamStepFromLogits: the backward pass
+// with the optimizer's update applied in place to the table's resource variables (and
+// Adam's moments), row block by row block, under the variables' locks.
 #include <cstring>
 #include <string>
 #include <utility>
@@ -20,17 +20,22 @@ namespace tf_hsm {
 
 namespace {
 
-// Inputs of both ops: hidden, weights, biases, targets, the tree's four arrays,
+// Inputs of the ops: hidden, weights, biases, targets, the tree's four arrays,
 // loss_scale; then SgdStep's learning_rate, or AdamStep's m, v, bias_m, bias_v, alpha,
-// one_minus_beta_1, one_minus_beta_2 and epsilon.
+// one_minus_beta_1, one_minus_beta_2 and epsilon; then AdamStepFromLogits' saved logits
+// and directions.
 constexpr int kLossScale = 8;
 constexpr int kAdamSlots = 9;
 constexpr int kAdamScalars = 13;
+constexpr int kSavedLogits = 17;
+
+enum class Fused { kSgd, kAdam, kAdamFromLogits };
 
 template <typename T>
 class FusedStepOp : public OpKernel {
  public:
-  FusedStepOp(OpKernelConstruction* ctx, bool adam) : OpKernel(ctx), adam_(adam) {
+  FusedStepOp(OpKernelConstruction* ctx, Fused kind)
+      : OpKernel(ctx), adam_(kind != Fused::kSgd), from_logits_(kind == Fused::kAdamFromLogits) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("use_bias", &use_bias_));
   }
 
@@ -78,9 +83,14 @@ class FusedStepOp : public OpKernel {
     const std::string problem = BuildVisitPlan(tree, targets.data(), in.num_tokens, lease.get());
     OP_REQUIRES(ctx, problem.empty(), errors::InvalidArgument(problem));
 
-    Tensor *log_prob, *hidden_grad;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, batch, &log_prob));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, in.hidden->shape(), &hidden_grad));
+    Tensor *log_prob = nullptr, *hidden_grad;
+    if (from_logits_) {
+      OP_REQUIRES_OK(ctx, SetSaved(ctx, *lease, tree, in, &grads));
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, batch, &log_prob));
+    }
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(from_logits_ ? 0 : 1, in.hidden->shape(),
+                                             &hidden_grad));
     // The table is read and updated in place: params.weights aliases grads.sgd_weights.
     const SoftmaxParams<T> params = ParamsOf<T>(in);
     // d loss / d log_prob = -loss_scale.
@@ -90,7 +100,8 @@ class FusedStepOp : public OpKernel {
     grads.hidden = hidden_grad->flat<T>().data();
     // The log-probabilities from the logsumexps the update needs anyway (no forward pass
     // over the grouped nodes, as in nll_loss); the rows are read before they are updated.
-    grads.log_prob_from_backward = log_prob->flat<T>().data();
+    // After a saving forward pass, which returned them, none.
+    if (log_prob != nullptr) grads.log_prob_from_backward = log_prob->flat<T>().data();
     const typename LeasePool<CoefficientStore<T>>::Lease store = stores_.Acquire();
     grads.coefficient_store = store.get();
     LogProbBackward<T>(*lease, tree, params, upstream.data(), CpuParallelFor(ctx), grads,
@@ -98,6 +109,33 @@ class FusedStepOp : public OpKernel {
   }
 
  private:
+  // The forward's saved logits and directions (inputs kSavedLogits and after), checked
+  // as Hsm>LogProbGradFromLogits checks them; both empty: none kept.
+  ::tensorflow::Status SetSaved(OpKernelContext* ctx, const VisitPlan& plan,
+                                const TreeView& tree, const SoftmaxInputs& in,
+                                LogProbGrads<T>* grads) {
+    const Tensor& saved = ctx->input(kSavedLogits);
+    const Tensor& directions = ctx->input(kSavedLogits + 1);
+    const int64 expected = SavedLogitsSize(plan, tree);
+    if (saved.dims() != 1 || (saved.NumElements() != 0 && saved.NumElements() != expected)) {
+      return errors::InvalidArgument("saved_logits must be the forward's ", expected,
+                                     " logits of these inputs (or empty), got shape ",
+                                     saved.shape().DebugString());
+    }
+    const bool none = saved.NumElements() == 0 && directions.NumElements() == 0;
+    if (!none && (saved.NumElements() == 0 || directions.shape() != in.hidden->shape())) {
+      return errors::InvalidArgument("saved_directions must have hidden's shape ",
+                                     in.hidden->shape().DebugString(),
+                                     " with saved_logits (or both be empty), got ",
+                                     directions.shape().DebugString());
+    }
+    if (!none) {
+      grads->saved_logits = saved.flat<T>().data();
+      grads->saved_directions = directions.flat<T>().data();
+    }
+    return ::tensorflow::Status();
+  }
+
   ::tensorflow::Status SetSgd(OpKernelContext* ctx, LogProbGrads<T>* grads) {
     return ReadScalar(ctx->input(kLossScale + 1), "learning_rate", &grads->sgd_learning_rate);
   }
@@ -126,6 +164,7 @@ class FusedStepOp : public OpKernel {
   }
 
   const bool adam_;
+  const bool from_logits_;  // after a saving forward pass: its values in, no log_prob out
   bool use_bias_ = false;
   PlanPool plans_;
   LeasePool<CoefficientStore<T>> stores_;
@@ -134,20 +173,30 @@ class FusedStepOp : public OpKernel {
 template <typename T>
 class SgdStepOp : public FusedStepOp<T> {
  public:
-  explicit SgdStepOp(OpKernelConstruction* ctx) : FusedStepOp<T>(ctx, false) {}
+  explicit SgdStepOp(OpKernelConstruction* ctx) : FusedStepOp<T>(ctx, Fused::kSgd) {}
 };
 
 template <typename T>
 class AdamStepOp : public FusedStepOp<T> {
  public:
-  explicit AdamStepOp(OpKernelConstruction* ctx) : FusedStepOp<T>(ctx, true) {}
+  explicit AdamStepOp(OpKernelConstruction* ctx) : FusedStepOp<T>(ctx, Fused::kAdam) {}
+};
+
+template <typename T>
+class AdamStepFromLogitsOp : public FusedStepOp<T> {
+ public:
+  explicit AdamStepFromLogitsOp(OpKernelConstruction* ctx)
+      : FusedStepOp<T>(ctx, Fused::kAdamFromLogits) {}
 };
 
 #define REGISTER_CPU(T)                                                                    \
   REGISTER_KERNEL_BUILDER(Name("Hsm>SgdStep").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
                           SgdStepOp<T>);                                                   \
   REGISTER_KERNEL_BUILDER(Name("Hsm>AdamStep").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-                          AdamStepOp<T>);
+                          AdamStepOp<T>);                                                  \
+  REGISTER_KERNEL_BUILDER(                                                                 \
+      Name("Hsm>AdamStepFromLogits").Device(DEVICE_CPU).TypeConstraint<T>("T"),            \
+      AdamStepFromLogitsOp<T>);
 REGISTER_CPU(float)
 REGISTER_CPU(double)
 #undef REGISTER_CPU

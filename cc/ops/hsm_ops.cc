@@ -185,19 +185,26 @@ hidden_grad, weight_grad_rows, bias_grad_rows, row_ids: as Hsm>LogProbGrad.
 // The fused training steps' shapes (inputs hidden, weights, biases, targets, the tree's
 // four arrays, loss_scale, then the step's own): log_prob takes the batch shape, shared
 // by targets and loss_scale, hidden_grad hidden's; inputs [scalars_begin, scalars_end)
-// are scalars.
-static Status FusedStepShape(InferenceContext* c, int scalars_begin, int scalars_end) {
-  ShapeHandle hidden, batch, unused;
+// are scalars. FusedStepInputs checks the inputs (*batch: the batch shape).
+static Status FusedStepInputs(InferenceContext* c, int scalars_begin, int scalars_end,
+                              ShapeHandle* batch) {
+  ShapeHandle hidden, unused;
   TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &hidden));
-  TF_RETURN_IF_ERROR(c->Subshape(hidden, 0, -1, &batch));
-  TF_RETURN_IF_ERROR(c->Merge(batch, c->input(3), &batch));
-  TF_RETURN_IF_ERROR(c->Merge(batch, c->input(8), &batch));
+  TF_RETURN_IF_ERROR(c->Subshape(hidden, 0, -1, batch));
+  TF_RETURN_IF_ERROR(c->Merge(*batch, c->input(3), batch));
+  TF_RETURN_IF_ERROR(c->Merge(*batch, c->input(8), batch));
   for (int i = 4; i < 8; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
   for (int i = scalars_begin; i < scalars_end; ++i) {
     TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
   }
+  return Status();
+}
+
+static Status FusedStepShape(InferenceContext* c, int scalars_begin, int scalars_end) {
+  ShapeHandle batch;
+  TF_RETURN_IF_ERROR(FusedStepInputs(c, scalars_begin, scalars_end, &batch));
   c->set_output(0, batch);
-  c->set_output(1, hidden);
+  c->set_output(1, c->input(0));
   return Status();
 }
 
@@ -237,24 +244,28 @@ log_prob: targets' shape, before the update.
 hidden_grad: hidden's shape, dloss/dhidden.
 )doc");
 
+// The inputs of the fused Adam steps, as Hsm>AdamStep documents them.
+#define TF_HSM_ADAM_STEP_INPUTS                  \
+  .Input("hidden: T")                            \
+      .Input("weights: resource")                \
+      .Input("biases: resource")                 \
+      .Input("targets: Tidx")                    \
+      .Input("child_begin: int64")               \
+      .Input("path_begin: int64")                \
+      .Input("path_nodes: int64")                \
+      .Input("path_slots: int64")                \
+      .Input("loss_scale: T")                    \
+      .Input("m: resource")                      \
+      .Input("v: resource")                      \
+      .Input("bias_m: resource")                 \
+      .Input("bias_v: resource")                 \
+      .Input("alpha: T")                         \
+      .Input("one_minus_beta_1: T")              \
+      .Input("one_minus_beta_2: T")              \
+      .Input("epsilon: T")
+
 REGISTER_OP("Hsm>AdamStep")
-    .Input("hidden: T")
-    .Input("weights: resource")
-    .Input("biases: resource")
-    .Input("targets: Tidx")
-    .Input("child_begin: int64")
-    .Input("path_begin: int64")
-    .Input("path_nodes: int64")
-    .Input("path_slots: int64")
-    .Input("loss_scale: T")
-    .Input("m: resource")
-    .Input("v: resource")
-    .Input("bias_m: resource")
-    .Input("bias_v: resource")
-    .Input("alpha: T")
-    .Input("one_minus_beta_1: T")
-    .Input("one_minus_beta_2: T")
-    .Input("epsilon: T")
+    TF_HSM_ADAM_STEP_INPUTS
     .Output("log_prob: T")
     .Output("hidden_grad: T")
     .Attr("T: {float, double}")
@@ -277,6 +288,31 @@ m, v: resource variables of weights' shape; bias_m, bias_v: of biases' (ignored 
 use_bias).
 alpha: learning_rate * sqrt(1 - beta_2^t) / (1 - beta_1^t), as Keras' Adam computes it.
 )doc");
+
+REGISTER_OP("Hsm>AdamStepFromLogits")
+    TF_HSM_ADAM_STEP_INPUTS
+    .Input("saved_logits: T")
+    .Input("saved_directions: T")
+    .Output("hidden_grad: T")
+    .Attr("T: {float, double}")
+    .Attr("Tidx: {int32, int64} = DT_INT64")
+    .Attr("use_bias: bool")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(FusedStepInputs(c, 13, 17, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(17), 1, &unused));
+      c->set_output(0, c->input(0));
+      return Status();
+    })
+    .Doc(R"doc(
+Hsm>AdamStep's update and hidden_grad after a forward pass that kept its values: the
+saved_logits and saved_directions of Hsm>LogProbSavingLogits on the same inputs, the
+table unchanged since (both empty where it kept none: everything is then computed
+again). The step of a layer whose loss gradient is known only after its forward pass.
+)doc");
+
+#undef TF_HSM_ADAM_STEP_INPUTS
 
 // Shapes are checked by the kernels: the variables' shapes are not known here.
 REGISTER_OP("Hsm>SparseAdamRows")

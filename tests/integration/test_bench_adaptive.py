@@ -26,13 +26,15 @@ def _keras_fit(**overrides):
   args.update(overrides)
   command = [sys.executable, "-m", "tf_hsm.bench.keras_fit", "--json"]
   for name, value in args.items():
-    command += [f"--{name.replace('_', '-')}", str(value)]
+    flag = f"--{name.replace('_', '-')}"
+    command += [flag] if value is True else [flag, str(value)]
   out = support.run(command, timeout=300).stdout
   return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("overrides", [
-    {}, {"tail": "flat", "cutoffs": "200,1000"}, {"layer": "hsm", "tree": "huffman8"}])
+    {}, {"tail": "flat", "cutoffs": "200,1000"}, {"layer": "hsm", "tree": "huffman8"},
+    {"layer": "hsm", "tree": "huffman8", "optimizer": "lazy_adam", "fused_update": True}])
 def test_keras_fit_reports_steps_weights_and_memory(overrides):
   result = _keras_fit(**overrides)
   assert result["peak_since"] == "the baseline"
@@ -44,6 +46,7 @@ def test_keras_fit_reports_steps_weights_and_memory(overrides):
     tree = tf_hsm.Tree.huffman(zipf_weights(3_000), branching=8)
     assert result["weights_bytes"] == tree.num_slots * (32 + 1) * 4
     assert "HierarchicalSoftmax huffman8" in result["layout"]
+    assert ("fused update" in result["layout"]) == bool(overrides.get("fused_update"))
   else:
     assert "AdaptiveSoftmax" in result["layout"] and "cutoffs [" in result["layout"]
   if overrides.get("cutoffs"):

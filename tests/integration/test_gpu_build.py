@@ -31,6 +31,7 @@ CPU_ONLY = {
     "Hsm>LogProbAndGrad": "nll_loss calls Hsm>LogProb where a GPU is visible",
     "Hsm>SgdStep": "sgd_step on a table off the CPU: sgd_step_from_gradient",
     "Hsm>AdamStep": "adam_step on a table off the CPU: log_prob's gradient and LazyAdam",
+    "Hsm>AdamStepFromLogits": "fused_update with a table off the CPU: log_prob's gradient",
     "Hsm>SparseAdamRows": "rows.fused_ops: gathers and scatters off the CPU",
     "Hsm>SparseAdagradRows": "rows.fused_ops: gathers and scatters off the CPU",
     "Hsm>SparseSgdRows": "rows.fused_ops: gathers and scatters off the CPU",

@@ -4,11 +4,13 @@
         --layer adaptive --tail two_level            # cutoffs from the cost model
     python -m tf_hsm.bench.keras_fit --classes 10M --hidden 300 --tokens 3200 \\
         --layer hsm --tree huffman32
+    python -m tf_hsm.bench.keras_fit --classes 1M --hidden 300 --tokens 3200 \\
+        --layer hsm --tree vectors32_head256 --optimizer lazy_adam --fused-update
 
 The model is what a user trains: features -> Dense(hidden) -> the output layer
-(`HierarchicalSoftmax` over the named tree of the Zipf(1) counts, or `AdaptiveSoftmax`
-with the given or chosen cutoffs), compiled with `tf_hsm.losses.nll` and
-`tf_hsm.optimizers.SparseSGD`, fed by a `tf.data` pipeline of Zipf(1) targets
+(`HierarchicalSoftmax` over the named tree of the Zipf(1) counts, `fused_update` with
+`--fused-update`, or `AdaptiveSoftmax` with the given or chosen cutoffs), compiled with
+`tf_hsm.losses.nll` and `tf_hsm.optimizers.SparseSGD` (or `LazyAdam`), fed by a `tf.data` pipeline of Zipf(1) targets
 (`--batches` distinct batches, cycled), and trained with `model.fit` for `--steps` steps.
 Printed: the median wall time of the steps after the first two (tracing, first
 allocations), the output layer's weights (table and projections), and the process's peak
@@ -25,7 +27,7 @@ import time
 import numpy as np
 
 from tf_hsm.bench import worker
-from tf_hsm.bench.cases import zipf_targets, zipf_weights
+from tf_hsm.bench.cases import build_tree, zipf_targets, zipf_weights
 
 GIB = 2**30
 
@@ -44,10 +46,15 @@ def output_layer(args, counts):
       tree = tf_hsm.Tree.two_level(args.classes, counts=counts)
     elif kind.startswith("huffman"):
       tree = tf_hsm.Tree.huffman(counts, branching=int(kind[len("huffman"):] or 2))
+    elif kind == "vectors32_head256":
+      tree = build_tree(kind, args.classes)
     else:
-      raise ValueError(f"--tree must be two_level or huffmanK, got {kind!r}")
-    return (tf_hsm.HierarchicalSoftmax(tree, name="output"),
-            f"HierarchicalSoftmax {kind}: {tree.num_slots:,} slots, depth {tree.max_depth}")
+      raise ValueError(f"--tree must be two_level, huffmanK or vectors32_head256, got "
+                       f"{kind!r}")
+    fused = ", fused update" if args.fused_update else ""
+    return (tf_hsm.HierarchicalSoftmax(tree, name="output", fused_update=args.fused_update),
+            f"HierarchicalSoftmax {kind}{fused}: {tree.num_slots:,} slots, depth "
+            f"{tree.max_depth}")
   cutoffs = [int(c) for c in args.cutoffs.split(",")] if args.cutoffs else None
   layer = tf_hsm.AdaptiveSoftmax(args.classes, cutoffs, div_value=args.div_value,
                                  tail=args.tail, counts=counts,
@@ -93,7 +100,9 @@ def run(args):
   targets = keras.Input((), dtype="int64", name="targets")
   hidden = keras.layers.Dense(args.hidden, activation="tanh", name="hidden")(features)
   model = keras.Model([features, targets], layer(hidden, targets))
-  model.compile(optimizer=optimizers.SparseSGD(learning_rate=0.1), loss=losses.nll)
+  optimizer = (optimizers.LazyAdam(learning_rate=1e-3) if args.optimizer == "lazy_adam"
+               else optimizers.SparseSGD(learning_rate=0.1))
+  model.compile(optimizer=optimizer, loss=losses.nll)
 
   rng = np.random.default_rng(args.seed)
   batches = [(rng.standard_normal((args.tokens, args.features)).astype(np.float32),
@@ -134,7 +143,12 @@ def main(argv=None):
   parser.add_argument("--features", type=int, default=64,
                       help="width of the model's input (default: %(default)s)")
   parser.add_argument("--layer", choices=("hsm", "adaptive"), default="adaptive")
-  parser.add_argument("--tree", default="huffman32", help="two_level or huffmanK (hsm)")
+  parser.add_argument("--tree", default="huffman32",
+                      help="two_level, huffmanK or vectors32_head256 (hsm)")
+  parser.add_argument("--optimizer", choices=("sparse_sgd", "lazy_adam"),
+                      default="sparse_sgd")
+  parser.add_argument("--fused-update", action="store_true",
+                      help="HierarchicalSoftmax(fused_update=True) (hsm, lazy_adam)")
   parser.add_argument("--tail", choices=("flat", "two_level"), default="two_level")
   parser.add_argument("--cutoffs", default=None,
                       help="e.g. 2000,20000 (adaptive; default: from the cost model)")
@@ -147,6 +161,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.steps < 3:
     parser.error("--steps must be at least 3 (the first two are not counted)")
+  if args.fused_update and (args.layer != "hsm" or args.optimizer != "lazy_adam"):
+    parser.error("--fused-update is for --layer hsm with --optimizer lazy_adam")
   result = run(args)
   _print(args, result)
   if args.json:

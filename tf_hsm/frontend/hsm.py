@@ -57,7 +57,7 @@ def tables(kernel, bias, row_layout):
 
 
 def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=(),
-              ignore_class=None, layer=None):
+              ignore_class=None, layer=None, op=None):
   """The layer's output: log P(targets | hidden), 0 at padding, with its Keras mask.
 
   Args:
@@ -70,6 +70,8 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=(),
     ignore_class: a class id that marks padding too, or None.
     layer: the calling layer, attached to the output with its hidden states (for the
       top-k metric compiled with the model, which sees only the output).
+    op: None for `tf_hsm.log_prob`, or a function `op(hidden, kernel, bias, tree,
+      targets)` of the same value with another gradient.
 
   Returns:
     The log-probabilities, `targets`' shape, with `_keras_mask` (the valid positions)
@@ -91,8 +93,8 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=(),
     out = stock_hsm.log_prob(hidden_in(hidden, kernel.dtype), kernel, bias, tree,
                              safe_targets)
   else:
-    out = log_prob(hidden_in(hidden, kernel.dtype), *tables(kernel, bias, row_layout),
-                   tree, safe_targets)
+    out = (op or log_prob)(hidden_in(hidden, kernel.dtype),
+                           *tables(kernel, bias, row_layout), tree, safe_targets)
   out = tf.where(valid, out, tf.zeros_like(out))
   out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
   if layer is not None:

@@ -1,7 +1,9 @@
 """`tf_hsm.adam_step`: a hierarchical-softmax training step with
 `tf_hsm.optimizers.LazyAdam`'s update of the table fused into the backward pass
 (`tf_hsm.ops.adam_step`, op Hsm>AdamStep), as `sgd_step` fuses SGD's: the optimizer's
-side, its slots, its step's constants and its step count."""
+side, its slots, its step's constants and its step count; and `log_prob_updating_table`,
+the same update in the gradient of a layer's output (`HierarchicalSoftmax(...,
+fused_update=True)` in `model.fit`)."""
 
 import tensorflow as tf
 
@@ -63,21 +65,7 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
   A table placed off the CPU (on a GPU), where the fused op has no kernel, is updated by
   `log_prob`'s gradient and `optimizer.apply_gradients` instead: the same update.
   """
-  if not isinstance(optimizer, optimizers.LazyAdam):
-    raise TypeError("optimizer must be a tf_hsm.optimizers.LazyAdam (Keras 3), got "
-                    f"{type(optimizer).__name__}")
-  used = [name for name in _UNFUSED_SETTINGS if getattr(optimizer, name, None)]
-  if used:
-    raise ValueError(f"adam_step fuses LazyAdam's row update only; this optimizer also "
-                     f"applies {', '.join(used)}: use nll_loss and "
-                     "optimizer.apply_gradients")
-  hidden = tf.convert_to_tensor(hidden)
-  if hidden.dtype not in inputs.FLOAT_TYPES:
-    raise TypeError(f"hidden must be float32 or float64, got {hidden.dtype.name}")
-  if compact_tables.is_split(weights, biases):
-    raise TypeError("adam_step updates one variable in place; for a table held in pieces "
-                    "(a ShardedVariable or a list of row ranges) use nll_loss with "
-                    "tf_hsm.optimizers.LazyAdam under the strategy that placed them")
+  hidden = _checked(optimizer, hidden, weights, biases)
   variables = [weights] + ([] if biases is None else [biases])
   if not optimizer.built:
     optimizer.build(variables)
@@ -93,6 +81,89 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
   with tf.control_dependencies([log_probs, hidden_grad]):
     optimizer.iterations.assign_add(1)
   return log_probs, hidden_grad
+
+
+def _checked(optimizer, hidden, weights, biases):
+  """hidden as a tensor, once optimizer and the table are ones the fused op can update."""
+  if not isinstance(optimizer, optimizers.LazyAdam):
+    raise TypeError("optimizer must be a tf_hsm.optimizers.LazyAdam (Keras 3), got "
+                    f"{type(optimizer).__name__}")
+  used = [name for name in _UNFUSED_SETTINGS if getattr(optimizer, name, None)]
+  if used:
+    raise ValueError(f"the fused step applies LazyAdam's row update only; this optimizer "
+                     f"also applies {', '.join(used)}: use nll_loss (or a layer without "
+                     "fused_update) and optimizer.apply_gradients")
+  hidden = tf.convert_to_tensor(hidden)
+  if hidden.dtype not in inputs.FLOAT_TYPES:
+    raise TypeError(f"hidden must be float32 or float64, got {hidden.dtype.name}")
+  if compact_tables.is_split(weights, biases):
+    raise TypeError("the fused step updates one variable in place; for a table held in "
+                    "pieces (a ShardedVariable or a list of row ranges) use nll_loss with "
+                    "tf_hsm.optimizers.LazyAdam under the strategy that placed them")
+  return hidden
+
+
+@inputs.accepts_ragged
+def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer):
+  """log_prob(hidden, weights, biases, tree, targets), whose gradient updates the table.
+
+  For a table that `optimizer` trains together with other variables (a model's, in
+  `model.fit`): the forward pass is `log_prob`'s; the backward pass, given the loss's
+  gradient g with respect to the log-probabilities, applies LazyAdam's update of the
+  gradient -sum(g * log_prob) would give the table, in place, fused into the op that
+  computes hidden's gradient (as `adam_step` with loss_scale = -g), and gives weights
+  and biases empty gradients (`tf.IndexedSlices` of no rows), whose update in
+  `optimizer.apply_gradients` changes nothing and which counts the step as usual. The
+  table, its biases and their moments then end as they would with the gradient
+  applied, bit for bit: the update uses the step count and learning rate that
+  `apply_gradients` uses in the same training step.
+
+  Taking the gradient is the update: take it once a step, and apply the optimizer to
+  the other variables in the same step (as `model.fit` does). Where the fused op does
+  not run (a table off the CPU) this is `log_prob` and its gradient is the table's.
+
+  Raises:
+    TypeError, ValueError: as `adam_step`, for the optimizer and the table; ValueError
+      where the optimizer has not been built for the table's variables (`model.fit`
+      builds it before the first step).
+  """
+  hidden = _checked(optimizer, hidden, weights, biases)
+  targets = inputs.class_ids(targets, "targets")
+  if not training.fused_sgd_runs_on(inputs.tf_variable(weights).device):
+    return training.log_prob(hidden, weights, biases, tree, targets)
+  variables = [weights] + ([] if biases is None else [biases])
+  moments = [m for v in variables for m in _slots(optimizer, v)]
+
+  # The tables enter as tensors read without a copy (`inputs.read_table`), not as
+  # variables the function captures: tf.custom_gradient reads a captured variable
+  # plainly, and after the step's sparse update that read copies the whole table.
+  tables = [inputs.read_table(v) for v in variables]
+
+  @tf.custom_gradient
+  def forward(hidden, *tables):
+    # The forward keeps its logits and directions; the update reads them.
+    log_probs, saved_logits, saved_directions = training.log_prob_and_saved(
+        hidden, tables[0], tables[1] if len(tables) > 1 else None, tree, targets)
+
+    def backward(upstream):
+      constants = optimizer.row_constants(hidden.dtype, optimizer.learning_rate)
+      # Reading the forward's outputs orders the update after the forward's read of the
+      # table. (The upstream gradient of a mean loss does not depend on log_probs: with
+      # it alone, the update could run first, or beside the read, and copy the table.)
+      hidden_grad = fused.adam_rows_step_from_logits(
+          hidden, weights, biases, tree, targets, moments, constants, -upstream,
+          saved_logits, saved_directions)
+      return [hidden_grad] + [_no_rows(v) for v in variables]
+    return log_probs, backward
+  return forward(hidden, *tables)
+
+
+def _no_rows(variable):
+  """A gradient of `variable` that names none of its rows (its static shape: reading
+  the variable for its shape could copy it)."""
+  shape = [int(d) for d in variable.shape]
+  return tf.IndexedSlices(tf.zeros([0] + shape[1:], variable.dtype),
+                          tf.zeros([0], tf.int64), tf.constant(shape, tf.int64))
 
 
 def _check_own(optimizer, variables):
@@ -114,8 +185,13 @@ def _check_own(optimizer, variables):
 
 
 def _slots(optimizer, variable):
-  """[m, v]: `optimizer`'s moments of `variable` (one of those `_check_own` checked)."""
-  index = optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+  """[m, v]: `optimizer`'s moments of `variable`; ValueError if it has none."""
+  try:
+    index = optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+  except KeyError:
+    raise ValueError(f"the optimizer has no moments for {variable.name}: build it for "
+                     "the table's variables first (model.fit builds it for the model's)"
+                     ) from None
   return [optimizer._momentums[index], optimizer._velocities[index]]  # pylint: disable=protected-access
 
 

@@ -1,5 +1,6 @@
-"""Hsm>AdamStep's wrapper: a hierarchical-softmax training step with Adam's row update of
-the table and its moments fused into the backward pass, as `sgd_step` fuses SGD's. The
+"""Hsm>AdamStep's wrapper (and Hsm>AdamStepFromLogits', the same after a saving forward
+pass): a hierarchical-softmax training step with Adam's row update of the table and its
+moments fused into the backward pass, as `sgd_step` fuses SGD's. The
 optimizer's side (its slots, its step's constants, its step count) is
 `tf_hsm.keras.adam_step`'s, which users call as `tf_hsm.adam_step`."""
 
@@ -25,6 +26,26 @@ def adam_rows_step(hidden, weights, biases, tree, targets, moments, constants,
     loss_scale: each token's weight in loss = -sum(loss_scale * log_prob), targets'
       shape.
   """
+  log_probs, hidden_grad = loader.ops().hsm_adam_step(
+      *_step_inputs(hidden, weights, biases, tree, targets, moments, constants,
+                    loss_scale), use_bias=biases is not None)
+  return log_probs, training._first_order_only(hidden_grad)  # pylint: disable=protected-access
+
+
+def adam_rows_step_from_logits(hidden, weights, biases, tree, targets, moments, constants,
+                               loss_scale, saved_logits, saved_directions):
+  """hidden_grad of `adam_rows_step`'s update after a forward pass that saved its values
+  (`training.log_prob_and_saved` on the same inputs, the table unchanged since): the
+  update reads them instead of computing the logits and paths again."""
+  hidden_grad = loader.ops().hsm_adam_step_from_logits(
+      *_step_inputs(hidden, weights, biases, tree, targets, moments, constants,
+                    loss_scale), saved_logits, saved_directions,
+      use_bias=biases is not None)
+  return training._first_order_only(hidden_grad)  # pylint: disable=protected-access
+
+
+def _step_inputs(hidden, weights, biases, tree, targets, moments, constants, loss_scale):
+  """The fused Adam ops' inputs before their own: tensors, handles and constants."""
   t = inputs.tree_tensors(tree)
   weights_handle = inputs.variable_handle(weights, "weights")
   biases_handle = (weights_handle if biases is None
@@ -32,11 +53,10 @@ def adam_rows_step(hidden, weights, biases, tree, targets, moments, constants,
   handles = [m.handle for m in moments]
   if biases is None:  # the op's bias moments are read only with use_bias
     handles += handles
-  log_probs, hidden_grad = loader.ops().hsm_adam_step(
-      hidden, weights_handle, biases_handle, targets, t["child_begin"], t["path_begin"],
-      t["path_nodes"], t["path_slots"], loss_scale, *handles[:4], *constants,
-      use_bias=biases is not None)
-  return log_probs, training._first_order_only(hidden_grad)  # pylint: disable=protected-access
+  return (hidden, weights_handle, biases_handle, targets, t["child_begin"],
+          t["path_begin"], t["path_nodes"], t["path_slots"], loss_scale, *handles[:4],
+          *constants)
 
 
 tf.no_gradient("Hsm>AdamStep")
+tf.no_gradient("Hsm>AdamStepFromLogits")

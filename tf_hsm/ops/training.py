@@ -64,6 +64,17 @@ def log_prob(hidden, weights, biases, tree, targets):
   return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
 
 
+def log_prob_and_saved(hidden, weights, biases, tree, targets):
+  """(log_prob, saved_logits, saved_directions) of Hsm>LogProbSavingLogits on the CPU: what
+  a fused step after the forward pass reads instead of computing again (both saved
+  tensors empty where too many to keep). hidden and the tables of one float type, one
+  variable each."""
+  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets)
+  hidden, weights, biases, _ = inputs.dense_inputs(hidden, weights, biases)
+  return loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
+                                                  *tree_inputs)
+
+
 @tf.RegisterGradient("Hsm>LogProb")
 def _log_prob_grad(op, upstream):
   hidden, weights, biases, targets = op.inputs[:4]

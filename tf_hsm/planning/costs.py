@@ -82,19 +82,23 @@ def moved_elements(part, optimizer):
   again by the backward, the gradient written, and the optimizer's read-modify-write of
   the elements it updates and their slots (all of them for a dense gradient or an
   optimizer that is not lazy)."""
-  slots = OPTIMIZERS[optimizer]
-  lazy = optimizer in ("sgd", "adagrad", "lazy_adam")
   grad = part.elements if part.dense_grad else part.touched
-  updated = part.touched if (lazy and not part.dense_grad) else part.elements
-  return 2 * part.touched + grad + 2 * updated * (1 + slots)
+  return 2 * part.touched + grad + 2 * _updated(part, optimizer) + slot_elements(
+      part, optimizer)
 
 
 def slot_elements(part, optimizer):
   """Of `moved_elements`, the optimizer's slots' read and write (NumPy arrays
   broadcast): 2 x the elements it updates x its slots."""
+  return 2 * _updated(part, optimizer) * OPTIMIZERS[optimizer]
+
+
+def _updated(part, optimizer):
+  """The elements of `part` the optimizer updates: the touched ones for a lazy optimizer
+  and a sparse gradient, else all."""
   lazy = optimizer in ("sgd", "adagrad", "lazy_adam")
-  updated = part.touched if (lazy and not part.dense_grad) else part.elements
-  return 2 * updated * OPTIMIZERS[optimizer]
+  return part.touched if (lazy and not part.dense_grad) else part.elements
+
 
 def full_softmax_cost(num_classes, hidden, tokens_per_step):
   """TensorFlow's dense softmax (`matmul` + `sparse_softmax_cross_entropy_with_logits`):

@@ -75,9 +75,8 @@ def price(method, cost, hidden, tokens_per_step, optimizer="sgd", dtype="float32
   slot = slots * param
   activation_bytes = cost.activations * b
   peak = param + grad + slot + activation_bytes + cost.tree_bytes + STEP_WORKSPACE_BYTES
-  moved = (sum(moved_elements(p, optimizer) for p in cost.parts) +
-           2 * int(tokens_per_step) * int(hidden)) * b
-  slot_moved = _bytes_and_slot_bytes(cost.parts, optimizer, b)[1]
+  table_moved, slot_moved = _bytes_and_slot_bytes(cost.parts, optimizer, b)
+  moved = table_moved + slot_moved + 2 * int(tokens_per_step) * int(hidden) * b
   if machine.tree_step is not None and cost.parts and all(p.tree for p in cost.parts):
     # tf_hsm's op and sparse update, as fitted to its steps on this machine.
     seconds = float(np.dot(machine.tree_step,
