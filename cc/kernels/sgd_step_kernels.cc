@@ -123,7 +123,11 @@ class FusedStepOp : public OpKernel {
                                      saved.shape().DebugString());
     }
     const bool none = saved.NumElements() == 0 && directions.NumElements() == 0;
-    if (!none && (saved.NumElements() == 0 || directions.shape() != in.hidden->shape())) {
+    if (!none && saved.NumElements() == 0) {
+      return errors::InvalidArgument("saved_logits is empty but saved_directions is not: "
+                                     "give both of the forward's, or neither");
+    }
+    if (!none && directions.shape() != in.hidden->shape()) {
       return errors::InvalidArgument("saved_directions must have hidden's shape ",
                                      in.hidden->shape().DebugString(),
                                      " with saved_logits (or both be empty), got ",

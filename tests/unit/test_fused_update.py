@@ -106,6 +106,77 @@ def test_outside_fit_the_gradient_is_the_tables(rng, monkeypatch):
   assert all(g is not None and g.values.shape[0] > 0 for g in grads)
 
 
+def test_a_compiled_model_in_a_custom_loop_gives_the_gradient(rng, monkeypatch):
+  # Not Keras' own train step: the loop's optimizer, clipping or second tape could
+  # differ from the model's, so the table's gradient is handed back as usual.
+  tree = _tree(rng)
+  x, y, _ = _data(rng, batches=1)
+  count = _CountFusedSteps(monkeypatch)
+  model, layer = _model(tree, True)
+  with tf.GradientTape() as tape:
+    loss = -tf.reduce_sum(model([x, y], training=True))
+  grads = tape.gradient(loss, layer.trainable_weights)
+  assert count.calls == 0 and all(g.values.shape[0] > 0 for g in grads)
+  assert not model.optimizer.built
+
+
+class _ClippingModel(keras.Model):
+  """A train_step of the user's: clips each gradient before applying it."""
+
+  def train_step(self, data):
+    (x, y), _ = data
+    with tf.GradientTape() as tape:
+      loss = -tf.reduce_mean(self([x, y], training=True))
+    variables = self.trainable_variables
+    grads = [tf.clip_by_norm(tf.convert_to_tensor(g), 0.01)
+             for g in tape.gradient(loss, variables)]
+    self.optimizer.apply_gradients(zip(grads, variables))
+    return {"loss": loss}
+
+
+def test_a_train_step_of_ones_own_is_not_fused(rng, monkeypatch):
+  tree = _tree(rng)
+  x, y, _ = _data(rng, batches=2)
+  count = _CountFusedSteps(monkeypatch)
+  states = []
+  for fused in (False, True):
+    model, _ = _model(tree, fused)
+    model = _ClippingModel(model.inputs, model.outputs, name="clipping")
+    model.compile(optimizer=tf_hsm.optimizers.LazyAdam(0.05))
+    model.fit([x, y], y, batch_size=2, epochs=1, verbose=0, shuffle=False)
+    states.append(model)
+  assert count.calls == 0
+  _assert_same_state(*states)
+
+
+def test_mixed_bfloat16(rng, monkeypatch):
+  # The optimizer, built by the layer before the first step, holds float32 moments.
+  tree = _tree(rng)
+  x, y, _ = _data(rng, batches=2)
+  count = _CountFusedSteps(monkeypatch)
+  models = []
+  keras.mixed_precision.set_global_policy("mixed_bfloat16")
+  try:
+    for fused in (False, True):
+      model, _ = _model(tree, fused)
+      model.fit([x, y], y, batch_size=2, epochs=1, verbose=0, shuffle=False)
+      models.append(model)
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  assert count.calls > 0
+  _assert_same_state(*models)
+
+
+def test_a_forward_call_before_an_eager_fit(rng):
+  tree = _tree(rng)
+  x, y, _ = _data(rng, batches=2)
+  model, _ = _model(tree, True)
+  model.run_eagerly = True
+  model([x[:2], y[:2]], training=True)  # outside a train step: not a step's call
+  model.fit([x, y], y, batch_size=2, epochs=1, verbose=0)
+  assert int(model.optimizer.iterations) == 2
+
+
 def test_frozen_layer_stays_frozen(rng, monkeypatch):
   tree = _tree(rng)
   x, y, _ = _data(rng)
@@ -292,7 +363,8 @@ def test_from_logits_op_refuses_values_of_other_inputs(rng):
   _, logits, directions = training.log_prob_and_saved(hidden, w, b, tree, targets)
   cases = [(logits[:-1], directions, "saved_logits must be the forward's"),
            (logits, directions[:-1], "saved_directions must have hidden's shape"),
-           (logits, tf.zeros([0]), "saved_directions must have hidden's shape")]
+           (logits, tf.zeros([0]), "saved_directions must have hidden's shape"),
+           (tf.zeros([0]), directions, "saved_logits is empty but saved_directions")]
   for bad_logits, bad_directions, match in cases:
     with pytest.raises(tf.errors.InvalidArgumentError, match=match):
       ops_step.adam_rows_step_from_logits(hidden, w, b, tree, targets, moments, constants,

@@ -11,6 +11,7 @@ starts. Neither is public API: where they are missing, the checks are skipped.
 """
 
 import re
+import sys
 import warnings
 
 # Losses that read the output as scores of every class; tf_hsm's output is one
@@ -99,6 +100,24 @@ def calling_model(keras_name):
     return model, getattr(context, "training", None)
   except (ImportError, AttributeError):
     return None, None
+
+
+def keras_train_step_model():
+  """The model whose own `train_step` is running (Keras 3's, TensorFlow backend, not an
+  override: the step `fit` and `train_on_batch` take, whose gradient goes as taken, once,
+  to `model.optimizer`), found on the call stack; None elsewhere (a custom loop, a
+  `train_step` of the user's, or where Keras' trainer is not there)."""
+  try:
+    from keras.src.backend.tensorflow import trainer  # pylint: disable=import-outside-toplevel
+    code = trainer.TensorFlowTrainer.train_step.__code__
+  except (ImportError, AttributeError):
+    return None
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None:
+    if frame.f_code is code:
+      return frame.f_locals.get("self")
+    frame = frame.f_back
+  return None
 
 
 def _loss_name(loss):

@@ -66,7 +66,7 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
   `log_prob`'s gradient and `optimizer.apply_gradients` instead: the same update.
   """
   hidden = _checked(optimizer, hidden, weights, biases)
-  variables = [weights] + ([] if biases is None else [biases])
+  variables = _table_variables(weights, biases)
   if not optimizer.built:
     optimizer.build(variables)
   _check_own(optimizer, variables)
@@ -91,8 +91,8 @@ def _checked(optimizer, hidden, weights, biases):
   used = [name for name in _UNFUSED_SETTINGS if getattr(optimizer, name, None)]
   if used:
     raise ValueError(f"the fused step applies LazyAdam's row update only; this optimizer "
-                     f"also applies {', '.join(used)}: use nll_loss (or a layer without "
-                     "fused_update) and optimizer.apply_gradients")
+                     f"also applies {', '.join(used)}: use the layer's fused_update=False "
+                     "(or, for adam_step, nll_loss and optimizer.apply_gradients)")
   hidden = tf.convert_to_tensor(hidden)
   if hidden.dtype not in inputs.FLOAT_TYPES:
     raise TypeError(f"hidden must be float32 or float64, got {hidden.dtype.name}")
@@ -118,20 +118,21 @@ def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer):
   applied, bit for bit: the update uses the step count and learning rate that
   `apply_gradients` uses in the same training step.
 
-  Taking the gradient is the update: take it once a step, and apply the optimizer to
-  the other variables in the same step (as `model.fit` does). Where the fused op does
-  not run (a table off the CPU) this is `log_prob` and its gradient is the table's.
+  Taking the gradient is the update: take it once a step, apply the optimizer to the
+  other variables in the same step (as `model.fit` does), and give the table no other
+  gradient (it would be applied as a second step). Where the fused op does not run (a
+  table off the CPU) this is `log_prob` and its gradient is the table's.
 
   Raises:
     TypeError, ValueError: as `adam_step`, for the optimizer and the table; ValueError
-      where the optimizer has not been built for the table's variables (`model.fit`
-      builds it before the first step).
+      where the optimizer has not been built for the table's variables (the layer
+      builds the model's before its first fused step).
   """
   hidden = _checked(optimizer, hidden, weights, biases)
   targets = inputs.class_ids(targets, "targets")
   if not training.fused_sgd_runs_on(inputs.tf_variable(weights).device):
     return training.log_prob(hidden, weights, biases, tree, targets)
-  variables = [weights] + ([] if biases is None else [biases])
+  variables = _table_variables(weights, biases)
   moments = [m for v in variables for m in _slots(optimizer, v)]
 
   # The tables enter as tensors read without a copy (`inputs.read_table`), not as
@@ -156,6 +157,10 @@ def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer):
       return [hidden_grad] + [_no_rows(v) for v in variables]
     return log_probs, backward
   return forward(hidden, *tables)
+
+
+def _table_variables(weights, biases):
+  return [weights] + ([] if biases is None else [biases])
 
 
 def _no_rows(variable):
@@ -190,8 +195,7 @@ def _slots(optimizer, variable):
     index = optimizer._get_variable_index(variable)  # pylint: disable=protected-access
   except KeyError:
     raise ValueError(f"the optimizer has no moments for {variable.name}: build it for "
-                     "the table's variables first (model.fit builds it for the model's)"
-                     ) from None
+                     "the table's variables first") from None
   return [optimizer._momentums[index], optimizer._velocities[index]]  # pylint: disable=protected-access
 
 
@@ -202,7 +206,7 @@ def _from_gradient(hidden, weights, biases, tree, targets, optimizer, loss_scale
     tape.watch(hidden)
     log_probs = training.log_prob(hidden, weights, biases, tree, targets)
     loss = -tf.reduce_sum(loss_scale * log_probs)
-  variables = [weights] + ([] if biases is None else [biases])
+  variables = _table_variables(weights, biases)
   hidden_grad, *table_grads = tape.gradient(loss, [hidden] + variables)
   optimizer.apply_gradients(zip(table_grads, variables))
   return log_probs, hidden_grad

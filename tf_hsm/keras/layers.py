@@ -1,5 +1,6 @@
 """`HierarchicalSoftmax`, the Keras 3 layer over `tf_hsm.log_prob`."""
 
+import contextlib
 import weakref
 
 import keras
@@ -85,14 +86,17 @@ class HierarchicalSoftmax(keras.layers.Layer):
       and its biases inside the layer's backward pass (the op of `tf_hsm.adam_step`)
       instead of handing their gradient to the optimizer: the same weights and moments
       bit for bit, without writing and reading back a gradient of one row per child of
-      every visited node (1.3x faster a step at V=1M, D=300, 3,200 tokens). The
-      optimizer must be the model's `LazyAdam` without amsgrad, weight decay, EMA,
-      gradient accumulation, clipping or loss scaling (not `mixed_float16`), and no
-      distribution strategy; the table is updated when its gradient is taken, once a
-      step, so the layer must be called once a step. Elsewhere (a custom loop, a frozen
-      layer, a table off the CPU) the layer gives its gradient as usual; a custom loop
-      fuses with `tf_hsm.adam_step`. Not with a `row_layout`, regularizers or
-      constraints (which act on the whole table).
+      every visited node (a `fit` step 1.14-1.28x faster at V=1M, D=300, 3,200
+      tokens). The optimizer must be the model's `LazyAdam` without amsgrad, weight
+      decay, EMA, gradient accumulation, clipping or loss scaling (not
+      `mixed_float16`), and no distribution strategy; the layer must be called once a
+      step, and the table's gradient must be this layer's alone (not tied to another
+      layer's, no `add_loss` term on it: another gradient of it would be applied as a
+      second step). Only Keras' own training step fuses (`fit`, `train_on_batch`):
+      elsewhere (a custom loop, a `train_step` of your own, a frozen layer, a table
+      off the CPU) the layer gives its gradient as usual; a custom loop fuses with
+      `tf_hsm.adam_step`. Not with a `row_layout`, regularizers or constraints (which
+      act on the whole table).
     **kwargs: base `keras.layers.Layer` arguments (name, dtype, trainable, ...).
 
   Call arguments:
@@ -188,10 +192,10 @@ class HierarchicalSoftmax(keras.layers.Layer):
 
   def _fused_op(self):
     """log_prob whose gradient applies the model's optimizer to the table
-    (`fused_update`), or None where no compiled model trains the layer."""
-    model, _ = wiring.calling_model(self._KERAS)
+    (`fused_update`), or None outside Keras' own training step."""
+    model = wiring.keras_train_step_model()
     optimizer = getattr(model, "optimizer", None)
-    if model is None or model is self or optimizer is None:
+    if optimizer is None:
       return None
     if getattr(optimizer, "inner_optimizer", None) is not None:
       raise ValueError(
@@ -204,9 +208,9 @@ class HierarchicalSoftmax(keras.layers.Layer):
                        "cannot run under a distribution strategy; use fused_update=False")
     self._check_one_fused_call(optimizer)
     if not optimizer.built:
-      # What its first `apply` in the step would do; the table's update, in the
-      # backward pass, comes before it.
-      with keras.name_scope(optimizer.name, caller=optimizer):
+      # What its first `apply` in the step would do (the table's update, in the backward
+      # pass, comes before it), on the variables, not on this call's autocast values.
+      with _no_autocast(), keras.name_scope(optimizer.name, caller=optimizer):
         optimizer.build(model.trainable_variables)
     return lambda *args: fused_update_op.log_prob_updating_table(*args, optimizer)
 
@@ -360,6 +364,15 @@ class HierarchicalSoftmax(keras.layers.Layer):
         "fused_update": self.fused_update,
     })
     return config
+
+
+def _no_autocast():
+  """A scope where a Keras variable's value is itself, not its mixed-precision cast."""
+  try:
+    from keras.src import backend  # pylint: disable=import-outside-toplevel
+    return backend.AutocastScope(None)
+  except (ImportError, AttributeError):
+    return contextlib.nullcontext()
 
 
 def _checked_fused_update(fused_update, layer):
