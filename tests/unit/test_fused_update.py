@@ -370,3 +370,56 @@ def test_from_logits_op_refuses_values_of_other_inputs(rng):
       ops_step.adam_rows_step_from_logits(hidden, w, b, tree, targets, moments, constants,
                                           scale, bad_logits, bad_directions)
   np.testing.assert_array_equal(w.numpy(), w0)  # refused before any update
+
+
+class _TiedEmbedding(keras.layers.Layer):
+  """Embeds tokens with the rows of another layer's table: its gradient is a second one
+  of that table."""
+
+  def __init__(self, owner, **kwargs):
+    super().__init__(**kwargs)
+    self.owner = owner
+
+  def call(self, tokens):
+    return keras.ops.take(self.owner.kernel, tokens, axis=0)
+
+
+class _TablePenalty(keras.layers.Layer):
+  """Passes its input on, adding a loss on another layer's table (a dense gradient)."""
+
+  def __init__(self, owner, **kwargs):
+    super().__init__(**kwargs)
+    self.owner = owner
+
+  def call(self, hidden):
+    self.add_loss(1e-3 * keras.ops.sum(keras.ops.square(self.owner.kernel)))
+    return hidden
+
+
+def _tied_model(tree, fused, eager, tie):
+  keras.utils.set_random_seed(3)
+  tokens = keras.Input([T], dtype="int32")
+  targets = keras.Input([T], dtype="int32")
+  layer = tf_hsm.HierarchicalSoftmax(tree, fused_update=fused)
+  layer.build([None, T, D])
+  hidden = keras.layers.Embedding(V, D)(tokens)
+  if tie == "rows":
+    hidden = hidden + _TiedEmbedding(layer)(tokens)
+  if tie == "loss":
+    hidden = _TablePenalty(layer)(hidden)
+  model = keras.Model([tokens, targets], layer(hidden, targets))
+  model.compile(optimizer=tf_hsm.optimizers.LazyAdam(0.05), loss=tf_hsm.losses.nll,
+                run_eagerly=eager)
+  return model
+
+
+@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("tie", ["rows", "loss"])
+def test_a_second_gradient_of_the_table_is_refused(rng, eager, tie):
+  tree = _tree(rng)
+  x, y, _ = _data(rng, batches=1)
+  with pytest.raises(ValueError, match="another gradient too"):
+    _tied_model(tree, True, eager, tie).fit([x, y], y, batch_size=2, epochs=1,
+                                            verbose=0)
+  # Unfused, the same model trains with both gradients.
+  _tied_model(tree, False, eager, tie).fit([x, y], y, batch_size=2, epochs=1, verbose=0)

@@ -120,7 +120,8 @@ def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer):
 
   Taking the gradient is the update: take it once a step, apply the optimizer to the
   other variables in the same step (as `model.fit` does), and give the table no other
-  gradient (it would be applied as a second step). Where the fused op does not run (a
+  gradient (it would be applied as a second step: the optimizer's `update_step` refuses
+  one, `LazyAdam.updated_in_backward`). Where the fused op does not run (a
   table off the CPU) this is `log_prob` and its gradient is the table's.
 
   Raises:
@@ -154,6 +155,7 @@ def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer):
       hidden_grad = fused.adam_rows_step_from_logits(
           hidden, weights, biases, tree, targets, moments, constants, -upstream,
           saved_logits, saved_directions)
+      optimizer.updated_in_backward(variables)
       return [hidden_grad] + [_no_rows(v) for v in variables]
     return log_probs, backward
   return forward(hidden, *tables)

@@ -90,9 +90,9 @@ class HierarchicalSoftmax(keras.layers.Layer):
       tokens). The optimizer must be the model's `LazyAdam` without amsgrad, weight
       decay, EMA, gradient accumulation, clipping or loss scaling (not
       `mixed_float16`), and no distribution strategy; the layer must be called once a
-      step, and the table's gradient must be this layer's alone (not tied to another
-      layer's, no `add_loss` term on it: another gradient of it would be applied as a
-      second step). Only Keras' own training step fuses (`fit`, `train_on_batch`):
+      step, and the table's gradient must be this layer's alone (a table tied to
+      another layer's, or a loss term on it, is refused at the optimizer's update: it
+      would be applied as a second step). Only Keras' own training step fuses (`fit`, `train_on_batch`):
       elsewhere (a custom loop, a `train_step` of your own, a frozen layer, a table
       off the CPU) the layer gives its gradient as usual; a custom loop fuses with
       `tf_hsm.adam_step`. Not with a `row_layout`, regularizers or constraints (which

@@ -33,6 +33,8 @@ Caveats shared by all: Keras applies `weight_decay`, `use_ema` and
 O(table). Regularise the table some other way, or accept that cost.
 """
 
+import weakref
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -128,6 +130,7 @@ class LazyAdam(_SlotsInPieces, keras.optimizers.Adam):
   """
 
   def update_step(self, gradient, variable, learning_rate):
+    self._check_not_updated_in_backward(gradient, variable)
     if not isinstance(gradient, tf.IndexedSlices):
       return super().update_step(gradient, variable, learning_rate)
     index = self._get_variable_index(variable)
@@ -149,10 +152,47 @@ class LazyAdam(_SlotsInPieces, keras.optimizers.Adam):
     return (alpha, tf.cast(1 - self.beta_1, dtype), tf.cast(1 - self.beta_2, dtype),
             tf.cast(self.epsilon, dtype))
 
+  def updated_in_backward(self, variables):
+    """Records that this step's backward pass has updated `variables` in place (a layer's
+    `fused_update`): the gradient `apply_gradients` then gets for them must name no
+    rows, or `update_step` raises (another use of the table, a tied weight or a loss on
+    it, would otherwise be applied as a second step). The record is this step's: this
+    traced function's, or the eager step's count."""
+    step = _this_step(self)
+    if getattr(self, "_updated_in_backward", (None,))[0] != step:
+      self._updated_in_backward = (step, set())
+    self._updated_in_backward[1].update(self._get_variable_index(v) for v in variables)
+
+  def _check_not_updated_in_backward(self, gradient, variable):
+    step, indices = getattr(self, "_updated_in_backward", (None, ()))
+    if (not indices or _names_no_rows(gradient) or step != _this_step(self)
+        or self._get_variable_index(variable) not in indices):
+      return
+    raise ValueError(
+        f"{variable.name} is updated in the backward pass of a layer with "
+        "fused_update=True, and the model gives it another gradient too (a weight tied to "
+        "another layer's, a loss term on it): applying it would be a second step. Use "
+        "fused_update=False for a table used elsewhere in the model")
+
   def _sparse_rows(self, gradient, table, slots, constants):
     """The update of one table (or one piece of it) and its slots' rows."""
     row_updates.adam_rows(gradient, table, slots, constants, amsgrad=self.amsgrad,
                         fused=_fused_ops([table] + list(slots)))
+
+
+def _this_step(optimizer):
+  """What tells one training step from another: the traced function being built, or
+  (eagerly) the optimizer's step count."""
+  if tf.inside_function():
+    return weakref.ref(tf.compat.v1.get_default_graph())
+  return int(optimizer.iterations.numpy())
+
+
+def _names_no_rows(gradient):
+  """Whether `gradient` is an IndexedSlices of no rows, known when traced (a sum with
+  another use's gradient has rows, or no static count, or is dense)."""
+  return (isinstance(gradient, tf.IndexedSlices)
+          and tf.compat.dimension_value(gradient.indices.shape[0]) == 0)
 
 
 @keras.saving.register_keras_serializable(package="tf_hsm")
