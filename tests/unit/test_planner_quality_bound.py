@@ -114,3 +114,33 @@ def test_a_better_layer_just_outside_the_margin_is_named():
   # Nor one that is no better than the pick.
   worse = row("two_level", 0.0150, 1.30)
   assert "just outside" not in candidates._choose([fast, worse, full], full, False)[1]  # pylint: disable=protected-access
+
+
+def test_the_trade_the_pick_leaves_is_noted():
+  """The note lists, by step, the slower layers that are each more accurate than every
+  faster one, and sampled softmax's figure beside them."""
+  from tf_hsm.planning import candidates  # pylint: disable=import-outside-toplevel
+
+  def row(label, seconds, quality, gap=0.0):
+    return {"label": label, "whole_step_seconds": seconds, "quality": quality,
+            "quality_scale_gap": gap, "quality_tokens": 10e6}
+
+  fast, best = row("huffman2", 0.010, 1.30), row("huffman8", 0.0124, 1.235)
+  rows = [fast, best, row("huffman32", 0.0150, 1.153), row("wider", 0.030, 1.20),
+          row("vectors", 0.0263, 1.081), row("vectors64", 0.040, 1.080),  # no better
+          row("far", 0.016, 1.01, gap=1.0),  # measured farther from V: not compared
+          row("unknown", 0.017, None), row("learned", 0.39, 1.074),
+          row("full", 10.0, 1.0)]
+  sampled = row("sampled", 0.0534, 1.036)
+  (note,) = candidates._more_accurate_note(rows, best, sampled)  # pylint: disable=protected-access
+  assert note.startswith("more accurate than the pick (+23.5%), and slower: huffman32 "
+                         "(+15.3% perplexity, 15.0 ms, 1.2x its step); vectors (+8.1% "
+                         "perplexity, 26.3 ms, 2.1x its step); full (+0.0% perplexity")
+  for left_out in ("huffman2", "wider", "vectors64", "far", "unknown", "learned"):
+    assert left_out not in note  # faster, no better, not comparable, or past three
+  assert note.endswith("sampled softmax, approximate (+3.6%, 53.4 ms, 4.3x its step)")
+  assert candidates._more_accurate_note([best, fast], best, sampled) == []  # pylint: disable=protected-access
+  # At V=1M the planner notes it under the pick.
+  report = _plan(None)
+  assert any(n.startswith("more accurate than the pick") and "HSM vectors32/256" in n
+             for n in report.notes), report.notes

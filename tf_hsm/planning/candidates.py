@@ -652,6 +652,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     reason = (f"nothing exact fits {_size(memory_budget)}; this one needs the least "
               f"({_size(best['per_shard_bytes'])}): add shards or memory")
   layer = layers[rows.index(best)]
+  notes += _more_accurate_note(exact, best, rows[1])
   notes += _fused_update_note(optimizer, layer)
   settings = {"num_classes": V, "hidden": D, "tokens_per_step": T, "optimizer": optimizer,
               "dtype": dtype, "memory_budget": memory_budget, "num_shards": num_shards,
@@ -661,6 +662,38 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   if body_row is not None:
     settings["body"] = body_lib.describe(body_row)
   return Report(rows, best["method"], reason, settings, layer, notes, body_row)
+
+
+def _more_accurate_note(exact, best, sampled, most=3):
+  """[the trade the pick leaves]: the exact rows slower than `best` that are more
+  accurate than every faster one (up to `most`, by step), each with its measured
+  quality and its step over best's, and sampled softmax's for comparison; [] where no
+  comparable row is more accurate. Only figures alike are compared (`_comparable`)."""
+  key = "whole_step_seconds"
+  if best not in exact or best["quality"] is None:
+    return []
+  slower = sorted((r for r in exact if r[key] > best[key] and r["quality"] is not None),
+                  key=lambda r: r[key])
+  compared, _ = _comparable([best] + slower)
+  frontier, top = [], best["quality"] / (1 + QUALITY_TIE)
+  for r in (r for r in slower if r in compared):
+    if r["quality"] < top:
+      frontier.append(r)
+      top = r["quality"] / (1 + QUALITY_TIE)
+  if not frontier:
+    return []
+  ratio = lambda r: r[key] / best[key]
+  step = lambda r: (f"{_seconds(r[key])}, "
+                    f"{ratio(r):{'.1f' if ratio(r) < 10 else ',.0f'}}x its step")
+  if len(frontier) > most:  # the nearest, and the most accurate
+    frontier = frontier[:most - 1] + frontier[-1:]
+  trade = [f"{r['label']} ({r['quality'] - 1:+.1%} perplexity, {step(r)})"
+           for r in frontier]
+  if sampled.get("quality") is not None and sampled in _comparable([best, sampled])[0]:
+    trade.append(f"sampled softmax, approximate ({sampled['quality'] - 1:+.1%}, "
+                 f"{step(sampled)})")
+  return [f"more accurate than the pick ({best['quality'] - 1:+.1%}), and slower: "
+          + "; ".join(trade)]
 
 
 def _fused_update_note(optimizer, layer):
