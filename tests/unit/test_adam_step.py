@@ -134,6 +134,8 @@ def test_what_it_cannot_fuse_is_refused_by_name(rng):
   args = (hidden, w, b, tree, targets)
   with pytest.raises(TypeError, match="must be a tf_hsm.optimizers.LazyAdam"):
     tf_hsm.adam_step(*args, tf.keras.optimizers.Adam(0.1))
+  with pytest.raises(TypeError, match="tf_keras' LazyAdam|with tf_keras use nll_loss"):
+    tf_hsm.adam_step(*args, tf_hsm.tf_keras.optimizers.LazyAdam(0.1))
   for settings, named in (({"amsgrad": True}, "amsgrad"),
                           ({"weight_decay": 0.01}, "weight_decay"),
                           ({"clipnorm": 1.0}, "clipnorm")):

@@ -256,6 +256,14 @@ def test_tf_keras_layer_on_keras3_tensors_says_which_to_use():
     hk2.HierarchicalSoftmax(_tree())(hidden, targets)
 
 
+def test_fused_update_is_keras3s():
+  with pytest.raises(ValueError, match="fused_update is Keras 3's"):
+    hk2.HierarchicalSoftmax(_tree(), fused_update=True)
+  # A Keras 3 layer's config (fused_update=False) loads.
+  config = hk3.HierarchicalSoftmax(_tree()).get_config()
+  assert hk2.HierarchicalSoftmax(_tree(), fused_update=config["fused_update"]).tree
+
+
 def test_keras3_optimizer_in_a_tf_keras_model_says_which_to_use():
   with pytest.raises(ValueError, match=r"tf_hsm\.tf_keras\.optimizers\.LazyAdam"):
     _model(_tree(), optimizer=hk3.optimizers.LazyAdam(0.01))

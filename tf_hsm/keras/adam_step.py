@@ -86,8 +86,11 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
 def _checked(optimizer, hidden, weights, biases):
   """hidden as a tensor, once optimizer and the table are ones the fused op can update."""
   if not isinstance(optimizer, optimizers.LazyAdam):
+    kind = type(optimizer)
     raise TypeError("optimizer must be a tf_hsm.optimizers.LazyAdam (Keras 3), got "
-                    f"{type(optimizer).__name__}")
+                    f"{kind.__module__}.{kind.__name__}" + (
+                        " (tf_keras': with tf_keras use nll_loss and the optimizer's "
+                        "apply_gradients)" if "tf_keras" in kind.__module__ else ""))
   used = [name for name in _UNFUSED_SETTINGS if getattr(optimizer, name, None)]
   if used:
     raise ValueError(f"the fused step applies LazyAdam's row update only; this optimizer "

@@ -37,7 +37,11 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
   def __init__(self, tree, use_bias=True, kernel_initializer="glorot_uniform",
                bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
                kernel_constraint=None, bias_constraint=None, row_layout=None,
-               ignore_class=None, **kwargs):
+               ignore_class=None, fused_update=False, **kwargs):
+    if fused_update is not False:
+      raise ValueError("fused_update is Keras 3's (tf_hsm.HierarchicalSoftmax with "
+                       "tf_hsm.optimizers.LazyAdam): tf_keras' layer hands its table's "
+                       "gradient to the optimizer; leave fused_update=False")
     super().__init__(**kwargs)
     self.tree = frontend_hsm.checked_tree(tree)
     self.row_layout = frontend_hsm.checked_row_layout(self.tree, row_layout)
