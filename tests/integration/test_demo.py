@@ -316,12 +316,18 @@ def test_full_softmax_is_the_exact_softmax_of_a_one_node_tree():
                              rtol=1e-4, atol=1e-4)
 
 
-def test_run_with_a_tree_from_contexts(tmp_path, capsys, monkeypatch):
-  """--tree context trains on Tree.from_context of the training ids, from the start."""
+def _recorded_trees(monkeypatch):
+  """The list that the trees (or lists of trees) `demo.hsm_model` is given go to."""
   trained = []
   real_model = demo.hsm_model
   monkeypatch.setattr(demo, "hsm_model", lambda tree, *a, **k: trained.append(tree) or
                       real_model(tree, *a, **k))
+  return trained
+
+
+def test_run_with_a_tree_from_contexts(tmp_path, capsys, monkeypatch):
+  """--tree context trains on Tree.from_context of the training ids, from the start."""
+  trained = _recorded_trees(monkeypatch)
   corpus = support.zipf_corpus(tmp_path / "corpus.txt", seed=1)
   results = demo.main(["--corpus", str(corpus), "--max-tokens", "900", "--epochs", "1",
                        "--hidden", "16", "--seq-len", "5", "--batch", "4", "--quiet",
@@ -337,4 +343,25 @@ def test_run_with_a_tree_from_contexts(tmp_path, capsys, monkeypatch):
   np.testing.assert_array_equal(tree.child_begin, expected.child_begin)
   assert len(tree.children(0)) >= 3  # the head's words and the root's slots
   assert results["models"][0]["name"] == "hsm-context"
+  assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))
+
+
+def test_run_with_a_mixture_of_context_trees(tmp_path, capsys, monkeypatch):
+  """--mixture trains HierarchicalSoftmaxMixture over the left- and right-context trees."""
+  trained = _recorded_trees(monkeypatch)
+  corpus = support.zipf_corpus(tmp_path / "corpus.txt", seed=2)
+  results = demo.main(["--corpus", str(corpus), "--max-tokens", "900", "--epochs", "1",
+                       "--hidden", "16", "--seq-len", "5", "--batch", "4", "--quiet",
+                       "--tree", "context", "--branching", "4", "--mixture",
+                       "--models", "hsm", "--out", str(tmp_path / "out")])
+  train = demo.split_corpus(demo.file_documents(str(corpus)), 900)[0]
+  names, counts = demo.build_vocab(train, 10000, 2)
+  ids = demo.encode(train, names)
+  assert "mixed with a tree from right contexts" in capsys.readouterr().out
+  ((left, right),) = trained
+  for tree, side in ((left, "left"), (right, "right")):
+    expected = tf_hsm.Tree.from_context(ids, len(names), counts, branching=4, side=side)
+    np.testing.assert_array_equal(tree.slot_child, expected.slot_child)
+  assert results["models"][0]["name"] == "hsm-context-mixture"
+  assert results["tree"]["mixture_num_slots"] == right.num_slots
   assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))

@@ -14,6 +14,7 @@ from tf_hsm.demo import run as demo
     (["--max-tokens", "-5"], "--max-tokens must be >= 0"),
     (["--seed", "-1"], "--seed must be in"),
     (["--seed", str(2**32)], "--seed must be in"),
+    (["--tree", "huffman", "--mixture"], "--mixture applies to --tree context"),
 ])
 def test_bad_values_are_refused_by_name(flags, named, capsys):
   with pytest.raises(SystemExit):

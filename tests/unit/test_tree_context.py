@@ -83,6 +83,12 @@ def test_from_context_puts_each_group_under_its_own_nodes(rng):
       context.context_vectors(ids, num_classes, contexts=30, dims=8),
       np.bincount(ids, minlength=num_classes), 8)
   np.testing.assert_array_equal(tree.slot_child, by_vectors.slot_child)
+  # A frequency tree mixes the groups; contexts keep nearly every node to one group.
+  assert _pure_nodes(tree, first, num_classes) >= 0.9 * 8
+
+
+def _pure_nodes(tree, first, num_classes):
+  """Nodes of 4 or more of the groups' words whose words are all of one group."""
   group_of = (np.arange(num_classes) - first) // 40
   pure = 0
   for n in range(tree.num_nodes):
@@ -90,8 +96,23 @@ def test_from_context_puts_each_group_under_its_own_nodes(rng):
     words = children[(children >= first) & (children < num_classes)]
     if words.size >= 4:
       pure += np.bincount(group_of[words]).max() == words.size
-  # A frequency tree mixes the groups; contexts keep nearly every node to one group.
-  assert pure >= 0.9 * 8, pure
+  return pure
+
+
+def test_right_contexts_are_the_reversed_corpus_left_ones(rng):
+  ids, first, num_classes = _grouped_corpus(rng)
+  pairs = ids.reshape(-1, 2)[:, ::-1].ravel()  # each word now comes before its cue
+  right = Tree.from_context(pairs, num_classes, branching=8, contexts=30, dims=8,
+                            side="right")
+  left_of_reversed = Tree.from_context(pairs[::-1].copy(), num_classes, branching=8,
+                                       contexts=30, dims=8)
+  np.testing.assert_array_equal(right.slot_child, left_of_reversed.slot_child)
+  assert _pure_nodes(right, first, num_classes) >= 0.9 * 8
+  # Their left contexts are other groups' words: no better than a frequency tree's.
+  assert _pure_nodes(Tree.from_context(pairs, num_classes, branching=8, contexts=30,
+                                       dims=8), first, num_classes) < 0.5 * 8
+  with pytest.raises(ValueError, match='side must be "left" or "right"'):
+    Tree.from_context(ids, num_classes, side="both")
 
 
 def test_default_width_is_64_or_what_the_classes_allow(rng):

@@ -396,14 +396,21 @@ def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
 
   The biases start at the unigram distribution of `counts` (see `tree_unigram_biases`);
   the output layer's table trains at `output_lr_scale` x `learning_rate`
-  (`tf_hsm.demo.optimizer`), as in every model here.
+  (`tf_hsm.demo.optimizer`), as in every model here. `tree` may be a list of trees:
+  the output layer is then their `HierarchicalSoftmaxMixture` (`--mixture`).
   """
   import keras  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=g-import-not-at-top
-  tokens, x = _body(keras, tree.num_classes, hidden, seq_len)
+  from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture  # pylint: disable=g-import-not-at-top
+  trees = tree if isinstance(tree, (list, tuple)) else [tree]
+  tokens, x = _body(keras, trees[0].num_classes, hidden, seq_len)
   targets = keras.Input((seq_len,), dtype="int32", name="targets")
-  biases = keras.initializers.Constant(tree_unigram_biases(tree, counts))
-  log_probs = HierarchicalSoftmax(tree, bias_initializer=biases, name="hsm")(x, targets)
+  layers = [HierarchicalSoftmax(t, name="hsm" if len(trees) == 1 else f"tree_{k}",
+                                bias_initializer=keras.initializers.Constant(
+                                    tree_unigram_biases(t, counts)))
+            for k, t in enumerate(trees)]
+  output = layers[0] if len(trees) == 1 else HierarchicalSoftmaxMixture(layers, name="hsm")
+  log_probs = output(x, targets)
   return _compile(keras.Model([tokens, targets], log_probs, name=name), "hsm",
                   learning_rate, output_lr_scale)
 
@@ -696,6 +703,11 @@ def parse_args(argv=None):
                       "--batch x --seq-len tokens a step with LazyAdam, within "
                       "--max-ppl-increase if given; its table is printed). "
                       "Default: %(default)s")
+  p.add_argument("--mixture", action="store_true",
+                 help="with --tree context: the output layer is a "
+                      "HierarchicalSoftmaxMixture of two context trees, one from the "
+                      "words' left contexts and one from their right contexts (about "
+                      "twice one tree's step)")
   p.add_argument("--max-ppl-increase", type=percent_arg, default=None, metavar="PCT",
                  help="with --tree planned: the planner recommends among the layers "
                       "measured within PCT%% perplexity of full softmax (e.g. 10)")
@@ -814,6 +826,8 @@ def _checked(p, args):
   if args.branching is not None and (args.branching < 2 or
                                      args.tree not in ("huffman", "balanced", "context")):
     p.error("--branching takes an int >= 2, with --tree huffman, balanced or context")
+  if args.mixture and args.tree != "context":
+    p.error("--mixture applies to --tree context")
   if args.max_ppl_increase is not None and args.tree != "planned":
     p.error("--max-ppl-increase applies to --tree planned")
   for name in ("learning_rate", "output_lr_scale"):
@@ -871,8 +885,12 @@ def main(argv=None):
     from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
     tree = Tree.from_context(train_ids, len(words), counts, branching=args.branching or 32,
                              head=head)
+    if args.mixture:
+      mixed = Tree.from_context(train_ids, len(words), counts, head=head,
+                                branching=args.branching or 32, side="right")
   else:
     tree = make_tree(args.tree, counts, head, args.branching)
+  trees = [tree] + ([mixed] if args.mixture else [])
   print(f"corpus: {source}\n  {len(train_tokens):,} training and {len(held_out_tokens):,} "
         f"held-out tokens; vocabulary {len(words):,} words incl. <unk> "
         f"({100 * unk_rate:.1f}% of held-out tokens are <unk>)\n"
@@ -880,7 +898,9 @@ def main(argv=None):
         f"{f'({args.branching})' if args.branching else ''}, {tree.num_slots:,} weight "
         "rows, depth "
         f"{tree.max_depth}, max branching {tree.max_branching}"
-        f"{f', head {head} words' if head else ''}", flush=True)
+        f"{f', head {head} words' if head else ''}" + (
+            f"; mixed with a tree from right contexts, {trees[1].num_slots:,} weight rows"
+            if args.mixture else ""), flush=True)
 
   # Progress bars where a person watches; one line per epoch in logs, where each bar's
   # redraws would otherwise become hundreds of lines.
@@ -901,8 +921,8 @@ def main(argv=None):
     keras.utils.set_random_seed(args.seed)
     extra = []
     if kind == "hsm":
-      name = f"hsm-{args.tree}"
-      model = hsm_model(tree, counts, args.hidden, args.seq_len, args.learning_rate,
+      name = f"hsm-{args.tree}" + ("-mixture" if args.mixture else "")
+      model = hsm_model(trees if args.mixture else tree, counts, args.hidden, args.seq_len, args.learning_rate,
                         output_lr_scale=args.output_lr_scale)
       data, held_out = ([x, y], y), ([hx, hy], hy)
       if args.tree == "learned":
@@ -939,7 +959,9 @@ def main(argv=None):
              "held_out_unk_rate": unk_rate, "tree": {"kind": args.tree, "head": head,
                                                      "num_slots": tree.num_slots,
                                                      "max_depth": tree.max_depth,
-                                                     "branching": args.branching},
+                                                     "branching": args.branching,
+                                                     "mixture_num_slots": trees[1].num_slots
+                                                     if args.mixture else None},
              "adaptive": None if cutoffs is None else {
                  "cutoffs": cutoffs, "div_value": args.div_value, "tail": args.tail},
              "models": histories, "total_seconds": time.perf_counter() - wall_start}

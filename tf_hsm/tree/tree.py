@@ -299,12 +299,14 @@ class Tree:
 
     @classmethod
     def from_context(cls, token_ids, num_classes, counts=None, branching=32, seed=0,
-                     head=0, contexts=2000, lags=2, dims=None):
+                     head=0, contexts=2000, lags=2, dims=None, side="left"):
         """A tree from the classes' left contexts in a corpus, built before training.
 
         `Tree.from_vectors` over `tf_hsm.tree.context.context_vectors(token_ids, ...)`:
         classes that follow the same words share nodes, with no trained model and no
-        `RebuildTree` (docs/planner.md, "Trees from contexts").
+        `RebuildTree` (docs/planner.md, "Trees from contexts"). With side="right", the
+        contexts are the words that follow (the left contexts of the reversed corpus):
+        a second grouping of the same classes, for `HierarchicalSoftmaxMixture`.
 
         Args:
           token_ids: 1-D integer array, the training corpus as class ids in order,
@@ -314,14 +316,20 @@ class Tree:
           counts: class frequencies (default: the counts of `token_ids`).
           branching, seed, head: as `Tree.from_vectors`.
           contexts, lags, dims: as `context_vectors`.
+          side: "left" (the words before each class) or "right" (the words after).
 
         Returns:
           A Tree.
 
         Raises:
-          ValueError: as `context_vectors` and `Tree.from_vectors`.
+          ValueError: as `context_vectors` and `Tree.from_vectors`; a side other than
+            "left" or "right".
         """
         from tf_hsm.tree import context  # pylint: disable=import-outside-toplevel
+        if side not in ("left", "right"):
+            raise ValueError(f'side must be "left" or "right", got {side!r}')
+        if side == "right":
+            token_ids = np.asarray(token_ids)[::-1]
         if counts is not None and np.shape(counts) != (num_classes,):
             raise ValueError(f"counts must have num_classes = {num_classes} entries, "
                              f"got shape {np.shape(counts)}")

@@ -1,0 +1,203 @@
+"""`HierarchicalSoftmaxMixture`: checked against a float64 reference written from the
+definition on fresh random trees, numerical gradients, training in `model.fit`, saving,
+inference, and its errors."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hsm
+from tf_hsm.keras import adam_step as fused_module
+from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture
+
+import oracle
+
+D = 5
+
+
+def _trees(rng):
+  """Two trees over the same classes, grouped differently: a random mixed tree, and a
+  3-ary Huffman tree of random counts."""
+  first = oracle.random_mixed_tree(rng, max_depth=4, max_branching=6, max_classes=40)
+  counts = rng.integers(1, 50, first.num_classes)
+  return first, tf_hsm.Tree.huffman(counts, branching=3)
+
+
+def _reference(hidden, layer, targets):
+  """log sum_k softmax(h G + g)_k P_k(target | h), from the definition, in float64."""
+  h = np.asarray(hidden, np.float64).reshape(-1, D)
+  y = np.asarray(targets).reshape(-1)
+  parts = []
+  for c in layer.components:
+    bias = None if c.bias is None else np.asarray(c.bias)
+    parts.append(oracle.log_prob_reference(h, np.asarray(c.kernel), bias, c.tree,
+                                           np.maximum(y, 0))[0])
+  logits = h @ np.asarray(layer.gate_kernel, np.float64) + np.asarray(layer.gate_bias)
+  log_gate = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  mixed = np.log(np.exp(np.stack(parts, -1) + log_gate).sum(-1))
+  return np.where(y >= 0, mixed, 0.0).reshape(np.shape(targets))
+
+
+def _randomised(layer, rng):
+  for weight in layer.weights:
+    weight.assign(rng.normal(size=weight.shape) * 0.7)
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_matches_the_definition_in_float64(rng, case):
+  del case  # a fresh pair of random trees each time
+  trees = _trees(rng)
+  layer = HierarchicalSoftmaxMixture(list(trees) + [trees[0]], dtype="float64")
+  hidden = rng.normal(size=(3, 4, D))
+  targets = rng.integers(0, trees[0].num_classes, size=(3, 4))
+  targets[0, :2] = -1  # padding
+  layer(hidden, targets)
+  _randomised(layer, rng)
+  out = layer(hidden, targets)
+  assert out.dtype == tf.float64
+  np.testing.assert_allclose(out, _reference(hidden, layer, targets), rtol=1e-12,
+                             atol=1e-12)
+  np.testing.assert_array_equal(out._keras_mask, targets >= 0)  # pylint: disable=protected-access
+
+
+def test_gradients_match_numerical_ones(rng):
+  trees = _trees(rng)
+  layer = HierarchicalSoftmaxMixture(trees, dtype="float64")
+  hidden = tf.Variable(rng.normal(size=(6, D)))
+  targets = rng.integers(0, trees[0].num_classes, size=6)
+  targets[1] = -1
+  layer(hidden, targets)
+  _randomised(layer, rng)
+  loss = lambda: tf.reduce_sum(layer(hidden, targets) * np.arange(1.0, 7.0))
+  variables = [hidden, layer.gate_kernel, layer.gate_bias, layer.components[1].kernel,
+               layer.components[0].bias]
+  with tf.GradientTape() as tape:
+    total = loss()
+  analytic = [tf.convert_to_tensor(g) for g in tape.gradient(total, variables)]
+  for variable, grad in zip(variables, analytic):
+    start = np.asarray(variable)
+    numeric = np.zeros(start.shape)
+    for j in range(start.size):
+      step = np.zeros(start.shape)
+      step.reshape(-1)[j] = 1e-6
+      variable.assign(start + step)
+      up = float(loss())
+      variable.assign(start - step)
+      numeric.reshape(-1)[j] = (up - float(loss())) / 2e-6
+      variable.assign(start)
+    np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=variable.name)
+
+
+def _model(trees, layer=None):
+  keras.utils.set_random_seed(1)
+  tokens = keras.Input([6], dtype="int32")
+  targets = keras.Input([6], dtype="int32")
+  hidden = keras.layers.Embedding(trees[0].num_classes, 8, mask_zero=True)(tokens)
+  layer = layer or HierarchicalSoftmaxMixture(trees, name="mixture")
+  model = keras.Model([tokens, targets], layer(hidden, targets))
+  model.compile(optimizer=tf_hsm.optimizers.LazyAdam(0.05), loss=tf_hsm.losses.nll)
+  return model, layer
+
+
+def test_fit_trains_every_part_and_a_saved_model_gives_the_same_output(rng, tmp_path):
+  trees = _trees(rng)
+  model, layer = _model(trees)
+  x = rng.integers(0, trees[0].num_classes, size=(32, 6)).astype(np.int32)
+  y = (x + 1) % trees[0].num_classes
+  start = [np.asarray(w) for w in model.weights]
+  with _no_dense_warning():
+    history = model.fit([x, y], y, batch_size=8, epochs=12, verbose=0)
+  assert history.history["loss"][-1] < 0.7 * history.history["loss"][0]
+  assert all(not np.array_equal(s, np.asarray(w)) for s, w in zip(start, model.weights))
+  path = str(tmp_path / "mixture.keras")
+  model.save(path)
+  again = keras.models.load_model(path)
+  np.testing.assert_array_equal(again.predict([x, y], verbose=0),
+                                model.predict([x, y], verbose=0))
+  # x == 0 is masked by the embedding: those positions are 0 and carry no loss.
+  assert np.all(model.predict([x, y], verbose=0)[x == 0] == 0.0)
+
+
+class _no_dense_warning:  # pylint: disable=invalid-name
+  """Fails on the warning that an optimizer updates a whole table."""
+
+  def __enter__(self):
+    import warnings  # pylint: disable=import-outside-toplevel
+    self._catch = warnings.catch_warnings(record=True)
+    self._seen = self._catch.__enter__()
+    warnings.simplefilter("always")
+
+  def __exit__(self, *exc):
+    self._catch.__exit__(*exc)
+    assert not [w for w in self._seen if "updates every row" in str(w.message)]
+
+
+def test_fused_update_components_train_as_unfused(rng, monkeypatch):
+  trees = _trees(rng)
+  x = rng.integers(0, trees[0].num_classes, size=(16, 6)).astype(np.int32)
+  y = (x + 1) % trees[0].num_classes
+  ends, calls = [], []
+  original = fused_module.fused.adam_rows_step_from_logits
+  monkeypatch.setattr(fused_module.fused, "adam_rows_step_from_logits",
+                      lambda *args: calls.append(1) or original(*args))
+  for fused in (False, True):
+    keras.utils.set_random_seed(1)  # Keras draws an initializer's seed when it is made
+    components = [tf_hsm.HierarchicalSoftmax(t, fused_update=fused) for t in trees]
+    model, _ = _model(trees, HierarchicalSoftmaxMixture(components, name="mixture"))
+    model.fit([x, y], y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    ends.append([np.asarray(w) for w in model.weights + model.optimizer.variables])
+  assert len(calls) >= 2  # each tree's update ran in its backward pass
+  # The same updates; the hidden states' gradient sums three parts (two trees, the
+  # gate) in an order of TensorFlow's choosing, so the two runs part by an ulp or so.
+  for plain, fused in zip(*ends):
+    np.testing.assert_allclose(plain, fused, rtol=1e-5, atol=1e-7)
+
+
+def test_log_prob_all_and_top_k(rng):
+  trees = _trees(rng)
+  components = [tf_hsm.HierarchicalSoftmax(t, ignore_class=0, dtype="float64")
+                for t in trees]
+  layer = HierarchicalSoftmaxMixture(components, dtype="float64")
+  hidden = rng.normal(size=(4, D))
+  targets = rng.integers(1, trees[0].num_classes, size=4)
+  layer(hidden, targets)
+  _randomised(layer, rng)
+  every = np.array(layer.log_prob_all(hidden))
+  np.testing.assert_allclose(np.exp(every).sum(-1), 1.0, rtol=1e-12)
+  np.testing.assert_allclose(every[np.arange(4), targets], layer(hidden, targets),
+                             rtol=1e-12)
+  values, classes = layer.top_k(hidden, 3)
+  every[:, 0] = -np.inf  # ignore_class is never a prediction
+  want = np.argsort(-every, axis=-1)[:, :3]
+  np.testing.assert_array_equal(classes, want)
+  np.testing.assert_allclose(values, np.take_along_axis(every, want, -1), rtol=1e-12)
+
+
+def test_refused_by_name(rng):
+  trees = _trees(rng)
+  other = tf_hsm.Tree.huffman(np.ones(trees[0].num_classes + 1))
+  with pytest.raises(ValueError, match="two or more components"):
+    HierarchicalSoftmaxMixture([trees[0]])
+  with pytest.raises(TypeError, match="list of two or more"):
+    HierarchicalSoftmaxMixture(trees[0])
+  with pytest.raises(TypeError, match=r"components\[1\] must be a Tree"):
+    HierarchicalSoftmaxMixture([trees[0], "huffman"])
+  with pytest.raises(ValueError, match="over the same classes"):
+    HierarchicalSoftmaxMixture([trees[0], other])
+  with pytest.raises(ValueError, match="share one ignore_class"):
+    HierarchicalSoftmaxMixture([tf_hsm.HierarchicalSoftmax(trees[0], ignore_class=0),
+                                tf_hsm.HierarchicalSoftmax(trees[1])])
+  with pytest.raises(ValueError, match="tables are float64 and the mixture's float32"):
+    HierarchicalSoftmaxMixture([trees[0], tf_hsm.HierarchicalSoftmax(trees[1],
+                                                                     dtype="float64")])
+  built = tf_hsm.HierarchicalSoftmax(trees[1])
+  built.build((None, D))
+  with pytest.raises(ValueError, match="built already"):
+    HierarchicalSoftmaxMixture([trees[0], built])
+  layer = HierarchicalSoftmaxMixture(trees)
+  with pytest.raises(ValueError, match="needs a built layer"):
+    layer.log_prob_all(np.zeros((1, D), np.float32))
+  ragged = tf.ragged.constant([[[0.0] * D], [[1.0] * D] * 2], ragged_rank=1)
+  with pytest.raises(TypeError, match="dense hidden states"):
+    layer(ragged, tf.ragged.constant([[1], [2, 3]]))
