@@ -47,3 +47,16 @@ def test_heads_are_parsed_and_bad_ones_refused():
                            "--heads", bad], capture_output=True, text=True,
                           cwd=support.REPO, timeout=120)
     assert done.returncode == 2 and f"got '{bad}'" in done.stderr, done.stderr
+
+
+def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from tf_hsm.bench import wide
+  result = wide.mixture_part(np.random.default_rng(0), 1, ((8, 16), (4, 8)),
+                             classes=3000, dim=8, tokens=64)
+  assert set(result["ms"]) == {"one tree 8:16", "mixture of two 8:16",
+                               "mixture of two 4:8", "sampled softmax 1024"}
+  assert all(v > 0 for v in result["ms"].values())
+  assert set(result["speed vs sampled"]) == set(result["ms"]) - {"sampled softmax 1024"}
+  assert wide.parse_heads(",".join(f"{b}:{h}" for b, h in wide.MIXTURE_TREES)) == \
+      wide.MIXTURE_TREES

@@ -201,3 +201,10 @@ def test_refused_by_name(rng):
   ragged = tf.ragged.constant([[[0.0] * D], [[1.0] * D] * 2], ragged_rank=1)
   with pytest.raises(TypeError, match="dense hidden states"):
     layer(ragged, tf.ragged.constant([[1], [2, 3]]))
+
+
+def test_inference_model_says_a_mixture_is_not_cut_yet(rng):
+  trees = _trees(rng)
+  model, _ = _model(trees)
+  with pytest.raises(ValueError, match="HierarchicalSoftmaxMixture is not exported"):
+    tf_hsm.inference_model(model)

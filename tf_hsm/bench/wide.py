@@ -3,7 +3,7 @@
 classes, and a training step's memory at a million classes.
 
     python -m tf_hsm.bench.wide [--parts flat,rate,head,inference,memory] [--rounds 7]
-        [--heads 32:1024,32:256,64:256,32:0]
+        [--heads 32:1024,32:256,64:256,32:0] [--parts mixture --mixtures 32:256,16:128]
 
 - flat: `nll_loss` forward and backward on `Tree.flat(V)` (V=100K, D=256, T=1,024)
   interleaved with TensorFlow's `matmul` + `sparse_softmax_cross_entropy_with_logits`
@@ -21,6 +21,10 @@ classes, and a training step's memory at a million classes.
   (k=10) interleaved with TF's `log_softmax(matmul + b)` and `top_k(matmul + b)`, each
   output read back to NumPy (a 410 MB [rows x V] array for `log_prob_all` and TF's
   log-softmax alike).
+- mixture (not among the default parts): at the head part's sizes,
+  `HierarchicalSoftmaxMixture` of two trees from vectors (as the head part's, the second
+  of other vectors) of each `--mixtures` shape (BRANCHING:HEAD; default 32:256 and
+  16:128), one tree of the first shape, and TF's sampled softmax, interleaved.
 - memory: a process of its own per case (V=1M, D=300, T=3,200 and V=10M, D=300, T=256):
   VmHWM after set-up (table, batch, the op library loaded), then the growth of the peak
   over one step of `sgd_step`, and of `nll_loss` with its gradient (at V=1M only: two
@@ -196,6 +200,56 @@ def head_part(rng, rounds, trees=HEAD_TREES):
   return result
 
 
+# (branching, head) of the mixtures the mixture part times: two trees of that shape each.
+MIXTURE_TREES = ((32, 256), (16, 128))
+
+
+def _mixture_step(trees, hidden, targets):
+  """`HierarchicalSoftmaxMixture` over `trees`, forward and backward as `_hsm_step`."""
+  from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture  # pylint: disable=import-outside-toplevel
+  layer = HierarchicalSoftmaxMixture(list(trees))
+  layer.build(hidden.shape)
+
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      tape.watch(hidden)
+      loss = -tf.reduce_mean(layer(hidden, targets))
+    grads = tape.gradient(loss, [hidden] + layer.trainable_variables)
+    tables = [g.values[:1] for g in grads if isinstance(g, tf.IndexedSlices)]
+    return (loss, grads[0], *tables)  # the tables' IndexedSlices as they are
+  return step
+
+
+def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
+                 tokens=3200):
+  """`HierarchicalSoftmaxMixture` of two trees from vectors of each shape in `shapes`
+  ((branching, head) pairs), one tree of the first shape, and TF's sampled softmax
+  (1,024 samples), interleaved, at V=1M, D=300, T=3,200, Zipf(1) targets (the sizes
+  are arguments for the tests)."""
+  targets = tf.constant(_zipf_targets(rng, classes, tokens))
+  hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
+  methods = {}
+  for index, (branching, head) in enumerate(shapes):
+    first = cases.vectors_tree(classes, branching, head)
+    if index == 0:
+      _, table, biases, _ = _problem(rng, first.num_slots, dim, tokens)
+      methods[f"one tree {branching}:{head}"] = _hsm_step(first, hidden, table, biases,
+                                                          targets)
+    other = tf_hsm.Tree.from_vectors(
+        rng.normal(size=(classes, cases.TREE_VECTOR_DIM)).astype(np.float32),
+        cases.zipf_weights(classes), branching, head=head)
+    methods[f"mixture of two {branching}:{head}"] = _mixture_step((first, other), hidden,
+                                                                  targets)
+  _, table, biases, _ = _problem(rng, classes, dim, tokens)
+  methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
+  med = interleaved(methods, rounds)
+  sampled = med["sampled softmax 1024"]
+  return {"case": f"V={classes:,} D={dim} T={tokens:,}", "ms": _ms(med),
+          "speed vs sampled": {name: round(sampled / s, 2) for name, s in med.items()
+                               if name != "sampled softmax 1024"}}
+
+
 def parse_heads(text):
   """"32:1024,64:256" -> ((32, 1024), (64, 256)); ValueError naming a bad entry."""
   trees = []
@@ -276,10 +330,13 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=7, help="timed rounds (medians)")
   parser.add_argument("--heads", default=",".join(f"{b}:{h}" for b, h in HEAD_TREES),
                       help="the head part's trees, BRANCHING:HEAD pairs (default: %(default)s)")
+  parser.add_argument("--mixtures", default=",".join(f"{b}:{h}" for b, h in MIXTURE_TREES),
+                      help="the mixture part's tree shapes, BRANCHING:HEAD pairs (default: "
+                           "%(default)s)")
   parser.add_argument("--memory-case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   try:
-    heads = parse_heads(args.heads)
+    heads, mixtures = parse_heads(args.heads), parse_heads(args.mixtures)
   except ValueError as e:
     parser.error(str(e))
   if args.memory_case:
@@ -287,9 +344,10 @@ def main(argv=None):
     print(json.dumps(memory_case(int(classes), int(dim), int(tokens), mode)))
     return
   parts = args.parts.split(",")
-  unknown = sorted(set(parts) - set(PARTS) - {"memory"})
+  unknown = sorted(set(parts) - set(PARTS) - {"memory", "mixture"})
   if unknown or args.rounds < 1:
-    parser.error(f"unknown parts {unknown} (of flat, rate, head, inference, memory)" if unknown
+    parser.error(f"unknown parts {unknown} (of flat, rate, head, inference, memory, "
+                 "mixture)" if unknown
                  else "--rounds must be >= 1")
   rng = np.random.default_rng(0)
   for part in parts:
@@ -297,6 +355,8 @@ def main(argv=None):
       result = memory_part()
     elif part == "head":
       result = head_part(rng, args.rounds, heads)
+    elif part == "mixture":
+      result = mixture_part(rng, args.rounds, mixtures)
     else:
       result = PARTS[part](rng, args.rounds)
     print(json.dumps({part: result}), flush=True)

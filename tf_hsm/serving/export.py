@@ -33,7 +33,13 @@ def _kind(layer):
 
 
 def _find_layer(model):
-  found = [layer for layer in _all_layers(model) if _kind(layer) is not None]
+  layers = list(_all_layers(model))
+  found = [layer for layer in layers if _kind(layer) is not None]
+  mixtures = [layer.name for layer in layers
+              if type(layer).__name__ == "HierarchicalSoftmaxMixture"]
+  if mixtures and not found:
+    raise ValueError(f"{mixtures[0]}: a HierarchicalSoftmaxMixture is not exported nor cut "
+                     "for prediction yet; its top_k and log_prob_all predict in Python")
   if not found:
     raise ValueError("export needs a model with a tf_hsm HierarchicalSoftmax or "
                      "AdaptiveSoftmax layer; found none")
