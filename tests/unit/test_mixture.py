@@ -191,6 +191,9 @@ def test_refused_by_name(rng):
   with pytest.raises(ValueError, match="tables are float64 and the mixture's float32"):
     HierarchicalSoftmaxMixture([trees[0], tf_hsm.HierarchicalSoftmax(trees[1],
                                                                      dtype="float64")])
+  twice = tf_hsm.HierarchicalSoftmax(trees[1])
+  with pytest.raises(ValueError, match=r"components\[1\] is components\[0\] again"):
+    HierarchicalSoftmaxMixture([twice, twice])
   built = tf_hsm.HierarchicalSoftmax(trees[1])
   built.build((None, D))
   with pytest.raises(ValueError, match="built already"):
@@ -208,3 +211,35 @@ def test_inference_model_says_a_mixture_is_not_cut_yet(rng):
   model, _ = _model(trees)
   with pytest.raises(ValueError, match="HierarchicalSoftmaxMixture is not exported"):
     tf_hsm.inference_model(model)
+
+
+def test_frozen_at_construction_trains_nothing_of_its_own(rng, tmp_path):
+  trees = _trees(rng)
+  x = rng.integers(0, trees[0].num_classes, size=(16, 6)).astype(np.int32)
+  y = (x + 1) % trees[0].num_classes
+  components = [tf_hsm.HierarchicalSoftmax(trees[0]),
+                tf_hsm.HierarchicalSoftmax(trees[1], fused_update=True)]
+  model, layer = _model(trees, HierarchicalSoftmaxMixture(components, trainable=False))
+  start = [np.asarray(w) for w in layer.weights]
+  model.fit([x, y], y, batch_size=8, epochs=1, verbose=0)
+  assert all(np.array_equal(s, np.asarray(w)) for s, w in zip(start, layer.weights))
+  path = str(tmp_path / "frozen.keras")
+  model.save(path)
+  again = keras.models.load_model(path).get_layer(layer.name)
+  assert not any(c.trainable for c in again.components)
+
+
+def test_compiled_top_k_accuracy_reads_the_mixture(rng):
+  trees = _trees(rng)
+  model, layer = _model(trees)
+  model.compile(optimizer=tf_hsm.optimizers.LazyAdam(0.05), loss=tf_hsm.losses.nll,
+                metrics=[tf_hsm.metrics.TopKAccuracy(k=3)])
+  x = rng.integers(1, trees[0].num_classes, size=(8, 6)).astype(np.int32)
+  y = (x + 1) % trees[0].num_classes
+  got = model.evaluate([x, y], y, verbose=0, return_dict=True)
+  embedding = next(l for l in model.layers if isinstance(l, keras.layers.Embedding))
+  hidden = embedding(x)
+  every = np.asarray(layer.log_prob_all(hidden))
+  top = np.argsort(-every, axis=-1)[..., :3]
+  want = np.mean(np.any(top == y[..., None], axis=-1))
+  assert [v for k, v in got.items() if "top" in k][0] == pytest.approx(want)

@@ -51,6 +51,9 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
   def __init__(self, components, gate_initializer="zeros", **kwargs):
     super().__init__(**kwargs)
     self.components = _checked_components(components, self.name, self.dtype_policy)
+    if not self.trainable:  # Keras set it before the components existed
+      for component in self.components:
+        component.trainable = False
     self.gate_initializer = keras.initializers.get(gate_initializer)
     self.supports_masking = True
     self.supports_jit = False
@@ -92,6 +95,7 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + self._log_gate(hidden), -1)
     out = tf.where(valid, mixed, tf.zeros_like(mixed))
     out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
+    hsm.attach_source(out, self, hidden, targets)  # for TopKAccuracy in compile
     return out
 
   def compute_mask(self, hidden, previous_mask=None):
@@ -161,6 +165,9 @@ def _checked_components(components, name, dtype_policy):
     if component.built:
       raise ValueError(f"components[{index}] is built already: give the mixture unbuilt "
                        "layers (it builds them on its hidden states)")
+    if any(component is other for other in layers):
+      raise ValueError(f"components[{index}] is components[{layers.index(component)}] "
+                       "again: each component is a layer of its own")
     layers.append(component)
   classes = {c.num_classes for c in layers}
   if len(classes) > 1:
