@@ -172,6 +172,15 @@ def test_log_prob_all_and_top_k(rng):
   want = np.argsort(-every, axis=-1)[:, :3]
   np.testing.assert_array_equal(classes, want)
   np.testing.assert_allclose(values, np.take_along_axis(every, want, -1), rtol=1e-12)
+  # exclude: per-row ids (-1 excludes nothing) beside ignore_class.
+  exclude = np.stack([want[:, 0], np.full(4, -1)], -1)
+  values, classes = layer.top_k(hidden, 3, exclude=exclude)
+  every[np.arange(4), want[:, 0]] = -np.inf
+  np.testing.assert_array_equal(classes, np.argsort(-every, axis=-1)[:, :3])
+  # Asked for every class: the left-out ones come last, as class -1 at -inf.
+  values, classes = layer.top_k(hidden, trees[0].num_classes)
+  np.testing.assert_array_equal(classes[:, -1], -1)
+  assert np.all(np.isneginf(values[:, -1])) and np.all(np.isfinite(values[:, :-1]))
 
 
 def test_refused_by_name(rng):

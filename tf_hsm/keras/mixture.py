@@ -109,16 +109,20 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     parts = tf.stack([c.log_prob_all(hidden, **kwargs) for c in self.components], -1)
     return tf.reduce_logsumexp(parts + self._log_gate(hidden)[..., None, :], -1)
 
-  def top_k(self, hidden, k):
-    """The k most probable classes, leaving out `ignore_class`: (log_probs, classes),
-    each `[..., k]`, from `log_prob_all`."""
+  def top_k(self, hidden, k, exclude=None):
+    """The k most probable classes: (log_probs, classes), each `[..., k]`, from
+    `log_prob_all`, leaving out `ignore_class` and `exclude` (class ids `[..., n]` per
+    row, as `tf_hsm.inference.top_k`'s; ids < 0 exclude nothing). Where fewer than k
+    classes are left, the last are class -1 at -inf, as the component's."""
     self._check_built("top_k")
     log_probs = self.log_prob_all(hidden)
-    if self.ignore_class is not None:
-      hide = tf.one_hot(self.ignore_class, self.num_classes, on_value=-float("inf"),
-                        off_value=0.0, dtype=log_probs.dtype)
-      log_probs += hide
+    left_out = hsm.with_ignored(exclude, self.ignore_class, hidden)
+    if left_out is not None:
+      left_out = tf.cast(tf.convert_to_tensor(left_out), tf.int64)
+      hit = tf.reduce_max(tf.one_hot(left_out, self.num_classes, dtype=tf.int8), -2) > 0
+      log_probs = tf.where(hit, tf.constant(-float("inf"), log_probs.dtype), log_probs)
     values, classes = tf.math.top_k(log_probs, k)
+    classes = tf.where(tf.math.is_inf(values), tf.constant(-1, classes.dtype), classes)
     return values, tf.cast(classes, tf.int64)
 
   def _check_built(self, what):
