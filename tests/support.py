@@ -78,3 +78,10 @@ def zipf_corpus(path, seed=0, num_words=30, documents=80, length=12):
   path.write_text("\n\n".join(" ".join(rng.choice(words, length, p=probs / probs.sum()))
                                for _ in range(documents)))
   return path
+
+
+def zipf_ids(classes=3_000, tokens=40_000, seed=0):
+  """(token ids, their counts): a training text of Zipf(1.2) class ids, wrapped into
+  [0, classes), the planner's `token_ids` and `counts`."""
+  ids = (np.random.default_rng(seed).zipf(1.2, tokens) - 1) % classes
+  return ids, np.bincount(ids, minlength=classes).astype(np.float64)

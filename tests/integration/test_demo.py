@@ -225,20 +225,21 @@ def test_planned_tree_is_the_planners_layer(capsys):
   counts = np.sort(np.random.default_rng(0).zipf(1.3, 3_000).astype(np.float64))[::-1]
   machine = {"matmul_flops": 5e10, "read_bytes": 1e10, "call_seconds": 2e-4,
              "tree_step": (3e-11, 1e-10, 7e-11, 2e-7, 1e-8, 5e-4)}
-  tree, rebuild = demo.planned_tree(counts, 128, 2048, machine=machine)
+  trees, rebuild = demo.planned_tree(counts, 128, 2048, machine=machine)
   out = capsys.readouterr().out
   report = tf_hsm.plan(3_000, 128, 2048, counts=counts, optimizer="lazy_adam",
                        machine=machine, adaptive=())
   assert f"--tree planned: {report.recommended}," in out and "| full softmax |" in out
-  assert tree == report.layer.tree and rebuild == report.layer.rebuild
+  assert trees == [report.layer.tree] and rebuild == report.layer.rebuild
   # With the training text (the demo passes its training ids), the context tree is a row.
   ids = (np.random.default_rng(1).zipf(1.2, 20_000) - 1) % 3_000
   demo.planned_tree(counts, 128, 2048, machine=machine, token_ids=ids)
-  assert "| HSM context32/256 |" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "| HSM context32/256 |" in out and "| HSM mixture32/256 |" in out
   # A bound on the perplexity reaches the planner: within +0% only full softmax is.
-  tree, rebuild = demo.planned_tree(counts, 128, 2048, machine=machine,
-                                    max_perplexity_increase=0.0)
-  assert tree == tf_hsm.Tree.flat(3_000) and rebuild is None
+  trees, rebuild = demo.planned_tree(counts, 128, 2048, machine=machine,
+                                     max_perplexity_increase=0.0)
+  assert trees == [tf_hsm.Tree.flat(3_000)] and rebuild is None
   assert "--tree planned: full softmax," in capsys.readouterr().out
   # A pick rebuilt from vectors: its callback rebuilds the model's HSM from the inputs'
   # embeddings.
@@ -325,20 +326,26 @@ def _recorded_trees(monkeypatch):
   return trained
 
 
-def test_run_with_a_tree_from_contexts(tmp_path, capsys, monkeypatch):
-  """--tree context trains on Tree.from_context of the training ids, from the start."""
-  trained = _recorded_trees(monkeypatch)
-  corpus = support.zipf_corpus(tmp_path / "corpus.txt", seed=1)
+def _context_run(tmp_path, seed, *flags):
+  """demo.main with --tree context and `flags` on a small corpus: (results, its training
+  counts, its training ids, the vocabulary's size)."""
+  corpus = support.zipf_corpus(tmp_path / "corpus.txt", seed=seed)
   results = demo.main(["--corpus", str(corpus), "--max-tokens", "900", "--epochs", "1",
                        "--hidden", "16", "--seq-len", "5", "--batch", "4", "--quiet",
-                       "--tree", "context", "--branching", "4", "--head", "3",
+                       "--tree", "context", "--branching", "4", *flags,
                        "--models", "hsm", "--out", str(tmp_path / "out")])
   train = demo.split_corpus(demo.file_documents(str(corpus)), 900)[0]
   names, counts = demo.build_vocab(train, 10000, 2)
-  expected = tf_hsm.Tree.from_context(demo.encode(train, names), len(names), counts,
-                                      branching=4, head=3)
+  return results, counts, demo.encode(train, names), len(names)
+
+
+def test_run_with_a_tree_from_contexts(tmp_path, capsys, monkeypatch):
+  """--tree context trains on Tree.from_context of the training ids, from the start."""
+  trained = _recorded_trees(monkeypatch)
+  results, counts, ids, classes = _context_run(tmp_path, 1, "--head", "3")
+  expected = tf_hsm.Tree.from_context(ids, classes, counts, branching=4, head=3)
   assert "HSM tree: context" in capsys.readouterr().out
-  (tree,) = trained
+  ((tree,),) = trained
   np.testing.assert_array_equal(tree.slot_child, expected.slot_child)
   np.testing.assert_array_equal(tree.child_begin, expected.child_begin)
   assert len(tree.children(0)) >= 3  # the head's words and the root's slots
@@ -346,22 +353,47 @@ def test_run_with_a_tree_from_contexts(tmp_path, capsys, monkeypatch):
   assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))
 
 
-def test_run_with_a_mixture_of_context_trees(tmp_path, capsys, monkeypatch):
-  """--mixture trains HierarchicalSoftmaxMixture over the left- and right-context trees."""
+def test_run_with_a_planned_mixture(tmp_path, capsys, monkeypatch):
+  """--tree planned trains a recommended mixture (the planner's trees: a list of two) as
+  HierarchicalSoftmaxMixture. (The planner's mixture rows need more classes than this
+  corpus has: `tests/unit/test_planner_mixture.py` has their recommendation.)"""
   trained = _recorded_trees(monkeypatch)
+  planned = []
+
+  def plan_a_mixture(counts, hidden, tokens, token_ids=None, **kwargs):
+    del hidden, tokens, kwargs
+    planned.append([tf_hsm.Tree.from_context(token_ids, len(counts), counts, branching=4,
+                                             side=side) for side in ("left", "right")])
+    return planned[-1], None
+
+  monkeypatch.setattr(demo, "planned_tree", plan_a_mixture)
   corpus = support.zipf_corpus(tmp_path / "corpus.txt", seed=2)
   results = demo.main(["--corpus", str(corpus), "--max-tokens", "900", "--epochs", "1",
                        "--hidden", "16", "--seq-len", "5", "--batch", "4", "--quiet",
-                       "--tree", "context", "--branching", "4", "--mixture",
-                       "--models", "hsm", "--out", str(tmp_path / "out")])
-  train = demo.split_corpus(demo.file_documents(str(corpus)), 900)[0]
-  names, counts = demo.build_vocab(train, 10000, 2)
-  ids = demo.encode(train, names)
+                       "--tree", "planned", "--models", "hsm", "--out", str(tmp_path / "o")])
   assert "mixed with a tree from right contexts" in capsys.readouterr().out
-  ((left, right),) = trained
-  for tree, side in ((left, "left"), (right, "right")):
-    expected = tf_hsm.Tree.from_context(ids, len(names), counts, branching=4, side=side)
+  assert trained == planned and len(trained[0]) == 2
+  assert results["models"][0]["name"] == "hsm-planned-mixture"
+  assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))
+
+
+@pytest.mark.parametrize("flags,sides,seeds,said", [
+    (["--mixture"], ("left", "right"), (0, 0), "mixed with a tree from right contexts"),
+    (["--mixture", "3"], ("left", "right", "left"), (0, 0, 1), "and 1 more from other seeds")])
+def test_run_with_a_mixture_of_context_trees(tmp_path, capsys, monkeypatch, flags, sides,
+                                             seeds, said):
+  """--mixture [N] trains HierarchicalSoftmaxMixture over the left- and right-context
+  trees, then left and right again clustered from other seeds."""
+  trained = _recorded_trees(monkeypatch)
+  results, counts, ids, classes = _context_run(tmp_path, 2, *flags)
+  assert said in capsys.readouterr().out
+  (trees,) = trained
+  assert len(trees) == len(sides)
+  for tree, side, seed in zip(trees, sides, seeds):
+    expected = tf_hsm.Tree.from_context(ids, classes, counts, branching=4, side=side,
+                                        seed=seed)
     np.testing.assert_array_equal(tree.slot_child, expected.slot_child)
+  assert not np.array_equal(trees[-1].slot_child, trees[-2].slot_child)
   assert results["models"][0]["name"] == "hsm-context-mixture"
-  assert results["tree"]["mixture_num_slots"] == right.num_slots
+  assert results["tree"]["mixture_num_slots"] == trees[1].num_slots
   assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))

@@ -251,3 +251,16 @@ def test_rows_with_a_head_run_by_default_on_a_large_vocabulary(tmp_path):
   assert cmd[cmd.index("--branching") + 1] == "32" and cmd[cmd.index("--head") + 1] == "256"
   from tf_hsm.planning import quality  # pylint: disable=import-outside-toplevel
   assert quality_runs.ROWS["context32_head256"][0] in quality.KINDS
+
+
+def test_the_planners_mixtures_are_rows_of_the_runs(tmp_path):
+  """Every mixture the planner prices is a row the bench can measure, as the demo's
+  --mixture over the context trees of its branching and head."""
+  from tf_hsm.planning import candidates, quality  # pylint: disable=import-outside-toplevel
+  for name in candidates.MIXTURE_TREES:
+    assert quality_runs.ROWS[name][0] == name and name in quality.KINDS
+    assert name in quality_runs.default_rows(5_000)
+    cmd = quality_runs.command(name, "c.txt", str(tmp_path), 5_000, None)
+    k, head = name[len("mixture"):].split("_head")
+    assert "--mixture" in cmd and cmd[cmd.index("--tree") + 1] == "context"
+    assert cmd[cmd.index("--branching") + 1] == k and cmd[cmd.index("--head") + 1] == head

@@ -15,6 +15,7 @@ from tf_hsm.demo import run as demo
     (["--seed", "-1"], "--seed must be in"),
     (["--seed", str(2**32)], "--seed must be in"),
     (["--tree", "huffman", "--mixture"], "--mixture applies to --tree context"),
+    (["--tree", "context", "--mixture", "1"], "--mixture takes at least 2 trees, got 1"),
 ])
 def test_bad_values_are_refused_by_name(flags, named, capsys):
   with pytest.raises(SystemExit):

@@ -5,6 +5,7 @@ built from that text with no rebuild."""
 import numpy as np
 import pytest
 
+import support
 import tf_hsm
 from tf_hsm.planning import candidates, quality
 
@@ -12,13 +13,8 @@ MACHINE = {"matmul_flops": 5e10, "read_bytes": 1e10, "call_seconds": 2e-4,
            "tree_step": (3e-11, 1e-10, 7e-11, 2e-7, 1e-8, 5e-4)}
 
 
-def _text(classes=3_000, tokens=40_000, seed=0):
-  ids = (np.random.default_rng(seed).zipf(1.2, tokens) - 1) % classes
-  return ids, np.bincount(ids, minlength=classes).astype(np.float64)
-
-
 def test_a_context_row_only_with_the_training_text():
-  ids, counts = _text()
+  ids, counts = support.zipf_ids()
   plain = tf_hsm.plan(3_000, 128, 2048, counts=counts, machine=MACHINE, adaptive=())
   assert not any("context" in r["method"] for r in plain.rows)
   report = tf_hsm.plan(3_000, 128, 2048, counts=counts, machine=MACHINE, adaptive=(),
@@ -49,7 +45,7 @@ def test_the_context_evidence_is_the_cpu_runs_at_100k_classes():
 
 
 def test_a_recommended_context_tree_is_built_from_the_text_and_not_rebuilt():
-  ids, counts = _text()
+  ids, counts = support.zipf_ids()
   report = tf_hsm.plan(3_000, 128, 2048, counts=counts, optimizer="lazy_adam",
                        machine=dict(MACHINE, matmul_flops=1e8), adaptive=(),
                        trees=candidates.CONTEXT_TREES, token_ids=ids)
@@ -78,7 +74,7 @@ def test_bad_training_text_is_named(token_ids, message):
 def test_command_line_token_ids(tmp_path, capsys):
   import json  # pylint: disable=g-import-not-at-top
   from tf_hsm.planning import cli  # pylint: disable=g-import-not-at-top
-  ids, counts = _text()
+  ids, counts = support.zipf_ids()
   np.save(tmp_path / "ids.npy", ids)
   np.save(tmp_path / "counts.npy", counts)
   np.save(tmp_path / "floats.npy", ids.astype(np.float64))
@@ -92,7 +88,7 @@ def test_command_line_token_ids(tmp_path, capsys):
 
 
 def test_recommend_tree_takes_the_text_for_a_context_tree():
-  ids, counts = _text()
+  ids, counts = support.zipf_ids()
   tree, row = tf_hsm.planning.recommend_tree(3_000, 128, 2048, counts=counts,
                                              machine=MACHINE,
                                              trees=candidates.CONTEXT_TREES, token_ids=ids)

@@ -138,7 +138,8 @@ def test_the_trade_the_pick_leaves_is_noted():
                          "perplexity, 26.3 ms, 2.1x its step); full (+0.0% perplexity")
   for left_out in ("huffman2", "wider", "vectors64", "far", "unknown", "learned"):
     assert left_out not in note  # faster, no better, not comparable, or past three
-  assert note.endswith("sampled softmax, approximate (+3.6%, 53.4 ms, 4.3x its step)")
+  assert note.endswith("x its step) (sampled softmax, approximate: +3.6%, 53.4 ms, 4.3x "
+                       "its step)")
   assert candidates._more_accurate_note([best, fast], best, sampled) == []  # pylint: disable=protected-access
   # At V=1M the planner notes it under the pick.
   report = _plan(None)

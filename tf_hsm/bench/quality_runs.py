@@ -62,11 +62,18 @@ ROWS = {
     # The planner's tree from the words' left contexts, built before training.
     "context32_head256": ("context32_head256", ["--models", "hsm", "--tree", "context",
                                                 "--branching", "32", "--head", "256"]),
+    # The planner's mixtures of the left- and right-context trees.
+    "mixture32_head256": ("mixture32_head256", ["--models", "hsm", "--tree", "context",
+                                                "--branching", "32", "--head", "256",
+                                                "--mixture"]),
+    "mixture16_head128": ("mixture16_head128", ["--models", "hsm", "--tree", "context",
+                                                "--branching", "16", "--head", "128",
+                                                "--mixture"]),
 }
 # Rows with a head of 256 frequent words over 32- or 64-ary nodes: run by default only on
 # a vocabulary larger than HEAD_ROWS_MIN_VOCAB (on a smaller one the head would hold
 # nearly every word, and the row would measure another layout).
-HEAD_ROWS = [r for r in ROWS if r.startswith(("vectors", "context"))]
+HEAD_ROWS = [r for r in ROWS if r.startswith(("vectors", "context", "mixture"))]
 HEAD_ROWS_MIN_VOCAB = 256 + 64
 # The rows run by default on a smaller vocabulary (`default_rows`).
 DEFAULT_ROWS = [r for r in ROWS if r not in HEAD_ROWS]

@@ -277,13 +277,14 @@ def make_tree(kind, counts, head=0, branching=None):
 
 def planned_tree(counts, hidden, tokens_per_step, machine=None, token_ids=None,
                  max_perplexity_increase=None):
-  """(tree, rebuild): the layer `tf_hsm.plan` recommends for this model's output layer
+  """(trees, rebuild): the layer `tf_hsm.plan` recommends for this model's output layer
   among the exact softmax and the hierarchical rows (every tree it prices, those
   rebuilt from vectors during training and, given the training text's `token_ids`, the
-  context tree included; the vocabulary's training counts, the LSTM's width, a batch's
-  tokens, LazyAdam; `max_perplexity_increase` as `plan`'s), as the tree the layer starts
-  on and the `RebuildTree` arguments that make it the recommended tree (None if it
-  trains as built); prints the planner's table first."""
+  context trees and their mixtures included; the vocabulary's training counts, the
+  LSTM's width, a batch's tokens, LazyAdam; `max_perplexity_increase` as `plan`'s), as
+  the trees the layer starts on (several for a HierarchicalSoftmaxMixture) and the
+  `RebuildTree` arguments that make it the recommended tree (None if it trains as
+  built); prints the planner's table first."""
   import tf_hsm  # pylint: disable=g-import-not-at-top
   counts = np.asarray(counts, np.float64)
   report = tf_hsm.plan(len(counts), hidden, tokens_per_step, counts=counts,
@@ -294,7 +295,7 @@ def planned_tree(counts, hidden, tokens_per_step, machine=None, token_ids=None,
   print(f"  --tree planned: {row['method']}, {1e3 * row['step_seconds']:.1f} ms a step "
         "predicted" + (f"; rebuilt by RebuildTree({report.layer.rebuild_schedule()})"
                        if report.layer.rebuild else ""), flush=True)
-  return report.layer.tree, report.layer.rebuild
+  return report.layer.trees, report.layer.rebuild
 
 
 def learned_head(vocab_size):
@@ -703,11 +704,12 @@ def parse_args(argv=None):
                       "--batch x --seq-len tokens a step with LazyAdam, within "
                       "--max-ppl-increase if given; its table is printed). "
                       "Default: %(default)s")
-  p.add_argument("--mixture", action="store_true",
+  p.add_argument("--mixture", type=int, nargs="?", const=2, default=0, metavar="N",
                  help="with --tree context: the output layer is a "
-                      "HierarchicalSoftmaxMixture of two context trees, one from the "
-                      "words' left contexts and one from their right contexts (about "
-                      "twice one tree's step)")
+                      "HierarchicalSoftmaxMixture of N context trees (default 2): from "
+                      "the words' left contexts, their right contexts, then left and "
+                      "right again clustered from other seeds (about N times one tree's "
+                      "step)")
   p.add_argument("--max-ppl-increase", type=percent_arg, default=None, metavar="PCT",
                  help="with --tree planned: the planner recommends among the layers "
                       "measured within PCT%% perplexity of full softmax (e.g. 10)")
@@ -828,6 +830,8 @@ def _checked(p, args):
     p.error("--branching takes an int >= 2, with --tree huffman, balanced or context")
   if args.mixture and args.tree != "context":
     p.error("--mixture applies to --tree context")
+  if args.mixture == 1 or args.mixture < 0:
+    p.error(f"--mixture takes at least 2 trees, got {args.mixture}")
   if args.max_ppl_increase is not None and args.tree != "planned":
     p.error("--max-ppl-increase applies to --tree planned")
   for name in ("learning_rate", "output_lr_scale"):
@@ -878,19 +882,18 @@ def main(argv=None):
       min(args.head or 0, len(words) - 1)
   rebuild = None
   if args.tree == "planned":
-    tree, rebuild = planned_tree(
+    trees, rebuild = planned_tree(
         counts, args.hidden, args.batch * args.seq_len, token_ids=train_ids,
         max_perplexity_increase=args.max_ppl_increase)
   elif args.tree == "context":
     from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
-    tree = Tree.from_context(train_ids, len(words), counts, branching=args.branching or 32,
-                             head=head)
-    if args.mixture:
-      mixed = Tree.from_context(train_ids, len(words), counts, head=head,
-                                branching=args.branching or 32, side="right")
+    trees = [Tree.from_context(train_ids, len(words), counts, head=head,
+                               branching=args.branching or 32, seed=i // 2,
+                               side=("left", "right")[i % 2])
+             for i in range(max(1, args.mixture))]
   else:
-    tree = make_tree(args.tree, counts, head, args.branching)
-  trees = [tree] + ([mixed] if args.mixture else [])
+    trees = [make_tree(args.tree, counts, head, args.branching)]
+  tree, mixture = trees[0], len(trees) > 1
   print(f"corpus: {source}\n  {len(train_tokens):,} training and {len(held_out_tokens):,} "
         f"held-out tokens; vocabulary {len(words):,} words incl. <unk> "
         f"({100 * unk_rate:.1f}% of held-out tokens are <unk>)\n"
@@ -900,7 +903,8 @@ def main(argv=None):
         f"{tree.max_depth}, max branching {tree.max_branching}"
         f"{f', head {head} words' if head else ''}" + (
             f"; mixed with a tree from right contexts, {trees[1].num_slots:,} weight rows"
-            if args.mixture else ""), flush=True)
+            + (f", and {len(trees) - 2} more from other seeds" if len(trees) > 2 else "")
+            if mixture else ""), flush=True)
 
   # Progress bars where a person watches; one line per epoch in logs, where each bar's
   # redraws would otherwise become hundreds of lines.
@@ -921,8 +925,8 @@ def main(argv=None):
     keras.utils.set_random_seed(args.seed)
     extra = []
     if kind == "hsm":
-      name = f"hsm-{args.tree}" + ("-mixture" if args.mixture else "")
-      model = hsm_model(trees if args.mixture else tree, counts, args.hidden, args.seq_len, args.learning_rate,
+      name = f"hsm-{args.tree}" + ("-mixture" if mixture else "")
+      model = hsm_model(trees, counts, args.hidden, args.seq_len, args.learning_rate,
                         output_lr_scale=args.output_lr_scale)
       data, held_out = ([x, y], y), ([hx, hy], hy)
       if args.tree == "learned":
@@ -961,7 +965,7 @@ def main(argv=None):
                                                      "max_depth": tree.max_depth,
                                                      "branching": args.branching,
                                                      "mixture_num_slots": trees[1].num_slots
-                                                     if args.mixture else None},
+                                                     if mixture else None},
              "adaptive": None if cutoffs is None else {
                  "cutoffs": cutoffs, "div_value": args.div_value, "tail": args.tail},
              "models": histories, "total_seconds": time.perf_counter() - wall_start}

@@ -21,14 +21,15 @@ Start at candidates.py.
 """
 
 from tf_hsm.planning.body import Body, body_cost, body_price
-from tf_hsm.planning.candidates import (CONTEXT_TREES, HSM_TREES, QUALITY_MARGIN,
-                                        QUALITY_TIE, STEP_TIE, TREES, Layer, Report, plan,
-                                        recommend_tree)
+from tf_hsm.planning.candidates import (CONTEXT_TREES, HSM_TREES, MIXTURE_TREES,
+                                        QUALITY_MARGIN, QUALITY_TIE, STEP_TIE, TREES,
+                                        Layer, Report, plan, recommend_tree)
 from tf_hsm.planning.cli import main, parse_bytes, parse_count
 from tf_hsm.planning.costs import (CALLS_PER_STEP, DIV_VALUE, DTYPE_BYTES, OPTIMIZERS,
                                    SAMPLED, STEP_WORKSPACE_BYTES, TAILS, Cost, Part,
                                    adaptive_cluster_cost, adaptive_cost,
                                    adaptive_head_cost, flat_softmax_cost, full_softmax_cost,
+                                   mixture_cost,
                                    moved_elements, pytorch_cutoffs, sampled_softmax_cost, tail_widths,
                                    tree_cost)
 from tf_hsm.planning.cutoffs import checked_counts, choose_cutoffs, step_cost
@@ -40,13 +41,14 @@ from tf_hsm.planning.tree_work import (TREE_STEP_TERMS, WALK_MAX_BRANCHING, Tree
                                        tree_step_terms, work_of_tree)
 
 __all__ = [
-    "Body", "CONTEXT_TREES", "EVIDENCE", "HSM_TREES", "QUALITY_MARGIN", "QUALITY_TIE", "body_cost",
+    "Body", "CONTEXT_TREES", "EVIDENCE", "HSM_TREES", "MIXTURE_TREES", "QUALITY_MARGIN",
+    "QUALITY_TIE", "body_cost",
     "body_price", "quality_of", "CALLS_PER_STEP", "Cost", "DIV_VALUE", "DTYPE_BYTES", "Layer", "Machine", "OPTIMIZERS",
     "Part", "Report", "SAMPLED", "STEP_TIE", "STEP_WORKSPACE_BYTES", "TAILS", "TREES",
     "TREE_STEP_TERMS", "TreeWork", "WALK_MAX_BRANCHING", "adaptive_cluster_cost",
     "adaptive_cost", "adaptive_head_cost", "checked_counts", "choose_cutoffs",
     "fixed_step_terms", "flat_softmax_cost", "full_softmax_cost", "huffman_work", "layout_work",
-    "machine_name", "main", "moved_elements", "parse_bytes", "parse_count", "plan",
+    "machine_name", "main", "mixture_cost", "moved_elements", "parse_bytes", "parse_count", "plan",
     "price", "pytorch_cutoffs", "recommend_tree", "sampled_softmax_cost", "step_cost",
     "step_terms", "tail_widths", "tree_bytes", "tree_cost", "tree_step_terms",
     "work_of_tree",

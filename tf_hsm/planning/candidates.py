@@ -32,9 +32,9 @@ from tf_hsm.planning import body as body_lib
 from tf_hsm.planning import machine as machine_lib
 from tf_hsm.planning import quality as quality_lib
 from tf_hsm.planning.costs import (DIV_VALUE, DTYPE_BYTES, OPTIMIZERS, TAILS,
-                                   adaptive_cost, flat_softmax_cost, probabilities,
-                                   pytorch_cutoffs, sampled_softmax_cost, tail_widths,
-                                   tree_cost)
+                                   adaptive_cost, flat_softmax_cost, mixture_cost,
+                                   probabilities, pytorch_cutoffs, sampled_softmax_cost,
+                                   tail_widths, tree_cost)
 from tf_hsm.planning.cutoffs import checked_counts, choose_cutoffs
 from tf_hsm.planning.pricing import price
 from tf_hsm.planning.tree_work import huffman_work, layout_work, vectors_work
@@ -69,7 +69,8 @@ NEAR_MISS = 0.10
 class Layer:
   """The recommended layer: what to construct (a spec; `build()` constructs it).
 
-  kind: "HierarchicalSoftmax", "AdaptiveSoftmax", "full softmax" or "sampled softmax".
+  kind: "HierarchicalSoftmax", "HierarchicalSoftmaxMixture", "AdaptiveSoftmax", "full
+    softmax" or "sampled softmax".
   method: its row's `method`. code: how to construct it, as Python.
   rebuild: for a tree rebuilt during training (the learned and vectors rows), the
     arguments of the `tf_hsm.callbacks.RebuildTree` that rebuilds it (`rebuild_callback`
@@ -78,7 +79,8 @@ class Layer:
     cutoffs, div_value, tail, counts for a two-level tail, and class_order where the
     counts were not in frequency order); for HierarchicalSoftmax,
     `tf_hsm.HierarchicalSoftmax(**kwargs)` builds the tree on first access (`tree`);
-    for full softmax likewise, over `Tree.flat(num_classes)` (the exact softmax).
+    for full softmax likewise, over `Tree.flat(num_classes)` (the exact softmax); for
+    HierarchicalSoftmaxMixture, `components`: its trees (`trees`).
   """
   kind: str
   method: str
@@ -96,7 +98,20 @@ class Layer:
   @property
   def tree(self):
     """The `Tree` of a HierarchicalSoftmax recommendation (built on first access: at
-    10M classes a binary Huffman tree's paths hold a few GB), else None."""
+    10M classes a binary Huffman tree's paths hold a few GB), else None. A mixture has
+    several: `trees`."""
+    if self.kind == "HierarchicalSoftmaxMixture":
+      raise ValueError(f"{self.method} has {len(self.trees)} trees: read layer.trees")
+    return self._built()
+
+  @property
+  def trees(self):
+    """The trees of a HierarchicalSoftmax(Mixture) or full-softmax recommendation, as a
+    list (one but for a mixture), else []."""
+    built = self._built()
+    return [] if built is None else list(built) if isinstance(built, list) else [built]
+
+  def _built(self):
     if self._tree is None and self._build is not None:
       self._tree = self._build()
     if self._tree is None and self.kind == "full softmax" and self.num_classes is not None:
@@ -105,6 +120,8 @@ class Layer:
 
   @property
   def kwargs(self):
+    if self.kind == "HierarchicalSoftmaxMixture":
+      return {"components": self.trees}
     if self.kind in ("HierarchicalSoftmax", "full softmax") and self.tree is not None:
       return {"tree": self.tree}
     if self.kind == "AdaptiveSoftmax":
@@ -123,7 +140,13 @@ class Layer:
     names: tf_keras under TF_USE_LEGACY_KERAS=1), `layer_kwargs` being the layer's
     other arguments (name, dtype, ...); for full softmax,
     `HierarchicalSoftmax(Tree.flat(num_classes))`, the exact softmax without [tokens,
-    classes] logits. Imports TensorFlow."""
+    classes] logits; for HierarchicalSoftmaxMixture, the mixture of
+    `HierarchicalSoftmax(tree, **component_kwargs)` over its trees, where
+    `component_kwargs` are the arguments of `layer_kwargs` that the mixture does not
+    take (fused_update, initializers, ignore_class, ...; dtype goes to both), Keras 3
+    only. Imports TensorFlow."""
+    if self.kind == "HierarchicalSoftmaxMixture":
+      return _mixture_layer(self.trees, layer_kwargs)
     if self.kind in ("HierarchicalSoftmax", "AdaptiveSoftmax") or (
         self.kind == "full softmax" and self.num_classes is not None):
       # The package root, imported here: planning itself stays free of TensorFlow.
@@ -154,6 +177,28 @@ class Layer:
             "cutoffs": self.cutoffs, "tail": self.tail, "div_value": self.div_value,
             "rebuild": None if not self.rebuild else
                        {k: v for k, v in self.rebuild.items() if k != "counts"}}
+
+
+# The mixture's own arguments (`HierarchicalSoftmaxMixture` and keras.layers.Layer's);
+# `Layer.build` hands the others to each component.
+_MIXTURE_ARGUMENTS = ("gate_initializer", "name", "dtype", "trainable")
+
+
+def _mixture_layer(trees, layer_kwargs):
+  """`HierarchicalSoftmaxMixture` of `HierarchicalSoftmax` layers over `trees`, the
+  arguments split between them (`_MIXTURE_ARGUMENTS` to the mixture, the rest to each
+  component, dtype to both)."""
+  tf_hsm = importlib.import_module("tf_hsm")
+  if tf_hsm.HierarchicalSoftmax is not tf_hsm.keras.HierarchicalSoftmax:
+    raise ValueError("HierarchicalSoftmaxMixture is a Keras 3 layer, and TF_USE_LEGACY_KERAS "
+                     "selects tf_keras: unset it, or plan without the mixture rows "
+                     "(trees=tf_hsm.planning.TREES)")
+  own = {k: v for k, v in layer_kwargs.items() if k in _MIXTURE_ARGUMENTS}
+  each = {k: v for k, v in layer_kwargs.items() if k not in _MIXTURE_ARGUMENTS}
+  if "dtype" in own:
+    each["dtype"] = own["dtype"]
+  components = [tf_hsm.keras.HierarchicalSoftmax(tree, **each) for tree in trees]
+  return tf_hsm.HierarchicalSoftmaxMixture(components, **own)
 
 
 @dataclasses.dataclass
@@ -288,7 +333,12 @@ TREES = HSM_TREES + ("learned",) + VECTOR_TREES
 # the training text (`Tree.from_context(token_ids, ..., branching=K, head=H)`, no
 # rebuild; docs/planner.md, "Trees from contexts"): priced as the vectors rows, and a row
 # only where `plan` is given the training text's `token_ids` to build it from.
+# "mixtureK_headH": `HierarchicalSoftmaxMixture` of two such trees, one from the words'
+# left contexts and one from their right (`Tree.from_context(..., side="right")`),
+# mixed by a gate on the hidden state (docs/planner.md, "A mixture of two context
+# trees"): priced as two of those trees and the gate, a row likewise only with the text.
 CONTEXT_TREES = ("context32_head256",)
+MIXTURE_TREES = ("mixture32_head256", "mixture16_head128")
 LEARNED_HEAD = 128
 VECTORS_REBUILD_AFTER = 1000
 
@@ -331,8 +381,19 @@ class _TreeCandidate:
   name: str  # as the row's method shows it
   code: str  # how to build it
   work: object  # its TreeWork
-  build: object  # () -> the Tree
+  build: object  # () -> the Tree, or for a mixture the list of its trees
   rebuild: dict = None  # RebuildTree's arguments (but the layer and vectors), if any
+  trees: int = 1  # a HierarchicalSoftmaxMixture's trees, each of `work`'s shape
+
+  def cost(self, hidden, tokens_per_step, probs):
+    one = tree_cost(self.work, hidden, tokens_per_step, probs)
+    if self.trees == 1:
+      return one
+    return mixture_cost([one] * self.trees, hidden, tokens_per_step)
+
+  @property
+  def kind(self):
+    return "HierarchicalSoftmax" if self.trees == 1 else "HierarchicalSoftmaxMixture"
 
 
 def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes,
@@ -370,14 +431,16 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes,
           lambda: Tree.two_level(num_classes, counts=counts),
           {"branching": [width, width], "counts": counts, "head": head,
            "after_epoch": 1}))
-    elif re.fullmatch(r"(context|vectors)\d+_head\d+", name):
+    elif re.fullmatch(r"(context|vectors|mixture)\d+_head\d+", name):
       k, head = map(int, re.findall(r"\d+", name))
       if not (2 <= k and 0 <= head and head + k < num_classes):
         notes.append(f"no {name} row: it needs V > {head + k} classes")
         continue
-      found.append(_head_tree(name.startswith("context"), k, head, num_classes, counts,
-                              vectors_work(huffman_counts, k, head, probs, tokens),
-                              token_ids))
+      work = vectors_work(huffman_counts, k, head, probs, tokens)
+      found.append(_context_mixture(k, head, num_classes, counts, work, token_ids)
+                   if name.startswith("mixture") else
+                   _head_tree(name.startswith("context"), k, head, num_classes, counts,
+                              work, token_ids))
     elif re.fullmatch(r"huffman\d+", name):
       k = int(name[len("huffman"):])
       if not 2 <= k < num_classes:
@@ -415,9 +478,24 @@ def _head_tree(from_context, k, head, num_classes, counts, work, token_ids):
        "after_batch": VECTORS_REBUILD_AFTER})
 
 
+def _context_mixture(k, head, num_classes, counts, work, token_ids):
+  """The candidate of `HierarchicalSoftmaxMixture` over the trees of the words' left and
+  right contexts (each a head over K-ary clusters, built before training)."""
+  def build():
+    return [Tree.from_context(token_ids, num_classes, counts, branching=k, head=head,
+                              side=side) for side in ("left", "right")]
+  code = ", ".join(f"Tree.from_context(token_ids, num_classes, counts, branching={k}, "
+                   f"head={head}" + (", side='right')" if right else ")")
+                   for right in (False, True))
+  return _TreeCandidate(f"context({k}, head={head}), left and right", f"[{code}]", work,
+                        build, trees=2)
+
+
 def _tree_label(name):
   """A tree row's label in the table: "HSM learned", "HSM vectors32/256" (branching /
-  head), "HSM huffman(8)"."""
+  head), "HSM huffman(8)", "HSM mixture32/256" (of the left- and right-context trees)."""
+  if name.endswith(", left and right"):
+    return "HSM " + re.sub(r"context\((\d+), head=(\d+)\).*", r"mixture\1/\2", name)
   if name.startswith(("learned", "two_level")):
     return "HSM " + re.sub(r"\(.*", "", name)
   return "HSM " + re.sub(r"(vectors|context)\((\d+), head=(\d+)\)", r"\1\2/\3", name)
@@ -539,10 +617,12 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
       so through `progress`), or a dict of its fields.
     trees: the trees of the hierarchical-softmax rows: "two_level" (equal-mass clusters
       with counts), "three_level" (balanced, branching V^(1/3)), "huffmanK" (K-ary
-      Huffman on the counts), "learned", "vectorsK_headH" and "contextK_headH" (built
-      from `token_ids`). Default: `TREES`, and `CONTEXT_TREES` with `token_ids`. They are
-      priced from their shapes, never built; the recommended one is built when
-      `report.layer.tree` is first read.
+      Huffman on the counts), "learned", "vectorsK_headH", "contextK_headH" (built
+      from `token_ids`) and "mixtureK_headH" (a `HierarchicalSoftmaxMixture` of the
+      left- and right-context trees of that shape, from `token_ids`). Default: `TREES`,
+      and `CONTEXT_TREES` and `MIXTURE_TREES` with `token_ids`. They are priced from
+      their shapes, never built; the recommended one is built when `report.layer.tree`
+      (`trees` for a mixture) is first read.
     adaptive: the tails of the `AdaptiveSoftmax` rows, of "flat" and "two_level" (() for
       none).
     cutoffs: the adaptive rows' cutoffs (default: for each tail those
@@ -608,11 +688,10 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   layers = [Layer("full softmax", "full softmax", f"HierarchicalSoftmax(Tree.flat({V}))",
                   num_classes=V), None]
   for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes, token_ids):
-    rows.append(row(f"HierarchicalSoftmax {tree.name}", _tree_label(tree.name),
-                    tree_cost(tree.work, D, T, probs)))
-    layers.append(Layer("HierarchicalSoftmax", rows[-1]["method"],
-                        f"HierarchicalSoftmax({tree.code})", _build=tree.build,
-                        rebuild=tree.rebuild))
+    rows.append(row(f"{tree.kind} {tree.name}", _tree_label(tree.name),
+                    tree.cost(D, T, probs)))
+    layers.append(Layer(tree.kind, rows[-1]["method"], f"{tree.kind}({tree.code})",
+                        _build=tree.build, rebuild=tree.rebuild))
   progress("choosing the adaptive softmax's cutoffs")
   order = _frequency_order(counts, probs, adaptive, notes)
   ranked = probs if order is None else probs[order]
@@ -689,18 +768,20 @@ def _more_accurate_note(exact, best, sampled, most=3):
     frontier = frontier[:most - 1] + frontier[-1:]
   trade = [f"{r['label']} ({r['quality'] - 1:+.1%} perplexity, {step(r)})"
            for r in frontier]
+  # Sampled softmax beside them, faster or slower, more or less accurate than the pick.
+  beside = ""
   if sampled.get("quality") is not None and sampled in _comparable([best, sampled])[0]:
-    trade.append(f"sampled softmax, approximate ({sampled['quality'] - 1:+.1%}, "
-                 f"{step(sampled)})")
+    beside = (f" (sampled softmax, approximate: {sampled['quality'] - 1:+.1%}, "
+              f"{step(sampled)})")
   return [f"more accurate than the pick ({best['quality'] - 1:+.1%}), and slower: "
-          + "; ".join(trade)]
+          + "; ".join(trade) + beside]
 
 
 def _fused_update_note(optimizer, layer):
   """[the note that a recommended tree trains faster in `fit` with `fused_update`], for
   LazyAdam; [] otherwise."""
   if optimizer != "lazy_adam" or layer is None or layer.kind not in (
-      "HierarchicalSoftmax", "full softmax"):
+      "HierarchicalSoftmax", "HierarchicalSoftmaxMixture", "full softmax"):
     return []
   return ["in Keras 3's model.fit with LazyAdam, layer.build(fused_update=True) applies "
           "the table's update inside the layer's backward pass: the same weights, no "
@@ -736,9 +817,9 @@ def _model_sizes(model, num_classes, hidden, tokens_per_step, counts, sequence_l
 def _trees_and_text(trees, token_ids, num_classes):
   """(tree names, token ids as an int64 array or None): `plan`'s default trees, checked
   against the training text a context tree is built from."""
-  names = tuple(TREES + (CONTEXT_TREES if token_ids is not None else ())
+  names = tuple(TREES + (CONTEXT_TREES + MIXTURE_TREES if token_ids is not None else ())
                 if trees is None else trees)
-  context = [n for n in names if re.fullmatch(r"context\d+_head\d+", n)]
+  context = [n for n in names if re.fullmatch(r"(context|mixture)\d+_head\d+", n)]
   if token_ids is None:
     if context:
       raise ValueError(f"the {context[0]} row is built from the training text: pass "
@@ -942,13 +1023,17 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
   """
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   trees, token_ids = _trees_and_text(trees, token_ids, V)
+  mixtures = [name for name in trees if name.startswith("mixture")]
+  if mixtures:
+    raise ValueError(f"{mixtures[0]} is a HierarchicalSoftmaxMixture of two trees, not a "
+                     "tree: tf_hsm.plan(...) prices and recommends it")
   _check_quality_bound(max_perplexity_increase)
   probs = probabilities(V, counts)
   machine = machine_lib.resolve(machine, progress)
   progress = progress or _quiet
   notes = []
   candidates = [(tree, price(f"HierarchicalSoftmax {tree.name}",
-                             tree_cost(tree.work, D, T, probs), D, T, optimizer, dtype,
+                             tree.cost(D, T, probs), D, T, optimizer, dtype,
                              machine, memory_budget))
                 for tree in _candidate_trees(V, counts, trees, probs, T, progress, notes,
                                              token_ids)]

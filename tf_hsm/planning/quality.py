@@ -11,7 +11,8 @@ docstrings (V=6,205), the King James Bible (V=4,989) and Debian's fortunes
 large vocabularies the same model on two corpora of Debian's documentation and comments
 (V=103,450 and 113,946), trained with PyTorch on a GPU (`tf_hsm.bench.quality_torch`:
 full softmax at 100K classes is 3.4-5.8 CPU hours an epoch) and compared at equal
-training tokens, every 2M tokens up to one epoch. A layer's figure is the mean over the
+training tokens, every 2M tokens up to one epoch (the trees from contexts and their
+mixtures: the demo on the CPU, against the same full-softmax figures). A layer's figure is the mean over the
 corpora measured of its perplexity over full softmax's in the same setting: on a small
 corpus its best of 3 epochs, on a large one its longest-trained checkpoint
 (`longest_trained`: the gaps to full softmax grow with training, so an early checkpoint
@@ -84,6 +85,9 @@ _GPU_RUNS = ("docs/planner.md, Large vocabularies (python -m tf_hsm.bench.qualit
 _CPU_CONTEXT = ("docs/planner.md, Trees from contexts, on the CPU (python -m tf_hsm.demo "
                 "--corpus {} --tree context --branching 32 --head 256, AMD EPYC, "
                 "2026-11-26)")
+_CPU_MIXTURE = ("docs/planner.md, A mixture of two context trees (CPU) (python -m "
+               "tf_hsm.demo --corpus {} --tree context --branching {} --head {} "
+               "--mixture, AMD EPYC, 2026-11-{})")
 # Every figure: `python -m tf_hsm.bench.quality_runs CORPUS`, one row each (AMD EPYC, 2
 # vCPUs, each run pinned to one; 2026-11-25), in docs/planner.md's quality table.
 _RUNS = ("docs/planner.md, Quality (python -m tf_hsm.bench.quality_runs {}, row {}, "
@@ -165,7 +169,13 @@ EVIDENCE = (
     Figure("context32_head256", corpus, ppl, _CPU_CONTEXT.format(name))
     for corpus, name, ppl in ((LINUX_EPOCH, "linux-comments", 107.7),
                               (DEBIAN_10M, "debian-docs", 54.9),
-                              (DEBIAN_EPOCH, "debian-docs", 50.4)))
+                              (DEBIAN_EPOCH, "debian-docs", 50.4))) + (
+    # The mixture on linux-comments alone: the debian-docs corpus it was run on was
+    # built again with one document fewer, another held-out split than full softmax's.
+    Figure("mixture32_head256", LINUX_EPOCH, 104.3,
+           _CPU_MIXTURE.format("linux-comments", 32, 256, 27)),
+    Figure("mixture16_head128", LINUX_EPOCH, 105.1,
+           _CPU_MIXTURE.format("linux-comments", 16, 128, 27)))
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
 FULL = {f.corpus: f.perplexity for f in EVIDENCE if f.kind == "full"}
 # What the kinds are, for the table and the notes.
@@ -197,6 +207,11 @@ KINDS = {
     "context32_head256": "HierarchicalSoftmax, a tree from the words' left contexts "
                          "(Tree.from_context), built before training: head of 256, the "
                          "rest 32-ary, never rebuilt",
+    "mixture32_head256": "HierarchicalSoftmaxMixture of two trees from contexts "
+                         "(Tree.from_context, side left and right), each a head of 256 "
+                         "over 32-ary clusters, mixed by a gate on the hidden state",
+    "mixture16_head128": "HierarchicalSoftmaxMixture of two trees from contexts, left "
+                         "and right, each a head of 128 over 16-ary clusters",
 }
 
 
@@ -301,6 +316,11 @@ def kind_of(method, cutoffs=None, div_value=None, num_classes=None):
     return "full"
   if method.startswith("sampled softmax"):
     return "sampled"
+  match = re.match(r"HierarchicalSoftmaxMixture context\((\d+), head=(\d+)\), left and "
+                   r"right$", method)
+  if match:
+    kind = "mixture{}_head{}".format(*match.groups())
+    return kind if any(f.kind == kind for f in EVIDENCE) else None
   match = re.match(r"HierarchicalSoftmax (vectors|context)\((\d+), head=(\d+)\)", method)
   if match:
     kind = "{}{}_head{}".format(*match.groups())
