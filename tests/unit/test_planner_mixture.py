@@ -152,3 +152,19 @@ def test_a_vocabulary_too_small_for_the_mixture_says_so():
                        token_ids=ids, trees=("mixture32_head256", "huffman8"))
   assert not any("Mixture" in r["method"] for r in report.rows)
   assert "no mixture32_head256 row: it needs V > 288 classes" in report.notes
+
+
+def test_a_model_holding_a_mixture_is_planned_by_its_body():
+  """plan(model=...) reads a model whose output layer is a mixture as one holding a
+  HierarchicalSoftmax: the body is the rest, V the mixture's classes."""
+  import keras  # pylint: disable=g-import-not-at-top
+  ids, counts = support.zipf_ids()
+  tokens = keras.Input((8,), dtype="int32")
+  targets = keras.Input((8,), dtype="int32")
+  hidden = keras.layers.Embedding(3_000, 16)(tokens)
+  output = _planned_mixture(ids, counts).build()
+  model = keras.Model([tokens, targets], output(hidden, targets))
+  report = tf_hsm.plan(model=model, tokens_per_step=256, counts=counts, machine=MACHINE,
+                       adaptive=())
+  assert report.settings["num_classes"] == 3_000 and report.settings["hidden"] == 16
+  assert [layer["kind"] for layer in report.body["layers"]] == ["Embedding"]

@@ -81,9 +81,7 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=(),
   valid = targets >= 0
   if ignore_class is not None:
     valid = tf.logical_and(valid, tf.not_equal(targets, tf.cast(ignore_class, targets.dtype)))
-  for extra in masks:
-    if extra is not None:
-      valid = tf.logical_and(valid, tf.cast(extra, tf.bool))
+  valid = combined_mask(masks, valid)
   safe_targets = tf.where(valid, targets, tf.zeros_like(targets))
   if stock.active():  # tf_hsm.serving.stock_ops(): what is traced needs no op library
     if row_layout is not None or distribute.pieces(kernel) is not None:
@@ -124,6 +122,16 @@ def checked_ignore_class(tree, ignore_class):
     raise ValueError(f"ignore_class must be None or a class id in [0, "
                      f"{tree.num_classes}), got {ignore_class!r}")
   return int(ignore_class)
+
+
+def combined_mask(masks, valid=None):
+  """`valid` AND every Keras mask of `masks` (None or boolean-like; None ones left out),
+  or None where there is neither."""
+  for extra in masks:
+    if extra is not None:
+      extra = tf.cast(extra, tf.bool)
+      valid = extra if valid is None else tf.logical_and(valid, extra)
+  return valid
 
 
 def with_ignored(exclude, ignore_class, hidden):

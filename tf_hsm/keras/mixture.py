@@ -88,8 +88,8 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     if isinstance(hidden, tf.RaggedTensor) or isinstance(targets, tf.RaggedTensor):
       raise TypeError("HierarchicalSoftmaxMixture takes dense hidden states and targets: "
                       "pad them (targets < 0 or a Keras mask mark the padding)")
-    masks = [m for m in (mask, hidden_mask) if m is not None]
-    parts = [c(hidden, targets, mask=_combined(masks), training=training)
+    parts = [c(hidden, targets, mask=hsm.combined_mask((mask, hidden_mask)),
+               training=training)
              for c in self.components]
     valid = parts[0]._keras_mask  # pylint: disable=protected-access
     mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + self._log_gate(hidden), -1)
@@ -137,15 +137,6 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
         "gate_initializer": keras.initializers.serialize(self.gate_initializer),
     })
     return config
-
-
-def _combined(masks):
-  if not masks:
-    return None
-  valid = tf.cast(masks[0], tf.bool)
-  for extra in masks[1:]:
-    valid = tf.logical_and(valid, tf.cast(extra, tf.bool))
-  return valid
 
 
 def _checked_components(components, name, dtype_policy):

@@ -8,8 +8,8 @@ TensorFlow or Keras is imported here.
     body_price(body, "lazy_adam", "float32", machine)  # {"step_seconds", "peak_bytes", ...}
 
 `model` is either the body itself (its output: the hidden states [..., D]) or a model
-holding a tf_hsm output layer (a layer whose class is named `HierarchicalSoftmax` or
-`AdaptiveSoftmax`): its body is every other layer, its hidden states that layer's
+holding a tf_hsm output layer (a layer whose class is named `HierarchicalSoftmax`,
+`HierarchicalSoftmaxMixture` or `AdaptiveSoftmax`): its body is every other layer, its hidden states that layer's
 first input. The batch is `tokens_per_step` over the positions of the hidden states
 (a [B, S, D] output scores B x S tokens a step).
 
@@ -57,7 +57,7 @@ from tf_hsm.planning import machine as machine_lib
 from tf_hsm.planning.costs import DTYPE_BYTES, OPTIMIZERS, Part, moved_elements
 
 # The output layers whose inputs are the hidden states, by class name (duck typing).
-OUTPUT_LAYERS = ("HierarchicalSoftmax", "AdaptiveSoftmax")
+OUTPUT_LAYERS = ("HierarchicalSoftmax", "HierarchicalSoftmaxMixture", "AdaptiveSoftmax")
 # Costs the roofline does not see, in iterations of the machine's loop probe
 # (`Machine.loop_step_seconds`: the dispatch of a few small ops, which other jobs on the
 # CPU slow as they slow these): a recurrent layer's time step, forward and backward (a
