@@ -215,11 +215,81 @@ def test_refused_by_name(rng):
     layer(ragged, tf.ragged.constant([[1], [2, 3]]))
 
 
-def test_inference_model_says_a_mixture_is_not_cut_yet(rng):
+def test_inference_model_cuts_a_mixture_and_export_says_it_is_not_exported(rng, tmp_path):
   trees = _trees(rng)
-  model, _ = _model(trees)
-  with pytest.raises(ValueError, match="HierarchicalSoftmaxMixture is not exported"):
-    tf_hsm.inference_model(model)
+  model, layer = _model(trees)
+  x = rng.integers(0, trees[0].num_classes, size=(4, 6)).astype(np.int32)
+  hidden = next(l for l in model.layers if isinstance(l, keras.layers.Embedding))(x)
+  k = min(3, trees[0].num_classes)
+  best = tf_hsm.inference_model(model, k=3).predict(x, verbose=0)  # clamped, as the layer's
+  log_probs, classes = layer.top_k(hidden, k)
+  np.testing.assert_array_equal(best["classes"], classes.numpy())
+  np.testing.assert_allclose(best["log_probs"], log_probs.numpy(), rtol=1e-5, atol=1e-6)
+  every = tf_hsm.inference_model(model, output="log_prob_all").predict(x, verbose=0)
+  np.testing.assert_allclose(every, layer.log_prob_all(hidden).numpy(), rtol=1e-5,
+                             atol=1e-6)
+  drawn = tf_hsm.inference_model(model, output="sample").predict(x, verbose=0)
+  assert drawn.shape == (4, 6) and drawn.min() >= 0 and drawn.max() < trees[0].num_classes
+  with pytest.raises(ValueError, match="HierarchicalSoftmaxMixture is not exported in stock "
+                                       "ops yet; tf_hsm.inference_model"):
+    tf_hsm.serving.export(model, str(tmp_path / "export"))
+
+
+def _randomized(layer, rng, scale=1.0):
+  for weight in layer.weights:
+    weight.assign(scale * rng.normal(size=weight.shape).astype(np.float32))
+  return layer
+
+
+def _frequencies(classes, num_classes):
+  return np.bincount(np.asarray(classes), minlength=num_classes) / np.size(classes)
+
+
+def test_sample_draws_the_mixture_and_at_a_temperature_its_tempered_model(rng):
+  """Frequencies of 40,000 draws at one hidden state against the layer's distribution
+  (log_prob_all, itself checked against the float64 reference); at temperature 0.5
+  against the mixture whose every weight and bias is doubled."""
+  trees = _trees(rng)
+  layer = HierarchicalSoftmaxMixture(trees)
+  layer.build((None, D))
+  _randomized(layer, np.random.default_rng(3))
+  cool = HierarchicalSoftmaxMixture(trees)
+  cool.build((None, D))
+  for source, target in zip(layer.weights, cool.weights):
+    target.assign(2.0 * source.numpy())
+  h = rng.normal(size=(1, D)).astype(np.float32)
+  hidden = np.repeat(h, 40_000, axis=0)
+  C = trees[0].num_classes
+  for model, temperature, seed in ((layer, 1.0, 3), (cool, 0.5, 4)):
+    drawn = layer.sample(hidden, seed=seed, temperature=temperature).numpy()
+    expected = np.exp(model.log_prob_all(h).numpy()[0])
+    assert np.abs(_frequencies(drawn, C) - expected).sum() < 0.05, temperature
+  np.testing.assert_array_equal(layer.sample(hidden[:50], seed=7),
+                                layer.sample(hidden[:50], seed=7))
+  assert not np.array_equal(layer.sample(hidden[:200], seed=7),
+                            layer.sample(hidden[:200], seed=8))
+  assert layer.sample(hidden[:6].reshape(2, 3, D), seed=tf.constant(1)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"seed": 2**63}, ValueError, "seed must fit in int64"),
+    ({"seed": 1.5}, TypeError, "seed must be an int"),
+    ({"seed": tf.constant([1, 2])}, ValueError, "one integer"),
+    ({"temperature": 0.0}, ValueError, "temperature must be positive")])
+def test_sample_names_bad_arguments(rng, kwargs, error, message):
+  layer = HierarchicalSoftmaxMixture(_trees(rng))
+  with pytest.raises(ValueError, match="needs a built layer"):
+    layer.sample(np.zeros((1, D), np.float32))
+  layer.build((None, D))
+  with pytest.raises(error, match=message):
+    layer.sample(np.zeros((2, D), np.float32), **kwargs)
+  with pytest.raises(TypeError, match="dense hidden states"):
+    layer.sample(tf.ragged.constant([[[0.0] * D], [[1.0] * D] * 2], ragged_rank=1))
+  C = layer.num_classes
+  for k in (0, C + 1, 2.0, True):
+    with pytest.raises(ValueError, match=rf"k must be an integer in \[1, num_classes\] = "
+                                         rf"\[1, {C}\]"):
+      layer.top_k(np.zeros((2, D), np.float32), k)
 
 
 def test_frozen_at_construction_trains_nothing_of_its_own(rng, tmp_path):

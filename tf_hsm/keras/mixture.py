@@ -33,7 +33,10 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
   `tf_hsm.losses.nll` averages over real tokens only. Train it as the single layer:
   `tf_hsm.losses.nll`, `tf_hsm.optimizers.LazyAdam` (each table's gradient is sparse).
 
-  Inference: `log_prob_all` (each tree's full distribution, mixed) and `top_k` on it.
+  Inference: `log_prob_all` (each tree's full distribution, mixed), `top_k` on it and
+  `sample` (a component from the gate, then a class from its tree);
+  `tf_hsm.inference_model` cuts a model for `predict` with any of them (the stock-op
+  export does not take a mixture yet).
 
   Args:
     components: two or more `tf_hsm.Tree`s over the same classes (each made a
@@ -78,11 +81,14 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     self.gate_bias = self.add_weight(name="gate_bias", shape=(len(self.components),),
                                      initializer="zeros", autocast=False)
 
+  def _gate_logits(self, hidden):
+    """G hidden + g, `[..., K]`, in the tables' dtype."""
+    hidden = hsm.hidden_in(hidden, self.gate_kernel.dtype)
+    return tf.tensordot(hidden, self.gate_kernel, 1) + self.gate_bias
+
   def _log_gate(self, hidden):
     """log pi(hidden), `[..., K]`, in the tables' dtype."""
-    hidden = hsm.hidden_in(hidden, self.gate_kernel.dtype)
-    logits = tf.tensordot(hidden, self.gate_kernel, 1) + self.gate_bias
-    return tf.nn.log_softmax(logits, axis=-1)
+    return tf.nn.log_softmax(self._gate_logits(hidden), axis=-1)
 
   def call(self, hidden, targets, mask=None, hidden_mask=None, training=None):
     if isinstance(hidden, tf.RaggedTensor) or isinstance(targets, tf.RaggedTensor):
@@ -115,6 +121,9 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     row, as `tf_hsm.inference.top_k`'s; ids < 0 exclude nothing). Where fewer than k
     classes are left, the last are class -1 at -inf, as the component's."""
     self._check_built("top_k")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.num_classes:
+      raise ValueError(f"k must be an integer in [1, num_classes] = [1, {self.num_classes}]"
+                       f", got {k!r}")
     log_probs = self.log_prob_all(hidden)
     left_out = hsm.with_ignored(exclude, self.ignore_class, hidden)
     if left_out is not None:
@@ -124,6 +133,31 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     values, classes = tf.math.top_k(log_probs, k)
     classes = tf.where(tf.math.is_inf(values), tf.constant(-1, classes.dtype), classes)
     return values, tf.cast(classes, tf.int64)
+
+  def sample(self, hidden, seed=None, temperature=1.0):
+    """Draws one class per hidden state, int64 `[...]`: a component from the gate, then
+    a class from that component's tree (its `sample`), which is exact ancestral
+    sampling of the mixture. With temperature T the gate's logits and every node's are
+    divided by T: the mixture whose weights and biases are divided by T, as a
+    component's temperature is. `seed`: an int (scalar) from which the gate's draw and
+    each component's seed are derived, or None for fresh draws."""
+    self._check_built("sample")
+    if isinstance(hidden, tf.RaggedTensor):
+      raise TypeError("HierarchicalSoftmaxMixture.sample takes dense hidden states")
+    seeds = [None] * (len(self.components) + 1)
+    if seed is not None:
+      seed = _seed_tensor(seed)
+      seeds = [seed + k for k in range(len(seeds))]  # int64 addition wraps: still seeds
+    # Each component checks the temperature (and draws its class) first.
+    draws = tf.stack([c.sample(hidden, seed=s, temperature=temperature)
+                      for c, s in zip(self.components, seeds[1:])], -1)
+    logits = self._gate_logits(hidden)
+    logits = logits / tf.cast(temperature, logits.dtype)
+    rows = tf.reshape(logits, [-1, len(self.components)])
+    chosen = (tf.random.categorical(rows, 1) if seed is None else
+              tf.random.stateless_categorical(rows, 1, tf.stack([seeds[0], seeds[0]])))
+    chosen = tf.reshape(chosen, tf.shape(logits)[:-1])
+    return tf.reduce_sum(draws * tf.one_hot(chosen, len(self.components), dtype=tf.int64), -1)
 
   def _check_built(self, what):
     if not self.built:
@@ -137,6 +171,20 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
         "gate_initializer": keras.initializers.serialize(self.gate_initializer),
     })
     return config
+
+
+def _seed_tensor(seed):
+  """`seed` (a Python int in the int64 range, or an integer scalar tensor) as int64."""
+  if isinstance(seed, bool) or not (isinstance(seed, int) or tf.is_tensor(seed) or
+                                    hasattr(seed, "dtype")):
+    raise TypeError(f"seed must be an int or an integer scalar tensor, got {seed!r}")
+  if isinstance(seed, int) and not -2**63 <= seed < 2**63:
+    raise ValueError(f"seed must fit in int64, got {seed}")
+  seed = tf.convert_to_tensor(seed)
+  if not seed.dtype.is_integer or seed.shape.rank not in (None, 0):
+    raise ValueError(f"seed must be one integer (a scalar), got {seed.dtype.name} of "
+                     f"shape {seed.shape}")
+  return tf.cast(seed, tf.int64)
 
 
 def _checked_components(components, name, dtype_policy):

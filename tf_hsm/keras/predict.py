@@ -22,9 +22,9 @@ def inference_model(model, k=10, output="top_k", temperature=1.0):
   `tf_hsm.serving.export(model, directory, k)`, which cuts the model the same way).
 
   Args:
-    model: a functional Keras 3 model with one `HierarchicalSoftmax` or
-      `AdaptiveSoftmax`, called on hidden states and one of the model's inputs as its
-      targets, whose output is the model's output.
+    model: a functional Keras 3 model with one `HierarchicalSoftmax`,
+      `AdaptiveSoftmax` or `HierarchicalSoftmaxMixture`, called on hidden states and
+      one of the model's inputs as its targets, whose output is the model's output.
     k: how many classes each position gets (clamped to the number of classes).
     output: "top_k", "log_prob_all" or "sample".
     temperature: the sampling temperature, for output="sample".

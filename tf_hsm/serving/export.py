@@ -19,27 +19,26 @@ __all__ = ["export", "ModelCut", "ServingModule", "LOG_PROB_ALL_MAX_CLASSES"]
 # per row (4 MB a row at 1M classes), and its one matmul reads the whole table.
 LOG_PROB_ALL_MAX_CLASSES = 1_000_000
 
-_HSM, _ADAPTIVE = "HierarchicalSoftmax", "AdaptiveSoftmax"
+_HSM, _ADAPTIVE, _MIXTURE = ("HierarchicalSoftmax", "AdaptiveSoftmax",
+                             "HierarchicalSoftmaxMixture")
 
 
 def _kind(layer):
-  """"hsm", "adaptive" or None, by class name along the MRO (no tf_hsm import here)."""
+  """"hsm", "adaptive", "mixture" or None, by class name along the MRO (no tf_hsm import
+  here)."""
   for cls in type(layer).__mro__:
     if cls.__name__ == _HSM and hasattr(layer, "tree"):
       return "hsm"
     if cls.__name__ == _ADAPTIVE and hasattr(layer, "cluster_ranges"):
       return "adaptive"
+    if cls.__name__ == _MIXTURE and hasattr(layer, "components"):
+      return "mixture"
   return None
 
 
 def _find_layer(model):
   layers = list(_all_layers(model))
   found = [layer for layer in layers if _kind(layer) is not None]
-  mixtures = [layer.name for layer in layers
-              if type(layer).__name__ == "HierarchicalSoftmaxMixture"]
-  if mixtures and not found:
-    raise ValueError(f"{mixtures[0]}: a HierarchicalSoftmaxMixture is not exported nor cut "
-                     "for prediction yet; its top_k and log_prob_all predict in Python")
   if not found:
     raise ValueError("export needs a model with a tf_hsm HierarchicalSoftmax or "
                      "AdaptiveSoftmax layer; found none")
@@ -102,7 +101,8 @@ class ModelCut:
   `inference_model` serve. Works on Keras 3 and tf_keras models.
 
   Attributes:
-    layer: the HierarchicalSoftmax or AdaptiveSoftmax layer. kind: "hsm" or "adaptive".
+    layer: the HierarchicalSoftmax, AdaptiveSoftmax or HierarchicalSoftmaxMixture layer.
+      kind: "hsm", "adaptive" or "mixture" (cut for `inference_model`, not exported).
     inputs: the model's inputs; target_index: which of them are the layer's targets;
     feature_inputs: the others. hidden: the symbolic hidden states the layer reads.
     encoder: `Model(feature_inputs, hidden)`, in the model's Keras.
@@ -184,6 +184,10 @@ class ServingModule(tf.Module):
     k = checks.check_k(k)
     max_exclude = checks.check_max_exclude(max_exclude)
     cut = ModelCut(model)
+    if cut.kind == "mixture":
+      raise ValueError(f"{cut.layer.name}: a HierarchicalSoftmaxMixture is not exported in "
+                       "stock ops yet; tf_hsm.inference_model(model) predicts with it in "
+                       "this process")
     layer, self.kind = cut.layer, cut.kind
     self.ignore_class = cut.ignore_class
     self._hidden_rank = len(cut.hidden.shape)
