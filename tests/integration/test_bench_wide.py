@@ -2,9 +2,11 @@
 themselves are the bench's, in docs/performance.md)."""
 
 import json
+import re
 import subprocess
 import sys
 
+import pytest
 
 import support
 
@@ -52,11 +54,16 @@ def test_heads_are_parsed_and_bad_ones_refused():
 def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
   import numpy as np  # pylint: disable=import-outside-toplevel
   from tf_hsm.bench import wide
-  result = wide.mixture_part(np.random.default_rng(0), 1, ((8, 16), (4, 8)),
+  result = wide.mixture_part(np.random.default_rng(0), 1, ((2, 8, 16), (3, 4, 8)),
                              classes=3000, dim=8, tokens=64)
   assert set(result["ms"]) == {"one tree 8:16", "mixture of two 8:16",
-                               "mixture of two 4:8", "sampled softmax 1024"}
+                               "mixture of three 4:8", "sampled softmax 1024"}
   assert all(v > 0 for v in result["ms"].values())
   assert set(result["speed vs sampled"]) == set(result["ms"]) - {"sampled softmax 1024"}
-  assert wide.parse_heads(",".join(f"{b}:{h}" for b, h in wide.MIXTURE_TREES)) == \
-      wide.MIXTURE_TREES
+  assert wide.parse_mixtures(",".join(f"{n}x{b}:{h}" for n, b, h in wide.MIXTURE_TREES)) \
+      == wide.MIXTURE_TREES
+  assert wide.parse_mixtures("32:256,3x16:128") == ((2, 32, 256), (3, 16, 128))
+  for bad, message in (("1x16:128", "at least 2 trees"), ("ax16:128", "[TREESx]"),
+                       ("3x16", "BRANCHING:HEAD pairs")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      wide.parse_mixtures(bad)

@@ -261,6 +261,9 @@ def test_the_planners_mixtures_are_rows_of_the_runs(tmp_path):
     assert quality_runs.ROWS[name][0] == name and name in quality.KINDS
     assert name in quality_runs.default_rows(5_000)
     cmd = quality_runs.command(name, "c.txt", str(tmp_path), 5_000, None)
-    k, head = name[len("mixture"):].split("_head")
+    shape, head = name[len("mixture"):].split("_head")
+    count, _, k = shape.rpartition("x")
     assert "--mixture" in cmd and cmd[cmd.index("--tree") + 1] == "context"
+    after = cmd[cmd.index("--mixture") + 1:][:1]
+    assert after == [count] if count else not (after and after[0].isdigit())
     assert cmd[cmd.index("--branching") + 1] == k and cmd[cmd.index("--head") + 1] == head

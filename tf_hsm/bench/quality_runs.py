@@ -69,6 +69,9 @@ ROWS = {
     "mixture16_head128": ("mixture16_head128", ["--models", "hsm", "--tree", "context",
                                                 "--branching", "16", "--head", "128",
                                                 "--mixture"]),
+    "mixture3x16_head128": ("mixture3x16_head128", ["--models", "hsm", "--tree", "context",
+                                                    "--branching", "16", "--head", "128",
+                                                    "--mixture", "3"]),
 }
 # Rows with a head of 256 frequent words over 32- or 64-ary nodes: run by default only on
 # a vocabulary larger than HEAD_ROWS_MIN_VOCAB (on a smaller one the head would hold

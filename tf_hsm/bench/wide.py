@@ -3,7 +3,7 @@
 classes, and a training step's memory at a million classes.
 
     python -m tf_hsm.bench.wide [--parts flat,rate,head,inference,memory] [--rounds 7]
-        [--heads 32:1024,32:256,64:256,32:0] [--parts mixture --mixtures 32:256,16:128]
+        [--heads 32:1024,32:256,64:256,32:0] [--parts mixture --mixtures 32:256,3x16:128]
 
 - flat: `nll_loss` forward and backward on `Tree.flat(V)` (V=100K, D=256, T=1,024)
   interleaved with TensorFlow's `matmul` + `sparse_softmax_cross_entropy_with_logits`
@@ -22,9 +22,10 @@ classes, and a training step's memory at a million classes.
   output read back to NumPy (a 410 MB [rows x V] array for `log_prob_all` and TF's
   log-softmax alike).
 - mixture (not among the default parts): at the head part's sizes,
-  `HierarchicalSoftmaxMixture` of two trees from vectors (as the head part's, the second
-  of other vectors) of each `--mixtures` shape (BRANCHING:HEAD; default 32:256 and
-  16:128), one tree of the first shape, and TF's sampled softmax, interleaved.
+  `HierarchicalSoftmaxMixture` of trees from vectors (the first as the head part's, the
+  others of other vectors) of each `--mixtures` shape ([TREESx]BRANCHING:HEAD, two trees
+  by default; default 32:256 and 16:128), one tree of the first shape, and TF's sampled
+  softmax, interleaved.
 - memory: a process of its own per case (V=1M, D=300, T=3,200 and V=10M, D=300, T=256):
   VmHWM after set-up (table, batch, the op library loaded), then the growth of the peak
   over one step of `sgd_step`, and of `nll_loss` with its gradient (at V=1M only: two
@@ -200,8 +201,10 @@ def head_part(rng, rounds, trees=HEAD_TREES):
   return result
 
 
-# (branching, head) of the mixtures the mixture part times: two trees of that shape each.
-MIXTURE_TREES = ((32, 256), (16, 128))
+# (trees, branching, head) of the mixtures the mixture part times: that many trees of
+# that shape each.
+MIXTURE_TREES = ((2, 32, 256), (2, 16, 128))
+_COUNTS = {2: "two", 3: "three", 4: "four"}
 
 
 def _mixture_step(trees, hidden, targets):
@@ -223,24 +226,25 @@ def _mixture_step(trees, hidden, targets):
 
 def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
                  tokens=3200):
-  """`HierarchicalSoftmaxMixture` of two trees from vectors of each shape in `shapes`
-  ((branching, head) pairs), one tree of the first shape, and TF's sampled softmax
-  (1,024 samples), interleaved, at V=1M, D=300, T=3,200, Zipf(1) targets (the sizes
-  are arguments for the tests)."""
+  """`HierarchicalSoftmaxMixture` of trees from vectors of each shape in `shapes`
+  ((trees, branching, head) triples: the first tree as the head part's, the others of
+  other vectors), one tree of the first shape, and TF's sampled softmax (1,024 samples),
+  interleaved, at V=1M, D=300, T=3,200, Zipf(1) targets (the sizes are arguments for
+  the tests)."""
   targets = tf.constant(_zipf_targets(rng, classes, tokens))
   hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
   methods = {}
-  for index, (branching, head) in enumerate(shapes):
+  for index, (count, branching, head) in enumerate(shapes):
     first = cases.vectors_tree(classes, branching, head)
     if index == 0:
       _, table, biases, _ = _problem(rng, first.num_slots, dim, tokens)
       methods[f"one tree {branching}:{head}"] = _hsm_step(first, hidden, table, biases,
                                                           targets)
-    other = tf_hsm.Tree.from_vectors(
+    others = [tf_hsm.Tree.from_vectors(
         rng.normal(size=(classes, cases.TREE_VECTOR_DIM)).astype(np.float32),
-        cases.zipf_weights(classes), branching, head=head)
-    methods[f"mixture of two {branching}:{head}"] = _mixture_step((first, other), hidden,
-                                                                  targets)
+        cases.zipf_weights(classes), branching, head=head) for _ in range(count - 1)]
+    methods[f"mixture of {_COUNTS.get(count, count)} {branching}:{head}"] = _mixture_step(
+        [first] + others, hidden, targets)
   _, table, biases, _ = _problem(rng, classes, dim, tokens)
   methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
   med = interleaved(methods, rounds)
@@ -263,6 +267,23 @@ def parse_heads(text):
                        f"0, got {entry!r}")
     trees.append((branching, head))
   return tuple(trees)
+
+
+def parse_mixtures(text):
+  """"32:256,3x16:128" -> ((2, 32, 256), (3, 16, 128)): [TREESx]BRANCHING:HEAD, two trees
+  where the count is left out; ValueError naming a bad entry."""
+  mixtures = []
+  for entry in text.split(","):
+    count, _, shape = entry.rpartition("x")
+    try:
+      count = int(count) if count else 2
+    except ValueError:
+      raise ValueError(f"--mixtures takes [TREESx]BRANCHING:HEAD, got {entry!r}") from None
+    if count < 2:
+      raise ValueError(f"--mixtures needs at least 2 trees, got {entry!r}")
+    ((branching, head),) = parse_heads(shape)
+    mixtures.append((count, branching, head))
+  return tuple(mixtures)
 
 
 def _ms(medians):
@@ -330,13 +351,14 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=7, help="timed rounds (medians)")
   parser.add_argument("--heads", default=",".join(f"{b}:{h}" for b, h in HEAD_TREES),
                       help="the head part's trees, BRANCHING:HEAD pairs (default: %(default)s)")
-  parser.add_argument("--mixtures", default=",".join(f"{b}:{h}" for b, h in MIXTURE_TREES),
-                      help="the mixture part's tree shapes, BRANCHING:HEAD pairs (default: "
-                           "%(default)s)")
+  parser.add_argument("--mixtures", default=",".join(f"{n}x{b}:{h}"
+                                                     for n, b, h in MIXTURE_TREES),
+                      help="the mixture part's mixtures, [TREESx]BRANCHING:HEAD (two "
+                           "trees without TREESx; default: %(default)s)")
   parser.add_argument("--memory-case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   try:
-    heads, mixtures = parse_heads(args.heads), parse_heads(args.mixtures)
+    heads, mixtures = parse_heads(args.heads), parse_mixtures(args.mixtures)
   except ValueError as e:
     parser.error(str(e))
   if args.memory_case:

@@ -337,8 +337,10 @@ TREES = HSM_TREES + ("learned",) + VECTOR_TREES
 # left contexts and one from their right (`Tree.from_context(..., side="right")`),
 # mixed by a gate on the hidden state (docs/planner.md, "A mixture of two context
 # trees"): priced as two of those trees and the gate, a row likewise only with the text.
+# "mixtureNxK_headH": N such trees, left and right, then left and right again clustered
+# from other seeds (seed i // 2 for the i-th), as the demo's `--mixture N`.
 CONTEXT_TREES = ("context32_head256",)
-MIXTURE_TREES = ("mixture32_head256", "mixture16_head128")
+MIXTURE_TREES = ("mixture32_head256", "mixture16_head128", "mixture3x16_head128")
 LEARNED_HEAD = 128
 VECTORS_REBUILD_AFTER = 1000
 
@@ -431,13 +433,15 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes,
           lambda: Tree.two_level(num_classes, counts=counts),
           {"branching": [width, width], "counts": counts, "head": head,
            "after_epoch": 1}))
-    elif re.fullmatch(r"(context|vectors|mixture)\d+_head\d+", name):
-      k, head = map(int, re.findall(r"\d+", name))
-      if not (2 <= k and 0 <= head and head + k < num_classes):
-        notes.append(f"no {name} row: it needs V > {head + k} classes")
+    elif re.fullmatch(r"(context|vectors|mixture(\d+x)?)\d+_head\d+", name):
+      *count, k, head = map(int, re.findall(r"\d+", name))
+      if not (2 <= k and 0 <= head and head + k < num_classes and count[:1] != [1]):
+        notes.append(f"no {name} row: it needs V > {head + k} classes" if count[:1] != [1]
+                     else f"no {name} row: a mixture has at least 2 trees")
         continue
       work = vectors_work(huffman_counts, k, head, probs, tokens)
-      found.append(_context_mixture(k, head, num_classes, counts, work, token_ids)
+      found.append(_context_mixture((count or [2])[0], k, head, num_classes, counts, work,
+                                    token_ids)
                    if name.startswith("mixture") else
                    _head_tree(name.startswith("context"), k, head, num_classes, counts,
                               work, token_ids))
@@ -478,24 +482,30 @@ def _head_tree(from_context, k, head, num_classes, counts, work, token_ids):
        "after_batch": VECTORS_REBUILD_AFTER})
 
 
-def _context_mixture(k, head, num_classes, counts, work, token_ids):
-  """The candidate of `HierarchicalSoftmaxMixture` over the trees of the words' left and
-  right contexts (each a head over K-ary clusters, built before training)."""
+def _context_mixture(count, k, head, num_classes, counts, work, token_ids):
+  """The candidate of `HierarchicalSoftmaxMixture` over `count` trees of the words'
+  contexts (each a head over K-ary clusters, built before training): left and right,
+  then left and right again clustered from seed 1, 2, ..."""
+  sides = [(("left", "right")[i % 2], i // 2) for i in range(count)]
+
   def build():
     return [Tree.from_context(token_ids, num_classes, counts, branching=k, head=head,
-                              side=side) for side in ("left", "right")]
+                              side=side, seed=seed) for side, seed in sides]
   code = ", ".join(f"Tree.from_context(token_ids, num_classes, counts, branching={k}, "
-                   f"head={head}" + (", side='right')" if right else ")")
-                   for right in (False, True))
-  return _TreeCandidate(f"context({k}, head={head}), left and right", f"[{code}]", work,
-                        build, trees=2)
+                   f"head={head}" + (", side='right'" if side == "right" else "")
+                   + (f", seed={seed}" if seed else "") + ")" for side, seed in sides)
+  name = f"context({k}, head={head}), left and right" + (
+      f", {count} trees" if count > 2 else "")
+  return _TreeCandidate(name, f"[{code}]", work, build, trees=count)
 
 
 def _tree_label(name):
   """A tree row's label in the table: "HSM learned", "HSM vectors32/256" (branching /
   head), "HSM huffman(8)", "HSM mixture32/256" (of the left- and right-context trees)."""
-  if name.endswith(", left and right"):
-    return "HSM " + re.sub(r"context\((\d+), head=(\d+)\).*", r"mixture\1/\2", name)
+  if ", left and right" in name:
+    count = re.findall(r", (\d+) trees$", name)
+    return "HSM mixture" + "".join(f"{n}x" for n in count) + re.sub(
+        r"context\((\d+), head=(\d+)\).*", r"\1/\2", name)
   if name.startswith(("learned", "two_level")):
     return "HSM " + re.sub(r"\(.*", "", name)
   return "HSM " + re.sub(r"(vectors|context)\((\d+), head=(\d+)\)", r"\1\2/\3", name)
@@ -618,8 +628,9 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     trees: the trees of the hierarchical-softmax rows: "two_level" (equal-mass clusters
       with counts), "three_level" (balanced, branching V^(1/3)), "huffmanK" (K-ary
       Huffman on the counts), "learned", "vectorsK_headH", "contextK_headH" (built
-      from `token_ids`) and "mixtureK_headH" (a `HierarchicalSoftmaxMixture` of the
-      left- and right-context trees of that shape, from `token_ids`). Default: `TREES`,
+      from `token_ids`), "mixtureK_headH" (a `HierarchicalSoftmaxMixture` of the
+      left- and right-context trees of that shape, from `token_ids`) and
+      "mixtureNxK_headH" (N such trees: left and right, then again from other seeds). Default: `TREES`,
       and `CONTEXT_TREES` and `MIXTURE_TREES` with `token_ids`. They are priced from
       their shapes, never built; the recommended one is built when `report.layer.tree`
       (`trees` for a mixture) is first read.
@@ -819,7 +830,7 @@ def _trees_and_text(trees, token_ids, num_classes):
   against the training text a context tree is built from."""
   names = tuple(TREES + (CONTEXT_TREES + MIXTURE_TREES if token_ids is not None else ())
                 if trees is None else trees)
-  context = [n for n in names if re.fullmatch(r"(context|mixture)\d+_head\d+", n)]
+  context = [n for n in names if re.fullmatch(r"(context|mixture(\d+x)?)\d+_head\d+", n)]
   if token_ids is None:
     if context:
       raise ValueError(f"the {context[0]} row is built from the training text: pass "
@@ -1025,7 +1036,7 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
   trees, token_ids = _trees_and_text(trees, token_ids, V)
   mixtures = [name for name in trees if name.startswith("mixture")]
   if mixtures:
-    raise ValueError(f"{mixtures[0]} is a HierarchicalSoftmaxMixture of two trees, not a "
+    raise ValueError(f"{mixtures[0]} is a HierarchicalSoftmaxMixture of trees, not a "
                      "tree: tf_hsm.plan(...) prices and recommends it")
   _check_quality_bound(max_perplexity_increase)
   probs = probabilities(V, counts)

@@ -87,7 +87,7 @@ _CPU_CONTEXT = ("docs/planner.md, Trees from contexts, on the CPU (python -m tf_
                 "2026-11-26)")
 _CPU_MIXTURE = ("docs/planner.md, A mixture of two context trees (CPU) (python -m "
                "tf_hsm.demo --corpus {} --tree context --branching {} --head {} "
-               "--mixture, AMD EPYC, 2026-11-{})")
+               "--mixture{}, AMD EPYC, 2026-11-{})")
 # Every figure: `python -m tf_hsm.bench.quality_runs CORPUS`, one row each (AMD EPYC, 2
 # vCPUs, each run pinned to one; 2026-11-25), in docs/planner.md's quality table.
 _RUNS = ("docs/planner.md, Quality (python -m tf_hsm.bench.quality_runs {}, row {}, "
@@ -173,9 +173,11 @@ EVIDENCE = (
     # The mixture on linux-comments alone: the debian-docs corpus it was run on was
     # built again with one document fewer, another held-out split than full softmax's.
     Figure("mixture32_head256", LINUX_EPOCH, 104.3,
-           _CPU_MIXTURE.format("linux-comments", 32, 256, 27)),
+           _CPU_MIXTURE.format("linux-comments", 32, 256, "", 27)),
     Figure("mixture16_head128", LINUX_EPOCH, 105.1,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, 27)))
+           _CPU_MIXTURE.format("linux-comments", 16, 128, "", 27)),
+    Figure("mixture3x16_head128", LINUX_EPOCH, 102.66,
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " 3", 27)))
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
 FULL = {f.corpus: f.perplexity for f in EVIDENCE if f.kind == "full"}
 # What the kinds are, for the table and the notes.
@@ -212,6 +214,9 @@ KINDS = {
                          "over 32-ary clusters, mixed by a gate on the hidden state",
     "mixture16_head128": "HierarchicalSoftmaxMixture of two trees from contexts, left "
                          "and right, each a head of 128 over 16-ary clusters",
+    "mixture3x16_head128": "HierarchicalSoftmaxMixture of three trees from contexts (left, "
+                           "right, and left clustered from another seed), each a head of "
+                           "128 over 16-ary clusters",
 }
 
 
@@ -317,9 +322,10 @@ def kind_of(method, cutoffs=None, div_value=None, num_classes=None):
   if method.startswith("sampled softmax"):
     return "sampled"
   match = re.match(r"HierarchicalSoftmaxMixture context\((\d+), head=(\d+)\), left and "
-                   r"right$", method)
+                   r"right(?:, (\d+) trees)?$", method)
   if match:
-    kind = "mixture{}_head{}".format(*match.groups())
+    k, head, count = match.groups()
+    kind = f"mixture{count + 'x' if count else ''}{k}_head{head}"
     return kind if any(f.kind == kind for f in EVIDENCE) else None
   match = re.match(r"HierarchicalSoftmax (vectors|context)\((\d+), head=(\d+)\)", method)
   if match:
