@@ -397,3 +397,16 @@ def test_run_with_a_mixture_of_context_trees(tmp_path, capsys, monkeypatch, flag
   assert results["models"][0]["name"] == "hsm-context-mixture"
   assert results["tree"]["mixture_num_slots"] == trees[1].num_slots
   assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))
+
+
+def test_init_seed_keeps_the_held_out_split_and_changes_the_initial_values(tmp_path):
+  corpus = support.zipf_corpus(tmp_path / "corpus.txt", seed=3)
+  common = ["--corpus", str(corpus), "--max-tokens", "900", "--epochs", "1", "--hidden",
+            "16", "--seq-len", "5", "--batch", "4", "--quiet", "--tree", "huffman",
+            "--models", "hsm"]
+  runs = [demo.main(common + flags + ["--out", str(tmp_path / str(i))])
+          for i, flags in enumerate(([], ["--init-seed", "0"], ["--init-seed", "1"]))]
+  first = [r["models"][0] for r in runs]
+  assert len({m["held_out_tokens"] for m in first}) == 1
+  assert first[0]["held_out_perplexity"] == first[1]["held_out_perplexity"]
+  assert first[0]["held_out_perplexity"][0] != first[2]["held_out_perplexity"][0]

@@ -14,6 +14,7 @@ from tf_hsm.demo import run as demo
     (["--max-tokens", "-5"], "--max-tokens must be >= 0"),
     (["--seed", "-1"], "--seed must be in"),
     (["--seed", str(2**32)], "--seed must be in"),
+    (["--init-seed", "-1"], "--init-seed must be in"),
     (["--tree", "huffman", "--mixture"], "--mixture applies to --tree context"),
     (["--tree", "context", "--mixture", "1"], "--mixture takes at least 2 trees, got 1"),
 ])

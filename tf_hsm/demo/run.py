@@ -761,7 +761,13 @@ def parse_args(argv=None):
                  help="after each epoch also the held-out loss by word-frequency band "
                       "(tf_hsm.demo.bands; the epoch's held-out pass, by predict in "
                       "place of Keras' validation)")
-  p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="default: %(default)s")
+  p.add_argument("--seed", type=int, default=DEFAULTS["seed"],
+                 help="the held-out split's and, without --init-seed, the initial "
+                      "values' seed (default: %(default)s)")
+  p.add_argument("--init-seed", type=int, default=None,
+                 help="the models' initial values and shuffling alone, the corpus split "
+                      "kept (default: --seed): a second set of initial values on the same "
+                      "held-out text")
   p.add_argument("--out", default=DEFAULTS["out"],
                  help="directory for results.json, results.md and perplexity.png "
                       "(default: %(default)s)")
@@ -810,6 +816,8 @@ def _checked(p, args):
     p.error("--eval-tokens must be >= 0")
   if args.max_tokens < 0:
     p.error("--max-tokens must be >= 0 (0: the whole corpus)")
+  if args.init_seed is not None and not 0 <= args.init_seed < 2**32:
+    p.error(f"--init-seed must be in [0, 2**32), got {args.init_seed}")
   if not 0 <= args.seed < 2**32:
     p.error("--seed must be in [0, 2**32)")
   for name in ("vocab", "min_count", "epochs", "hidden", "seq_len", "batch", "num_sampled"):
@@ -922,7 +930,7 @@ def main(argv=None):
           f"{args.div_value:g}", flush=True)
   histories = []
   for kind in args.models:
-    keras.utils.set_random_seed(args.seed)
+    keras.utils.set_random_seed(args.seed if args.init_seed is None else args.init_seed)
     extra = []
     if kind == "hsm":
       name = f"hsm-{args.tree}" + ("-mixture" if mixture else "")
