@@ -177,6 +177,15 @@ def test_log_prob_all_and_top_k(rng):
   values, classes = layer.top_k(hidden, 3, exclude=exclude)
   every[np.arange(4), want[:, 0]] = -np.inf
   np.testing.assert_array_equal(classes, np.argsort(-every, axis=-1)[:, :3])
+  # A dimension of 1 applies to every row; rows of more dimensions alike.
+  _, shared = layer.top_k(hidden, 3, exclude=want[:1, :1])
+  _, square = layer.top_k(np.reshape(hidden, (2, 2, -1)), 3,
+                          exclude=np.broadcast_to(want[:1, :1], (2, 2, 1)))
+  np.testing.assert_array_equal(np.reshape(square, (4, 3)), shared)
+  assert not np.any(np.asarray(shared) == want[0, 0])
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=f"exclude ids must be < num_classes = {trees[0].num_classes}"):
+    layer.top_k(hidden, 3, exclude=np.full((4, 1), trees[0].num_classes))
   # Asked for every class: the left-out ones come last, as class -1 at -inf.
   values, classes = layer.top_k(hidden, trees[0].num_classes)
   np.testing.assert_array_equal(classes[:, -1], -1)
@@ -283,8 +292,10 @@ def test_sample_names_bad_arguments(rng, kwargs, error, message):
   layer.build((None, D))
   with pytest.raises(error, match=message):
     layer.sample(np.zeros((2, D), np.float32), **kwargs)
-  with pytest.raises(TypeError, match="dense hidden states"):
-    layer.sample(tf.ragged.constant([[[0.0] * D], [[1.0] * D] * 2], ragged_rank=1))
+  ragged = tf.ragged.constant([[[0.0] * D], [[1.0] * D] * 2], ragged_rank=1)
+  for call in (layer.sample, layer.log_prob_all, lambda h: layer.top_k(h, 1)):
+    with pytest.raises(TypeError, match="takes dense hidden states"):
+      call(ragged)
   C = layer.num_classes
   for k in (0, C + 1, 2.0, True):
     with pytest.raises(ValueError, match=rf"k must be an integer in \[1, num_classes\] = "

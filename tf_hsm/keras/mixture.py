@@ -91,9 +91,7 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     return tf.nn.log_softmax(self._gate_logits(hidden), axis=-1)
 
   def call(self, hidden, targets, mask=None, hidden_mask=None, training=None):
-    if isinstance(hidden, tf.RaggedTensor) or isinstance(targets, tf.RaggedTensor):
-      raise TypeError("HierarchicalSoftmaxMixture takes dense hidden states and targets: "
-                      "pad them (targets < 0 or a Keras mask mark the padding)")
+    _check_dense("call", hidden, targets)
     parts = [c(hidden, targets, mask=hsm.combined_mask((mask, hidden_mask)),
                training=training)
              for c in self.components]
@@ -112,6 +110,7 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     """log P(c | hidden) for every class c: `[..., num_classes]` (each component's
     `log_prob_all`, keyword arguments passed on, mixed by the gate)."""
     self._check_built("log_prob_all")
+    _check_dense("log_prob_all", hidden)
     parts = tf.stack([c.log_prob_all(hidden, **kwargs) for c in self.components], -1)
     return tf.reduce_logsumexp(parts + self._log_gate(hidden)[..., None, :], -1)
 
@@ -121,18 +120,38 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     row, as `tf_hsm.inference.top_k`'s; ids < 0 exclude nothing). Where fewer than k
     classes are left, the last are class -1 at -inf, as the component's."""
     self._check_built("top_k")
+    _check_dense("top_k", hidden)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.num_classes:
       raise ValueError(f"k must be an integer in [1, num_classes] = [1, {self.num_classes}]"
                        f", got {k!r}")
     log_probs = self.log_prob_all(hidden)
     left_out = hsm.with_ignored(exclude, self.ignore_class, hidden)
     if left_out is not None:
-      left_out = tf.cast(tf.convert_to_tensor(left_out), tf.int64)
-      hit = tf.reduce_max(tf.one_hot(left_out, self.num_classes, dtype=tf.int8), -2) > 0
-      log_probs = tf.where(hit, tf.constant(-float("inf"), log_probs.dtype), log_probs)
+      log_probs = self._excluded(log_probs, left_out)
     values, classes = tf.math.top_k(log_probs, k)
     classes = tf.where(tf.math.is_inf(values), tf.constant(-1, classes.dtype), classes)
     return values, tf.cast(classes, tf.int64)
+
+  def _excluded(self, log_probs, left_out):
+    """`log_probs` [..., V] with -inf at each row's ids of `left_out` ([..., n], a
+    dimension of 1 for every row along it; ids < 0 leave nothing out), scattered into
+    the rows: no [..., n, V] tensor."""
+    left_out = tf.cast(tf.convert_to_tensor(left_out), tf.int64)
+    tf.debugging.assert_less(left_out, tf.constant(self.num_classes, tf.int64),
+                             message=f"exclude ids must be < num_classes = "
+                                     f"{self.num_classes}")
+    rows = tf.reshape(log_probs, [-1, self.num_classes])
+    ids = tf.reshape(tf.broadcast_to(left_out, tf.concat(
+        [tf.shape(log_probs, out_type=tf.int64)[:-1], tf.shape(left_out,
+                                                                out_type=tf.int64)[-1:]],
+        0)), [tf.shape(rows)[0], -1])
+    row = tf.broadcast_to(tf.range(tf.shape(ids, out_type=tf.int64)[0])[:, None],
+                          tf.shape(ids))
+    keep = ids >= 0
+    where = tf.stack([row[keep], ids[keep]], -1)
+    rows = tf.tensor_scatter_nd_update(
+        rows, where, tf.fill(tf.shape(where)[:1], tf.constant(-float("inf"), rows.dtype)))
+    return tf.reshape(rows, tf.shape(log_probs))
 
   def sample(self, hidden, seed=None, temperature=1.0):
     """Draws one class per hidden state, int64 `[...]`: a component from the gate, then
@@ -142,8 +161,7 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     component's temperature is. `seed`: an int (scalar) from which the gate's draw and
     each component's seed are derived, or None for fresh draws."""
     self._check_built("sample")
-    if isinstance(hidden, tf.RaggedTensor):
-      raise TypeError("HierarchicalSoftmaxMixture.sample takes dense hidden states")
+    _check_dense("sample", hidden)
     seeds = [None] * (len(self.components) + 1)
     if seed is not None:
       seed = _seed_tensor(seed)
@@ -171,6 +189,12 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
         "gate_initializer": keras.initializers.serialize(self.gate_initializer),
     })
     return config
+
+
+def _check_dense(what, *tensors):
+  if any(isinstance(t, tf.RaggedTensor) for t in tensors):
+    raise TypeError(f"HierarchicalSoftmaxMixture.{what} takes dense hidden states (and "
+                    "targets): pad them (targets < 0 or a Keras mask mark the padding)")
 
 
 def _seed_tensor(seed):
