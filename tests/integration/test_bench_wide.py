@@ -63,7 +63,10 @@ def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
   assert wide.parse_mixtures(",".join(f"{n}x{b}:{h}" for n, b, h in wide.MIXTURE_TREES)) \
       == wide.MIXTURE_TREES
   assert wide.parse_mixtures("32:256,3x16:128") == ((2, 32, 256), (3, 16, 128))
-  for bad, message in (("1x16:128", "at least 2 trees"), ("ax16:128", "[TREESx]"),
-                       ("3x16", "BRANCHING:HEAD pairs")):
+  for bad, message in (("1x16:128", "2-8 trees"), ("9x16:128", "2-8 trees"),
+                       ("3x1:4", "a branching of at least 2"),
+                       ("ax16:128", "[TREESx]BRANCHING:HEAD, got 'ax16:128'"),
+                       ("3x16", "got '3x16'"), ("x16:128", "got 'x16:128'"),
+                       ("", "got ''"), ("3X16:128", "got '3X16:128'")):
     with pytest.raises(ValueError, match=re.escape(message)):
       wide.parse_mixtures(bad)

@@ -17,6 +17,7 @@ from tf_hsm.demo import run as demo
     (["--init-seed", "-1"], "--init-seed must be in"),
     (["--tree", "huffman", "--mixture"], "--mixture applies to --tree context"),
     (["--tree", "context", "--mixture", "1"], "--mixture takes at least 2 trees, got 1"),
+    (["--tree", "context", "--mixture", "0"], "--mixture takes at least 2 trees, got 0"),
 ])
 def test_bad_values_are_refused_by_name(flags, named, capsys):
   with pytest.raises(SystemExit):

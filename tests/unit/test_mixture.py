@@ -278,10 +278,21 @@ def test_sample_draws_the_mixture_and_at_a_temperature_its_tempered_model(rng):
   assert not np.array_equal(layer.sample(hidden[:200], seed=7),
                             layer.sample(hidden[:200], seed=8))
   assert layer.sample(hidden[:6].reshape(2, 3, D), seed=tf.constant(1)).shape == (2, 3)
+  # Consecutive seeds draw independently: two draws agree as often as sum p^2 says.
+  agree = np.mean(np.asarray(layer.sample(hidden[:20_000], seed=10)) ==
+                  np.asarray(layer.sample(hidden[:20_000], seed=11)))
+  p = np.exp(layer.log_prob_all(h).numpy()[0])
+  assert abs(agree - np.sum(p * p)) < 0.02, (agree, np.sum(p * p))
+  # No distribution: -1; a tiny temperature does not overflow the gate.
+  broken = np.array([[np.nan] * D, [np.inf] * D, h[0]], np.float32)
+  np.testing.assert_array_equal(layer.sample(broken, seed=1)[:2], [-1, -1])
+  assert np.all(np.asarray(layer.sample(np.repeat(h, 8, 0), seed=1, temperature=1e-37)) >= 0)
+  np.testing.assert_array_equal(layer.top_k(h, np.int64(2))[1], layer.top_k(h, 2)[1])
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
     ({"seed": 2**63}, ValueError, "seed must fit in int64"),
+    ({"seed": np.uint64(2**64 - 1)}, ValueError, "seed must fit in int64"),
     ({"seed": 1.5}, TypeError, "seed must be an int"),
     ({"seed": tf.constant([1, 2])}, ValueError, "one integer"),
     ({"temperature": 0.0}, ValueError, "temperature must be positive")])

@@ -114,8 +114,7 @@ def test_the_recommended_mixture_is_built_from_the_text():
       "HierarchicalSoftmaxMixture([Tree.from_context(token_ids, num_classes, counts, "
       "branching=32, head=256), Tree.from_context(token_ids, num_classes, counts, "
       "branching=32, head=256, side='right')])")
-  with pytest.raises(ValueError, match="read layer.trees"):
-    layer.tree  # pylint: disable=pointless-statement
+  assert layer.tree is None  # a mixture's trees are `trees`
   built = layer.build(name="output", fused_update=True, ignore_class=0)
   assert isinstance(built, tf_hsm.HierarchicalSoftmaxMixture) and built.name == "output"
   assert [c.tree for c in built.components] == expected
@@ -147,8 +146,7 @@ def test_the_built_mixture_trains():
 def test_tf_keras_top_level_names_refuse_the_mixture(monkeypatch):
   ids, counts = support.zipf_ids()
   layer = _planned_mixture(ids, counts)
-  monkeypatch.setattr(tf_hsm, "HierarchicalSoftmax", tf_hsm.tf_keras.HierarchicalSoftmax,
-                      raising=False)
+  monkeypatch.setattr(tf_hsm, "_KERAS", "tf_hsm.tf_keras")
   with pytest.raises(ValueError, match="Keras 3 layer, and TF_USE_LEGACY_KERAS"):
     layer.build()
 
@@ -172,6 +170,37 @@ def test_a_vocabulary_too_small_for_the_mixture_says_so():
   assert not any("Mixture" in r["method"] for r in report.rows)
   assert "no mixture32_head256 row: it needs V > 288 classes" in report.notes
   assert "no mixture1x8_head4 row: a mixture has at least 2 trees" in report.notes
+
+
+def test_mixture_names_zero_trees_refused_two_trees_spelled_twice_once():
+  ids, counts = support.zipf_ids()
+  report = tf_hsm.plan(3_000, 16, 256, counts=counts, machine=MACHINE, adaptive=(),
+                       token_ids=ids, trees=("mixture0x16_head128", "mixture00x8_head4",
+                                             "mixture2x16_head128", "mixture16_head128"))
+  assert "no mixture0x16_head128 row: a mixture has at least 2 trees" in report.notes
+  assert "no mixture00x8_head4 row: a mixture has at least 2 trees" in report.notes
+  mixtures = [r["method"] for r in report.rows if "Mixture" in r["method"]]
+  assert mixtures == [MIXTURE.replace("(32, head=256)", "(16, head=128)")]
+  with pytest.raises(TypeError, match="a list of tree names"):
+    tf_hsm.plan(3_000, 16, 256, machine=MACHINE, adaptive=(), trees="huffman8")
+
+
+def test_recommend_tree_leaves_the_mixtures_out_of_its_defaults():
+  ids, counts = support.zipf_ids()
+  tree, row = tf_hsm.planning.recommend_tree(3_000, 128, 2048, counts=counts,
+                                             machine=MACHINE, trees=None, token_ids=ids)
+  assert isinstance(tree, tf_hsm.Tree) and row["method"].startswith("HierarchicalSoftmax ")
+
+
+def test_under_tf_keras_the_mixture_rows_are_left_out_with_a_note(monkeypatch):
+  ids, counts = support.zipf_ids()
+  monkeypatch.setattr(tf_hsm, "_KERAS", "tf_hsm.tf_keras")
+  report = tf_hsm.plan(3_000, 16, 256, counts=counts, machine=MACHINE, adaptive=(),
+                       token_ids=ids)
+  assert not any("Mixture" in r["method"] for r in report.rows)
+  assert any("context(32, head=256)" in r["method"] for r in report.rows)
+  assert report.notes[0].startswith("no mixture rows: HierarchicalSoftmaxMixture is a "
+                                    "Keras 3 layer")
 
 
 def test_a_model_holding_a_mixture_is_planned_by_its_body():

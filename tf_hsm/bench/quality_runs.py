@@ -73,7 +73,8 @@ ROWS = {
                                                     "--branching", "16", "--head", "128",
                                                     "--mixture", "3"]),
 }
-# Rows with a head of 256 frequent words over 32- or 64-ary nodes: run by default only on
+# Rows with a head of 128-256 frequent words over 16- to 64-ary nodes (one tree or a
+# mixture of several): run by default only on
 # a vocabulary larger than HEAD_ROWS_MIN_VOCAB (on a smaller one the head would hold
 # nearly every word, and the row would measure another layout).
 HEAD_ROWS = [r for r in ROWS if r.startswith(("vectors", "context", "mixture"))]

@@ -34,6 +34,7 @@ classes, and a training step's memory at a million classes.
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -205,6 +206,7 @@ def head_part(rng, rounds, trees=HEAD_TREES):
 # that shape each.
 MIXTURE_TREES = ((2, 32, 256), (2, 16, 128))
 _COUNTS = {2: "two", 3: "three", 4: "four"}
+MAX_MIXTURE_TREES = 8  # each tree of V=1M holds a [1M, 300] table: 1.2 GB
 
 
 def _mixture_step(trees, hidden, targets):
@@ -274,14 +276,13 @@ def parse_mixtures(text):
   where the count is left out; ValueError naming a bad entry."""
   mixtures = []
   for entry in text.split(","):
-    count, _, shape = entry.rpartition("x")
-    try:
-      count = int(count) if count else 2
-    except ValueError:
-      raise ValueError(f"--mixtures takes [TREESx]BRANCHING:HEAD, got {entry!r}") from None
-    if count < 2:
-      raise ValueError(f"--mixtures needs at least 2 trees, got {entry!r}")
-    ((branching, head),) = parse_heads(shape)
+    match = re.fullmatch(r"(?:(\d+)x)?(\d+):(\d+)", entry)
+    if not match:
+      raise ValueError(f"--mixtures takes [TREESx]BRANCHING:HEAD, got {entry!r}")
+    count, branching, head = (int(v) if v else 2 for v in match.groups())
+    if not 2 <= count <= MAX_MIXTURE_TREES or branching < 2:
+      raise ValueError(f"--mixtures needs 2-{MAX_MIXTURE_TREES} trees of a branching of "
+                       f"at least 2, got {entry!r}")
     mixtures.append((count, branching, head))
   return tuple(mixtures)
 

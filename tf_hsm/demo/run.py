@@ -704,7 +704,7 @@ def parse_args(argv=None):
                       "--batch x --seq-len tokens a step with LazyAdam, within "
                       "--max-ppl-increase if given; its table is printed). "
                       "Default: %(default)s")
-  p.add_argument("--mixture", type=int, nargs="?", const=2, default=0, metavar="N",
+  p.add_argument("--mixture", type=int, nargs="?", const=2, default=None, metavar="N",
                  help="with --tree context: the output layer is a "
                       "HierarchicalSoftmaxMixture of N context trees (default 2): from "
                       "the words' left contexts, their right contexts, then left and "
@@ -836,9 +836,9 @@ def _checked(p, args):
   if args.branching is not None and (args.branching < 2 or
                                      args.tree not in ("huffman", "balanced", "context")):
     p.error("--branching takes an int >= 2, with --tree huffman, balanced or context")
-  if args.mixture and args.tree != "context":
+  if args.mixture is not None and args.tree != "context":
     p.error("--mixture applies to --tree context")
-  if args.mixture == 1 or args.mixture < 0:
+  if args.mixture is not None and args.mixture < 2:
     p.error(f"--mixture takes at least 2 trees, got {args.mixture}")
   if args.max_ppl_increase is not None and args.tree != "planned":
     p.error("--max-ppl-increase applies to --tree planned")
@@ -898,7 +898,7 @@ def main(argv=None):
     trees = [Tree.from_context(train_ids, len(words), counts, head=head,
                                branching=args.branching or 32, seed=i // 2,
                                side=("left", "right")[i % 2])
-             for i in range(max(1, args.mixture))]
+             for i in range(args.mixture or 1)]
   else:
     trees = [make_tree(args.tree, counts, head, args.branching)]
   tree, mixture = trees[0], len(trees) > 1

@@ -14,7 +14,10 @@ once (about K x one tree's) and a [D, K] gate. Measured on 100K-word corpora in
 docs/planner.md ("A mixture of trees").
 """
 
+import numbers
+
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_hsm.frontend import hsm
@@ -121,7 +124,8 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     classes are left, the last are class -1 at -inf, as the component's."""
     self._check_built("top_k")
     _check_dense("top_k", hidden)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.num_classes:
+    if (isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral) or
+        not 1 <= k <= self.num_classes):
       raise ValueError(f"k must be an integer in [1, num_classes] = [1, {self.num_classes}]"
                        f", got {k!r}")
     log_probs = self.log_prob_all(hidden)
@@ -159,23 +163,35 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     sampling of the mixture. With temperature T the gate's logits and every node's are
     divided by T: the mixture whose weights and biases are divided by T, as a
     component's temperature is. `seed`: an int (scalar) from which the gate's draw and
-    each component's seed are derived, or None for fresh draws."""
+    each component's seed are derived, or None for fresh draws. A row whose gate logits
+    are not all finite (NaN or infinite hidden states) gets -1, as a component's row
+    without a distribution does."""
     self._check_built("sample")
     _check_dense("sample", hidden)
-    seeds = [None] * (len(self.components) + 1)
+    K = len(self.components)
+    seeds = [None] * K
     if seed is not None:
+      # Each component's seed from (seed, k) through Philox: seeds s and s + 1 share
+      # no component's stream.
       seed = _seed_tensor(seed)
-      seeds = [seed + k for k in range(len(seeds))]  # int64 addition wraps: still seeds
+      seeds = [tf.random.stateless_uniform([], tf.stack([seed, tf.constant(k, tf.int64)]),
+                                           minval=None, maxval=None, dtype=tf.int64)
+               for k in range(K)]
     # Each component checks the temperature (and draws its class) first.
     draws = tf.stack([c.sample(hidden, seed=s, temperature=temperature)
-                      for c, s in zip(self.components, seeds[1:])], -1)
+                      for c, s in zip(self.components, seeds)], -1)
     logits = self._gate_logits(hidden)
-    logits = logits / tf.cast(temperature, logits.dtype)
-    rows = tf.reshape(logits, [-1, len(self.components)])
+    # A row without a distribution (a NaN or infinite gate logit) gets -1, as a
+    # component's; the largest logit subtracted first, so a small T cannot overflow.
+    defined = tf.reduce_all(tf.math.is_finite(logits), -1)
+    logits = (logits - tf.reduce_max(logits, -1, keepdims=True)) / tf.cast(temperature,
+                                                                          logits.dtype)
+    rows = tf.reshape(tf.where(defined[..., None], logits, tf.zeros_like(logits)), [-1, K])
     chosen = (tf.random.categorical(rows, 1) if seed is None else
-              tf.random.stateless_categorical(rows, 1, tf.stack([seeds[0], seeds[0]])))
+              tf.random.stateless_categorical(rows, 1, tf.stack([seed, tf.constant(-1, tf.int64)])))
     chosen = tf.reshape(chosen, tf.shape(logits)[:-1])
-    return tf.reduce_sum(draws * tf.one_hot(chosen, len(self.components), dtype=tf.int64), -1)
+    drawn = tf.reduce_sum(draws * tf.one_hot(chosen, K, dtype=tf.int64), -1)
+    return tf.where(defined, drawn, tf.constant(-1, tf.int64))
 
   def _check_built(self, what):
     if not self.built:
@@ -199,11 +215,14 @@ def _check_dense(what, *tensors):
 
 def _seed_tensor(seed):
   """`seed` (a Python int in the int64 range, or an integer scalar tensor) as int64."""
-  if isinstance(seed, bool) or not (isinstance(seed, int) or tf.is_tensor(seed) or
-                                    hasattr(seed, "dtype")):
+  if isinstance(seed, (bool, np.bool_)) or not (isinstance(seed, numbers.Integral) or
+                                                 tf.is_tensor(seed) or
+                                                 hasattr(seed, "dtype")):
     raise TypeError(f"seed must be an int or an integer scalar tensor, got {seed!r}")
-  if isinstance(seed, int) and not -2**63 <= seed < 2**63:
+  if isinstance(seed, numbers.Integral) and not -2**63 <= int(seed) < 2**63:
     raise ValueError(f"seed must fit in int64, got {seed}")
+  if isinstance(seed, numbers.Integral):
+    seed = int(seed)
   seed = tf.convert_to_tensor(seed)
   if not seed.dtype.is_integer or seed.shape.rank not in (None, 0):
     raise ValueError(f"seed must be one integer (a scalar), got {seed.dtype.name} of "

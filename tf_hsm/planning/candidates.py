@@ -98,10 +98,10 @@ class Layer:
   @property
   def tree(self):
     """The `Tree` of a HierarchicalSoftmax recommendation (built on first access: at
-    10M classes a binary Huffman tree's paths hold a few GB), else None. A mixture has
-    several: `trees`."""
+    10M classes a binary Huffman tree's paths hold a few GB), else None (a mixture's
+    are `trees`, built only there)."""
     if self.kind == "HierarchicalSoftmaxMixture":
-      raise ValueError(f"{self.method} has {len(self.trees)} trees: read layer.trees")
+      return None
     return self._built()
 
   @property
@@ -189,7 +189,7 @@ def _mixture_layer(trees, layer_kwargs):
   arguments split between them (`_MIXTURE_ARGUMENTS` to the mixture, the rest to each
   component, dtype to both)."""
   tf_hsm = importlib.import_module("tf_hsm")
-  if tf_hsm.HierarchicalSoftmax is not tf_hsm.keras.HierarchicalSoftmax:
+  if _legacy_keras():
     raise ValueError("HierarchicalSoftmaxMixture is a Keras 3 layer, and TF_USE_LEGACY_KERAS "
                      "selects tf_keras: unset it, or plan without the mixture rows "
                      "(trees=tf_hsm.planning.TREES)")
@@ -435,9 +435,11 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes,
            "after_epoch": 1}))
     elif re.fullmatch(r"(context|vectors|mixture(\d+x)?)\d+_head\d+", name):
       *count, k, head = map(int, re.findall(r"\d+", name))
-      if not (2 <= k and 0 <= head and head + k < num_classes and count[:1] != [1]):
-        notes.append(f"no {name} row: it needs V > {head + k} classes" if count[:1] != [1]
-                     else f"no {name} row: a mixture has at least 2 trees")
+      if count and count[0] < 2:
+        notes.append(f"no {name} row: a mixture has at least 2 trees")
+        continue
+      if not (2 <= k and 0 <= head and head + k < num_classes):
+        notes.append(f"no {name} row: it needs V > {head + k} classes")
         continue
       work = vectors_work(huffman_counts, k, head, probs, tokens)
       found.append(_context_mixture((count or [2])[0], k, head, num_classes, counts, work,
@@ -672,6 +674,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
                                            counts, sequence_length)
   _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
                         dtype, div_value, adaptive)
+  mixtures_left_out = trees is None and token_ids is not None and _legacy_keras()
   trees, token_ids = _trees_and_text(trees, token_ids, num_classes)
   _check_quality_bound(max_perplexity_increase)
   # A measurement of the machine is announced on stderr even without `progress`.
@@ -679,7 +682,8 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   progress = progress or _quiet
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   probs = probabilities(V, counts)
-  notes = []
+  notes = ["no mixture rows: HierarchicalSoftmaxMixture is a Keras 3 layer, and "
+           "TF_USE_LEGACY_KERAS selects tf_keras"] if mixtures_left_out else []
   body_row = None
   if body is not None:
     body_row = body_lib.body_price(body, optimizer, dtype, machine)
@@ -825,11 +829,17 @@ def _model_sizes(model, num_classes, hidden, tokens_per_step, counts, sequence_l
   return body, num_classes, hidden
 
 
-def _trees_and_text(trees, token_ids, num_classes):
-  """(tree names, token ids as an int64 array or None): `plan`'s default trees, checked
-  against the training text a context tree is built from."""
-  names = tuple(TREES + (CONTEXT_TREES + MIXTURE_TREES if token_ids is not None else ())
-                if trees is None else trees)
+def _trees_and_text(trees, token_ids, num_classes, mixtures=True):
+  """(tree names, token ids as an int64 array or None): `plan`'s default trees (the
+  mixtures' with `mixtures` and Keras 3 for tf_hsm's top-level names: the mixture is a
+  Keras 3 layer), checked against the training text a context tree is built from; a
+  mixture of two spelled "mixture2xK_headH" is "mixtureK_headH", once."""
+  text = () if token_ids is None else CONTEXT_TREES + (
+      MIXTURE_TREES if mixtures and not _legacy_keras() else ())
+  names = TREES + text if trees is None else trees
+  if isinstance(names, str) or any(not isinstance(n, str) for n in names):
+    raise TypeError(f"trees must be a list of tree names (str), got {names!r}")
+  names = tuple(dict.fromkeys(re.sub(r"^mixture2x", "mixture", n) for n in names))
   context = [n for n in names if re.fullmatch(r"(context|mixture(\d+x)?)\d+_head\d+", n)]
   if token_ids is None:
     if context:
@@ -844,6 +854,12 @@ def _trees_and_text(trees, token_ids, num_classes):
     raise ValueError(f"token_ids must lie in [0, num_classes={num_classes}), got "
                      f"[{ids.min()}, {ids.max()}]")
   return names, ids.astype(np.int64, copy=False)
+
+
+def _legacy_keras():
+  """Whether tf_hsm's top-level layers are tf_keras' (TF_USE_LEGACY_KERAS), read from
+  the package root without importing TensorFlow."""
+  return importlib.import_module("tf_hsm")._KERAS != "tf_hsm.keras"  # pylint: disable=protected-access
 
 
 def _check_quality_bound(bound):
@@ -1033,7 +1049,7 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
       is asked for without `token_ids`.
   """
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
-  trees, token_ids = _trees_and_text(trees, token_ids, V)
+  trees, token_ids = _trees_and_text(trees, token_ids, V, mixtures=False)
   mixtures = [name for name in trees if name.startswith("mixture")]
   if mixtures:
     raise ValueError(f"{mixtures[0]} is a HierarchicalSoftmaxMixture of trees, not a "

@@ -179,8 +179,8 @@ def main(argv=None):
   parser.add_argument("--token-ids", metavar="FILE.npy",
                       help="the training text as class ids in order (a 1-D integer .npy): "
                            "adds the rows of a tree built from the words' contexts "
-                           "(Tree.from_context, context32/256) and of mixtures of two "
-                           "(left and right contexts, HierarchicalSoftmaxMixture)")
+                           "(Tree.from_context, context32/256) and of mixtures of such "
+                           "trees (left and right contexts, HierarchicalSoftmaxMixture)")
   parser.add_argument("--shards", type=_count_arg, default=1,
                       help="parameter servers the table and slots are split over "
                            "(default 1)")

@@ -40,8 +40,8 @@ def _find_layer(model):
   layers = list(_all_layers(model))
   found = [layer for layer in layers if _kind(layer) is not None]
   if not found:
-    raise ValueError("export needs a model with a tf_hsm HierarchicalSoftmax or "
-                     "AdaptiveSoftmax layer; found none")
+    raise ValueError("export needs a model with a tf_hsm HierarchicalSoftmax, "
+                     "AdaptiveSoftmax or HierarchicalSoftmaxMixture layer; found none")
   if len(found) > 1:
     raise ValueError(f"export serves one tf_hsm layer; the model has {len(found)}: "
                      f"{[l.name for l in found]}")
