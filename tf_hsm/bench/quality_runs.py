@@ -72,6 +72,9 @@ ROWS = {
     "mixture3x16_head128": ("mixture3x16_head128", ["--models", "hsm", "--tree", "context",
                                                     "--branching", "16", "--head", "128",
                                                     "--mixture", "3"]),
+    "mixture4x16_head128": ("mixture4x16_head128", ["--models", "hsm", "--tree", "context",
+                                                    "--branching", "16", "--head", "128",
+                                                    "--mixture", "4"]),
 }
 # Rows with a head of 128-256 frequent words over 16- to 64-ary nodes (one tree or a
 # mixture of several): run by default only on

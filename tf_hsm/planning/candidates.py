@@ -340,7 +340,8 @@ TREES = HSM_TREES + ("learned",) + VECTOR_TREES
 # "mixtureNxK_headH": N such trees, left and right, then left and right again clustered
 # from other seeds (seed i // 2 for the i-th), as the demo's `--mixture N`.
 CONTEXT_TREES = ("context32_head256",)
-MIXTURE_TREES = ("mixture32_head256", "mixture16_head128", "mixture3x16_head128")
+MIXTURE_TREES = ("mixture32_head256", "mixture16_head128", "mixture3x16_head128",
+                 "mixture4x16_head128")
 LEARNED_HEAD = 128
 VECTORS_REBUILD_AFTER = 1000
 

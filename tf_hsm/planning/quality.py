@@ -177,7 +177,9 @@ EVIDENCE = (
     Figure("mixture16_head128", LINUX_EPOCH, 105.1,
            _CPU_MIXTURE.format("linux-comments", 16, 128, "", 27)),
     Figure("mixture3x16_head128", LINUX_EPOCH, 102.66,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " 3", 27)))
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " 3", 27)),
+    Figure("mixture4x16_head128", LINUX_EPOCH, 101.57,
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " 4", 27)))
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
 FULL = {f.corpus: f.perplexity for f in EVIDENCE if f.kind == "full"}
 # What the kinds are, for the table and the notes.
@@ -217,6 +219,9 @@ KINDS = {
     "mixture3x16_head128": "HierarchicalSoftmaxMixture of three trees from contexts (left, "
                            "right, and left clustered from another seed), each a head of "
                            "128 over 16-ary clusters",
+    "mixture4x16_head128": "HierarchicalSoftmaxMixture of four trees from contexts (left "
+                           "and right, then both again clustered from another seed), "
+                           "each a head of 128 over 16-ary clusters",
 }
 
 
