@@ -2,7 +2,8 @@
 unless the machine is measured.
 
 - candidates.py: `plan` (a `Report`: one row per candidate layer, the one to use and
-  its `Layer`, ready to construct) and `recommend_tree`;
+  its `Layer`, ready to construct) and `recommend_tree`; tree_candidates.py: the tree and
+  mixture names they take, each priced from its shape, built on demand;
 - costs.py: a step's work (`Cost`) for full, sampled, hierarchical and adaptive softmax;
   tree_work.py: what a tree's paths cost a step (`TreeWork`), from its shape alone
   (`huffman_work`, `layout_work`) so that 10M-class trees are priced without building;
