@@ -293,7 +293,7 @@ def test_sample_draws_the_mixture_and_at_a_temperature_its_tempered_model(rng):
 @pytest.mark.parametrize("kwargs,error,message", [
     ({"seed": 2**63}, ValueError, "seed must fit in int64"),
     ({"seed": np.uint64(2**64 - 1)}, ValueError, "seed must fit in int64"),
-    ({"seed": 1.5}, TypeError, "seed must be an int"),
+    ({"seed": 1.5}, TypeError, "seed must be int32 or int64, got float32"),
     ({"seed": tf.constant([1, 2])}, ValueError, "one integer"),
     ({"temperature": 0.0}, ValueError, "temperature must be positive")])
 def test_sample_names_bad_arguments(rng, kwargs, error, message):

@@ -14,14 +14,12 @@ once (about K x one tree's) and a [D, K] gate. Measured on 100K-word corpora in
 docs/planner.md ("A mixture of trees").
 """
 
-import numbers
-
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_hsm.frontend import hsm
 from tf_hsm.keras.layers import HierarchicalSoftmax
+from tf_hsm.ops import inference
 from tf_hsm.tree import Tree
 
 
@@ -124,10 +122,7 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     classes are left, the last are class -1 at -inf, as the component's."""
     self._check_built("top_k")
     _check_dense("top_k", hidden)
-    if (isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral) or
-        not 1 <= k <= self.num_classes):
-      raise ValueError(f"k must be an integer in [1, num_classes] = [1, {self.num_classes}]"
-                       f", got {k!r}")
+    inference.check_k(k, self.num_classes)
     log_probs = self.log_prob_all(hidden)
     left_out = hsm.with_ignored(exclude, self.ignore_class, hidden)
     if left_out is not None:
@@ -169,14 +164,12 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     self._check_built("sample")
     _check_dense("sample", hidden)
     K = len(self.components)
-    seeds = [None] * K
-    if seed is not None:
-      # Each component's seed from (seed, k) through Philox: seeds s and s + 1 share
-      # no component's stream.
-      seed = _seed_tensor(seed)
-      seeds = [tf.random.stateless_uniform([], tf.stack([seed, tf.constant(k, tf.int64)]),
-                                           minval=None, maxval=None, dtype=tf.int64)
-               for k in range(K)]
+    # Each component's seed from (seed, k) through Philox: seeds s and s + 1 share no
+    # component's stream. None: one drawn, as the component's.
+    seed = inference.seed_tensor(seed)
+    seeds = [tf.random.stateless_uniform([], tf.stack([seed, tf.constant(k, tf.int64)]),
+                                         minval=None, maxval=None, dtype=tf.int64)
+             for k in range(K)]
     # Each component checks the temperature (and draws its class) first.
     draws = tf.stack([c.sample(hidden, seed=s, temperature=temperature)
                       for c, s in zip(self.components, seeds)], -1)
@@ -187,8 +180,8 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     logits = (logits - tf.reduce_max(logits, -1, keepdims=True)) / tf.cast(temperature,
                                                                           logits.dtype)
     rows = tf.reshape(tf.where(defined[..., None], logits, tf.zeros_like(logits)), [-1, K])
-    chosen = (tf.random.categorical(rows, 1) if seed is None else
-              tf.random.stateless_categorical(rows, 1, tf.stack([seed, tf.constant(-1, tf.int64)])))
+    chosen = tf.random.stateless_categorical(rows, 1,
+                                             tf.stack([seed, tf.constant(-1, tf.int64)]))
     chosen = tf.reshape(chosen, tf.shape(logits)[:-1])
     drawn = tf.reduce_sum(draws * tf.one_hot(chosen, K, dtype=tf.int64), -1)
     return tf.where(defined, drawn, tf.constant(-1, tf.int64))
@@ -211,23 +204,6 @@ def _check_dense(what, *tensors):
   if any(isinstance(t, tf.RaggedTensor) for t in tensors):
     raise TypeError(f"HierarchicalSoftmaxMixture.{what} takes dense hidden states (and "
                     "targets): pad them (targets < 0 or a Keras mask mark the padding)")
-
-
-def _seed_tensor(seed):
-  """`seed` (a Python int in the int64 range, or an integer scalar tensor) as int64."""
-  if isinstance(seed, (bool, np.bool_)) or not (isinstance(seed, numbers.Integral) or
-                                                 tf.is_tensor(seed) or
-                                                 hasattr(seed, "dtype")):
-    raise TypeError(f"seed must be an int or an integer scalar tensor, got {seed!r}")
-  if isinstance(seed, numbers.Integral) and not -2**63 <= int(seed) < 2**63:
-    raise ValueError(f"seed must fit in int64, got {seed}")
-  if isinstance(seed, numbers.Integral):
-    seed = int(seed)
-  seed = tf.convert_to_tensor(seed)
-  if not seed.dtype.is_integer or seed.shape.rank not in (None, 0):
-    raise ValueError(f"seed must be one integer (a scalar), got {seed.dtype.name} of "
-                     f"shape {seed.shape}")
-  return tf.cast(seed, tf.int64)
 
 
 def _checked_components(components, name, dtype_policy):

@@ -38,6 +38,29 @@ def _is_int(value):
   return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
+def check_k(k, num_classes):
+  """ValueError unless `k` is a Python (or NumPy) integer in [1, num_classes]."""
+  if not _is_int(k) or not 1 <= k <= num_classes:
+    raise ValueError(f"k must be an integer in [1, num_classes] = [1, {num_classes}], "
+                     f"got {k!r}")
+
+
+def seed_tensor(seed):
+  """A sampling seed as an int64 scalar tensor: a Python (or NumPy) int in the int64
+  range, an integer scalar tensor, or None for one drawn from TensorFlow's global random
+  state (`tf.random.set_seed` makes it reproducible)."""
+  if seed is None:
+    return tf.random.uniform([], minval=0, maxval=_INT64_MAX, dtype=tf.int64)
+  if _is_int(seed):
+    if not _INT64_MIN <= seed <= _INT64_MAX:
+      raise ValueError(f"seed must fit in int64, got {seed}")
+    return tf.constant(int(seed), tf.int64)
+  seed = tf.cast(op_inputs.class_ids(seed, "seed"), tf.int64)
+  if seed.shape.rank not in (None, 0):  # e.g. a [2] pair, as TF's stateless ops take
+    raise ValueError(f"seed must be one integer (a scalar), got shape {seed.shape}")
+  return seed
+
+
 def _cast_back(result, out_dtype):
   return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
 
@@ -98,9 +121,7 @@ def top_k(hidden, weights, biases, tree, k, return_num_expanded=False, exclude=N
 def _search(hidden, weights, biases, tree, k, return_num_expanded=False):
   """`top_k` without exclusions: the op's best-first search."""
   tree_args = _tree_args(tree)
-  if not _is_int(k) or not 1 <= k <= tree.num_classes:
-    raise ValueError(f"k must be an integer in [1, num_classes] = [1, {tree.num_classes}], "
-                     f"got {k!r}")
+  check_k(k, tree.num_classes)
   hidden, weights, biases, out_dtype = op_inputs.dense_inputs(hidden, *_whole(weights, biases))
   log_probs, classes, expanded = loader.ops().hsm_top_k(hidden, weights, biases, *tree_args,
                                                          k=int(k))
@@ -127,9 +148,7 @@ def _top_k_excluding(hidden, weights, biases, tree, k, return_num_expanded, excl
                      f"and a known n, got shape {exclude.shape} for hidden of rank "
                      f"{hidden_rank} (for the same ids on every row of a [B, D] batch: "
                      "shape [1, n])")
-  if not _is_int(k) or not 1 <= k <= tree.num_classes:
-    raise ValueError(f"k must be an integer in [1, num_classes] = [1, {tree.num_classes}], "
-                     f"got {k!r}")
+  check_k(k, tree.num_classes)
   if n == 0:
     return _search(hidden, weights, biases, tree, k, return_num_expanded)
   with tf.control_dependencies([tf.debugging.assert_less(
@@ -252,16 +271,7 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
   tree_args = _tree_args(tree)
   hidden, weights, biases, out_dtype = op_inputs.dense_inputs(hidden, *_whole(weights, biases))
   del out_dtype  # the result is int64
-  if seed is None:
-    seed = tf.random.uniform([], minval=0, maxval=_INT64_MAX, dtype=tf.int64)
-  elif _is_int(seed):
-    if not _INT64_MIN <= seed <= _INT64_MAX:
-      raise ValueError(f"seed must fit in int64, got {seed}")
-    seed = tf.constant(int(seed), tf.int64)
-  else:
-    seed = tf.cast(op_inputs.class_ids(seed, "seed"), tf.int64)
-    if seed.shape.rank not in (None, 0):  # e.g. a [2] pair, as TF's stateless ops take
-      raise ValueError(f"seed must be one integer (a scalar), got shape {seed.shape}")
+  seed = seed_tensor(seed)
   if isinstance(temperature, numbers.Real) and not isinstance(temperature, (bool, np.bool_)):
     if not (math.isfinite(temperature) and temperature > 0):
       raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
