@@ -123,3 +123,19 @@ def log_prob_reference(hidden, weights, biases, tree, targets):
       dw[begin:end] += np.outer(coef, h[i])
       db[begin:end] += coef
   return out, dh, dw, db
+
+
+def numerical_gradient(loss, variable, step=1e-6):
+  """d loss() / d variable by central differences, one entry at a time (float64
+  variables; `loss` reads the variable's current value)."""
+  start = np.asarray(variable)
+  numeric = np.zeros(start.shape)
+  for j in range(start.size):
+    delta = np.zeros(start.shape)
+    delta.reshape(-1)[j] = step
+    variable.assign(start + delta)
+    up = float(loss())
+    variable.assign(start - delta)
+    numeric.reshape(-1)[j] = (up - float(loss())) / (2 * step)
+    variable.assign(start)
+  return numeric

@@ -18,6 +18,10 @@ from tf_hsm.demo import run as demo
     (["--tree", "huffman", "--mixture"], "--mixture applies to --tree context"),
     (["--tree", "context", "--mixture", "1"], "--mixture takes at least 2 trees, got 1"),
     (["--tree", "context", "--mixture", "0"], "--mixture takes at least 2 trees, got 0"),
+    (["--tree", "context", "--head", "64", "--shared-head"],
+     "--shared-head takes --mixture N and --head H"),
+    (["--tree", "context", "--mixture", "3", "--shared-head"],
+     "--shared-head takes --mixture N and --head H"),
 ])
 def test_bad_values_are_refused_by_name(flags, named, capsys):
   with pytest.raises(SystemExit):

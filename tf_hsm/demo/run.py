@@ -57,6 +57,10 @@ import time
 import numpy as np
 
 from tf_hsm.demo import bands
+from tf_hsm.demo.trees import (LEARNED_HEAD, context_trees, head_two_level_tree,  # pylint: disable=unused-import
+                               learned_head, learned_tree_callback, make_tree,
+                               head_biases, planned_rebuild_callback, planned_tree,
+                               tree_unigram_biases, unigram_log_probs)
 from tf_hsm.planning.cli import percent_arg
 
 DEFAULTS = {
@@ -75,8 +79,6 @@ DEFAULTS = {
     "num_sampled": 1024,
     "rebuild_from": "embedding",
 }
-# The learned tree's default head (docs/demo.md: heads of 128-1,024 words measured).
-LEARNED_HEAD = 128
 MODELS = ("hsm", "full", "sampled", "adaptive")
 UNK, EOS = "<unk>", "<eos>"
 _HELD_OUT_BLOCK, _HELD_OUT_EVERY = 1000, 10
@@ -254,126 +256,6 @@ def sequences(ids, seq_len):
 # Models
 # ---------------------------------------------------------------------------------------
 
-def make_tree(kind, counts, head=0, branching=None):
-  """The HSM's tree. "learned" starts from the two-level tree (without a head: it has
-  one after the rebuild, see `learned_tree_callback`). With `head`, the two-level tree's
-  root also holds the `head` most frequent words as leaves (the clusters then split the
-  other words). `branching`: children per node of a "huffman" tree (`Tree.huffman(counts,
-  branching=K)`, default 2) or a "balanced" one (default ceil(sqrt(V)))."""
-  from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
-  if kind == "learned":
-    kind, head = "two_level", 0
-  if head and kind == "two_level":
-    return head_two_level_tree(counts, head)
-  if kind == "huffman":
-    return Tree.huffman(counts, branching=branching or 2)
-  if kind == "two_level":
-    return Tree.two_level(len(counts), counts)
-  if kind == "balanced":
-    return Tree.balanced(len(counts),
-                         branching or max(2, math.ceil(math.sqrt(len(counts)))))
-  raise ValueError(f"unknown tree kind {kind!r}")
-
-
-def planned_tree(counts, hidden, tokens_per_step, machine=None, token_ids=None,
-                 max_perplexity_increase=None):
-  """(trees, rebuild): the layer `tf_hsm.plan` recommends for this model's output layer
-  among the exact softmax and the hierarchical rows (every tree it prices, those
-  rebuilt from vectors during training and, given the training text's `token_ids`, the
-  context trees and their mixtures included; the vocabulary's training counts, the
-  LSTM's width, a batch's tokens, LazyAdam; `max_perplexity_increase` as `plan`'s), as
-  the trees the layer starts on (several for a HierarchicalSoftmaxMixture) and the
-  `RebuildTree` arguments that make it the recommended tree (None if it trains as
-  built); prints the planner's table first."""
-  import tf_hsm  # pylint: disable=g-import-not-at-top
-  counts = np.asarray(counts, np.float64)
-  report = tf_hsm.plan(len(counts), hidden, tokens_per_step, counts=counts,
-                       optimizer="lazy_adam", machine=machine, adaptive=(),
-                       token_ids=token_ids, max_perplexity_increase=max_perplexity_increase)
-  print("the planner, for this output layer:\n" + report.to_markdown(), flush=True)
-  row = next(r for r in report.rows if r["method"] == report.recommended)
-  print(f"  --tree planned: {row['method']}, {1e3 * row['step_seconds']:.1f} ms a step "
-        "predicted" + (f"; rebuilt by RebuildTree({report.layer.rebuild_schedule()})"
-                       if report.layer.rebuild else ""), flush=True)
-  return report.layer.trees, report.layer.rebuild
-
-
-def learned_head(vocab_size):
-  """The default head of a learned tree: LEARNED_HEAD words, at most 1/8 of the
-  vocabulary (the adaptive softmax's head here), so that a small vocabulary keeps most
-  of its words in the similarity tree below."""
-  return min(LEARNED_HEAD, vocab_size // 8)
-
-
-def head_two_level_tree(counts, head):
-  """A root with the `head` most frequent classes as leaves and, as its other children,
-  the clusters of `Tree.two_level` over the rest: the layout of an adaptive softmax,
-  with frequency clusters; against the learned tree it shows what grouping the rest by
-  similarity adds to the head."""
-  from tf_hsm.tree import vectors as tree_vectors  # pylint: disable=g-import-not-at-top
-  from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
-  counts = np.asarray(counts, np.float64)
-  c = len(counts)
-  top = tree_vectors.head_classes(counts, head)
-  rest = np.setdiff1d(np.arange(c), top)
-  sub = Tree.two_level(len(rest), counts[rest])
-  # The sub-tree's parents (entries: its classes, then C_sub + node), renumbered into
-  # the whole tree's entries (classes, then C + node); the roots coincide.
-  entry = np.concatenate([rest, c + np.arange(sub.num_nodes)])
-  parents = np.full(c + sub.num_nodes, -1, np.int64)
-  parents[entry[sub.slot_child]] = c + sub.slot_node
-  parents[top] = c
-  return Tree.from_parents(parents, num_classes=c)
-
-
-def learned_tree_callback(model, counts, head=0, after_batches=None, vectors="embedding",
-                          width=None):
-  """Rebuilds the HSM's tree from trained vectors (`Tree.from_vectors`) and trains on
-  with it: after epoch 1, or after `after_batches` training batches.
-
-  The tree has about sqrt(V) children per node (`width`), whose siblings are similar
-  words, and the `head` most frequent words directly under the root. `vectors`:
-  "embedding" for the input embeddings (which put words used alike near each other) or
-  "rows" for the HSM layer's own class rows."""
-  from tf_hsm.keras.callbacks import RebuildTree  # pylint: disable=g-import-not-at-top
-  width = width or max(2, math.ceil(math.sqrt(len(counts))))
-  source = model.get_layer("embedding") if vectors == "embedding" else None
-  when = {"after_batch": after_batches} if after_batches else {"after_epoch": 1}
-  return RebuildTree(model.get_layer("hsm"), branching=[width, width], counts=counts,
-                     vectors=source, head=head, **when)
-
-
-def planned_rebuild_callback(model, rebuild, vectors="embedding"):
-  """The RebuildTree of a planned tree that is rebuilt during training (`rebuild`: its
-  arguments from the planner's `Layer.rebuild`), from the input embeddings or the HSM's
-  rows (`vectors`), as `learned_tree_callback`."""
-  from tf_hsm.keras.callbacks import RebuildTree  # pylint: disable=g-import-not-at-top
-  source = model.get_layer("embedding") if vectors == "embedding" else None
-  return RebuildTree(model.get_layer("hsm"), vectors=source, **rebuild)
-
-
-def unigram_log_probs(counts):
-  """log of the smoothed unigram distribution (counts + 0.5, normalised)."""
-  counts = np.asarray(counts, np.float64) + 0.5
-  return np.log(counts / counts.sum())
-
-
-def tree_unigram_biases(tree, counts):
-  """Per-slot biases under which the HSM, with zero weights, is the unigram model.
-
-  bias[s] = log mass(child of s) - log mass(node owning s), masses summed from the
-  smoothed counts, so that the path sum of log-probabilities is log p(class).
-  """
-  c = tree.num_classes
-  mass = np.empty(c + tree.num_nodes, np.float64)
-  mass[:c] = np.asarray(counts, np.float64) + 0.5
-  child_begin, slot_child = tree.child_begin, tree.slot_child
-  for node in range(tree.num_nodes - 1, -1, -1):  # BFS order: children come later
-    mass[c + node] = mass[slot_child[child_begin[node]:child_begin[node + 1]]].sum()
-  owner = mass[c + tree.slot_node]
-  return np.log(mass[slot_child]) - np.log(owner)
-
-
 def _body(keras, vocab_size, hidden, seq_len):
   tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
   x = keras.layers.Embedding(vocab_size, hidden, name="embedding")(tokens)
@@ -392,25 +274,30 @@ def _compile(model, output_layer, learning_rate, output_lr_scale):
 
 
 def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
-              output_lr_scale=1.0):
+              output_lr_scale=1.0, head=None):
   """[tokens, targets] -> log P(targets), trained with tf_hsm.losses.nll.
 
   The biases start at the unigram distribution of `counts` (see `tree_unigram_biases`);
   the output layer's table trains at `output_lr_scale` x `learning_rate`
   (`tf_hsm.demo.optimizer`), as in every model here. `tree` may be a list of trees:
-  the output layer is then their `HierarchicalSoftmaxMixture` (`--mixture`).
+  the output layer is then their `HierarchicalSoftmaxMixture` (`--mixture`), with
+  `head` (class ids) its shared head, the trees over the other classes
+  (`--shared-head`).
   """
   import keras  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture  # pylint: disable=g-import-not-at-top
   trees = tree if isinstance(tree, (list, tuple)) else [tree]
-  tokens, x = _body(keras, trees[0].num_classes, hidden, seq_len)
+  tokens, x = _body(keras, len(counts), hidden, seq_len)
   targets = keras.Input((seq_len,), dtype="int32", name="targets")
+  tree_counts = np.asarray(counts) if head is None else np.delete(counts, head)
   layers = [HierarchicalSoftmax(t, name="hsm" if len(trees) == 1 else f"tree_{k}",
                                 bias_initializer=keras.initializers.Constant(
-                                    tree_unigram_biases(t, counts)))
+                                    tree_unigram_biases(t, tree_counts)))
             for k, t in enumerate(trees)]
-  output = layers[0] if len(trees) == 1 else HierarchicalSoftmaxMixture(layers, name="hsm")
+  output = layers[0] if len(trees) == 1 else HierarchicalSoftmaxMixture(
+      layers, name="hsm", head=head, head_bias_initializer=keras.initializers.Constant(
+          head_biases(counts, head)) if head is not None else "zeros")
   log_probs = output(x, targets)
   return _compile(keras.Model([tokens, targets], log_probs, name=name), "hsm",
                   learning_rate, output_lr_scale)
@@ -710,6 +597,11 @@ def parse_args(argv=None):
                       "the words' left contexts, their right contexts, then left and "
                       "right again clustered from other seeds (about N times one tree's "
                       "step)")
+  p.add_argument("--shared-head", action="store_true",
+                 help="with --mixture and --head H: the H most frequent words are one "
+                      "softmax shared by the trees, which group only the other words "
+                      "(HierarchicalSoftmaxMixture(head=...)): the head's work once, "
+                      "not once a tree")
   p.add_argument("--max-ppl-increase", type=percent_arg, default=None, metavar="PCT",
                  help="with --tree planned: the planner recommends among the layers "
                       "measured within PCT%% perplexity of full softmax (e.g. 10)")
@@ -840,6 +732,8 @@ def _checked(p, args):
     p.error("--mixture applies to --tree context")
   if args.mixture is not None and args.mixture < 2:
     p.error(f"--mixture takes at least 2 trees, got {args.mixture}")
+  if args.shared_head and (args.mixture is None or not args.head):
+    p.error("--shared-head takes --mixture N and --head H (the shared head's words)")
   if args.max_ppl_increase is not None and args.tree != "planned":
     p.error("--max-ppl-increase applies to --tree planned")
   for name in ("learning_rate", "output_lr_scale"):
@@ -888,17 +782,14 @@ def main(argv=None):
   unk_rate = float(np.mean(held_out_ids == 0))
   head = learned_head(len(words)) if args.head is None and args.tree == "learned" else \
       min(args.head or 0, len(words) - 1)
-  rebuild = None
+  rebuild, head_ids = None, None
   if args.tree == "planned":
     trees, rebuild = planned_tree(
         counts, args.hidden, args.batch * args.seq_len, token_ids=train_ids,
         max_perplexity_increase=args.max_ppl_increase)
   elif args.tree == "context":
-    from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
-    trees = [Tree.from_context(train_ids, len(words), counts, head=head,
-                               branching=args.branching or 32, seed=i // 2,
-                               side=("left", "right")[i % 2])
-             for i in range(args.mixture or 1)]
+    trees, head_ids = context_trees(train_ids, counts, head, args.branching or 32,
+                                    args.mixture or 1, args.shared_head)
   else:
     trees = [make_tree(args.tree, counts, head, args.branching)]
   tree, mixture = trees[0], len(trees) > 1
@@ -912,7 +803,9 @@ def main(argv=None):
         f"{f', head {head} words' if head else ''}" + (
             f"; mixed with a tree from right contexts, {trees[1].num_slots:,} weight rows"
             + (f", and {len(trees) - 2} more from other seeds" if len(trees) > 2 else "")
-            if mixture else ""), flush=True)
+            if mixture else "") + (
+                f"; the {head} most frequent words a head shared by the trees, which are "
+                "over the others" if head_ids is not None else ""), flush=True)
 
   # Progress bars where a person watches; one line per epoch in logs, where each bar's
   # redraws would otherwise become hundreds of lines.
@@ -933,9 +826,10 @@ def main(argv=None):
     keras.utils.set_random_seed(args.seed if args.init_seed is None else args.init_seed)
     extra = []
     if kind == "hsm":
-      name = f"hsm-{args.tree}" + ("-mixture" if mixture else "")
+      name = f"hsm-{args.tree}" + ("-mixture" if mixture else "") + (
+          "-shared-head" if head_ids is not None else "")
       model = hsm_model(trees, counts, args.hidden, args.seq_len, args.learning_rate,
-                        output_lr_scale=args.output_lr_scale)
+                        output_lr_scale=args.output_lr_scale, head=head_ids)
       data, held_out = ([x, y], y), ([hx, hy], hy)
       if args.tree == "learned":
         extra = [learned_tree_callback(model, counts, head, args.rebuild_after_batches,
@@ -969,6 +863,7 @@ def main(argv=None):
   results = {"settings": settings, "corpus": source, "vocab_size": len(words),
              "train_batches_per_epoch": math.ceil(len(x) / args.batch),
              "held_out_unk_rate": unk_rate, "tree": {"kind": args.tree, "head": head,
+                                                     "shared_head": head_ids is not None,
                                                      "num_slots": tree.num_slots,
                                                      "max_depth": tree.max_depth,
                                                      "branching": args.branching,

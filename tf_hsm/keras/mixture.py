@@ -10,14 +10,18 @@ class two such factorizations, and the mixture
     P(c | h) = sum_k pi_k(h) P_k(c | h),    pi(h) = softmax(G h + g)
 
 is as normalised as each tree is, its log-probability exact. It costs each tree's step
-once (about K x one tree's) and a [D, K] gate. Measured on 100K-word corpora in
-docs/planner.md ("A mixture of trees").
+once (about K x one tree's) and a [D, K] gate. With `head`, the frequent classes get
+one exact softmax shared by the trees, which then cover the other classes and are
+walked for those tokens only (`tf_hsm.keras.mixture_head`): the heads' work once, not
+K times. Measured on 100K-word corpora in docs/planner.md ("A mixture of trees").
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_hsm.frontend import hsm
+from tf_hsm.keras import mixture_head
 from tf_hsm.keras.layers import HierarchicalSoftmax
 from tf_hsm.ops import inference
 from tf_hsm.tree import Tree
@@ -45,37 +49,62 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
       layers (not yet built; their own initializers, `ignore_class` the same in all),
       or either's `get_config()` dict.
     gate_initializer: initializer of the gate's kernel (default zeros).
+    head: optional class ids (distinct) scored by one softmax shared by the
+      components, with a slot for the rest; the components' trees are then over the
+      other classes, in increasing id order (`Tree.from_context(..., classes=
+      tf_hsm.keras.mixture_head.tail_classes(head, V))`), and the layer is over
+      len(head) + their classes. Default None: each tree over every class.
+    head_bias_initializer: initializer of the head softmax's len(head) + 1 biases (the
+      last the tail's); its table takes the first component's other settings.
+    ignore_class: with `head`, a class id that counts as padding (the components'
+      must then be None: their ids are tail positions). Without `head`, the
+      components' own.
     **kwargs: base `keras.layers.Layer` arguments (name, dtype, trainable, ...).
 
   Raises:
     TypeError, ValueError: fewer than two components, a component that is neither, trees
-      over different numbers of classes, components with different `ignore_class`.
+      over different numbers of classes, components with different `ignore_class`, a
+      malformed `head`, `ignore_class` without `head` or beside the components' own.
   """
 
-  def __init__(self, components, gate_initializer="zeros", **kwargs):
+  def __init__(self, components, gate_initializer="zeros", head=None,
+               head_bias_initializer="zeros", ignore_class=None, **kwargs):
     super().__init__(**kwargs)
     self.components = _checked_components(components, self.name, self.dtype_policy)
-    if not self.trainable:  # Keras set it before the components existed
-      for component in self.components:
-        component.trainable = False
     self.gate_initializer = keras.initializers.get(gate_initializer)
+    self.head_ids, self.head, self._class_map = None, None, None
+    self.head_bias_initializer = keras.initializers.get(head_bias_initializer)
+    self._ignore_class = _checked_ignore_class(ignore_class, head, self.components)
+    if head is not None:
+      self.head_ids, tail = mixture_head.checked_head(head, self.components[0].num_classes)
+      self._class_map = mixture_head.ClassMap(self.head_ids, tail)
+      self.head = mixture_head.head_layer(self.head_ids, self.components[0],
+                                          self.head_bias_initializer, f"{self.name}_head")
+    if not self.trainable:  # Keras set it before the components existed
+      for component in self._parts():
+        component.trainable = False
     self.supports_masking = True
     self.supports_jit = False
 
+  def _parts(self):
+    """The components, and the head's softmax where there is one."""
+    return self.components + ([self.head] if self.head is not None else [])
+
   @property
   def num_classes(self):
-    return self.components[0].num_classes
+    return self.components[0].num_classes + (0 if self.head_ids is None else
+                                             len(self.head_ids))
 
   @property
   def ignore_class(self):
-    return self.components[0].ignore_class
+    return self._ignore_class if self.head is not None else self.components[0].ignore_class
 
   def build(self, hidden_shape, targets_shape=None):
     dim = hidden_shape[-1]
     if dim is None:
       raise ValueError("HierarchicalSoftmaxMixture needs a known last dimension of "
                        f"`hidden`, got shape {hidden_shape}")
-    for component in self.components:
+    for component in self._parts():
       component.build(hidden_shape)
     self.gate_kernel = self.add_weight(name="gate_kernel", shape=(dim, len(self.components)),
                                        initializer=self.gate_initializer, autocast=False)
@@ -93,15 +122,36 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
 
   def call(self, hidden, targets, mask=None, hidden_mask=None, training=None):
     _check_dense("call", hidden, targets)
-    parts = [c(hidden, targets, mask=hsm.combined_mask((mask, hidden_mask)),
-               training=training)
-             for c in self.components]
-    valid = parts[0]._keras_mask  # pylint: disable=protected-access
-    mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + self._log_gate(hidden), -1)
-    out = tf.where(valid, mixed, tf.zeros_like(mixed))
+    mask = hsm.combined_mask((mask, hidden_mask))
+    if self.head is not None:
+      out, valid = self._headed_call(hidden, targets, mask, training)
+    else:
+      parts = [c(hidden, targets, mask=mask, training=training) for c in self.components]
+      valid = parts[0]._keras_mask  # pylint: disable=protected-access
+      mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + self._log_gate(hidden), -1)
+      out = tf.where(valid, mixed, tf.zeros_like(mixed))
     out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
     hsm.attach_source(out, self, hidden, targets)  # for TopKAccuracy in compile
     return out
+
+  def _headed_call(self, hidden, targets, mask, training):
+    """(log P(targets), valid) with the shared head: the head's softmax for every
+    token, the trees for the tail's tokens only (the others' targets are -1)."""
+    targets = tf.convert_to_tensor(targets)
+    if not targets.dtype.is_integer:
+      raise TypeError(f"targets must be integer class ids, got {targets.dtype.name}")
+    targets = tf.cast(targets, tf.int64)
+    tf.debugging.assert_less(targets, tf.constant(self.num_classes, tf.int64),
+                             message=f"targets must be < num_classes = {self.num_classes}")
+    valid = hsm.combined_mask((mask,), targets >= 0)
+    if self.ignore_class is not None:
+      valid = tf.logical_and(valid, targets != self.ignore_class)
+    head_targets, tail_targets, in_tail = self._class_map.split(targets, valid)
+    head = self.head(hidden, head_targets, training=training)
+    parts = [c(hidden, tail_targets, training=training) for c in self.components]
+    mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + self._log_gate(hidden), -1)
+    out = head + tf.where(in_tail, mixed, tf.zeros_like(mixed))
+    return tf.where(valid, out, tf.zeros_like(out)), valid
 
   def compute_mask(self, hidden, previous_mask=None):
     # `call` attaches the real mask (it depends on the targets) to its output.
@@ -113,7 +163,10 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     self._check_built("log_prob_all")
     _check_dense("log_prob_all", hidden)
     parts = tf.stack([c.log_prob_all(hidden, **kwargs) for c in self.components], -1)
-    return tf.reduce_logsumexp(parts + self._log_gate(hidden)[..., None, :], -1)
+    mixed = tf.reduce_logsumexp(parts + self._log_gate(hidden)[..., None, :], -1)
+    if self.head is None:
+      return mixed
+    return self._class_map.assemble(self.head.log_prob_all(hidden, **kwargs), mixed)
 
   def top_k(self, hidden, k, exclude=None):
     """The k most probable classes: (log_probs, classes), each `[..., k]`, from
@@ -184,7 +237,15 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
                                              tf.stack([seed, tf.constant(-1, tf.int64)]))
     chosen = tf.reshape(chosen, tf.shape(logits)[:-1])
     drawn = tf.reduce_sum(draws * tf.one_hot(chosen, K, dtype=tf.int64), -1)
-    return tf.where(defined, drawn, tf.constant(-1, tf.int64))
+    drawn = tf.where(defined, drawn, tf.constant(-1, tf.int64))
+    if self.head is None:
+      return drawn
+    # The head's slot first (its own seed, from (seed, -2)): the tail's draw where it is
+    # the tail slot.
+    head_seed = tf.random.stateless_uniform([], tf.stack([seed, tf.constant(-2, tf.int64)]),
+                                            minval=None, maxval=None, dtype=tf.int64)
+    return self._class_map.classes(
+        self.head.sample(hidden, seed=head_seed, temperature=temperature), drawn)
 
   def _check_built(self, what):
     if not self.built:
@@ -196,6 +257,9 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     config.update({
         "components": [c.get_config() for c in self.components],
         "gate_initializer": keras.initializers.serialize(self.gate_initializer),
+        "head": None if self.head_ids is None else self.head_ids.tolist(),
+        "head_bias_initializer": keras.initializers.serialize(self.head_bias_initializer),
+        "ignore_class": self._ignore_class,
     })
     return config
 
@@ -204,6 +268,24 @@ def _check_dense(what, *tensors):
   if any(isinstance(t, tf.RaggedTensor) for t in tensors):
     raise TypeError(f"HierarchicalSoftmaxMixture.{what} takes dense hidden states (and "
                     "targets): pad them (targets < 0 or a Keras mask mark the padding)")
+
+
+def _checked_ignore_class(ignore_class, head, components):
+  """The mixture's own ignore_class (with a head), or ValueError where it cannot be."""
+  if head is not None and components[0].ignore_class is not None:
+    raise ValueError("with a head, the components' ignore_class must be None (their ids "
+                     "are positions among the tail classes): give it to the mixture")
+  if ignore_class is None:
+    return None
+  if head is None:
+    raise ValueError("ignore_class is the mixture's with a head only: without one, give "
+                     "it to the components")
+  if isinstance(ignore_class, bool) or not isinstance(ignore_class, (int, np.integer)):
+    raise TypeError(f"ignore_class must be an int class id, got {ignore_class!r}")
+  num_classes = components[0].num_classes + len(head)
+  if not 0 <= ignore_class < num_classes:
+    raise ValueError(f"ignore_class must be within [0, {num_classes}), got {ignore_class}")
+  return int(ignore_class)
 
 
 def _checked_components(components, name, dtype_policy):

@@ -299,7 +299,7 @@ class Tree:
 
     @classmethod
     def from_context(cls, token_ids, num_classes, counts=None, branching=32, seed=0,
-                     head=0, contexts=2000, lags=2, dims=None, side="left"):
+                     head=0, contexts=2000, lags=2, dims=None, side="left", classes=None):
         """A tree from the classes' left contexts in a corpus, built before training.
 
         `Tree.from_vectors` over `tf_hsm.tree.context.context_vectors(token_ids, ...)`:
@@ -317,13 +317,17 @@ class Tree:
           branching, seed, head: as `Tree.from_vectors`.
           contexts, lags, dims: as `context_vectors`.
           side: "left" (the words before each class) or "right" (the words after).
+          classes: optional ids (distinct, increasing, in [0, num_classes)) the tree is
+            over: its class j is `classes[j]`, grouped by its contexts among all of
+            `token_ids` (the tail trees of `HierarchicalSoftmaxMixture(head=...)`).
+            Default: every class.
 
         Returns:
-          A Tree.
+          A Tree over `num_classes` classes, or `len(classes)`.
 
         Raises:
           ValueError: as `context_vectors` and `Tree.from_vectors`; a side other than
-            "left" or "right".
+            "left" or "right"; `classes` not increasing ids within [0, num_classes).
         """
         from tf_hsm.tree import context  # pylint: disable=import-outside-toplevel
         if side not in ("left", "right"):
@@ -337,6 +341,9 @@ class Tree:
                                           seed)
         if counts is None:
             counts = np.bincount(np.asarray(token_ids, np.int64), minlength=num_classes)
+        if classes is not None:
+            classes = _checked_subset(classes, num_classes)
+            vectors, counts = vectors[classes], np.asarray(counts)[classes]
         return cls.from_vectors(vectors, counts, branching, seed, head)
 
     @classmethod
@@ -601,3 +608,16 @@ class Tree:
     def __repr__(self):
         return (f"Tree(num_classes={self._num_classes}, num_nodes={self.num_nodes}, "
                 f"max_depth={self.max_depth}, max_branching={self.max_branching})")
+
+
+def _checked_subset(classes, num_classes):
+    """`classes` as an int64 array of increasing ids in [0, num_classes), or ValueError."""
+    ids = np.asarray(classes)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError("classes must be a non-empty 1-D array of integer class ids, got "
+                         f"shape {ids.shape} of {ids.dtype}")
+    ids = ids.astype(np.int64)
+    if ids[0] < 0 or ids[-1] >= num_classes or np.any(np.diff(ids) <= 0):
+        raise ValueError(f"classes must be increasing ids within [0, {num_classes}), got "
+                         f"{ids[:5].tolist()}{'...' if ids.size > 5 else ''}")
+    return ids

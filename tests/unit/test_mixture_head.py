@@ -1,0 +1,235 @@
+"""`HierarchicalSoftmaxMixture(head=...)`: the shared head of frequent classes ahead of
+the mixture of tail trees, checked against a float64 reference written from the
+definition on fresh random trees and head sets, numerical gradients, normalisation,
+sampling, padding, training and saving, and its errors."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hsm
+from tf_hsm.demo import trees as demo_trees
+from tf_hsm.keras import mixture_head
+from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture
+
+import oracle
+
+D = 5
+
+
+def _headed(rng, dtype="float64", count=3, **kwargs):
+  """(layer, V): a mixture of `count` random trees over the tail of V classes, with a
+  random head of 1-6 class ids in random order."""
+  first = oracle.random_mixed_tree(rng, max_depth=4, max_branching=6, max_classes=30)
+  tail_size = first.num_classes
+  trees = [first] + [tf_hsm.Tree.huffman(rng.integers(1, 50, tail_size), branching=k)
+                     for k in range(2, count + 1)]
+  num_head = int(rng.integers(1, 7))
+  head = rng.permutation(tail_size + num_head)[:num_head]
+  layer = HierarchicalSoftmaxMixture(trees, head=head, dtype=dtype, **kwargs)
+  return layer, tail_size + num_head
+
+
+def _reference(hidden, layer, targets):
+  """log P(target | h) from the definition in float64: the head softmax's probability
+  for a head class; the tail slot's times the gate's mixture of the trees' for a tail
+  class (a tree's class j is the j-th tail class by id)."""
+  h = np.asarray(hidden, np.float64).reshape(-1, D)
+  y = np.asarray(targets).reshape(-1)
+  head = list(layer.head_ids)
+  tail = np.setdiff1d(np.arange(layer.num_classes), head)
+  head_logits = h @ np.asarray(layer.head.kernel, np.float64).T + np.asarray(layer.head.bias)
+  head_lp = head_logits - np.log(np.exp(head_logits).sum(-1, keepdims=True))
+  gate = h @ np.asarray(layer.gate_kernel, np.float64) + np.asarray(layer.gate_bias)
+  log_gate = gate - np.log(np.exp(gate).sum(-1, keepdims=True))
+  out = np.zeros(len(y))
+  for i, c in enumerate(y):
+    if c < 0:
+      continue
+    if c in head:
+      out[i] = head_lp[i, head.index(c)]
+      continue
+    position = int(np.searchsorted(tail, c))
+    parts = [oracle.log_prob_reference(h[i:i + 1], np.asarray(k.kernel),
+                                       np.asarray(k.bias), k.tree, np.array([position]))[0][0]
+             for k in layer.components]
+    out[i] = head_lp[i, len(head)] + np.log(np.exp(np.array(parts) + log_gate[i]).sum())
+  return out.reshape(np.shape(targets))
+
+
+def _randomised(layer, rng, scale=0.7):
+  for weight in layer.weights:
+    weight.assign(rng.normal(size=weight.shape) * scale)
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_matches_the_definition_in_float64(rng, case):
+  del case  # fresh trees and a fresh head each time
+  layer, num_classes = _headed(rng)
+  hidden = rng.normal(size=(3, 5, D))
+  targets = rng.integers(0, num_classes, size=(3, 5))
+  targets[0, :2] = -1  # padding
+  targets[1, :len(layer.head_ids)] = layer.head_ids[:5]  # every head class is seen
+  layer(hidden, targets)
+  _randomised(layer, rng)
+  out = layer(hidden, targets)
+  assert layer.num_classes == num_classes and out.dtype == tf.float64
+  np.testing.assert_allclose(out, _reference(hidden, layer, targets), rtol=1e-12,
+                             atol=1e-12)
+  np.testing.assert_array_equal(out._keras_mask, targets >= 0)  # pylint: disable=protected-access
+
+
+def test_gradients_match_numerical_ones(rng):
+  layer, num_classes = _headed(rng, count=2)
+  hidden = tf.Variable(rng.normal(size=(8, D)))
+  targets = rng.integers(0, num_classes, size=8)
+  targets[:2] = layer.head_ids[0]
+  targets[3] = -1
+  layer(hidden, targets)
+  _randomised(layer, rng)
+  loss = lambda: tf.reduce_sum(layer(hidden, targets) * np.arange(1.0, 9.0))
+  variables = [hidden, layer.gate_kernel, layer.gate_bias, layer.head.kernel,
+               layer.head.bias, layer.components[1].kernel, layer.components[0].bias]
+  with tf.GradientTape() as tape:
+    total = loss()
+  analytic = [tf.convert_to_tensor(g) for g in tape.gradient(total, variables)]
+  for variable, grad in zip(variables, analytic):
+    numeric = oracle.numerical_gradient(loss, variable)
+    np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=variable.name)
+
+
+def test_log_prob_all_is_normalised_and_top_k_reads_it(rng):
+  layer, num_classes = _headed(rng)
+  hidden = rng.normal(size=(2, 3, D))
+  targets = rng.integers(0, num_classes, size=(2, 3))
+  layer(hidden, targets)
+  _randomised(layer, rng)
+  every = np.array(layer.log_prob_all(hidden))
+  assert every.shape == (2, 3, num_classes)
+  np.testing.assert_allclose(np.exp(every).sum(-1), 1.0, rtol=1e-12)
+  everything = np.broadcast_to(np.arange(num_classes), (2, 3, num_classes))
+  np.testing.assert_allclose(
+      every, [[_reference(hidden[i, j][None].repeat(num_classes, 0), layer,
+                          everything[i, j]) for j in range(3)] for i in range(2)],
+      rtol=1e-12, atol=1e-12)
+  values, classes = layer.top_k(hidden, 4)
+  np.testing.assert_array_equal(classes, np.argsort(-every, -1, kind="stable")[..., :4])
+  np.testing.assert_allclose(values, np.sort(every, -1)[..., ::-1][..., :4], rtol=1e-12)
+
+
+def test_sample_draws_the_layer_s_distribution(rng):
+  layer, num_classes = _headed(rng, dtype="float32")
+  hidden = rng.normal(size=(1, D)).astype(np.float32)
+  layer(hidden, np.zeros(1, np.int64))
+  _randomised(layer, rng, scale=0.5)
+  want = np.exp(np.asarray(layer.log_prob_all(hidden), np.float64)[0])
+  draws = np.asarray(layer.sample(np.repeat(hidden, 40_000, 0), seed=5))
+  assert draws.min() >= 0 and draws.max() < num_classes
+  got = np.bincount(draws, minlength=num_classes) / draws.size
+  bound = 4.5 * np.sqrt(want * (1 - want) / draws.size) + 1e-4
+  assert np.all(np.abs(got - want) <= bound), np.abs(got - want) / bound
+  np.testing.assert_array_equal(layer.sample(hidden, seed=3), layer.sample(hidden, seed=3))
+  bad = np.full((2, D), np.nan, np.float32)
+  np.testing.assert_array_equal(layer.sample(bad, seed=1), [-1, -1])
+
+
+def test_padding_ignore_class_and_keras_masks_give_zero_and_no_gradient(rng):
+  layer, num_classes = _headed(rng, ignore_class=0)
+  hidden = tf.Variable(rng.normal(size=(6, D)))
+  targets = np.array([0, -1, 1, 2, layer.head_ids[0], num_classes - 1])
+  mask = np.array([True, True, True, False, True, True])
+  layer(hidden, targets)
+  with tf.GradientTape() as tape:
+    out = layer(hidden, targets, mask=mask)
+    total = tf.reduce_sum(out)
+  grad = np.asarray(tf.convert_to_tensor(tape.gradient(total, hidden)))
+  padded = (targets < 0) | (targets == 0) | ~mask
+  np.testing.assert_array_equal(out._keras_mask, ~padded)  # pylint: disable=protected-access
+  assert np.all(np.asarray(out)[padded] == 0) and np.all(np.asarray(out)[~padded] < 0)
+  assert np.all(grad[padded] == 0) and np.all(np.abs(grad[~padded]).sum(-1) > 0)
+
+
+def test_fit_trains_the_head_the_trees_and_the_gate_and_a_saved_model_loads(rng, tmp_path):
+  layer, num_classes = _headed(rng, dtype="float32", name="mixture")
+  keras.utils.set_random_seed(1)
+  tokens = keras.Input([6], dtype="int32")
+  targets = keras.Input([6], dtype="int32")
+  hidden = keras.layers.Embedding(num_classes, 8)(tokens)
+  model = keras.Model([tokens, targets], layer(hidden, targets))
+  model.compile(optimizer=tf_hsm.optimizers.LazyAdam(0.05), loss=tf_hsm.losses.nll)
+  x = rng.integers(0, num_classes, size=(32, 6)).astype(np.int32)
+  y = (x + 1) % num_classes
+  start = [np.asarray(w) for w in model.weights]
+  history = model.fit([x, y], y, batch_size=8, epochs=12, verbose=0)
+  assert history.history["loss"][-1] < 0.7 * history.history["loss"][0]
+  assert all(not np.array_equal(s, np.asarray(w)) for s, w in zip(start, model.weights))
+  path = str(tmp_path / "headed.keras")
+  model.save(path)
+  again = keras.models.load_model(path)
+  np.testing.assert_array_equal(again.predict([x, y], verbose=0),
+                                model.predict([x, y], verbose=0))
+  loaded = again.get_layer("mixture")
+  np.testing.assert_array_equal(loaded.head_ids, layer.head_ids)
+  assert loaded.num_classes == num_classes
+
+
+def test_inference_model_top_k_on_a_headed_mixture(rng):
+  layer, num_classes = _headed(rng, dtype="float32", name="mixture")
+  hidden_in = keras.Input([D])
+  targets = keras.Input([], dtype="int32")
+  model = keras.Model([hidden_in, targets], layer(hidden_in, targets))
+  hidden = rng.normal(size=(4, D)).astype(np.float32)
+  best = tf_hsm.inference_model(model, k=3).predict(hidden, verbose=0)
+  every = np.asarray(layer.log_prob_all(hidden))
+  np.testing.assert_array_equal(best["classes"], np.argsort(-every, -1, kind="stable")[:, :3])
+  drawn = tf_hsm.inference_model(model, output="sample").predict(hidden, verbose=0)
+  assert drawn.shape == (4,) and np.all((drawn >= 0) & (drawn < num_classes))
+
+
+@pytest.mark.parametrize("head,kwargs,error,message", [
+    ([0, 0], {}, ValueError, "more than once"),
+    ([], {}, ValueError, "non-empty 1-D"),
+    ([0.5], {}, ValueError, "integer class ids"),
+    ([99], {}, ValueError, "within"),
+    ([-1], {}, ValueError, "within"),
+    (None, {"ignore_class": 0}, ValueError, "with a head only"),
+    ([1], {"ignore_class": 1.5}, TypeError, "int class id"),
+    ([1], {"ignore_class": 50}, ValueError, "within"),
+])
+def test_bad_heads_are_named(head, kwargs, error, message):
+  trees = [tf_hsm.Tree.huffman(np.arange(1, 9), 2), tf_hsm.Tree.huffman(np.arange(1, 9), 3)]
+  with pytest.raises(error, match=message):
+    HierarchicalSoftmaxMixture(trees, head=head, **kwargs)
+
+
+def test_components_with_their_own_ignore_class_are_refused_beside_a_head():
+  trees = [tf_hsm.Tree.huffman(np.arange(1, 9), 2), tf_hsm.Tree.huffman(np.arange(1, 9), 3)]
+  components = [tf_hsm.HierarchicalSoftmax(t, ignore_class=0) for t in trees]
+  with pytest.raises(ValueError, match="components' ignore_class must be None"):
+    HierarchicalSoftmaxMixture(components, head=[3])
+
+
+def test_targets_beyond_the_classes_are_named(rng):
+  layer, num_classes = _headed(rng)
+  hidden = rng.normal(size=(2, D))
+  with pytest.raises(tf.errors.InvalidArgumentError, match="num_classes"):
+    layer(hidden, np.array([0, num_classes]))
+  with pytest.raises(TypeError, match="integer class ids"):
+    layer(hidden, np.array([0.0, 1.0]))
+
+
+def test_tail_trees_from_context_are_over_the_classes_given():
+  ids = np.random.default_rng(0).zipf(1.3, 5000) % 60
+  counts = np.bincount(ids, minlength=60)
+  trees, head = demo_trees.context_trees(ids, counts, 6, 4, count=2, shared_head=True)
+  np.testing.assert_array_equal(head, np.argsort(-counts, kind="stable")[:6])
+  assert all(t.num_classes == 54 for t in trees)
+  assert all(t.max_branching == 4 for t in trees)
+  np.testing.assert_array_equal(mixture_head.tail_classes(head, 60),
+                                np.setdiff1d(np.arange(60), head))
+  biases = demo_trees.head_biases(counts, head)
+  np.testing.assert_allclose(np.exp(biases).sum(), 1.0, rtol=1e-12)
+  for bad in ([3, 2], [0, 60], [[1, 2]]):
+    with pytest.raises(ValueError, match="classes must be"):
+      tf_hsm.Tree.from_context(ids, 60, counts, branching=4, classes=bad)
