@@ -54,18 +54,19 @@ def test_heads_are_parsed_and_bad_ones_refused():
 def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
   import numpy as np  # pylint: disable=import-outside-toplevel
   from tf_hsm.bench import wide
-  result = wide.mixture_part(np.random.default_rng(0), 1, ((2, 8, 16), (3, 4, 8)),
-                             classes=3000, dim=8, tokens=64)
+  result = wide.mixture_part(np.random.default_rng(0), 1, wide.parse_mixtures(
+      "8:16,3x4:8,3x4+16"), classes=3000, dim=8, tokens=64)
   assert set(result["ms"]) == {"one tree 8:16", "mixture of two 8:16",
-                               "mixture of three 4:8", "sampled softmax 1024"}
+                               "mixture of three 4:8", "shared head 16 + three 4-ary",
+                               "sampled softmax 1024"}
   assert all(v > 0 for v in result["ms"].values())
   assert set(result["speed vs sampled"]) == set(result["ms"]) - {"sampled softmax 1024"}
-  assert wide.parse_mixtures(",".join(f"{n}x{b}:{h}" for n, b, h in wide.MIXTURE_TREES)) \
-      == wide.MIXTURE_TREES
-  assert wide.parse_mixtures("32:256,3x16:128") == ((2, 32, 256), (3, 16, 128))
+  assert wide.parse_mixtures(",".join(map(str, wide.MIXTURE_TREES))) == wide.MIXTURE_TREES
+  assert wide.parse_mixtures("32:256,3x16+128") == ((2, 32, 256, False), (3, 16, 128, True))
   for bad, message in (("1x16:128", "2-8 trees"), ("9x16:128", "2-8 trees"),
                        ("3x1:4", "a branching of at least 2"),
-                       ("ax16:128", "[TREESx]BRANCHING:HEAD, got 'ax16:128'"),
+                       ("ax16:128", "[TREESx]BRANCHING:HEAD or [TREESx]BRANCHING+HEAD, "
+                        "got 'ax16:128'"), ("3x16+0", "a shared head of at least 1"),
                        ("3x16", "got '3x16'"), ("x16:128", "got 'x16:128'"),
                        ("", "got ''"), ("3X16:128", "got '3X16:128'")):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -225,20 +225,20 @@ def test_planned_tree_is_the_planners_layer(capsys):
   counts = np.sort(np.random.default_rng(0).zipf(1.3, 3_000).astype(np.float64))[::-1]
   machine = {"matmul_flops": 5e10, "read_bytes": 1e10, "call_seconds": 2e-4,
              "tree_step": (3e-11, 1e-10, 7e-11, 2e-7, 1e-8, 5e-4)}
-  trees, rebuild = demo.planned_tree(counts, 128, 2048, machine=machine)
+  trees, rebuild, head = demo.planned_tree(counts, 128, 2048, machine=machine)
   out = capsys.readouterr().out
   report = tf_hsm.plan(3_000, 128, 2048, counts=counts, optimizer="lazy_adam",
                        machine=machine, adaptive=())
   assert f"--tree planned: {report.recommended}," in out and "| full softmax |" in out
-  assert trees == [report.layer.tree] and rebuild == report.layer.rebuild
+  assert trees == [report.layer.tree] and rebuild == report.layer.rebuild and head is None
   # With the training text (the demo passes its training ids), the context tree is a row.
   ids = (np.random.default_rng(1).zipf(1.2, 20_000) - 1) % 3_000
   demo.planned_tree(counts, 128, 2048, machine=machine, token_ids=ids)
   out = capsys.readouterr().out
   assert "| HSM context32/256 |" in out and "| HSM mixture32/256 |" in out
   # A bound on the perplexity reaches the planner: within +0% only full softmax is.
-  trees, rebuild = demo.planned_tree(counts, 128, 2048, machine=machine,
-                                     max_perplexity_increase=0.0)
+  trees, rebuild, _ = demo.planned_tree(counts, 128, 2048, machine=machine,
+                                        max_perplexity_increase=0.0)
   assert trees == [tf_hsm.Tree.flat(3_000)] and rebuild is None
   assert "--tree planned: full softmax," in capsys.readouterr().out
   # A pick rebuilt from vectors: its callback rebuilds the model's HSM from the inputs'
@@ -339,6 +339,24 @@ def _context_run(tmp_path, seed, *flags):
   return results, counts, demo.encode(train, names), len(names)
 
 
+def test_run_with_a_shared_head(tmp_path, capsys, monkeypatch):
+  """--mixture 3 --head H --shared-head trains HierarchicalSoftmaxMixture(head=...): the
+  H most frequent words one softmax, the three context trees over the other words."""
+  trained = _recorded_trees(monkeypatch)
+  results, counts, ids, classes = _context_run(tmp_path, 3, "--head", "3", "--mixture", "3",
+                                               "--shared-head")
+  assert "the 3 most frequent words a head shared by the trees" in capsys.readouterr().out
+  (trees,) = trained
+  head = np.argsort(-counts, kind="stable")[:3]
+  tail = np.setdiff1d(np.arange(classes), head)
+  for tree, side, seed in zip(trees, ("left", "right", "left"), (0, 0, 1)):
+    assert tree == tf_hsm.Tree.from_context(ids, classes, counts, branching=4, side=side,
+                                            seed=seed, classes=tail)
+  assert results["models"][0]["name"] == "hsm-context-mixture-shared-head"
+  assert results["tree"]["shared_head"]
+  assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))
+
+
 def test_run_with_a_tree_from_contexts(tmp_path, capsys, monkeypatch):
   """--tree context trains on Tree.from_context of the training ids, from the start."""
   trained = _recorded_trees(monkeypatch)
@@ -364,7 +382,7 @@ def test_run_with_a_planned_mixture(tmp_path, capsys, monkeypatch):
     del hidden, tokens, kwargs
     planned.append([tf_hsm.Tree.from_context(token_ids, len(counts), counts, branching=4,
                                              side=side) for side in ("left", "right")])
-    return planned[-1], None
+    return planned[-1], None, None
 
   monkeypatch.setattr(demo, "planned_tree", plan_a_mixture)
   corpus = support.zipf_corpus(tmp_path / "corpus.txt", seed=2)

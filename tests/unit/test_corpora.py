@@ -4,6 +4,7 @@ files the demo reads back, the statistics, and the quality runs' settings for th
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -261,8 +262,9 @@ def test_the_planners_mixtures_are_rows_of_the_runs(tmp_path):
     assert quality_runs.ROWS[name][0] == name and name in quality.KINDS
     assert name in quality_runs.default_rows(5_000)
     cmd = quality_runs.command(name, "c.txt", str(tmp_path), 5_000, None)
-    shape, head = name[len("mixture"):].split("_head")
+    shape, kind, head = re.fullmatch(r"mixture(.+)_(head|shared)(\d+)", name).groups()
     count, _, k = shape.rpartition("x")
+    assert ("--shared-head" in cmd) == (kind == "shared")
     assert "--mixture" in cmd and cmd[cmd.index("--tree") + 1] == "context"
     after = cmd[cmd.index("--mixture") + 1:][:1]
     assert after == [count] if count else not (after and after[0].isdigit())

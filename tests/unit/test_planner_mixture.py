@@ -221,3 +221,47 @@ def test_a_model_holding_a_mixture_is_planned_by_its_body():
                        adaptive=())
   assert report.settings["num_classes"] == 3_000 and report.settings["hidden"] == 16
   assert [layer["kind"] for layer in report.body["layers"]] == ["Embedding"]
+
+
+SHARED = "HierarchicalSoftmaxMixture context(16, shared head=128), left and right, 3 trees"
+
+
+def test_a_shared_head_row_prices_the_head_once_and_the_trees_over_the_tail():
+  ids, counts = support.zipf_ids()
+  report = tf_hsm.plan(3_000, 128, 2048, counts=counts, machine=MACHINE, adaptive=(),
+                       token_ids=ids, optimizer="lazy_adam",
+                       trees=("mixture3x16_head128", "mixture3x16_shared128"))
+  rows = {r["method"]: r for r in report.rows}
+  shared = rows[SHARED]
+  apart = rows[SHARED.replace("shared head", "head")]
+  gate, head_table = 128 * 3 + 3, 129 * 129
+  # Three tables of the 2,872 tail classes' 16-ary trees, the head's 129 rows, the gate.
+  tail = tf_hsm.Tree.huffman(np.delete(counts, np.argsort(-counts, kind="stable")[:128]),
+                             branching=16)
+  assert shared["param_bytes"] == pytest.approx(
+      4 * (3 * tail.num_slots * 129 + head_table + gate), rel=0.01)
+  assert shared["flops"] < 0.75 * apart["flops"]
+  assert shared["step_seconds"] < apart["step_seconds"]
+  assert "| HSM mixture3x16+128 |" in report.to_markdown()
+  assert quality.kind_of(SHARED) == "mixture3x16_shared128"
+  assert quality.quality_of("mixture3x16_shared128")[0] == pytest.approx(103.2 / 101.62)
+  assert quality.kind_of(SHARED.replace("3 trees", "5 trees")) is None  # unmeasured
+
+
+def test_the_recommended_shared_head_mixture_is_built_over_the_tail():
+  ids, counts = support.zipf_ids()
+  report = tf_hsm.plan(3_000, 16, 256, counts=counts, optimizer="lazy_adam",
+                       machine=dict(MACHINE, matmul_flops=1e8), adaptive=(),
+                       trees=("mixture3x16_shared128",), token_ids=ids)
+  assert report.recommended == SHARED, report.reason
+  head = np.argsort(-counts, kind="stable")[:128]
+  np.testing.assert_array_equal(report.layer.head, head)
+  tail = np.setdiff1d(np.arange(3_000), head)
+  assert report.layer.trees[1] == tf_hsm.Tree.from_context(ids, 3_000, counts, branching=16,
+                                                           side="right", classes=tail)
+  built = report.layer.build(name="output", fused_update=True, ignore_class=0)
+  assert isinstance(built, tf_hsm.HierarchicalSoftmaxMixture) and built.num_classes == 3_000
+  np.testing.assert_array_equal(built.head_ids, head)
+  assert built.ignore_class == 0 and all(c.ignore_class is None and c.fused_update
+                                         for c in built.components)
+  assert set(report.layer.kwargs) == {"components", "head"}

@@ -75,6 +75,13 @@ ROWS = {
     "mixture4x16_head128": ("mixture4x16_head128", ["--models", "hsm", "--tree", "context",
                                                     "--branching", "16", "--head", "128",
                                                     "--mixture", "4"]),
+    # The same trees over the classes below one shared head (--shared-head).
+    "mixture3x16_shared128": ("mixture3x16_shared128", [
+        "--models", "hsm", "--tree", "context", "--branching", "16", "--head", "128",
+        "--mixture", "3", "--shared-head"]),
+    "mixture4x16_shared128": ("mixture4x16_shared128", [
+        "--models", "hsm", "--tree", "context", "--branching", "16", "--head", "128",
+        "--mixture", "4", "--shared-head"]),
 }
 # Rows with a head of 128-256 frequent words over 16- to 64-ary nodes (one tree or a
 # mixture of several): run by default only on

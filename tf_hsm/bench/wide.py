@@ -3,7 +3,7 @@
 classes, and a training step's memory at a million classes.
 
     python -m tf_hsm.bench.wide [--parts flat,rate,head,inference,memory] [--rounds 7]
-        [--heads 32:1024,32:256,64:256,32:0] [--parts mixture --mixtures 32:256,3x16:128]
+        [--heads 32:1024,32:256,64:256,32:0] [--parts mixture --mixtures 32:256,3x16+128]
 
 - flat: `nll_loss` forward and backward on `Tree.flat(V)` (V=100K, D=256, T=1,024)
   interleaved with TensorFlow's `matmul` + `sparse_softmax_cross_entropy_with_logits`
@@ -24,8 +24,9 @@ classes, and a training step's memory at a million classes.
 - mixture (not among the default parts): at the head part's sizes,
   `HierarchicalSoftmaxMixture` of trees from vectors (the first as the head part's, the
   others of other vectors) of each `--mixtures` shape ([TREESx]BRANCHING:HEAD, two trees
-  by default; default 32:256 and 16:128), one tree of the first shape, and TF's sampled
-  softmax, interleaved.
+  by default, each with its head; [TREESx]BRANCHING+HEAD, the trees over the classes
+  below one shared head of the HEAD most frequent; default 32:256, 16:128 and 3x16+128),
+  one tree of the first shape, and TF's sampled softmax, interleaved.
 - memory: a process of its own per case (V=1M, D=300, T=3,200 and V=10M, D=300, T=256):
   VmHWM after set-up (table, batch, the op library loaded), then the growth of the peak
   over one step of `sgd_step`, and of `nll_loss` with its gradient (at V=1M only: two
@@ -33,6 +34,7 @@ classes, and a training step's memory at a million classes.
 """
 
 import argparse
+import collections
 import json
 import re
 import statistics
@@ -202,17 +204,32 @@ def head_part(rng, rounds, trees=HEAD_TREES):
   return result
 
 
-# (trees, branching, head) of the mixtures the mixture part times: that many trees of
-# that shape each.
-MIXTURE_TREES = ((2, 32, 256), (2, 16, 128))
+class MixtureShape(collections.namedtuple("MixtureShape", "count branching head shared")):
+  """A mixture the mixture part times: `count` trees of `branching`, each with a head of
+  `head` frequent classes at its root, or (`shared`) over the other classes below one
+  shared head of `head` (`HierarchicalSoftmaxMixture(head=...)`)."""
+
+  def __str__(self):
+    return (f"{self.count}x{self.branching}+{self.head}" if self.shared
+            else f"{self.count}x{self.branching}:{self.head}")
+
+  def label(self):
+    count = _COUNTS.get(self.count, self.count)
+    return (f"shared head {self.head} + {count} {self.branching}-ary" if self.shared
+            else f"mixture of {count} {self.branching}:{self.head}")
+
+
+MIXTURE_TREES = (MixtureShape(2, 32, 256, False), MixtureShape(2, 16, 128, False),
+                 MixtureShape(3, 16, 128, True))
 _COUNTS = {2: "two", 3: "three", 4: "four"}
 MAX_MIXTURE_TREES = 8  # each tree of V=1M holds a [1M, 300] table: 1.2 GB
 
 
-def _mixture_step(trees, hidden, targets):
-  """`HierarchicalSoftmaxMixture` over `trees`, forward and backward as `_hsm_step`."""
+def _mixture_step(trees, hidden, targets, head=None):
+  """`HierarchicalSoftmaxMixture` over `trees` (with the shared `head`, if given),
+  forward and backward as `_hsm_step`."""
   from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture  # pylint: disable=import-outside-toplevel
-  layer = HierarchicalSoftmaxMixture(list(trees))
+  layer = HierarchicalSoftmaxMixture(list(trees), head=head)
   layer.build(hidden.shape)
 
   @tf.function
@@ -226,6 +243,21 @@ def _mixture_step(trees, hidden, targets):
   return step
 
 
+def _mixture_trees(rng, shape, first, classes):
+  """(trees, shared head ids or None) of `shape`: `first` and others from other Gaussian
+  vectors; with a shared head, all over the classes past the head (the Zipf classes
+  are ranked: the head is the most frequent)."""
+  weights = cases.zipf_weights(classes)
+  if not shape.shared:
+    return [first] + [tf_hsm.Tree.from_vectors(
+        rng.normal(size=(classes, cases.TREE_VECTOR_DIM)).astype(np.float32), weights,
+        shape.branching, head=shape.head) for _ in range(shape.count - 1)], None
+  return [tf_hsm.Tree.from_vectors(
+      rng.normal(size=(classes - shape.head, cases.TREE_VECTOR_DIM)).astype(np.float32),
+      weights[shape.head:], shape.branching) for _ in range(shape.count)], np.arange(
+          shape.head)
+
+
 def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
                  tokens=3200):
   """`HierarchicalSoftmaxMixture` of trees from vectors of each shape in `shapes`
@@ -236,17 +268,14 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
   targets = tf.constant(_zipf_targets(rng, classes, tokens))
   hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
   methods = {}
-  for index, (count, branching, head) in enumerate(shapes):
-    first = cases.vectors_tree(classes, branching, head)
+  for index, shape in enumerate(MixtureShape(*s) for s in shapes):
+    first = cases.vectors_tree(classes, shape.branching, shape.head)
     if index == 0:
       _, table, biases, _ = _problem(rng, first.num_slots, dim, tokens)
-      methods[f"one tree {branching}:{head}"] = _hsm_step(first, hidden, table, biases,
-                                                          targets)
-    others = [tf_hsm.Tree.from_vectors(
-        rng.normal(size=(classes, cases.TREE_VECTOR_DIM)).astype(np.float32),
-        cases.zipf_weights(classes), branching, head=head) for _ in range(count - 1)]
-    methods[f"mixture of {_COUNTS.get(count, count)} {branching}:{head}"] = _mixture_step(
-        [first] + others, hidden, targets)
+      methods[f"one tree {shape.branching}:{shape.head}"] = _hsm_step(
+          first, hidden, table, biases, targets)
+    trees, head = _mixture_trees(rng, shape, first, classes)
+    methods[shape.label()] = _mixture_step(trees, hidden, targets, head)
   _, table, biases, _ = _problem(rng, classes, dim, tokens)
   methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
   med = interleaved(methods, rounds)
@@ -272,18 +301,23 @@ def parse_heads(text):
 
 
 def parse_mixtures(text):
-  """"32:256,3x16:128" -> ((2, 32, 256), (3, 16, 128)): [TREESx]BRANCHING:HEAD, two trees
-  where the count is left out; ValueError naming a bad entry."""
+  """"32:256,3x16+128" -> (MixtureShape(2, 32, 256, False), MixtureShape(3, 16, 128,
+  True)): [TREESx]BRANCHING:HEAD (each tree with its head) or [TREESx]BRANCHING+HEAD (a
+  shared head), two trees where the count is left out; ValueError naming a bad entry."""
   mixtures = []
   for entry in text.split(","):
-    match = re.fullmatch(r"(?:(\d+)x)?(\d+):(\d+)", entry)
+    match = re.fullmatch(r"(?:(\d+)x)?(\d+)([:+])(\d+)", entry)
     if not match:
-      raise ValueError(f"--mixtures takes [TREESx]BRANCHING:HEAD, got {entry!r}")
-    count, branching, head = (int(v) if v else 2 for v in match.groups())
+      raise ValueError("--mixtures takes [TREESx]BRANCHING:HEAD or [TREESx]BRANCHING+HEAD, "
+                       f"got {entry!r}")
+    count, branching, shared, head = match.groups()
+    count, branching, head = int(count or 2), int(branching), int(head)
     if not 2 <= count <= MAX_MIXTURE_TREES or branching < 2:
       raise ValueError(f"--mixtures needs 2-{MAX_MIXTURE_TREES} trees of a branching of "
                        f"at least 2, got {entry!r}")
-    mixtures.append((count, branching, head))
+    if shared == "+" and head < 1:
+      raise ValueError(f"--mixtures needs a shared head of at least 1 class, got {entry!r}")
+    mixtures.append(MixtureShape(count, branching, head, shared == "+"))
   return tuple(mixtures)
 
 
@@ -352,10 +386,11 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=7, help="timed rounds (medians)")
   parser.add_argument("--heads", default=",".join(f"{b}:{h}" for b, h in HEAD_TREES),
                       help="the head part's trees, BRANCHING:HEAD pairs (default: %(default)s)")
-  parser.add_argument("--mixtures", default=",".join(f"{n}x{b}:{h}"
-                                                     for n, b, h in MIXTURE_TREES),
-                      help="the mixture part's mixtures, [TREESx]BRANCHING:HEAD (two "
-                           "trees without TREESx; default: %(default)s)")
+  parser.add_argument("--mixtures", default=",".join(map(str, MIXTURE_TREES)),
+                      help="the mixture part's mixtures, [TREESx]BRANCHING:HEAD (each "
+                           "tree with a head of HEAD classes at its root) or "
+                           "[TREESx]BRANCHING+HEAD (the trees below one shared head); two "
+                           "trees without TREESx; default: %(default)s")
   parser.add_argument("--memory-case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   try:

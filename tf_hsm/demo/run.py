@@ -784,7 +784,7 @@ def main(argv=None):
       min(args.head or 0, len(words) - 1)
   rebuild, head_ids = None, None
   if args.tree == "planned":
-    trees, rebuild = planned_tree(
+    trees, rebuild, head_ids = planned_tree(
         counts, args.hidden, args.batch * args.seq_len, token_ids=train_ids,
         max_perplexity_increase=args.max_ppl_increase)
   elif args.tree == "context":

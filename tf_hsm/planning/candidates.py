@@ -81,7 +81,8 @@ class Layer:
     counts were not in frequency order); for HierarchicalSoftmax,
     `tf_hsm.HierarchicalSoftmax(**kwargs)` builds the tree on first access (`tree`);
     for full softmax likewise, over `Tree.flat(num_classes)` (the exact softmax); for
-    HierarchicalSoftmaxMixture, `components`: its trees (`trees`).
+    HierarchicalSoftmaxMixture, `components`: its trees (`trees`), and `head`: the
+    shared head's class ids where it has one (`head`).
   """
   kind: str
   method: str
@@ -95,6 +96,7 @@ class Layer:
   _counts: object = dataclasses.field(default=None, repr=False, compare=False)
   _tree: object = dataclasses.field(default=None, repr=False, compare=False)
   _class_order: object = dataclasses.field(default=None, repr=False, compare=False)
+  head: object = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def tree(self):
@@ -122,7 +124,8 @@ class Layer:
   @property
   def kwargs(self):
     if self.kind == "HierarchicalSoftmaxMixture":
-      return {"components": self.trees}
+      return {"components": self.trees} if self.head is None else {
+          "components": self.trees, "head": self.head}
     if self.kind in ("HierarchicalSoftmax", "full softmax") and self.tree is not None:
       return {"tree": self.tree}
     if self.kind == "AdaptiveSoftmax":
@@ -144,10 +147,10 @@ class Layer:
     classes] logits; for HierarchicalSoftmaxMixture, the mixture of
     `HierarchicalSoftmax(tree, **component_kwargs)` over its trees, where
     `component_kwargs` are the arguments of `layer_kwargs` that the mixture does not
-    take (fused_update, initializers, ignore_class, ...; dtype goes to both), Keras 3
-    only. Imports TensorFlow."""
+    take (fused_update, initializers, ignore_class, ...; dtype goes to both; with a
+    shared head, ignore_class to the mixture), Keras 3 only. Imports TensorFlow."""
     if self.kind == "HierarchicalSoftmaxMixture":
-      return _mixture_layer(self.trees, layer_kwargs)
+      return _mixture_layer(self.trees, layer_kwargs, self.head)
     if self.kind in ("HierarchicalSoftmax", "AdaptiveSoftmax") or (
         self.kind == "full softmax" and self.num_classes is not None):
       # The package root, imported here: planning itself stays free of TensorFlow.
@@ -185,19 +188,23 @@ class Layer:
 _MIXTURE_ARGUMENTS = ("gate_initializer", "name", "dtype", "trainable")
 
 
-def _mixture_layer(trees, layer_kwargs):
-  """`HierarchicalSoftmaxMixture` of `HierarchicalSoftmax` layers over `trees`, the
-  arguments split between them (`_MIXTURE_ARGUMENTS` to the mixture, the rest to each
-  component, dtype to both)."""
+def _mixture_layer(trees, layer_kwargs, head=None):
+  """`HierarchicalSoftmaxMixture` of `HierarchicalSoftmax` layers over `trees` (below the
+  shared `head`, if given), the arguments split between them (`_MIXTURE_ARGUMENTS` to
+  the mixture, and ignore_class with a head; the rest to each component, dtype to
+  both)."""
   tf_hsm = importlib.import_module("tf_hsm")
   if _legacy_keras():
     raise ValueError("HierarchicalSoftmaxMixture is a Keras 3 layer, and TF_USE_LEGACY_KERAS "
                      "selects tf_keras: unset it, or plan without the mixture rows "
                      "(trees=tf_hsm.planning.TREES)")
-  own = {k: v for k, v in layer_kwargs.items() if k in _MIXTURE_ARGUMENTS}
-  each = {k: v for k, v in layer_kwargs.items() if k not in _MIXTURE_ARGUMENTS}
+  mine = _MIXTURE_ARGUMENTS + (("ignore_class",) if head is not None else ())
+  own = {k: v for k, v in layer_kwargs.items() if k in mine}
+  each = {k: v for k, v in layer_kwargs.items() if k not in mine}
   if "dtype" in own:
     each["dtype"] = own["dtype"]
+  if head is not None:
+    own["head"] = head
   components = [tf_hsm.keras.HierarchicalSoftmax(tree, **each) for tree in trees]
   return tf_hsm.HierarchicalSoftmaxMixture(components, **own)
 
@@ -508,7 +515,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     rows.append(row(f"{tree.kind} {tree.name}", _tree_label(tree.name),
                     tree.cost(D, T, probs)))
     layers.append(Layer(tree.kind, rows[-1]["method"], f"{tree.kind}({tree.code})",
-                        _build=tree.build, rebuild=tree.rebuild))
+                        _build=tree.build, rebuild=tree.rebuild, head=tree.head_ids))
   progress("choosing the adaptive softmax's cutoffs")
   order = _frequency_order(counts, probs, adaptive, notes)
   ranked = probs if order is None else probs[order]

@@ -179,7 +179,11 @@ EVIDENCE = (
     Figure("mixture3x16_head128", LINUX_EPOCH, 102.66,
            _CPU_MIXTURE.format("linux-comments", 16, 128, " 3", 27)),
     Figure("mixture4x16_head128", LINUX_EPOCH, 101.57,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " 4", 27)))
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " 4", 27)),
+    Figure("mixture3x16_shared128", LINUX_EPOCH, 103.2,
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " 3 --shared-head", 27)),
+    Figure("mixture4x16_shared128", LINUX_EPOCH, 103.4,
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " 4 --shared-head", 27)))
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
 FULL = {f.corpus: f.perplexity for f in EVIDENCE if f.kind == "full"}
 # What the kinds are, for the table and the notes.
@@ -222,6 +226,12 @@ KINDS = {
     "mixture4x16_head128": "HierarchicalSoftmaxMixture of four trees from contexts (left "
                            "and right, then both again clustered from another seed), "
                            "each a head of 128 over 16-ary clusters",
+    "mixture3x16_shared128": "HierarchicalSoftmaxMixture(head=...): the 128 most frequent "
+                             "classes one softmax shared by three 16-ary trees from "
+                             "contexts (left, right, left from another seed) over the "
+                             "other classes",
+    "mixture4x16_shared128": "HierarchicalSoftmaxMixture(head=...): a shared head of 128 "
+                             "over four 16-ary trees from contexts of the other classes",
 }
 
 
@@ -326,11 +336,11 @@ def kind_of(method, cutoffs=None, div_value=None, num_classes=None):
     return "full"
   if method.startswith("sampled softmax"):
     return "sampled"
-  match = re.match(r"HierarchicalSoftmaxMixture context\((\d+), head=(\d+)\), left and "
-                   r"right(?:, (\d+) trees)?$", method)
+  match = re.match(r"HierarchicalSoftmaxMixture context\((\d+), (shared )?head=(\d+)\), "
+                   r"left and right(?:, (\d+) trees)?$", method)
   if match:
-    k, head, count = match.groups()
-    kind = f"mixture{count + 'x' if count else ''}{k}_head{head}"
+    k, shared, head, count = match.groups()
+    kind = f"mixture{count + 'x' if count else ''}{k}_{'shared' if shared else 'head'}{head}"
     return kind if any(f.kind == kind for f in EVIDENCE) else None
   match = re.match(r"HierarchicalSoftmax (vectors|context)\((\d+), head=(\d+)\)", method)
   if match:

@@ -13,6 +13,7 @@ from tf_hsm.planning.costs import mixture_cost, tree_cost
 from tf_hsm.planning.tree_work import huffman_work, layout_work, vectors_work
 from tf_hsm.tree import Tree
 from tf_hsm.tree import builders
+from tf_hsm.tree import vectors as tree_vectors
 
 
 HSM_TREES = ("two_level", "three_level", "huffman2", "huffman8", "huffman32")
@@ -40,9 +41,15 @@ TREES = HSM_TREES + ("learned",) + VECTOR_TREES
 # trees"): priced as two of those trees and the gate, a row likewise only with the text.
 # "mixtureNxK_headH": N such trees, left and right, then left and right again clustered
 # from other seeds (seed i // 2 for the i-th), as the demo's `--mixture N`.
+# "mixtureNxK_sharedH": N K-ary context trees over the classes below one shared head of
+# the H most frequent (`HierarchicalSoftmaxMixture(head=...)`, the demo's
+# `--shared-head`): the head's softmax priced once over every token, each tree over the
+# tail's tokens only.
 CONTEXT_TREES = ("context32_head256",)
 MIXTURE_TREES = ("mixture32_head256", "mixture16_head128", "mixture3x16_head128",
-                 "mixture4x16_head128")
+                 "mixture4x16_head128", "mixture3x16_shared128", "mixture4x16_shared128")
+# A context row's name: (context|vectors|mixture[Nx])K_headH or mixture[Nx]K_sharedH.
+_HEAD_TREE_NAME = r"(context|vectors|mixture(\d+x)?)\d+_head\d+|mixture(\d+x)?\d+_shared\d+"
 LEARNED_HEAD = 128
 VECTORS_REBUILD_AFTER = 1000
 
@@ -88,12 +95,16 @@ class _TreeCandidate:
   build: object  # () -> the Tree, or for a mixture the list of its trees
   rebuild: dict = None  # RebuildTree's arguments (but the layer and vectors), if any
   trees: int = 1  # a HierarchicalSoftmaxMixture's trees, each of `work`'s shape
+  head_work: object = None  # a shared head's TreeWork (one node), for a mixture
+  head_ids: object = None  # the shared head's classes
 
   def cost(self, hidden, tokens_per_step, probs):
     one = tree_cost(self.work, hidden, tokens_per_step, probs)
     if self.trees == 1:
       return one
-    return mixture_cost([one] * self.trees, hidden, tokens_per_step)
+    head = None if self.head_work is None else tree_cost(self.head_work, hidden,
+                                                         tokens_per_step, probs)
+    return mixture_cost([one] * self.trees, hidden, tokens_per_step, head)
 
   @property
   def kind(self):
@@ -135,13 +146,17 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes,
           lambda: Tree.two_level(num_classes, counts=counts),
           {"branching": [width, width], "counts": counts, "head": head,
            "after_epoch": 1}))
-    elif re.fullmatch(r"(context|vectors|mixture(\d+x)?)\d+_head\d+", name):
+    elif re.fullmatch(_HEAD_TREE_NAME, name):
       *count, k, head = map(int, re.findall(r"\d+", name))
       if count and count[0] < 2:
         notes.append(f"no {name} row: a mixture has at least 2 trees")
         continue
       if not (2 <= k and 0 <= head and head + k < num_classes):
         notes.append(f"no {name} row: it needs V > {head + k} classes")
+        continue
+      if "_shared" in name:
+        found.append(_shared_mixture((count or [2])[0], k, head, num_classes, counts,
+                                     probs, tokens, token_ids))
         continue
       work = vectors_work(huffman_counts, k, head, probs, tokens)
       found.append(_context_mixture((count or [2])[0], k, head, num_classes, counts, work,
@@ -203,13 +218,39 @@ def _context_mixture(count, k, head, num_classes, counts, work, token_ids):
   return _TreeCandidate(name, f"[{code}]", work, build, trees=count)
 
 
+def _shared_mixture(count, k, head, num_classes, counts, probs, tokens, token_ids):
+  """The candidate of `HierarchicalSoftmaxMixture(head=...)`: the `head` most frequent
+  classes one softmax (and the tail's slot), `count` K-ary context trees over the others
+  (left and right, then again from other seeds), each priced over the tail's tokens."""
+  weights = np.ones(num_classes) if counts is None else np.asarray(counts, np.float64)
+  probs = np.asarray(probs, np.float64)
+  head_ids = tree_vectors.head_classes(weights, head)
+  tail = np.setdiff1d(np.arange(num_classes), head_ids)
+  head_probs = np.append(probs[head_ids], probs[tail].sum())
+  head_work = layout_work([0, head + 1], np.arange(head + 1), head + 1, head_probs, tokens)
+  work = vectors_work(weights[tail], k, 0, probs[tail], tokens)
+  sides = [(("left", "right")[i % 2], i // 2) for i in range(count)]
+
+  def build():
+    return [Tree.from_context(token_ids, num_classes, counts, branching=k, side=side,
+                              seed=seed, classes=tail) for side, seed in sides]
+  code = ", ".join(f"Tree.from_context(token_ids, num_classes, counts, branching={k}, "
+                   "classes=tail" + (", side='right'" if side == "right" else "")
+                   + (f", seed={seed}" if seed else "") + ")" for side, seed in sides)
+  name = f"context({k}, shared head={head}), left and right" + (
+      f", {count} trees" if count > 2 else "")
+  return _TreeCandidate(name, f"[{code}], head=head", work, build, trees=count,
+                        head_work=head_work, head_ids=head_ids)
+
+
 def _tree_label(name):
   """A tree row's label in the table: "HSM learned", "HSM vectors32/256" (branching /
   head), "HSM huffman(8)", "HSM mixture32/256" (of the left- and right-context trees)."""
   if ", left and right" in name:
     count = re.findall(r", (\d+) trees$", name)
     return "HSM mixture" + "".join(f"{n}x" for n in count) + re.sub(
-        r"context\((\d+), head=(\d+)\).*", r"\1/\2", name)
+        r"context\((\d+), (shared )?head=(\d+)\).*",
+        lambda m: f"{m[1]}{'+' if m[2] else '/'}{m[3]}", name)
   if name.startswith(("learned", "two_level")):
     return "HSM " + re.sub(r"\(.*", "", name)
   return "HSM " + re.sub(r"(vectors|context)\((\d+), head=(\d+)\)", r"\1\2/\3", name)
@@ -226,7 +267,8 @@ def _trees_and_text(trees, token_ids, num_classes, mixtures=True):
   if isinstance(names, str) or any(not isinstance(n, str) for n in names):
     raise TypeError(f"trees must be a list of tree names (str), got {names!r}")
   names = tuple(dict.fromkeys(re.sub(r"^mixture2x", "mixture", n) for n in names))
-  context = [n for n in names if re.fullmatch(r"(context|mixture(\d+x)?)\d+_head\d+", n)]
+  context = [n for n in names if re.fullmatch(_HEAD_TREE_NAME, n)
+             and not n.startswith("vectors")]
   if token_ids is None:
     if context:
       raise ValueError(f"the {context[0]} row is built from the training text: pass "
