@@ -717,23 +717,7 @@ def _checked(p, args):
       p.error(f"--{name.replace('_', '-')} must be positive")
   if args.vocab < 2:
     p.error("--vocab must be at least 2 (<unk> and one word)")
-  if args.head is not None and args.head < 0:
-    p.error("--head must be >= 0")
-  if args.head and args.tree not in ("two_level", "learned", "context"):
-    p.error("--head applies to --tree two_level, learned and context")
-  if args.rebuild_after_batches is not None and args.rebuild_after_batches < 1:
-    p.error("--rebuild-after-batches must be positive")
-  if args.width is not None and args.width < 2:
-    p.error("--width must be at least 2")
-  if args.branching is not None and (args.branching < 2 or
-                                     args.tree not in ("huffman", "balanced", "context")):
-    p.error("--branching takes an int >= 2, with --tree huffman, balanced or context")
-  if args.mixture is not None and args.tree != "context":
-    p.error("--mixture applies to --tree context")
-  if args.mixture is not None and args.mixture < 2:
-    p.error(f"--mixture takes at least 2 trees, got {args.mixture}")
-  if args.shared_head and (args.mixture is None or not args.head):
-    p.error("--shared-head takes --mixture N and --head H (the shared head's words)")
+  _check_tree_shape(p, args)
   if args.max_ppl_increase is not None and args.tree != "planned":
     p.error("--max-ppl-increase applies to --tree planned")
   for name in ("learning_rate", "output_lr_scale"):
@@ -753,6 +737,28 @@ def _checked(p, args):
     except ValueError:
       p.error("--cutoffs takes demo, planned, pytorch or comma-separated ints")
   return args
+
+
+def _check_tree_shape(p, args):
+  """`p.error` for a tree argument (--head, --branching, --width, --mixture, ...) that
+  its --tree does not take, or out of range."""
+  if args.head is not None and args.head < 0:
+    p.error("--head must be >= 0")
+  if args.head and args.tree not in ("two_level", "learned", "context"):
+    p.error("--head applies to --tree two_level, learned and context")
+  if args.rebuild_after_batches is not None and args.rebuild_after_batches < 1:
+    p.error("--rebuild-after-batches must be positive")
+  if args.width is not None and args.width < 2:
+    p.error("--width must be at least 2")
+  if args.branching is not None and (args.branching < 2 or
+                                     args.tree not in ("huffman", "balanced", "context")):
+    p.error("--branching takes an int >= 2, with --tree huffman, balanced or context")
+  if args.mixture is not None and args.tree != "context":
+    p.error("--mixture applies to --tree context")
+  if args.mixture is not None and args.mixture < 2:
+    p.error(f"--mixture takes at least 2 trees, got {args.mixture}")
+  if args.shared_head and (args.mixture is None or not args.head):
+    p.error("--shared-head takes --mixture N and --head H (the shared head's words)")
 
 
 def main(argv=None):
