@@ -265,3 +265,4 @@ def test_the_recommended_shared_head_mixture_is_built_over_the_tail():
   assert built.ignore_class == 0 and all(c.ignore_class is None and c.fused_update
                                          for c in built.components)
   assert set(report.layer.kwargs) == {"components", "head"}
+  assert report.to_dict()["layer"]["head"] == head.tolist()

@@ -180,7 +180,8 @@ class Layer:
     return {"kind": self.kind, "method": self.method, "code": self.code,
             "cutoffs": self.cutoffs, "tail": self.tail, "div_value": self.div_value,
             "rebuild": None if not self.rebuild else
-                       {k: v for k, v in self.rebuild.items() if k != "counts"}}
+                       {k: v for k, v in self.rebuild.items() if k != "counts"},
+            "head": None if self.head is None else [int(c) for c in self.head]}
 
 
 # The mixture's own arguments (`HierarchicalSoftmaxMixture` and keras.layers.Layer's);
