@@ -353,7 +353,7 @@ def test_run_with_a_shared_head(tmp_path, capsys, monkeypatch):
     assert tree == tf_hsm.Tree.from_context(ids, classes, counts, branching=4, side=side,
                                             seed=seed, classes=tail)
   assert results["models"][0]["name"] == "hsm-context-mixture-shared-head"
-  assert results["tree"]["shared_head"]
+  assert results["tree"]["shared_head"] == 3
   assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))
 
 

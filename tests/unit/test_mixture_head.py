@@ -233,3 +233,47 @@ def test_tail_trees_from_context_are_over_the_classes_given():
   for bad in ([3, 2], [0, 60], [[1, 2]]):
     with pytest.raises(ValueError, match="classes must be"):
       tf_hsm.Tree.from_context(ids, 60, counts, branching=4, classes=bad)
+
+
+def test_the_trees_see_only_the_tail_s_tokens(rng):
+  """A head or padded token walks no tree: no tree's gradient names a row for it (a
+  LazyAdam would move such rows on their moments alone)."""
+  layer, _ = _headed(rng, dtype="float32")
+  hidden = tf.constant(rng.normal(size=(4, D)).astype(np.float32))
+  targets = np.array([layer.head_ids[0], -1, layer.head_ids[-1], -1])
+  layer(hidden, targets)
+  with tf.GradientTape() as tape:
+    total = tf.reduce_sum(layer(hidden, targets))
+  grads = tape.gradient(total, [c.kernel for c in layer.components] + [layer.head.kernel])
+  for grad in grads[:-1]:
+    assert grad is None or int(tf.size(tf.convert_to_tensor(grad.indices))) == 0
+  assert np.abs(np.asarray(tf.convert_to_tensor(grads[-1]))).sum() > 0
+
+
+def test_masked_positions_may_hold_any_id_and_hidden_masks_count(rng):
+  layer, num_classes = _headed(rng)
+  hidden = rng.normal(size=(1, 3, D))
+  targets = np.array([[1, num_classes + 5, 2]])
+  out = layer(hidden, targets, mask=np.array([[True, False, True]]))
+  np.testing.assert_array_equal(out._keras_mask, [[True, False, True]])  # pylint: disable=protected-access
+  out = layer(hidden, np.array([[1, 2, 3]]), hidden_mask=np.array([[True, True, False]]))
+  assert float(np.asarray(out)[0, 2]) == 0.0 and np.all(np.asarray(out)[0, :2] < 0)
+
+
+def test_log_prob_all_names_keywords_it_cannot_take_with_a_head(rng):
+  layer, num_classes = _headed(rng)
+  layer(rng.normal(size=(1, D)), np.array([0]))
+  with pytest.raises(ValueError, match="with a head takes no class_range"):
+    layer.log_prob_all(rng.normal(size=(1, D)), class_range=(0, 2))
+
+
+def test_frozen_with_a_head_trains_nothing(rng):
+  first = tf_hsm.HierarchicalSoftmax(tf_hsm.Tree.huffman(np.arange(1, 9), 2), trainable=False)
+  layer = HierarchicalSoftmaxMixture([first, tf_hsm.Tree.huffman(np.arange(1, 9), 3)],
+                                     head=[0, 5])
+  assert layer.head.trainable  # not component 0's setting: the mixture's
+  frozen = HierarchicalSoftmaxMixture([tf_hsm.Tree.huffman(np.arange(1, 9), 2),
+                                       tf_hsm.Tree.huffman(np.arange(1, 9), 3)],
+                                      head=[0, 5], trainable=False)
+  frozen(rng.normal(size=(2, D)).astype(np.float32), np.array([0, 3]))
+  assert not frozen.trainable_weights and not frozen.head.trainable

@@ -8,7 +8,7 @@ import pytest
 
 import support
 import tf_hsm
-from tf_hsm.planning import candidates, costs, quality
+from tf_hsm.planning import costs, quality
 
 MACHINE = {"matmul_flops": 5e10, "read_bytes": 1e10, "call_seconds": 2e-4,
            "tree_step": (3e-11, 1e-10, 7e-11, 2e-7, 1e-8, 5e-4)}

@@ -288,6 +288,8 @@ def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
   from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture  # pylint: disable=g-import-not-at-top
   trees = tree if isinstance(tree, (list, tuple)) else [tree]
+  if head is not None and len(trees) < 2:
+    raise ValueError("a shared head is a mixture's: give two or more trees with it")
   tokens, x = _body(keras, len(counts), hidden, seq_len)
   targets = keras.Input((seq_len,), dtype="int32", name="targets")
   tree_counts = np.asarray(counts) if head is None else np.delete(counts, head)
@@ -810,8 +812,8 @@ def main(argv=None):
             f"; mixed with a tree from right contexts, {trees[1].num_slots:,} weight rows"
             + (f", and {len(trees) - 2} more from other seeds" if len(trees) > 2 else "")
             if mixture else "") + (
-                f"; the {head} most frequent words a head shared by the trees, which are "
-                "over the others" if head_ids is not None else ""), flush=True)
+                f"; the {len(head_ids)} most frequent words a head shared by the trees, "
+                "which are over the others" if head_ids is not None else ""), flush=True)
 
   # Progress bars where a person watches; one line per epoch in logs, where each bar's
   # redraws would otherwise become hundreds of lines.
@@ -869,7 +871,8 @@ def main(argv=None):
   results = {"settings": settings, "corpus": source, "vocab_size": len(words),
              "train_batches_per_epoch": math.ceil(len(x) / args.batch),
              "held_out_unk_rate": unk_rate, "tree": {"kind": args.tree, "head": head,
-                                                     "shared_head": head_ids is not None,
+                                                     "shared_head": None if head_ids is None
+                                                     else len(head_ids),
                                                      "num_slots": tree.num_slots,
                                                      "max_depth": tree.max_depth,
                                                      "branching": args.branching,

@@ -2,6 +2,8 @@
 (or the training text, or the planner's pick), the callbacks that rebuild them during
 training, and the biases under which a tree starts as the unigram model."""
 
+import math
+
 import numpy as np
 
 # The learned tree's default head (docs/demo.md: heads of 128-1,024 words measured).

@@ -136,21 +136,30 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
 
   def _headed_call(self, hidden, targets, mask, training):
     """(log P(targets), valid) with the shared head: the head's softmax for every
-    token, the trees for the tail's tokens only (the others' targets are -1)."""
+    token, the trees and the gate for the tail's tokens only, gathered (no tree walks a
+    path, nor names a row in its gradient, for a head or padded token)."""
     targets = tf.convert_to_tensor(targets)
     if not targets.dtype.is_integer:
       raise TypeError(f"targets must be integer class ids, got {targets.dtype.name}")
     targets = tf.cast(targets, tf.int64)
-    tf.debugging.assert_less(targets, tf.constant(self.num_classes, tf.int64),
-                             message=f"targets must be < num_classes = {self.num_classes}")
     valid = hsm.combined_mask((mask,), targets >= 0)
     if self.ignore_class is not None:
       valid = tf.logical_and(valid, targets != self.ignore_class)
+    tf.debugging.assert_less(tf.where(valid, targets, tf.zeros_like(targets)),
+                             tf.constant(self.num_classes, tf.int64),
+                             message=f"targets must be < num_classes = {self.num_classes}")
     head_targets, tail_targets, in_tail = self._class_map.split(targets, valid)
     head = self.head(hidden, head_targets, training=training)
-    parts = [c(hidden, tail_targets, training=training) for c in self.components]
-    mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + self._log_gate(hidden), -1)
-    out = head + tf.where(in_tail, mixed, tf.zeros_like(mixed))
+    hidden = tf.convert_to_tensor(hidden)
+    flat_hidden = tf.reshape(hidden, [-1, tf.shape(hidden)[-1]])
+    where = tf.where(tf.reshape(in_tail, [-1]))  # [n, 1]: the tail's tokens
+    tail_hidden = tf.gather_nd(flat_hidden, where)
+    parts = [c(tail_hidden, tf.gather_nd(tf.reshape(tail_targets, [-1]), where),
+               training=training) for c in self.components]
+    mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + self._log_gate(tail_hidden), -1)
+    mixed = tf.reshape(tf.scatter_nd(where, mixed, tf.size(in_tail, out_type=tf.int64)[None]),
+                       tf.shape(in_tail))
+    out = head + tf.cast(mixed, head.dtype)
     return tf.where(valid, out, tf.zeros_like(out)), valid
 
   def compute_mask(self, hidden, previous_mask=None):
@@ -162,6 +171,10 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     `log_prob_all`, keyword arguments passed on, mixed by the gate)."""
     self._check_built("log_prob_all")
     _check_dense("log_prob_all", hidden)
+    if self.head is not None and kwargs:
+      raise ValueError(f"HierarchicalSoftmaxMixture.log_prob_all with a head takes no "
+                       f"{', '.join(sorted(kwargs))}: the head's slots and the trees' "
+                       "classes are not one range of ids")
     parts = tf.stack([c.log_prob_all(hidden, **kwargs) for c in self.components], -1)
     mixed = tf.reduce_logsumexp(parts + self._log_gate(hidden)[..., None, :], -1)
     if self.head is None:

@@ -28,8 +28,9 @@ def checked_head(head, num_tail_classes):
   ValueError naming what is wrong with `head`."""
   ids = np.asarray(head)
   if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-    raise ValueError("head must be a non-empty 1-D sequence of integer class ids, got "
-                     f"shape {ids.shape} of {ids.dtype}")
+    raise ValueError("head must be a non-empty 1-D sequence of integer class ids (the "
+                     f"classes themselves, not their count), got shape {ids.shape} of "
+                     f"{ids.dtype}")
   ids = ids.astype(np.int64)
   num_classes = ids.size + num_tail_classes
   if ids.min() < 0 or ids.max() >= num_classes:
@@ -50,10 +51,11 @@ def tail_classes(head, num_classes):
 
 def head_layer(head_ids, component, bias_initializer, name):
   """An unbuilt `HierarchicalSoftmax` over `Tree.flat(len(head) + 1)` (the last slot the
-  tail), with the settings of `component` (initializer, regularizers, fused update,
-  dtype) but its own biases."""
+  tail), with the settings of `component` (kernel initializer, regularizers,
+  constraints, use_bias, fused update, dtype) but its own biases."""
   config = component.get_config()
-  for key in ("name", "tree", "row_layout", "ignore_class", "bias_initializer"):
+  # Its own name, tree and biases; trainable as the mixture is (which sets it after).
+  for key in ("name", "tree", "row_layout", "ignore_class", "bias_initializer", "trainable"):
     config.pop(key, None)
   config["bias_initializer"] = keras.initializers.serialize(
       keras.initializers.get(bias_initializer))

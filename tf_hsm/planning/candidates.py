@@ -199,7 +199,8 @@ def _mixture_layer(trees, layer_kwargs, head=None):
     raise ValueError("HierarchicalSoftmaxMixture is a Keras 3 layer, and TF_USE_LEGACY_KERAS "
                      "selects tf_keras: unset it, or plan without the mixture rows "
                      "(trees=tf_hsm.planning.TREES)")
-  mine = _MIXTURE_ARGUMENTS + (("ignore_class",) if head is not None else ())
+  mine = _MIXTURE_ARGUMENTS + (("ignore_class", "head_bias_initializer")
+                               if head is not None else ())
   own = {k: v for k, v in layer_kwargs.items() if k in mine}
   each = {k: v for k, v in layer_kwargs.items() if k not in mine}
   if "dtype" in own:

@@ -154,6 +154,9 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes,
       if not (2 <= k and 0 <= head and head + k < num_classes):
         notes.append(f"no {name} row: it needs V > {head + k} classes")
         continue
+      if "_shared" in name and head < 1:
+        notes.append(f"no {name} row: a shared head holds at least 1 class")
+        continue
       if "_shared" in name:
         found.append(_shared_mixture((count or [2])[0], k, head, num_classes, counts,
                                      probs, tokens, token_ids))
@@ -222,7 +225,10 @@ def _shared_mixture(count, k, head, num_classes, counts, probs, tokens, token_id
   """The candidate of `HierarchicalSoftmaxMixture(head=...)`: the `head` most frequent
   classes one softmax (and the tail's slot), `count` K-ary context trees over the others
   (left and right, then again from other seeds), each priced over the tail's tokens."""
-  weights = np.ones(num_classes) if counts is None else np.asarray(counts, np.float64)
+  # The head is the most frequent classes: by the text's own counts where none are given
+  # (as `Tree.from_context` counts them).
+  weights = np.asarray(counts if counts is not None else np.bincount(
+      np.asarray(token_ids, np.int64), minlength=num_classes), np.float64)
   probs = np.asarray(probs, np.float64)
   head_ids = tree_vectors.head_classes(weights, head)
   tail = np.setdiff1d(np.arange(num_classes), head_ids)
@@ -239,8 +245,11 @@ def _shared_mixture(count, k, head, num_classes, counts, probs, tokens, token_id
                    + (f", seed={seed}" if seed else "") + ")" for side, seed in sides)
   name = f"context({k}, shared head={head}), left and right" + (
       f", {count} trees" if count > 2 else "")
-  return _TreeCandidate(name, f"[{code}], head=head", work, build, trees=count,
-                        head_work=head_work, head_ids=head_ids)
+  # How to build it, spelled out: `head` the most frequent classes, `tail` the others.
+  code = (f"[{code}], head=head) with head = np.argsort(-counts, kind='stable')[:{head}], "
+          "tail = tf_hsm.keras.mixture_head.tail_classes(head, num_classes")
+  return _TreeCandidate(name, code, work, build, trees=count, head_work=head_work,
+                        head_ids=head_ids)
 
 
 def _tree_label(name):
