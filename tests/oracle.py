@@ -139,3 +139,14 @@ def numerical_gradient(loss, variable, step=1e-6):
     numeric.reshape(-1)[j] = (up - float(loss())) / (2 * step)
     variable.assign(start)
   return numeric
+
+
+def assert_gradients_match(loss, variables, rtol=1e-6, atol=1e-7):
+  """The tape's gradient of `loss()` to each of `variables` (float64) equals its
+  central differences (`numerical_gradient`)."""
+  with tf.GradientTape() as tape:
+    total = loss()
+  analytic = [tf.convert_to_tensor(g) for g in tape.gradient(total, variables)]
+  for variable, grad in zip(variables, analytic):
+    np.testing.assert_allclose(grad, numerical_gradient(loss, variable), rtol=rtol,
+                               atol=atol, err_msg=variable.name)

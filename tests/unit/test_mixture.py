@@ -12,6 +12,7 @@ from tf_hsm.keras import adam_step as fused_module
 from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture
 
 import oracle
+import support
 
 D = 5
 
@@ -72,12 +73,7 @@ def test_gradients_match_numerical_ones(rng):
   loss = lambda: tf.reduce_sum(layer(hidden, targets) * np.arange(1.0, 7.0))
   variables = [hidden, layer.gate_kernel, layer.gate_bias, layer.components[1].kernel,
                layer.components[0].bias]
-  with tf.GradientTape() as tape:
-    total = loss()
-  analytic = [tf.convert_to_tensor(g) for g in tape.gradient(total, variables)]
-  for variable, grad in zip(variables, analytic):
-    numeric = oracle.numerical_gradient(loss, variable)
-    np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=variable.name)
+  oracle.assert_gradients_match(loss, variables)
 
 
 def _model(trees, layer=None):
@@ -96,16 +92,8 @@ def test_fit_trains_every_part_and_a_saved_model_gives_the_same_output(rng, tmp_
   model, layer = _model(trees)
   x = rng.integers(0, trees[0].num_classes, size=(32, 6)).astype(np.int32)
   y = (x + 1) % trees[0].num_classes
-  start = [np.asarray(w) for w in model.weights]
-  with _no_dense_warning():
-    history = model.fit([x, y], y, batch_size=8, epochs=12, verbose=0)
-  assert history.history["loss"][-1] < 0.7 * history.history["loss"][0]
-  assert all(not np.array_equal(s, np.asarray(w)) for s, w in zip(start, model.weights))
-  path = str(tmp_path / "mixture.keras")
-  model.save(path)
-  again = keras.models.load_model(path)
-  np.testing.assert_array_equal(again.predict([x, y], verbose=0),
-                                model.predict([x, y], verbose=0))
+  support.trained_and_reloaded(model, [x, y], y, str(tmp_path / "mixture.keras"),
+                               _no_dense_warning)
   # x == 0 is masked by the embedding: those positions are 0 and carry no loss.
   assert np.all(model.predict([x, y], verbose=0)[x == 0] == 0.0)
 

@@ -14,6 +14,7 @@ from tf_hsm.keras import mixture_head
 from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture
 
 import oracle
+import support
 
 D = 5
 
@@ -91,12 +92,7 @@ def test_gradients_match_numerical_ones(rng):
   loss = lambda: tf.reduce_sum(layer(hidden, targets) * np.arange(1.0, 9.0))
   variables = [hidden, layer.gate_kernel, layer.gate_bias, layer.head.kernel,
                layer.head.bias, layer.components[1].kernel, layer.components[0].bias]
-  with tf.GradientTape() as tape:
-    total = loss()
-  analytic = [tf.convert_to_tensor(g) for g in tape.gradient(total, variables)]
-  for variable, grad in zip(variables, analytic):
-    numeric = oracle.numerical_gradient(loss, variable)
-    np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=variable.name)
+  oracle.assert_gradients_match(loss, variables)
 
 
 def test_log_prob_all_is_normalised_and_top_k_reads_it(rng):
@@ -160,15 +156,7 @@ def test_fit_trains_the_head_the_trees_and_the_gate_and_a_saved_model_loads(rng,
   model.compile(optimizer=tf_hsm.optimizers.LazyAdam(0.05), loss=tf_hsm.losses.nll)
   x = rng.integers(0, num_classes, size=(32, 6)).astype(np.int32)
   y = (x + 1) % num_classes
-  start = [np.asarray(w) for w in model.weights]
-  history = model.fit([x, y], y, batch_size=8, epochs=12, verbose=0)
-  assert history.history["loss"][-1] < 0.7 * history.history["loss"][0]
-  assert all(not np.array_equal(s, np.asarray(w)) for s, w in zip(start, model.weights))
-  path = str(tmp_path / "headed.keras")
-  model.save(path)
-  again = keras.models.load_model(path)
-  np.testing.assert_array_equal(again.predict([x, y], verbose=0),
-                                model.predict([x, y], verbose=0))
+  again = support.trained_and_reloaded(model, [x, y], y, str(tmp_path / "headed.keras"))
   loaded = again.get_layer("mixture")
   np.testing.assert_array_equal(loaded.head_ids, layer.head_ids)
   assert loaded.num_classes == num_classes

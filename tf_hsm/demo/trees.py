@@ -139,14 +139,14 @@ def context_trees(token_ids, counts, head, branching, count=1, shared_head=False
   (`classes=`); otherwise each tree has them at its own root."""
   from tf_hsm.keras import mixture_head  # pylint: disable=g-import-not-at-top
   from tf_hsm.tree import Tree  # pylint: disable=g-import-not-at-top
+  from tf_hsm.tree import context  # pylint: disable=g-import-not-at-top
   from tf_hsm.tree import vectors as tree_vectors  # pylint: disable=g-import-not-at-top
   num_classes = len(counts)
   head_ids = tree_vectors.head_classes(counts, head) if shared_head else None
   tail = None if head_ids is None else mixture_head.tail_classes(head_ids, num_classes)
   trees = [Tree.from_context(token_ids, num_classes, counts, head=0 if shared_head else head,
-                             branching=branching, seed=i // 2,
-                             side=("left", "right")[i % 2], classes=tail)
-           for i in range(count)]
+                             branching=branching, seed=seed, side=side, classes=tail)
+           for side, seed in context.mixture_sides(count)]
   return trees, head_ids
 
 

@@ -39,8 +39,7 @@ def checked_head(head, num_tail_classes):
                      f"{ids.min()}..{ids.max()}")
   if np.unique(ids).size != ids.size:
     raise ValueError("head holds a class id more than once")
-  tail = np.setdiff1d(np.arange(num_classes, dtype=np.int64), ids)
-  return ids, tail
+  return ids, tail_classes(ids, num_classes)
 
 
 def tail_classes(head, num_classes):

@@ -13,6 +13,7 @@ from tf_hsm.planning.costs import mixture_cost, tree_cost
 from tf_hsm.planning.tree_work import huffman_work, layout_work, vectors_work
 from tf_hsm.tree import Tree
 from tf_hsm.tree import builders
+from tf_hsm.tree import context
 from tf_hsm.tree import vectors as tree_vectors
 
 
@@ -204,18 +205,26 @@ def _head_tree(from_context, k, head, num_classes, counts, work, token_ids):
        "after_batch": VECTORS_REBUILD_AFTER})
 
 
-def _context_mixture(count, k, head, num_classes, counts, work, token_ids):
-  """The candidate of `HierarchicalSoftmaxMixture` over `count` trees of the words'
-  contexts (each a head over K-ary clusters, built before training): left and right,
-  then left and right again clustered from seed 1, 2, ..."""
-  sides = [(("left", "right")[i % 2], i // 2) for i in range(count)]
+def _context_trees(count, k, num_classes, counts, token_ids, given, **kwargs):
+  """(build, code) of `count` K-ary context trees (`context.mixture_sides`), each
+  `Tree.from_context(..., **kwargs)`, `given` the keyword arguments as the code shows
+  them."""
+  sides = context.mixture_sides(count)
 
   def build():
-    return [Tree.from_context(token_ids, num_classes, counts, branching=k, head=head,
-                              side=side, seed=seed) for side, seed in sides]
+    return [Tree.from_context(token_ids, num_classes, counts, branching=k, side=side,
+                              seed=seed, **kwargs) for side, seed in sides]
   code = ", ".join(f"Tree.from_context(token_ids, num_classes, counts, branching={k}, "
-                   f"head={head}" + (", side='right'" if side == "right" else "")
+                   f"{given}" + (", side='right'" if side == "right" else "")
                    + (f", seed={seed}" if seed else "") + ")" for side, seed in sides)
+  return build, code
+
+
+def _context_mixture(count, k, head, num_classes, counts, work, token_ids):
+  """The candidate of `HierarchicalSoftmaxMixture` over `count` trees of the words'
+  contexts (each a head over K-ary clusters, built before training)."""
+  build, code = _context_trees(count, k, num_classes, counts, token_ids, f"head={head}",
+                               head=head)
   name = f"context({k}, head={head}), left and right" + (
       f", {count} trees" if count > 2 else "")
   return _TreeCandidate(name, f"[{code}]", work, build, trees=count)
@@ -223,8 +232,8 @@ def _context_mixture(count, k, head, num_classes, counts, work, token_ids):
 
 def _shared_mixture(count, k, head, num_classes, counts, probs, tokens, token_ids):
   """The candidate of `HierarchicalSoftmaxMixture(head=...)`: the `head` most frequent
-  classes one softmax (and the tail's slot), `count` K-ary context trees over the others
-  (left and right, then again from other seeds), each priced over the tail's tokens."""
+  classes one softmax (and the tail's slot), `count` K-ary context trees over the others,
+  each priced over the tail's tokens."""
   # The head is the most frequent classes: by the text's own counts where none are given
   # (as `Tree.from_context` counts them).
   weights = np.asarray(counts if counts is not None else np.bincount(
@@ -235,14 +244,8 @@ def _shared_mixture(count, k, head, num_classes, counts, probs, tokens, token_id
   head_probs = np.append(probs[head_ids], probs[tail].sum())
   head_work = layout_work([0, head + 1], np.arange(head + 1), head + 1, head_probs, tokens)
   work = vectors_work(weights[tail], k, 0, probs[tail], tokens)
-  sides = [(("left", "right")[i % 2], i // 2) for i in range(count)]
-
-  def build():
-    return [Tree.from_context(token_ids, num_classes, counts, branching=k, side=side,
-                              seed=seed, classes=tail) for side, seed in sides]
-  code = ", ".join(f"Tree.from_context(token_ids, num_classes, counts, branching={k}, "
-                   "classes=tail" + (", side='right'" if side == "right" else "")
-                   + (f", seed={seed}" if seed else "") + ")" for side, seed in sides)
+  build, code = _context_trees(count, k, num_classes, counts, token_ids, "classes=tail",
+                               classes=tail)
   name = f"context({k}, shared head={head}), left and right" + (
       f", {count} trees" if count > 2 else "")
   # How to build it, spelled out: `head` the most frequent classes, `tail` the others.

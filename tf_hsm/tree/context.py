@@ -141,3 +141,10 @@ def context_vectors(token_ids, num_classes, contexts=2000, lags=2, dims=None, se
   q, _ = np.linalg.qr(dot(tdot(q)))  # one power iteration: the leading directions sharpen
   u, s, _ = np.linalg.svd(tdot(q).T, full_matrices=False)
   return (q @ u[:, :dims]) * s[:dims]
+
+
+def mixture_sides(count):
+  """(side, seed) of each of `count` context trees of a mixture: the left contexts, the
+  right, then left and right again clustered from seed 1, 2, ... (the i-th tree's seed
+  is i // 2): the demo's `--mixture N` and the planner's mixture rows alike."""
+  return [(("left", "right")[i % 2], i // 2) for i in range(count)]
