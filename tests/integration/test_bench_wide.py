@@ -55,19 +55,39 @@ def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
   import numpy as np  # pylint: disable=import-outside-toplevel
   from tf_hsm.bench import wide
   result = wide.mixture_part(np.random.default_rng(0), 1, wide.parse_mixtures(
-      "8:16,3x4:8,3x4+16"), classes=3000, dim=8, tokens=64)
+      "8:16,3x4:8,3x4+16,3x4+16/3"), classes=3000, dim=8, tokens=64)
   assert set(result["ms"]) == {"one tree 8:16", "mixture of two 8:16",
                                "mixture of three 4:8", "shared head 16 + three 4-ary",
-                               "sampled softmax 1024"}
+                               "shared head 16 + three 4-ary, d=3", "sampled softmax 1024"}
   assert all(v > 0 for v in result["ms"].values())
   assert set(result["speed vs sampled"]) == set(result["ms"]) - {"sampled softmax 1024"}
   assert wide.parse_mixtures(",".join(map(str, wide.MIXTURE_TREES))) == wide.MIXTURE_TREES
-  assert wide.parse_mixtures("32:256,3x16+128") == ((2, 32, 256, False), (3, 16, 128, True))
+  assert wide.parse_mixtures("32:256,3x16+128,4x8+64/75") == (
+      (2, 32, 256, False, None), (3, 16, 128, True, None), (4, 8, 64, True, 75))
+  assert str(wide.MixtureShape(4, 8, 64, True, 75)) == "4x8+64/75"
   for bad, message in (("1x16:128", "2-8 trees"), ("9x16:128", "2-8 trees"),
                        ("3x1:4", "a branching of at least 2"),
-                       ("ax16:128", "[TREESx]BRANCHING:HEAD or [TREESx]BRANCHING+HEAD, "
-                        "got 'ax16:128'"), ("3x16+0", "a shared head of at least 1"),
+                       ("ax16:128", "[TREESx]BRANCHING:HEAD or "
+                        "[TREESx]BRANCHING+HEAD[/DIM] (DIM >= 1), got 'ax16:128'"),
+                       ("3x16+0", "a shared head of at least 1"),
+                       ("3x16:128/64", "got '3x16:128/64'"), ("3x16+128/0", "DIM >= 1"),
                        ("3x16", "got '3x16'"), ("x16:128", "got 'x16:128'"),
                        ("", "got ''"), ("3X16:128", "got '3X16:128'")):
     with pytest.raises(ValueError, match=re.escape(message)):
       wide.parse_mixtures(bad)
+
+
+def test_targets_are_zipf_over_the_classes():
+  # P(c) = 1/((c+1) H_V): class 0 takes 1/H_V (~7% at V=1M), the last class ~1e-7; a
+  # clipped np.random.zipf put most draws on the last class.
+  import numpy as np
+  from tf_hsm.bench import wide
+  classes, tokens = 1_000_000, 100_000
+  targets = wide._zipf_targets(np.random.default_rng(3), classes, tokens)
+  harmonic = np.sum(1.0 / np.arange(1, classes + 1))
+  counts = np.bincount(targets, minlength=classes)
+  assert targets.min() >= 0 and targets.max() < classes
+  assert abs(counts[0] / tokens - 1 / harmonic) < 0.005
+  assert counts[classes - 1] <= 5
+  head = np.sum(1.0 / np.arange(1, 129)) / harmonic  # the 128 most frequent: ~38%
+  assert abs(np.mean(targets < 128) - head) < 0.01

@@ -10,6 +10,7 @@ import pytest
 
 import tf_hsm
 from tf_hsm.demo import run as demo
+from tf_hsm.keras import mixture as mixture_module
 
 import support
 
@@ -89,7 +90,10 @@ def test_branching_and_adaptive_layouts():
   with pytest.raises(SystemExit):  # adaptive settings for a run that trains no adaptive
     demo.parse_args(["--models", "hsm", "--tail", "two_level"])
   for flags in (["--max-ppl-increase", "10"],  # a bound for a tree the planner does not pick
-                ["--tree", "planned", "--max-ppl-increase", "-1"]):
+                ["--tree", "planned", "--max-ppl-increase", "-1"],
+                ["--tree", "context", "--mixture", "3", "--tail-dim", "8"],  # no shared head
+                ["--tree", "context", "--mixture", "3", "--head", "4", "--shared-head",
+                 "--tail-dim", "0"]):
     with pytest.raises(SystemExit):
       demo.parse_args(flags)
   assert demo.parse_args(["--tree", "planned", "--max-ppl-increase", "10"]
@@ -340,11 +344,18 @@ def _context_run(tmp_path, seed, *flags):
 
 
 def test_run_with_a_shared_head(tmp_path, capsys, monkeypatch):
-  """--mixture 3 --head H --shared-head trains HierarchicalSoftmaxMixture(head=...): the
-  H most frequent words one softmax, the three context trees over the other words."""
+  """--mixture 3 --head H --shared-head --tail-dim D trains
+  HierarchicalSoftmaxMixture(head=..., tail_dim=D): the H most frequent words one
+  softmax, the three context trees over the other words, scoring a D-wide projection."""
   trained = _recorded_trees(monkeypatch)
+  built = []
+  real_mixture = mixture_module.HierarchicalSoftmaxMixture
+  monkeypatch.setattr(mixture_module, "HierarchicalSoftmaxMixture",
+                      lambda *a, **k: built.append(real_mixture(*a, **k)) or built[-1])
   results, counts, ids, classes = _context_run(tmp_path, 3, "--head", "3", "--mixture", "3",
-                                               "--shared-head")
+                                               "--shared-head", "--tail-dim", "8")
+  (mixture,) = built
+  assert mixture.tail_dim == 8 and mixture.tail_projection.shape == (16, 8)
   assert "the 3 most frequent words a head shared by the trees" in capsys.readouterr().out
   (trees,) = trained
   head = np.argsort(-counts, kind="stable")[:3]

@@ -35,8 +35,10 @@ def _headed(rng, dtype="float64", count=3, **kwargs):
 def _reference(hidden, layer, targets):
   """log P(target | h) from the definition in float64: the head softmax's probability
   for a head class; the tail slot's times the gate's mixture of the trees' for a tail
-  class (a tree's class j is the j-th tail class by id)."""
+  class (a tree's class j is the j-th tail class by id), the trees scoring h P where
+  the layer has a `tail_dim` projection P."""
   h = np.asarray(hidden, np.float64).reshape(-1, D)
+  scored = h if layer.tail_dim is None else h @ np.asarray(layer.tail_projection, np.float64)
   y = np.asarray(targets).reshape(-1)
   head = list(layer.head_ids)
   tail = np.setdiff1d(np.arange(layer.num_classes), head)
@@ -52,7 +54,7 @@ def _reference(hidden, layer, targets):
       out[i] = head_lp[i, head.index(c)]
       continue
     position = int(np.searchsorted(tail, c))
-    parts = [oracle.log_prob_reference(h[i:i + 1], np.asarray(k.kernel),
+    parts = [oracle.log_prob_reference(scored[i:i + 1], np.asarray(k.kernel),
                                        np.asarray(k.bias), k.tree, np.array([position]))[0][0]
              for k in layer.components]
     out[i] = head_lp[i, len(head)] + np.log(np.exp(np.array(parts) + log_gate[i]).sum())
@@ -64,10 +66,10 @@ def _randomised(layer, rng, scale=0.7):
     weight.assign(rng.normal(size=weight.shape) * scale)
 
 
-@pytest.mark.parametrize("case", range(3))
-def test_matches_the_definition_in_float64(rng, case):
+@pytest.mark.parametrize("case,tail_dim", [(0, None), (1, None), (2, None), (3, 3), (4, 1)])
+def test_matches_the_definition_in_float64(rng, case, tail_dim):
   del case  # fresh trees and a fresh head each time
-  layer, num_classes = _headed(rng)
+  layer, num_classes = _headed(rng, tail_dim=tail_dim)
   hidden = rng.normal(size=(3, 5, D))
   targets = rng.integers(0, num_classes, size=(3, 5))
   targets[0, :2] = -1  # padding
@@ -81,8 +83,9 @@ def test_matches_the_definition_in_float64(rng, case):
   np.testing.assert_array_equal(out._keras_mask, targets >= 0)  # pylint: disable=protected-access
 
 
-def test_gradients_match_numerical_ones(rng):
-  layer, num_classes = _headed(rng, count=2)
+@pytest.mark.parametrize("tail_dim", [None, 3])
+def test_gradients_match_numerical_ones(rng, tail_dim):
+  layer, num_classes = _headed(rng, count=2, tail_dim=tail_dim)
   hidden = tf.Variable(rng.normal(size=(8, D)))
   targets = rng.integers(0, num_classes, size=8)
   targets[:2] = layer.head_ids[0]
@@ -92,11 +95,15 @@ def test_gradients_match_numerical_ones(rng):
   loss = lambda: tf.reduce_sum(layer(hidden, targets) * np.arange(1.0, 9.0))
   variables = [hidden, layer.gate_kernel, layer.gate_bias, layer.head.kernel,
                layer.head.bias, layer.components[1].kernel, layer.components[0].bias]
+  if tail_dim is not None:
+    variables.append(layer.tail_projection)
+    assert layer.components[1].kernel.shape[-1] == tail_dim
   oracle.assert_gradients_match(loss, variables)
 
 
-def test_log_prob_all_is_normalised_and_top_k_reads_it(rng):
-  layer, num_classes = _headed(rng)
+@pytest.mark.parametrize("tail_dim", [None, 2])
+def test_log_prob_all_is_normalised_and_top_k_reads_it(rng, tail_dim):
+  layer, num_classes = _headed(rng, tail_dim=tail_dim)
   hidden = rng.normal(size=(2, 3, D))
   targets = rng.integers(0, num_classes, size=(2, 3))
   layer(hidden, targets)
@@ -114,8 +121,9 @@ def test_log_prob_all_is_normalised_and_top_k_reads_it(rng):
   np.testing.assert_allclose(values, np.sort(every, -1)[..., ::-1][..., :4], rtol=1e-12)
 
 
-def test_sample_draws_the_layer_s_distribution(rng):
-  layer, num_classes = _headed(rng, dtype="float32")
+@pytest.mark.parametrize("tail_dim", [None, 2])
+def test_sample_draws_the_layer_s_distribution(rng, tail_dim):
+  layer, num_classes = _headed(rng, dtype="float32", tail_dim=tail_dim)
   hidden = rng.normal(size=(1, D)).astype(np.float32)
   layer(hidden, np.zeros(1, np.int64))
   _randomised(layer, rng, scale=0.5)
@@ -146,8 +154,10 @@ def test_padding_ignore_class_and_keras_masks_give_zero_and_no_gradient(rng):
   assert np.all(grad[padded] == 0) and np.all(np.abs(grad[~padded]).sum(-1) > 0)
 
 
-def test_fit_trains_the_head_the_trees_and_the_gate_and_a_saved_model_loads(rng, tmp_path):
-  layer, num_classes = _headed(rng, dtype="float32", name="mixture")
+@pytest.mark.parametrize("tail_dim", [None, 4])
+def test_fit_trains_the_head_the_trees_and_the_gate_and_a_saved_model_loads(rng, tmp_path,
+                                                                             tail_dim):
+  layer, num_classes = _headed(rng, dtype="float32", name="mixture", tail_dim=tail_dim)
   keras.utils.set_random_seed(1)
   tokens = keras.Input([6], dtype="int32")
   targets = keras.Input([6], dtype="int32")
@@ -159,7 +169,7 @@ def test_fit_trains_the_head_the_trees_and_the_gate_and_a_saved_model_loads(rng,
   again = support.trained_and_reloaded(model, [x, y], y, str(tmp_path / "headed.keras"))
   loaded = again.get_layer("mixture")
   np.testing.assert_array_equal(loaded.head_ids, layer.head_ids)
-  assert loaded.num_classes == num_classes
+  assert loaded.num_classes == num_classes and loaded.tail_dim == tail_dim
 
 
 def test_inference_model_top_k_on_a_headed_mixture(rng):
@@ -184,6 +194,10 @@ def test_inference_model_top_k_on_a_headed_mixture(rng):
     (None, {"ignore_class": 0}, ValueError, "with a head only"),
     ([1], {"ignore_class": 1.5}, TypeError, "int class id"),
     ([1], {"ignore_class": 50}, ValueError, "within"),
+    (None, {"tail_dim": 4}, ValueError, "tail_dim needs a head"),
+    ([1], {"tail_dim": 0}, ValueError, "positive int"),
+    ([1], {"tail_dim": 2.0}, TypeError, "positive int"),
+    ([1], {"tail_dim": True}, TypeError, "positive int"),
 ])
 def test_bad_heads_are_named(head, kwargs, error, message):
   trees = [tf_hsm.Tree.huffman(np.arange(1, 9), 2), tf_hsm.Tree.huffman(np.arange(1, 9), 3)]

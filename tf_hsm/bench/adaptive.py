@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hsm.keras.adaptive import AdaptiveSoftmax, choose_cutoffs, step_cost
+from tf_hsm.bench import cases
 from tf_hsm.bench.methods import force
 from tf_hsm.planning import Machine
 
@@ -44,11 +45,6 @@ CASES = {
 # B, a larger head and one cluster fewer at D.
 OTHER_CUTOFFS = {"B": [500, 5000, 50000], "D": [4000, 40000]}
 DIV_VALUE = 4.0
-
-
-def _zipf_targets(num_classes, tokens, rng):
-  probs = 1.0 / np.arange(1, num_classes + 1)
-  return rng.choice(num_classes, tokens, p=probs / probs.sum())
 
 
 def _adaptive_step(num_classes, dim, cutoffs, tail, counts):
@@ -125,7 +121,7 @@ def _inputs(case, seed):
   num_classes, dim, tokens, _, _ = CASES[case]
   rng = np.random.default_rng(seed)
   hidden = tf.constant(rng.standard_normal((tokens, dim)), tf.float32)
-  targets = tf.constant(_zipf_targets(num_classes, tokens, rng))
+  targets = tf.constant(cases.zipf_targets(num_classes, tokens, rng))
   return 1.0 / np.arange(1, num_classes + 1), hidden, targets
 
 
@@ -190,8 +186,8 @@ def main(argv=None):
   if args.torch == "on" and not torch_available():
     parser.error("--torch on: PyTorch is not importable (pip install torch)")
   use_torch = args.torch == "on" or (args.torch == "auto" and torch_available())
-  cases = args.cases.split(",")
-  for case in cases:
+  case_names = args.cases.split(",")
+  for case in case_names:
     if case not in CASES:
       parser.error(f"unknown case {case!r}; known: {', '.join(CASES)}")
   if args.choose:
@@ -200,7 +196,7 @@ def main(argv=None):
     print("| case | tail | cutoffs | from | predicted ms | measured ms (median) | "
           "measured / model's |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for case in cases:
+    for case in case_names:
       rows = compare_cutoffs(case, machine, args.tails.split(","), args.rounds)
       model = {tail: ms for tail, source, _, _, ms in rows if source == "model"}
       for tail, source, cutoffs, predicted, ms in rows:
@@ -211,7 +207,7 @@ def main(argv=None):
                   "PyTorch adaptive ms, measured before on this machine kind")
   print(f"| case | method | cutoffs | fwd+bwd ms (median) | parameters | {torch_column} |")
   print("| --- | --- | --- | --- | --- | --- |")
-  for case in cases:
+  for case in case_names:
     cutoffs = args.cutoffs or CASES[case][3]
     results = measure(case, args.rounds, args.full, cutoffs=cutoffs, torch=use_torch)
     reference = results["PyTorch adaptive"][0] if use_torch else CASES[case][4]

@@ -148,7 +148,8 @@ def zipf_weights(num_classes):
 
 
 def zipf_targets(num_classes, num_tokens, seed):
-  """Class ids drawn with P(c) proportional to 1/(c+1), by inverse CDF (fast at 10M)."""
+  """Class ids drawn with P(c) proportional to 1/(c+1), by inverse CDF (fast at 10M);
+  `seed` an int or a `np.random.Generator` (drawn from)."""
   cdf = np.cumsum(zipf_weights(num_classes))
   u = np.random.default_rng(seed).random(num_tokens) * cdf[-1]
   return np.minimum(np.searchsorted(cdf, u, side="right"), num_classes - 1).astype(np.int64)

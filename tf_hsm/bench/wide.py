@@ -24,8 +24,9 @@ classes, and a training step's memory at a million classes.
 - mixture (not among the default parts): at the head part's sizes,
   `HierarchicalSoftmaxMixture` of trees from vectors (the first as the head part's, the
   others of other vectors) of each `--mixtures` shape ([TREESx]BRANCHING:HEAD, two trees
-  by default, each with its head; [TREESx]BRANCHING+HEAD, the trees over the classes
-  below one shared head of the HEAD most frequent; default 32:256, 16:128 and 3x16+128),
+  by default, each with its head; [TREESx]BRANCHING+HEAD[/DIM], the trees over the
+  classes below one shared head of the HEAD most frequent, DIM wide if given; default
+  32:256, 16:128 and 3x16+128),
   one tree of the first shape, and TF's sampled softmax, interleaved.
 - memory: a process of its own per case (V=1M, D=300, T=3,200 and V=10M, D=300, T=256):
   VmHWM after set-up (table, batch, the op library loaded), then the growth of the peak
@@ -52,7 +53,12 @@ from tf_hsm.planning import Machine
 
 
 def _zipf_targets(rng, num_classes, tokens):
-  return np.minimum(rng.zipf(1.0001, tokens) - 1, num_classes - 1).astype(np.int64)
+  """Zipf(1) over the classes, P(c) proportional to 1/(c+1), drawn from `rng`.
+
+  Not `rng.zipf(a)` clipped to the last class: its tail past V is most of its mass
+  (at a = 1.0001 and V=1M, 72% of the draws were the last class), so a tree's targets
+  would be one path, grouped at no cost."""
+  return cases.zipf_targets(num_classes, tokens, rng)
 
 
 def _problem(rng, num_classes, dim, tokens, drawn_in_place=False):
@@ -204,19 +210,23 @@ def head_part(rng, rounds, trees=HEAD_TREES):
   return result
 
 
-class MixtureShape(collections.namedtuple("MixtureShape", "count branching head shared",
-                                          defaults=(False,))):
+class MixtureShape(collections.namedtuple("MixtureShape",
+                                          "count branching head shared tail_dim",
+                                          defaults=(False, None))):
   """A mixture the mixture part times: `count` trees of `branching`, each with a head of
   `head` frequent classes at its root, or (`shared`) over the other classes below one
-  shared head of `head` (`HierarchicalSoftmaxMixture(head=...)`)."""
+  shared head of `head` (`HierarchicalSoftmaxMixture(head=...)`), scoring a `tail_dim`
+  projection of the hidden state where that is given."""
 
   def __str__(self):
-    return (f"{self.count}x{self.branching}+{self.head}" if self.shared
+    dim = "" if self.tail_dim is None else f"/{self.tail_dim}"
+    return (f"{self.count}x{self.branching}+{self.head}{dim}" if self.shared
             else f"{self.count}x{self.branching}:{self.head}")
 
   def label(self):
     count = _COUNTS.get(self.count, self.count)
-    return (f"shared head {self.head} + {count} {self.branching}-ary" if self.shared
+    dim = "" if self.tail_dim is None else f", d={self.tail_dim}"
+    return (f"shared head {self.head} + {count} {self.branching}-ary{dim}" if self.shared
             else f"mixture of {count} {self.branching}:{self.head}")
 
 
@@ -226,11 +236,11 @@ _COUNTS = {2: "two", 3: "three", 4: "four"}
 MAX_MIXTURE_TREES = 8  # each tree of V=1M holds a [1M, 300] table: 1.2 GB
 
 
-def _mixture_step(trees, hidden, targets, head=None):
-  """`HierarchicalSoftmaxMixture` over `trees` (with the shared `head`, if given),
-  forward and backward as `_hsm_step`."""
+def _mixture_step(trees, hidden, targets, head=None, tail_dim=None):
+  """`HierarchicalSoftmaxMixture` over `trees` (with the shared `head` and `tail_dim`, if
+  given), forward and backward as `_hsm_step`."""
   from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture  # pylint: disable=import-outside-toplevel
-  layer = HierarchicalSoftmaxMixture(list(trees), head=head)
+  layer = HierarchicalSoftmaxMixture(list(trees), head=head, tail_dim=tail_dim)
   layer.build(hidden.shape)
 
   @tf.function
@@ -278,7 +288,7 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
       methods[f"one tree {shape.branching}:{shape.head}"] = _hsm_step(
           first, hidden, table, biases, targets)
     trees, head = _mixture_trees(rng, shape, first, classes)
-    methods[shape.label()] = _mixture_step(trees, hidden, targets, head)
+    methods[shape.label()] = _mixture_step(trees, hidden, targets, head, shape.tail_dim)
   _, table, biases, _ = _problem(rng, classes, dim, tokens)
   methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
   med = interleaved(methods, rounds)
@@ -304,23 +314,26 @@ def parse_heads(text):
 
 
 def parse_mixtures(text):
-  """"32:256,3x16+128" -> (MixtureShape(2, 32, 256, False), MixtureShape(3, 16, 128,
-  True)): [TREESx]BRANCHING:HEAD (each tree with its head) or [TREESx]BRANCHING+HEAD (a
-  shared head), two trees where the count is left out; ValueError naming a bad entry."""
+  """"32:256,3x16+128/64" -> (MixtureShape(2, 32, 256, False), MixtureShape(3, 16, 128,
+  True, 64)): [TREESx]BRANCHING:HEAD (each tree with its head) or
+  [TREESx]BRANCHING+HEAD[/DIM] (a shared head; the trees DIM wide), two trees where the
+  count is left out; ValueError naming a bad entry."""
   mixtures = []
   for entry in text.split(","):
-    match = re.fullmatch(r"(?:(\d+)x)?(\d+)([:+])(\d+)", entry)
-    if not match:
-      raise ValueError("--mixtures takes [TREESx]BRANCHING:HEAD or [TREESx]BRANCHING+HEAD, "
-                       f"got {entry!r}")
-    count, branching, shared, head = match.groups()
+    match = re.fullmatch(r"(?:(\d+)x)?(\d+)(?::(\d+)|\+(\d+)(?:/(\d+))?)", entry)
+    if not match or (match.group(5) is not None and int(match.group(5)) < 1):
+      raise ValueError("--mixtures takes [TREESx]BRANCHING:HEAD or "
+                       f"[TREESx]BRANCHING+HEAD[/DIM] (DIM >= 1), got {entry!r}")
+    count, branching, own_head, shared_head, dim = match.groups()
+    shared, head = ("+", shared_head) if shared_head is not None else (":", own_head)
     count, branching, head = int(count or 2), int(branching), int(head)
     if not 2 <= count <= MAX_MIXTURE_TREES or branching < 2:
       raise ValueError(f"--mixtures needs 2-{MAX_MIXTURE_TREES} trees of a branching of "
                        f"at least 2, got {entry!r}")
     if shared == "+" and head < 1:
       raise ValueError(f"--mixtures needs a shared head of at least 1 class, got {entry!r}")
-    mixtures.append(MixtureShape(count, branching, head, shared == "+"))
+    mixtures.append(MixtureShape(count, branching, head, shared == "+",
+                                 None if dim is None else int(dim)))
   return tuple(mixtures)
 
 
@@ -392,8 +405,8 @@ def main(argv=None):
   parser.add_argument("--mixtures", default=",".join(map(str, MIXTURE_TREES)),
                       help="the mixture part's mixtures, [TREESx]BRANCHING:HEAD (each "
                            "tree with a head of HEAD classes at its root) or "
-                           "[TREESx]BRANCHING+HEAD (the trees below one shared head); two "
-                           "trees without TREESx; default: %(default)s")
+                           "[TREESx]BRANCHING+HEAD[/DIM] (the trees below one shared head, "
+                           "DIM wide); two trees without TREESx; default: %(default)s")
   parser.add_argument("--memory-case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   try:

@@ -274,7 +274,7 @@ def _compile(model, output_layer, learning_rate, output_lr_scale):
 
 
 def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
-              output_lr_scale=1.0, head=None):
+              output_lr_scale=1.0, head=None, tail_dim=None):
   """[tokens, targets] -> log P(targets), trained with tf_hsm.losses.nll.
 
   The biases start at the unigram distribution of `counts` (see `tree_unigram_biases`);
@@ -282,7 +282,8 @@ def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
   (`tf_hsm.demo.optimizer`), as in every model here. `tree` may be a list of trees:
   the output layer is then their `HierarchicalSoftmaxMixture` (`--mixture`), with
   `head` (class ids) its shared head, the trees over the other classes
-  (`--shared-head`).
+  (`--shared-head`), scoring a `tail_dim` projection of the hidden state where that is
+  given (`--tail-dim`).
   """
   import keras  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=g-import-not-at-top
@@ -299,7 +300,7 @@ def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
             for k, t in enumerate(trees)]
   output = layers[0] if len(trees) == 1 else HierarchicalSoftmaxMixture(
       layers, name="hsm", head=head, head_bias_initializer=keras.initializers.Constant(
-          head_biases(counts, head)) if head is not None else "zeros")
+          head_biases(counts, head)) if head is not None else "zeros", tail_dim=tail_dim)
   log_probs = output(x, targets)
   return _compile(keras.Model([tokens, targets], log_probs, name=name), "hsm",
                   learning_rate, output_lr_scale)
@@ -604,6 +605,10 @@ def parse_args(argv=None):
                       "softmax shared by the trees, which group only the other words "
                       "(HierarchicalSoftmaxMixture(head=...)): the head's work once, "
                       "not once a tree")
+  p.add_argument("--tail-dim", type=int, default=None, metavar="D",
+                 help="with --shared-head: the trees score a D-wide projection of the "
+                      "hidden state (the rare words' fewer dimensions, as the adaptive "
+                      "softmax's)")
   p.add_argument("--max-ppl-increase", type=percent_arg, default=None, metavar="PCT",
                  help="with --tree planned: the planner recommends among the layers "
                       "measured within PCT%% perplexity of full softmax (e.g. 10)")
@@ -761,6 +766,8 @@ def _check_tree_shape(p, args):
     p.error(f"--mixture takes at least 2 trees, got {args.mixture}")
   if args.shared_head and (args.mixture is None or not args.head):
     p.error("--shared-head takes --mixture N and --head H (the shared head's words)")
+  if args.tail_dim is not None and (not args.shared_head or args.tail_dim < 1):
+    p.error("--tail-dim takes an int >= 1, with --shared-head")
 
 
 def main(argv=None):
@@ -837,7 +844,8 @@ def main(argv=None):
       name = f"hsm-{args.tree}" + ("-mixture" if mixture else "") + (
           "-shared-head" if head_ids is not None else "")
       model = hsm_model(trees, counts, args.hidden, args.seq_len, args.learning_rate,
-                        output_lr_scale=args.output_lr_scale, head=head_ids)
+                        output_lr_scale=args.output_lr_scale, head=head_ids,
+                        tail_dim=args.tail_dim)
       data, held_out = ([x, y], y), ([hx, hy], hy)
       if args.tree == "learned":
         extra = [learned_tree_callback(model, counts, head, args.rebuild_after_batches,

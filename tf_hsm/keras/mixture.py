@@ -59,22 +59,32 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     ignore_class: with `head`, a class id that counts as padding (the components'
       must then be None: their ids are tail positions). Without `head`, the
       components' own.
+    tail_dim: with `head`, optional width d of what the trees score: a `[D, d]`
+      projection of the hidden state (`tail_projection`, shared by the trees), as the
+      adaptive softmax gives its rare classes fewer dimensions. The trees' tables are
+      then d wide, which is what a tree step at V=1M costs (its rows are read and
+      written once per token and level). Default None: the hidden state itself.
+    tail_projection_initializer: initializer of that projection.
     **kwargs: base `keras.layers.Layer` arguments (name, dtype, trainable, ...).
 
   Raises:
     TypeError, ValueError: fewer than two components, a component that is neither, trees
       over different numbers of classes, components with different `ignore_class`, a
-      malformed `head`, `ignore_class` without `head` or beside the components' own.
+      malformed `head`, `ignore_class` without `head` or beside the components' own,
+      `tail_dim` without `head` or not a positive int.
   """
 
   def __init__(self, components, gate_initializer="zeros", head=None,
-               head_bias_initializer="zeros", ignore_class=None, **kwargs):
+               head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
+               tail_projection_initializer="glorot_uniform", **kwargs):
     super().__init__(**kwargs)
     self.components = _checked_components(components, self.name, self.dtype_policy)
     self.gate_initializer = keras.initializers.get(gate_initializer)
     self.head_ids, self.head, self._class_map = None, None, None
     self.head_bias_initializer = keras.initializers.get(head_bias_initializer)
     self._ignore_class = _checked_ignore_class(ignore_class, head, self.components)
+    self.tail_dim = _checked_tail_dim(tail_dim, head)
+    self.tail_projection_initializer = keras.initializers.get(tail_projection_initializer)
     if head is not None:
       self.head_ids, tail = mixture_head.checked_head(head, self.components[0].num_classes)
       self._class_map = mixture_head.ClassMap(self.head_ids, tail)
@@ -104,8 +114,15 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     if dim is None:
       raise ValueError("HierarchicalSoftmaxMixture needs a known last dimension of "
                        f"`hidden`, got shape {hidden_shape}")
-    for component in self._parts():
-      component.build(hidden_shape)
+    if self.head is not None:
+      self.head.build(hidden_shape)
+    tail_shape = tuple(hidden_shape[:-1]) + (self.tail_dim or dim,)
+    for component in self.components:
+      component.build(tail_shape)
+    if self.tail_dim is not None:
+      self.tail_projection = self.add_weight(
+          name="tail_projection", shape=(dim, self.tail_dim),
+          initializer=self.tail_projection_initializer, autocast=False)
     self.gate_kernel = self.add_weight(name="gate_kernel", shape=(dim, len(self.components)),
                                        initializer=self.gate_initializer, autocast=False)
     self.gate_bias = self.add_weight(name="gate_bias", shape=(len(self.components),),
@@ -115,6 +132,13 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     """G hidden + g, `[..., K]`, in the tables' dtype."""
     hidden = hsm.hidden_in(hidden, self.gate_kernel.dtype)
     return tf.tensordot(hidden, self.gate_kernel, 1) + self.gate_bias
+
+  def _tail_input(self, hidden):
+    """What the trees score: `hidden`, or its projection with `tail_dim`."""
+    if self.tail_dim is None:
+      return hidden
+    return tf.tensordot(hsm.hidden_in(hidden, self.tail_projection.dtype),
+                        self.tail_projection, 1)
 
   def _log_gate(self, hidden):
     """log pi(hidden), `[..., K]`, in the tables' dtype."""
@@ -154,7 +178,8 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     flat_hidden = tf.reshape(hidden, [-1, tf.shape(hidden)[-1]])
     where = tf.where(tf.reshape(in_tail, [-1]))  # [n, 1]: the tail's tokens
     tail_hidden = tf.gather_nd(flat_hidden, where)
-    parts = [c(tail_hidden, tf.gather_nd(tf.reshape(tail_targets, [-1]), where),
+    tail_input = self._tail_input(tail_hidden)
+    parts = [c(tail_input, tf.gather_nd(tf.reshape(tail_targets, [-1]), where),
                training=training) for c in self.components]
     mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + self._log_gate(tail_hidden), -1)
     mixed = tf.reshape(tf.scatter_nd(where, mixed, tf.size(in_tail, out_type=tf.int64)[None]),
@@ -175,7 +200,8 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
       raise ValueError(f"HierarchicalSoftmaxMixture.log_prob_all with a head takes no "
                        f"{', '.join(sorted(kwargs))}: the head's slots and the trees' "
                        "classes are not one range of ids")
-    parts = tf.stack([c.log_prob_all(hidden, **kwargs) for c in self.components], -1)
+    tail_input = self._tail_input(hidden)
+    parts = tf.stack([c.log_prob_all(tail_input, **kwargs) for c in self.components], -1)
     mixed = tf.reduce_logsumexp(parts + self._log_gate(hidden)[..., None, :], -1)
     if self.head is None:
       return mixed
@@ -237,7 +263,8 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
                                          minval=None, maxval=None, dtype=tf.int64)
              for k in range(K)]
     # Each component checks the temperature (and draws its class) first.
-    draws = tf.stack([c.sample(hidden, seed=s, temperature=temperature)
+    tail_input = self._tail_input(hidden)
+    draws = tf.stack([c.sample(tail_input, seed=s, temperature=temperature)
                       for c, s in zip(self.components, seeds)], -1)
     logits = self._gate_logits(hidden)
     # A row without a distribution (a NaN or infinite gate logit) gets -1, as a
@@ -273,6 +300,9 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
         "head": None if self.head_ids is None else self.head_ids.tolist(),
         "head_bias_initializer": keras.initializers.serialize(self.head_bias_initializer),
         "ignore_class": self._ignore_class,
+        "tail_dim": self.tail_dim,
+        "tail_projection_initializer": keras.initializers.serialize(
+            self.tail_projection_initializer),
     })
     return config
 
@@ -299,6 +329,20 @@ def _checked_ignore_class(ignore_class, head, components):
   if not 0 <= ignore_class < num_classes:
     raise ValueError(f"ignore_class must be within [0, {num_classes}), got {ignore_class}")
   return int(ignore_class)
+
+
+def _checked_tail_dim(tail_dim, head):
+  """`tail_dim` as an int, or None; TypeError/ValueError where it cannot be."""
+  if tail_dim is None:
+    return None
+  if isinstance(tail_dim, bool) or not isinstance(tail_dim, (int, np.integer)):
+    raise TypeError(f"tail_dim must be a positive int (the trees' width), got {tail_dim!r}")
+  if tail_dim < 1:
+    raise ValueError(f"tail_dim must be a positive int (the trees' width), got {tail_dim}")
+  if head is None:
+    raise ValueError("tail_dim needs a head: the projection is of what the trees below "
+                     "the shared head score")
+  return int(tail_dim)
 
 
 def _checked_components(components, name, dtype_policy):
