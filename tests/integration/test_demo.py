@@ -356,14 +356,16 @@ def test_run_with_a_shared_head(tmp_path, capsys, monkeypatch):
                                                "--shared-head", "--tail-dim", "8")
   (mixture,) = built
   assert mixture.tail_dim == 8 and mixture.tail_projection.shape == (16, 8)
-  assert "the 3 most frequent words a head shared by the trees" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "the 3 most frequent words a head shared by the trees" in out
+  assert "scoring the hidden state's projection to 8 dimensions" in out
   (trees,) = trained
   head = np.argsort(-counts, kind="stable")[:3]
   tail = np.setdiff1d(np.arange(classes), head)
   for tree, side, seed in zip(trees, ("left", "right", "left"), (0, 0, 1)):
     assert tree == tf_hsm.Tree.from_context(ids, classes, counts, branching=4, side=side,
                                             seed=seed, classes=tail)
-  assert results["models"][0]["name"] == "hsm-context-mixture-shared-head"
+  assert results["models"][0]["name"] == "hsm-context-mixture-shared-head-tail-dim-8"
   assert results["tree"]["shared_head"] == 3
   assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))
 

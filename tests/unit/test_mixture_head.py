@@ -172,8 +172,9 @@ def test_fit_trains_the_head_the_trees_and_the_gate_and_a_saved_model_loads(rng,
   assert loaded.num_classes == num_classes and loaded.tail_dim == tail_dim
 
 
-def test_inference_model_top_k_on_a_headed_mixture(rng):
-  layer, num_classes = _headed(rng, dtype="float32", name="mixture")
+@pytest.mark.parametrize("tail_dim", [None, 2])
+def test_inference_model_top_k_on_a_headed_mixture(rng, tail_dim):
+  layer, num_classes = _headed(rng, dtype="float32", name="mixture", tail_dim=tail_dim)
   hidden_in = keras.Input([D])
   targets = keras.Input([], dtype="int32")
   model = keras.Model([hidden_in, targets], layer(hidden_in, targets))
@@ -276,6 +277,7 @@ def test_frozen_with_a_head_trains_nothing(rng):
   assert layer.head.trainable  # not component 0's setting: the mixture's
   frozen = HierarchicalSoftmaxMixture([tf_hsm.Tree.huffman(np.arange(1, 9), 2),
                                        tf_hsm.Tree.huffman(np.arange(1, 9), 3)],
-                                      head=[0, 5], trainable=False)
+                                      head=[0, 5], trainable=False, tail_dim=3)
   frozen(rng.normal(size=(2, D)).astype(np.float32), np.array([0, 3]))
   assert not frozen.trainable_weights and not frozen.head.trainable
+  assert len(frozen.non_trainable_weights) == 9  # projection, gate (2), head and trees (2 each)

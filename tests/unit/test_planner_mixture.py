@@ -264,5 +264,9 @@ def test_the_recommended_shared_head_mixture_is_built_over_the_tail():
   np.testing.assert_array_equal(built.head_ids, head)
   assert built.ignore_class == 0 and all(c.ignore_class is None and c.fused_update
                                          for c in built.components)
+  narrow = report.layer.build(tail_dim=4, tail_projection_initializer="zeros")
+  narrow.build((None, 16))
+  assert narrow.tail_dim == 4 and narrow.tail_projection.shape == (16, 4)
+  assert all(c.kernel.shape[-1] == 4 for c in narrow.components)
   assert set(report.layer.kwargs) == {"components", "head"}
   assert report.to_dict()["layer"]["head"] == head.tolist()

@@ -820,7 +820,9 @@ def main(argv=None):
             + (f", and {len(trees) - 2} more from other seeds" if len(trees) > 2 else "")
             if mixture else "") + (
                 f"; the {len(head_ids)} most frequent words a head shared by the trees, "
-                "which are over the others" if head_ids is not None else ""), flush=True)
+                "which are over the others" if head_ids is not None else "") + (
+                    f", scoring the hidden state's projection to {args.tail_dim} dimensions"
+                    if args.tail_dim else ""), flush=True)
 
   # Progress bars where a person watches; one line per epoch in logs, where each bar's
   # redraws would otherwise become hundreds of lines.
@@ -842,7 +844,8 @@ def main(argv=None):
     extra = []
     if kind == "hsm":
       name = f"hsm-{args.tree}" + ("-mixture" if mixture else "") + (
-          "-shared-head" if head_ids is not None else "")
+          "-shared-head" if head_ids is not None else "") + (
+              f"-tail-dim-{args.tail_dim}" if args.tail_dim else "")
       model = hsm_model(trees, counts, args.hidden, args.seq_len, args.learning_rate,
                         output_lr_scale=args.output_lr_scale, head=head_ids,
                         tail_dim=args.tail_dim)

@@ -84,7 +84,10 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     self.head_bias_initializer = keras.initializers.get(head_bias_initializer)
     self._ignore_class = _checked_ignore_class(ignore_class, head, self.components)
     self.tail_dim = _checked_tail_dim(tail_dim, head)
-    self.tail_projection_initializer = keras.initializers.get(tail_projection_initializer)
+    # Made only where it is used: an initializer made without a seed draws one from
+    # Python's generator, which would move every later seeded draw (the head's too).
+    self.tail_projection_initializer = (
+        None if self.tail_dim is None else keras.initializers.get(tail_projection_initializer))
     if head is not None:
       self.head_ids, tail = mixture_head.checked_head(head, self.components[0].num_classes)
       self._class_map = mixture_head.ClassMap(self.head_ids, tail)
@@ -300,10 +303,11 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
         "head": None if self.head_ids is None else self.head_ids.tolist(),
         "head_bias_initializer": keras.initializers.serialize(self.head_bias_initializer),
         "ignore_class": self._ignore_class,
-        "tail_dim": self.tail_dim,
-        "tail_projection_initializer": keras.initializers.serialize(
-            self.tail_projection_initializer),
     })
+    if self.tail_dim is not None:  # written only where set: older configs load as before
+      config.update({"tail_dim": self.tail_dim,
+                     "tail_projection_initializer": keras.initializers.serialize(
+                         self.tail_projection_initializer)})
     return config
 
 

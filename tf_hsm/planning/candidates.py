@@ -148,7 +148,8 @@ class Layer:
     `HierarchicalSoftmax(tree, **component_kwargs)` over its trees, where
     `component_kwargs` are the arguments of `layer_kwargs` that the mixture does not
     take (fused_update, initializers, ignore_class, ...; dtype goes to both; with a
-    shared head, ignore_class to the mixture), Keras 3 only. Imports TensorFlow."""
+    shared head, ignore_class, head_bias_initializer, tail_dim and
+    tail_projection_initializer to the mixture), Keras 3 only. Imports TensorFlow."""
     if self.kind == "HierarchicalSoftmaxMixture":
       return _mixture_layer(self.trees, layer_kwargs, self.head)
     if self.kind in ("HierarchicalSoftmax", "AdaptiveSoftmax") or (
@@ -199,8 +200,8 @@ def _mixture_layer(trees, layer_kwargs, head=None):
     raise ValueError("HierarchicalSoftmaxMixture is a Keras 3 layer, and TF_USE_LEGACY_KERAS "
                      "selects tf_keras: unset it, or plan without the mixture rows "
                      "(trees=tf_hsm.planning.TREES)")
-  mine = _MIXTURE_ARGUMENTS + (("ignore_class", "head_bias_initializer")
-                               if head is not None else ())
+  mine = _MIXTURE_ARGUMENTS + (("ignore_class", "head_bias_initializer", "tail_dim",
+                                "tail_projection_initializer") if head is not None else ())
   own = {k: v for k, v in layer_kwargs.items() if k in mine}
   each = {k: v for k, v in layer_kwargs.items() if k not in mine}
   if "dtype" in own:
