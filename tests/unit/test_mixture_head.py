@@ -281,3 +281,26 @@ def test_frozen_with_a_head_trains_nothing(rng):
   frozen(rng.normal(size=(2, D)).astype(np.float32), np.array([0, 3]))
   assert not frozen.trainable_weights and not frozen.head.trainable
   assert len(frozen.non_trainable_weights) == 9  # projection, gate (2), head and trees (2 each)
+
+
+def test_mixed_float16_scores_in_float32_with_a_tail_projection(rng):
+  layer, num_classes = _headed(rng, dtype="mixed_float16", tail_dim=2)
+  hidden = tf.constant(rng.normal(size=(6, D)), tf.float16)
+  targets = rng.integers(0, num_classes, size=6)
+  targets[0] = layer.head_ids[0]
+  layer(hidden, targets)
+  assert layer.tail_projection.dtype == tf.float32
+  _randomised(layer, rng, scale=0.5)
+  with tf.GradientTape() as tape:
+    tape.watch(hidden)
+    out = layer(hidden, targets)
+    total = tf.reduce_sum(out)
+  assert out.dtype == tf.float32
+  # The trees take their input in the compute dtype, as Keras casts a layer's input: the
+  # projection reaches them rounded to float16, as the hidden state would.
+  np.testing.assert_allclose(out, _reference(np.asarray(hidden, np.float64), layer, targets),
+                             rtol=2e-3, atol=2e-3)
+  grad = np.asarray(tape.gradient(total, hidden), np.float32)
+  assert np.all(np.isfinite(grad)) and np.all(np.abs(grad).sum(-1) > 0)
+  every = layer.log_prob_all(hidden)
+  np.testing.assert_allclose(np.exp(np.asarray(every, np.float64)).sum(-1), 1.0, rtol=1e-5)
