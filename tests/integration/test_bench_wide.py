@@ -81,9 +81,9 @@ def test_targets_are_zipf_over_the_classes():
   # P(c) = 1/((c+1) H_V): class 0 takes 1/H_V (~7% at V=1M), the last class ~1e-7; a
   # clipped np.random.zipf put most draws on the last class.
   import numpy as np
-  from tf_hsm.bench import wide
+  from tf_hsm.bench import cases  # the bench's draw
   classes, tokens = 1_000_000, 100_000
-  targets = wide._zipf_targets(np.random.default_rng(3), classes, tokens)
+  targets = cases.zipf_targets(classes, tokens, np.random.default_rng(3))
   harmonic = np.sum(1.0 / np.arange(1, classes + 1))
   counts = np.bincount(targets, minlength=classes)
   assert targets.min() >= 0 and targets.max() < classes

@@ -52,21 +52,12 @@ from tf_hsm.bench.worker import reset_peak_rss, status_bytes
 from tf_hsm.planning import Machine
 
 
-def _zipf_targets(rng, num_classes, tokens):
-  """Zipf(1) over the classes, P(c) proportional to 1/(c+1), drawn from `rng`.
-
-  Not `rng.zipf(a)` clipped to the last class: its tail past V is most of its mass
-  (at a = 1.0001 and V=1M, 72% of the draws were the last class), so a tree's targets
-  would be one path, grouped at no cost."""
-  return cases.zipf_targets(num_classes, tokens, rng)
-
-
 def _problem(rng, num_classes, dim, tokens, drawn_in_place=False):
   """hidden, table, biases, targets; with drawn_in_place the table is `_drawn_table`'s
   (no second copy while it is made, but a variable of unknown row count, which TF's
   sampled softmax refuses)."""
   hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
-  targets = tf.constant(_zipf_targets(rng, num_classes, tokens))
+  targets = tf.constant(cases.zipf_targets(num_classes, tokens, rng))
   table = (_drawn_table(num_classes, dim) if drawn_in_place else
            tf.Variable(tf.random.normal([num_classes, dim], stddev=0.01, seed=1)))
   return hidden, table, tf.Variable(tf.zeros([num_classes])), targets
@@ -190,7 +181,7 @@ def head_part(rng, rounds, trees=HEAD_TREES):
   heads of 0, 256 and 1,024 frequent classes), and TF's sampled softmax (1,024
   samples), interleaved."""
   classes, dim, tokens = 1_000_000, 300, 3200
-  targets = tf.constant(_zipf_targets(rng, classes, tokens))
+  targets = tf.constant(cases.zipf_targets(classes, tokens, rng))
   methods = {}
   for branching, head in trees:
     tree = cases.vectors_tree(classes, branching, head)
@@ -276,7 +267,7 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
   other vectors), one tree of the first shape, and TF's sampled softmax (1,024 samples),
   interleaved, at V=1M, D=300, T=3,200, Zipf(1) targets (the sizes are arguments for
   the tests)."""
-  targets = tf.constant(_zipf_targets(rng, classes, tokens))
+  targets = tf.constant(cases.zipf_targets(classes, tokens, rng))
   hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
   methods = {}
   for index, shape in enumerate(MixtureShape(*s) for s in shapes):
@@ -325,14 +316,14 @@ def parse_mixtures(text):
       raise ValueError("--mixtures takes [TREESx]BRANCHING:HEAD or "
                        f"[TREESx]BRANCHING+HEAD[/DIM] (DIM >= 1), got {entry!r}")
     count, branching, own_head, shared_head, dim = match.groups()
-    shared, head = ("+", shared_head) if shared_head is not None else (":", own_head)
-    count, branching, head = int(count or 2), int(branching), int(head)
+    shared = shared_head is not None
+    count, branching, head = int(count or 2), int(branching), int(shared_head or own_head)
     if not 2 <= count <= MAX_MIXTURE_TREES or branching < 2:
       raise ValueError(f"--mixtures needs 2-{MAX_MIXTURE_TREES} trees of a branching of "
                        f"at least 2, got {entry!r}")
-    if shared == "+" and head < 1:
+    if shared and head < 1:
       raise ValueError(f"--mixtures needs a shared head of at least 1 class, got {entry!r}")
-    mixtures.append(MixtureShape(count, branching, head, shared == "+",
+    mixtures.append(MixtureShape(count, branching, head, shared,
                                  None if dim is None else int(dim)))
   return tuple(mixtures)
 
