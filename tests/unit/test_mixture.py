@@ -203,7 +203,7 @@ def test_refused_by_name(rng):
     layer(ragged, tf.ragged.constant([[1], [2, 3]]))
 
 
-def test_inference_model_cuts_a_mixture_and_export_says_it_is_not_exported(rng, tmp_path):
+def test_inference_model_cuts_a_mixture(rng):
   trees = _trees(rng)
   model, layer = _model(trees)
   x = rng.integers(0, trees[0].num_classes, size=(4, 6)).astype(np.int32)
@@ -218,9 +218,6 @@ def test_inference_model_cuts_a_mixture_and_export_says_it_is_not_exported(rng, 
                              atol=1e-6)
   drawn = tf_hsm.inference_model(model, output="sample").predict(x, verbose=0)
   assert drawn.shape == (4, 6) and drawn.min() >= 0 and drawn.max() < trees[0].num_classes
-  with pytest.raises(ValueError, match="HierarchicalSoftmaxMixture is not exported in stock "
-                                       "ops yet; tf_hsm.inference_model"):
-    tf_hsm.serving.export(model, str(tmp_path / "export"))
 
 
 def _randomized(layer, rng, scale=1.0):

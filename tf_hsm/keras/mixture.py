@@ -40,8 +40,8 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
 
   Inference: `log_prob_all` (each tree's full distribution, mixed), `top_k` on it and
   `sample` (a component from the gate, then a class from its tree);
-  `tf_hsm.inference_model` cuts a model for `predict` with any of them (the stock-op
-  export does not take a mixture yet).
+  `tf_hsm.inference_model` cuts a model for `predict` with any of them, and
+  `tf_hsm.serving.export` serves them in stock ops (`tf_hsm.serving.mixture`).
 
   Args:
     components: two or more `tf_hsm.Tree`s over the same classes (each made a

@@ -1,5 +1,6 @@
-"""`export`: a SavedModel of a Keras model with a HierarchicalSoftmax or AdaptiveSoftmax
-output layer that runs without tf_hsm (stock TensorFlow, XLA, TFLite builtins).
+"""`export`: a SavedModel of a Keras model with a HierarchicalSoftmax, AdaptiveSoftmax or
+HierarchicalSoftmaxMixture output layer that runs without tf_hsm (stock TensorFlow, XLA,
+TFLite builtins).
 
 The model's layers below the tf_hsm layer are stock Keras layers; `export` cuts the model
 at the tf_hsm layer's `hidden` input (`keras.Model(inputs, hidden)`), and serves the
@@ -11,6 +12,7 @@ import tensorflow as tf
 from tf_hsm.serving import adaptive as adaptive_serving
 from tf_hsm.serving import checks
 from tf_hsm.serving import hsm
+from tf_hsm.serving import mixture as mixture_serving
 from tf_hsm.serving._tree import StockTree
 
 __all__ = ["export", "ModelCut", "ServingModule", "LOG_PROB_ALL_MAX_CLASSES"]
@@ -102,7 +104,7 @@ class ModelCut:
 
   Attributes:
     layer: the HierarchicalSoftmax, AdaptiveSoftmax or HierarchicalSoftmaxMixture layer.
-      kind: "hsm", "adaptive" or "mixture" (cut for `inference_model`, not exported).
+      kind: "hsm", "adaptive" or "mixture".
     inputs: the model's inputs; target_index: which of them are the layer's targets;
     feature_inputs: the others. hidden: the symbolic hidden states the layer reads.
     encoder: `Model(feature_inputs, hidden)`, in the model's Keras.
@@ -184,10 +186,6 @@ class ServingModule(tf.Module):
     k = checks.check_k(k)
     max_exclude = checks.check_max_exclude(max_exclude)
     cut = ModelCut(model)
-    if cut.kind == "mixture":
-      raise ValueError(f"{cut.layer.name}: a HierarchicalSoftmaxMixture is not exported in "
-                       "stock ops yet; tf_hsm.inference_model(model) predicts with it in "
-                       "this process")
     layer, self.kind = cut.layer, cut.kind
     self.ignore_class = cut.ignore_class
     self._hidden_rank = len(cut.hidden.shape)
@@ -199,13 +197,11 @@ class ServingModule(tf.Module):
     self.input_names = [t.name for t in inputs]
     self._model_shapes = [list(t.shape) for t in inputs]
     self._specs = [checks.signature_spec(t) for t in inputs]
-    if self.kind == "hsm":
-      self._init_hsm(layer)
-    else:
-      self._init_adaptive(layer)
-    self.k = min(k, self.num_classes if self.kind == "hsm" else self._adaptive.num_classes)
-    self.dtype = tf.as_dtype(
-        (layer.kernel if self.kind == "hsm" else layer.head_kernel).dtype)
+    {"hsm": self._init_hsm, "adaptive": self._init_adaptive,
+     "mixture": self._init_mixture}[self.kind](layer)
+    self.k = min(k, self.num_classes)
+    self.dtype = tf.as_dtype({"hsm": lambda: layer.kernel, "adaptive": lambda: layer.head_kernel,
+                              "mixture": lambda: layer.gate_kernel}[self.kind]().dtype)
     if log_prob_all is None:
       log_prob_all = self.num_classes <= LOG_PROB_ALL_MAX_CLASSES
     self._signatures = self._make_signatures(log_prob_all, sample, max_exclude)
@@ -234,6 +230,11 @@ class ServingModule(tf.Module):
                                + self._adaptive.projections + self._adaptive.tail_kernels
                                + self._adaptive.tail_biases if v is not None]
 
+  def _init_mixture(self, layer):
+    self.num_classes = layer.num_classes
+    self._mixture = mixture_serving.MixtureWeights.from_layer(layer, _variable)
+    self.mixture_variables = self._mixture.variables()  # saved, each once
+
   # ------------------------------------------------------------------ the computations
 
   def _hidden(self, features):
@@ -252,6 +253,8 @@ class ServingModule(tf.Module):
     if self.kind == "hsm":
       return hsm.top_k(hidden, self.weights_table, self.bias_table, self._tree, self.k,
                        exclude=exclude)
+    if self.kind == "mixture":
+      return mixture_serving.top_k(self._mixture, hidden, self.k, exclude=exclude)
     return adaptive_serving.adaptive_top_k(self._adaptive, hidden, self.k, exclude=exclude)
 
   def _with_ignored(self, exclude):
@@ -268,17 +271,23 @@ class ServingModule(tf.Module):
   def _log_prob(self, hidden, targets):
     if self.kind == "hsm":
       return hsm.log_prob(hidden, self.weights_table, self.bias_table, self._tree, targets)
+    if self.kind == "mixture":
+      return mixture_serving.log_prob(self._mixture, hidden, targets)
     return adaptive_serving.adaptive_log_prob(self._adaptive, hidden, targets)
 
   def _log_prob_all(self, hidden):
     if self.kind == "hsm":
       return hsm.log_prob_all(hidden, self.weights_table, self.bias_table, self._tree)
+    if self.kind == "mixture":
+      return mixture_serving.log_prob_all(self._mixture, hidden)
     return adaptive_serving.adaptive_log_prob_all(self._adaptive, hidden)
 
   def _sample(self, hidden, seed, temperature):
     if self.kind == "hsm":
       return hsm.sample(hidden, self.weights_table, self.bias_table, self._tree, seed,
                         temperature)
+    if self.kind == "mixture":
+      return mixture_serving.sample(self._mixture, hidden, seed, temperature)
     return adaptive_serving.adaptive_sample(self._adaptive, hidden, seed, temperature)
 
   # ------------------------------------------------------------------ signatures
@@ -376,9 +385,11 @@ def export(model, directory, k=10, log_prob_all=None, sample=True, max_exclude=0
   """Writes a SavedModel of `model` that needs nothing of tf_hsm to load and run.
 
   Args:
-    model: a Keras functional model with one `tf_hsm.HierarchicalSoftmax` or
-      `tf_hsm.AdaptiveSoftmax` layer, called once on the model's hidden states and one
-      of the model's inputs as its targets, whose output is the model's output.
+    model: a Keras functional model with one `tf_hsm.HierarchicalSoftmax`,
+      `tf_hsm.AdaptiveSoftmax` or `HierarchicalSoftmaxMixture` layer, called once on the
+      model's hidden states and one of the model's inputs as its targets, whose output
+      is the model's output. A mixture's "top_k" ranks its "log_prob_all" (every class
+      of every tree scored, as the layer's `top_k`).
     directory: the folder to write the SavedModel to (a str or path; created if
       missing, its SavedModel files overwritten if present).
     k: an int >= 1, the number of classes the "top_k" signature returns (clamped to

@@ -1,0 +1,147 @@
+"""tf_hsm.serving.export of a HierarchicalSoftmaxMixture model: with a shared head, a
+tail projection and a padding id, and without a head; the SavedModel where tf_hsm cannot
+be imported (TensorFlow and XLA) against the layer's own values, the sample signature's
+frequencies against its distribution, LiteRT with builtins only, and bad input."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hsm
+from tf_hsm import serving
+from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture
+from test_serving_export import run_serving
+
+DIM = 8
+CLASSES = 50
+ROWS = 7
+
+# (head ids, tail_dim, ignore_class): the shared head with everything it takes, and none.
+SETTINGS = {"headed": ([4, 0, 17, 9], 5, 9), "plain": (None, None, None)}
+
+
+@pytest.fixture(scope="module", params=sorted(SETTINGS))
+def exported(request, tmp_path_factory):
+  head, tail_dim, ignore_class = SETTINGS[request.param]
+  rng = np.random.default_rng(6303)
+  tail = CLASSES - (0 if head is None else len(head))
+  trees = [tf_hsm.Tree.huffman(rng.integers(1, 60, tail), branching) for branching in (2, 3, 5)]
+  hidden_in = keras.Input([DIM], name="hidden")
+  targets = keras.Input([], dtype="int32", name="targets")
+  layer = HierarchicalSoftmaxMixture(trees, head=head, tail_dim=tail_dim,
+                                     ignore_class=ignore_class, name="mixture")
+  model = keras.Model([hidden_in, targets], layer(hidden_in, targets))
+  for v in layer.weights:
+    v.assign(rng.normal(size=v.shape).astype(np.float32))
+  folder = tmp_path_factory.mktemp(f"mixture_export_{request.param}")
+  path = str(folder / "saved_model")
+  serving.export(model, path, k=6, max_exclude=2)
+  converter = tf.lite.TFLiteConverter.from_saved_model(path, signature_keys=["top_k"])
+  converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+  tflite = str(folder / "model.tflite")
+  with open(tflite, "wb") as f:
+    f.write(converter.convert())
+  hidden = rng.normal(size=(ROWS, DIM)).astype(np.float32)
+  tgt = rng.integers(0, CLASSES, ROWS).astype(np.int32)
+  tgt[0] = -1
+  if ignore_class is not None:
+    tgt[1] = ignore_class
+  values, classes = layer.top_k(hidden, 6)
+  return dict(path=path, tflite=tflite, folder=str(folder), hidden=hidden, targets=tgt,
+              layer=layer, ignore_class=ignore_class, log_prob=model([hidden, tgt]).numpy(),
+              full=layer.log_prob_all(hidden).numpy(), top_values=values.numpy(),
+              top_classes=classes.numpy())
+
+
+def _check_top_k(out, e, name="top_k"):
+  np.testing.assert_array_equal(out[f"{name}/classes"], e["top_classes"])
+  np.testing.assert_allclose(out[f"{name}/log_probs"], e["top_values"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_saved_model_runs_where_tf_hsm_cannot_be_imported(exported):
+  e = exported
+  exclude = np.tile(e["top_classes"][:1, :2], (ROWS, 1)).astype(np.int64)
+  requests = {"top_k": {"hidden": e["hidden"]},
+              "log_prob": {"hidden": e["hidden"], "targets": e["targets"]},
+              "log_prob_all": {"hidden": e["hidden"]},
+              "top_k_excluding": {"hidden": e["hidden"], "exclude": exclude}}
+  for mode in ("tf", "xla"):
+    out = run_serving(mode, e["path"], requests, e["folder"])
+    _check_top_k(out, e)
+    np.testing.assert_allclose(out["log_prob/log_prob"], e["log_prob"], rtol=1e-5, atol=1e-5)
+    assert out["log_prob/log_prob"][0] == 0.0  # padding
+    if e["ignore_class"] is not None:
+      assert out["log_prob/log_prob"][1] == 0.0
+      assert e["ignore_class"] not in out["top_k/classes"]
+    np.testing.assert_allclose(out["log_prob_all/log_probs"], e["full"], rtol=1e-5, atol=1e-5)
+    values, classes = e["layer"].top_k(e["hidden"], 6, exclude=exclude)
+    np.testing.assert_array_equal(out["top_k_excluding/classes"], classes)
+    np.testing.assert_allclose(out["top_k_excluding/log_probs"], values, rtol=1e-5, atol=1e-5)
+
+
+def test_the_sample_signature_draws_the_mixture_s_distribution(exported):
+  e = exported
+  draws = 40_000
+  hidden = np.repeat(e["hidden"][2:3], draws, 0)
+  requests = {"sample": {"hidden": hidden, "seed": np.array(11, np.int64),
+                         "temperature": np.array(1.0, np.float32)}}
+  out = run_serving("tf", e["path"], requests, e["folder"])
+  drawn = out["sample/classes"]
+  assert drawn.min() >= 0 and drawn.max() < CLASSES
+  want = np.exp(e["full"][2].astype(np.float64))
+  got = np.bincount(drawn, minlength=CLASSES) / draws
+  bound = 4.5 * np.sqrt(want * (1 - want) / draws) + 1e-4
+  assert np.all(np.abs(got - want) <= bound), np.abs(got - want) / bound
+  again = run_serving("tf", e["path"], {"sample": {
+      "hidden": hidden[:50], "seed": np.array(11, np.int64),
+      "temperature": np.array(1.0, np.float32)}}, e["folder"])
+  np.testing.assert_array_equal(again["sample/classes"], drawn[:50])
+
+
+def test_litert_runs_the_top_k_signature(exported):
+  e = exported
+  out = run_serving("litert", e["tflite"], {"top_k": {"hidden": e["hidden"]}}, e["folder"])
+  _check_top_k(out, e)
+  with open(e["tflite"], "rb") as f:
+    data = f.read()
+  assert b"Hsm" not in data and b"Flex" not in data
+
+
+def test_bad_input_at_the_mixture_s_signatures(exported):
+  e = exported
+  nan = e["hidden"].copy()
+  nan[3, 1] = np.nan
+
+  def sample(temperature, hidden=e["hidden"]):
+    return {"hidden": hidden, "seed": np.array(5, np.int64),
+            "temperature": np.array(temperature, np.float32)}
+
+  requests = {"nan/top_k": {"hidden": nan}, "nan/sample": sample(1.0, nan),
+              "zero/sample": sample(0.0),
+              "big/log_prob": {"hidden": e["hidden"],
+                               "targets": np.full(ROWS, CLASSES, np.int32)}}
+  out = run_serving("tf", e["path"], requests, e["folder"])
+  classes = out["nan/top_k/classes"]
+  assert (classes[3] == -1).all() and (np.delete(classes, 3, 0) >= 0).all()
+  assert np.isnan(out["nan/top_k/log_probs"][3]).all()
+  drawn = out["nan/sample/classes"]
+  assert drawn[3] == -1 and (np.delete(drawn, 3) >= 0).all() and (drawn < CLASSES).all()
+  assert "temperature must be positive and finite" in str(out["zero/sample/error"])
+  assert f"targets must be class ids < num_classes = {CLASSES}" in str(
+      out["big/log_prob/error"])
+
+
+def test_a_mixture_with_row_layouts_is_refused(tmp_path):
+  trees = [tf_hsm.Tree.huffman(np.arange(1, 9), 2), tf_hsm.Tree.huffman(np.arange(1, 9), 3)]
+  components = [tf_hsm.HierarchicalSoftmax(t, row_layout=tf_hsm.distribute.RowLayout(
+      t, np.arange(t.num_slots)[::-1], 1)) for t in trees]
+  hidden_in = keras.Input([DIM], name="hidden")
+  targets = keras.Input([], dtype="int32", name="targets")
+  layer = HierarchicalSoftmaxMixture(components)
+  model = keras.Model([hidden_in, targets], layer(hidden_in, targets))
+  with pytest.raises(ValueError, match="row_layout"):
+    serving.export(model, str(tmp_path / "m"))
+  assert not os.path.exists(tmp_path / "m" / "saved_model.pb")

@@ -1,0 +1,196 @@
+"""A `HierarchicalSoftmaxMixture` in stock TensorFlow ops: what `export` serves for one.
+
+The mixture's probability (tf_hsm.keras.mixture) from its parts, each a hierarchical
+softmax that `tf_hsm.serving.hsm` computes without tf_hsm:
+
+    P(c | h) = sum_k pi_k(h) P_k(c | h),     pi(h) = softmax(G h + g)
+
+and with a shared head (`head=...`), the head's exact softmax over its classes and a tail
+slot, the trees over the other classes, scoring `h` or its `tail_dim` projection:
+
+    P(c | h) = P_head(c | h)                                 c in the head
+    P(c | h) = P_head(tail | h) sum_k pi_k(h) P_k(c | h)      c in the tail
+
+`top_k` ranks `log_prob_all`, as the layer's does (every class of every tree is scored);
+`sample` draws a tree from the gate, then a class from it (and the head's slot first).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_hsm.serving import hsm
+from tf_hsm.serving._tree import StockTree
+
+__all__ = ["MixtureWeights", "log_prob", "log_prob_all", "top_k", "sample"]
+
+
+class MixtureWeights:
+  """A mixture's weights and trees as the stock-op functions read them.
+
+  Attributes:
+    gate_kernel, gate_bias: `[D, K]` and `[K]`.
+    kernels, biases, trees: each component's table `[slots, d]`, biases (or None) and
+      `StockTree`.
+    tail_projection: `[D, d]` (the layer's `tail_dim`), or None.
+    head: None, or (kernel, bias or None, StockTree) of the shared head's softmax over
+      len(head) + 1 slots, the last the tail's.
+    num_head: the head's classes (0 without one); num_classes: all of them.
+    position: int32 `[num_classes]`, a class's place in [head..., tail...] (None without
+      a head); order: the class at each place.
+  """
+
+  def __init__(self, gate_kernel, gate_bias, kernels, biases, trees, tail_projection=None,
+               head=None, head_ids=None):
+    self.gate_kernel, self.gate_bias = gate_kernel, gate_bias
+    self.kernels, self.biases = list(kernels), list(biases)
+    self.trees = [t if isinstance(t, StockTree) else StockTree(t) for t in trees]
+    self.tail_projection, self.head = tail_projection, head
+    tail_classes = self.trees[0].num_classes
+    self.num_head = 0 if head_ids is None else len(head_ids)
+    self.num_classes = tail_classes + self.num_head
+    self.position = self.order = None
+    if head_ids is not None:
+      head_ids = np.asarray(head_ids, np.int64)
+      order = np.concatenate([head_ids, np.setdiff1d(np.arange(self.num_classes), head_ids)])
+      position = np.empty(self.num_classes, np.int32)
+      position[order] = np.arange(self.num_classes)
+      self.position, self.order = tf.constant(position), tf.constant(order)
+
+  @classmethod
+  def from_layer(cls, layer, variable):
+    """The weights of a built `HierarchicalSoftmaxMixture`, each through
+    `variable(value, name)` (export's copy into a tf.Variable)."""
+    def table(part, name):
+      if getattr(part, "row_layout", None) is not None:
+        raise ValueError("export does not serve a HierarchicalSoftmaxMixture whose trees "
+                         "have a row_layout")
+      return (variable(part.kernel, f"{name}_kernel"),
+              None if part.bias is None else variable(part.bias, f"{name}_bias"))
+    tables = [table(c, f"tree_{i}") for i, c in enumerate(layer.components)]
+    head = None
+    if layer.head is not None:
+      head = table(layer.head, "head") + (StockTree(layer.head.tree),)
+    projection = getattr(layer, "tail_projection", None)
+    return cls(variable(layer.gate_kernel, "gate_kernel"),
+               variable(layer.gate_bias, "gate_bias"), [t[0] for t in tables],
+               [t[1] for t in tables], [c.tree for c in layer.components],
+               None if projection is None else variable(projection, "tail_projection"),
+               head, layer.head_ids)
+
+  def variables(self):
+    """Every weight, for the module that saves them."""
+    found = [self.gate_kernel, self.gate_bias, self.tail_projection] + self.kernels + \
+        self.biases + ([] if self.head is None else list(self.head[:2]))
+    return [v for v in found if v is not None]
+
+  def inputs(self, hidden):
+    """(hidden in the tables' dtype, what the trees score, log pi [..., K])."""
+    dtype = self.gate_kernel.dtype
+    hidden = tf.convert_to_tensor(hidden)
+    if hidden.dtype != dtype:
+      hidden = tf.cast(hidden, dtype)
+    scored = hidden if self.tail_projection is None else tf.tensordot(
+        hidden, tf.convert_to_tensor(self.tail_projection), 1)
+    log_gate = tf.nn.log_softmax(self.gate_logits(hidden), -1)
+    return hidden, scored, log_gate
+
+  def gate_logits(self, hidden):
+    return tf.tensordot(hidden, tf.convert_to_tensor(self.gate_kernel), 1) + self.gate_bias
+
+  def components(self):
+    return zip(self.kernels, self.biases, self.trees)
+
+
+def log_prob(weights, hidden, targets):
+  """log P(targets | hidden), `[...]`: targets < 0 are padding (0), targets >=
+  num_classes NaN (`export` checks them where TensorFlow runs)."""
+  hidden, scored, log_gate = weights.inputs(hidden)
+  targets = tf.cast(tf.convert_to_tensor(targets), tf.int64)
+  valid = tf.logical_and(targets >= 0, targets < weights.num_classes)
+  tree_targets, head_lp = targets, None
+  if weights.head is not None:
+    place = tf.cast(tf.gather(weights.position, tf.where(valid, targets,
+                                                         tf.zeros_like(targets))), tf.int64)
+    in_tail = tf.logical_and(valid, place >= weights.num_head)
+    head_slot = tf.where(valid, tf.minimum(place, weights.num_head), -tf.ones_like(place))
+    head_lp = hsm.log_prob(hidden, *weights.head, head_slot)
+    tree_targets = tf.where(in_tail, place - weights.num_head, -tf.ones_like(place))
+  else:
+    in_tail = valid
+    tree_targets = tf.where(valid, targets, -tf.ones_like(targets))
+  parts = tf.stack([hsm.log_prob(scored, w, b, t, tree_targets)
+                    for w, b, t in weights.components()], -1)
+  mixed = tf.reduce_logsumexp(parts + log_gate, -1)
+  out = tf.where(in_tail, mixed, tf.zeros_like(mixed))
+  if head_lp is not None:
+    out = tf.where(valid, head_lp + out, tf.zeros_like(out))
+  return tf.where(targets >= weights.num_classes, tf.constant(float("nan"), out.dtype), out)
+
+
+def log_prob_all(weights, hidden):
+  """log P(c | hidden) for every class c: `[..., num_classes]`."""
+  hidden, scored, log_gate = weights.inputs(hidden)
+  parts = tf.stack([hsm.log_prob_all(scored, w, b, t) for w, b, t in weights.components()],
+                   -1)
+  mixed = tf.reduce_logsumexp(parts + log_gate[..., None, :], -1)
+  if weights.head is None:
+    return mixed
+  head = hsm.log_prob_all(hidden, *weights.head)
+  joined = tf.concat([head[..., :weights.num_head], head[..., weights.num_head:] + mixed],
+                     -1)
+  return tf.gather(joined, weights.position, axis=-1)
+
+
+def top_k(weights, hidden, k, exclude=None):
+  """The k (a Python int >= 1, clamped to num_classes) most probable classes of each row
+  from `log_prob_all`: (log_probs, int64 classes) `[..., k]`, best first, ties in
+  increasing class order; `exclude` as `tf_hsm.serving.hsm.top_k`'s. A row with a NaN
+  log-probability gets classes -1 and NaN; where fewer than k classes are left, the last
+  are class -1 at -inf."""
+  k = min(k, weights.num_classes)
+  hidden = tf.convert_to_tensor(hidden)
+  rank, leading = hidden.shape.rank, tf.shape(hidden)[:-1]
+  every = tf.reshape(log_prob_all(weights, hidden), [-1, weights.num_classes])
+  ids = None if exclude is None else hsm.exclusions(exclude, rank, leading,
+                                                    weights.num_classes)
+  wide = k if ids is None else min(k + ids.shape[-1], weights.num_classes)
+  best, classes = tf.math.top_k(every, wide)
+  best, classes = hsm.no_class_where_nan(best, tf.cast(classes, tf.int64),
+                                         weights.num_classes)
+  if ids is not None:
+    best, classes = hsm.drop_excluded(best, classes, ids, k)
+  classes = tf.where(tf.equal(best, -np.inf), -tf.ones_like(classes), classes)
+  shape = tf.concat([leading, [k]], 0)
+  return tf.reshape(best, shape), tf.reshape(classes, shape)
+
+
+def sample(weights, hidden, seed, temperature=1.0):
+  """One class per row, int64 `[...]`: a tree from the gate (Gumbel-max over its logits
+  divided by the temperature), a class from that tree (`hsm.sample`), and with a head
+  the head's slot first. Tree k draws with seed (K + 1) * seed + k, the head with
+  (K + 1) * seed + K, the gate from (seed, -1): streams no two of them share. -1 where a
+  row has no distribution (a NaN or infinite gate logit, or a part's -1)."""
+  hidden, scored, _ = weights.inputs(hidden)
+  seed, temperature, usable = hsm.sample_arguments(seed, temperature, hidden.dtype)
+  count = len(weights.kernels)
+  draws = tf.stack([hsm.sample(scored, w, b, t, (count + 1) * seed + k, temperature)
+                    for k, (w, b, t) in enumerate(weights.components())], -1)
+  logits = weights.gate_logits(hidden)
+  defined = tf.logical_and(tf.reduce_all(tf.math.is_finite(logits), -1), usable)
+  logits = tf.where(defined[..., None], logits, tf.zeros_like(logits))
+  noise = tf.random.stateless_uniform(
+      tf.shape(logits), tf.stack([seed, tf.constant(-1, tf.int64)]),
+      minval=tf.constant(1e-12, logits.dtype), maxval=tf.constant(1.0, logits.dtype),
+      dtype=logits.dtype)
+  shifted = (logits - tf.reduce_max(logits, -1, keepdims=True)) / temperature
+  chosen = tf.argmax(shifted - tf.math.log(-tf.math.log(noise)), -1)
+  drawn = tf.reduce_sum(draws * tf.one_hot(chosen, count, dtype=tf.int64), -1)
+  drawn = tf.where(defined, drawn, -tf.ones_like(drawn))
+  if weights.head is None:
+    return drawn
+  slot = hsm.sample(hidden, *weights.head, (count + 1) * seed + count, temperature)
+  place = tf.where(slot < weights.num_head, slot, weights.num_head + drawn)
+  known = tf.logical_and(slot >= 0, tf.logical_or(slot < weights.num_head, drawn >= 0))
+  return tf.where(known, tf.gather(weights.order, tf.where(known, place,
+                                                           tf.zeros_like(place))),
+                  -tf.ones_like(place))
