@@ -76,13 +76,18 @@ void RequestPathsAhead(const TreeView& tree, const int64* targets, int64 num_tok
 // token_step_begin, step_node, step_slot and max_walked_branching, *max_depth and
 // *grouped_depth (1 + the last path position of a node that is not walked).
 std::string CopyPaths(const TreeView& tree, const int64* targets, int64 num_tokens,
-                      VisitPlan* plan, int64* max_depth, int64* grouped_depth) {
+                      Padding padding, VisitPlan* plan, int64* max_depth,
+                      int64* grouped_depth) {
   *max_depth = 0;
   *grouped_depth = 0;
   plan->token_step_begin.assign(num_tokens + 1, 0);
   for (int64 i = 0; i < num_tokens; ++i) {
     RequestPathsAhead(tree, targets, num_tokens, i);
     const int64 t = targets[i];
+    if (t < 0 && padding == Padding::kSkip) {  // no steps
+      plan->token_step_begin[i + 1] = plan->token_step_begin[i];
+      continue;
+    }
     if (t < 0 || t >= tree.num_classes) {
       return Message("targets[", i, "] = ", t, " is not a class id in [0, ", tree.num_classes, ")");
     }
@@ -217,14 +222,14 @@ void FillEntries(int64 levels, GroupingScratch* scratch, VisitPlan* plan) {
 }  // namespace
 
 std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num_tokens,
-                           VisitPlan* plan, PlanFor use) {
+                           VisitPlan* plan, PlanFor use, Padding padding) {
   std::string err = tree_checks::CheckNotEmpty(tree);
   if (!err.empty()) return err;
   plan->Clear();
   plan->num_tokens = num_tokens;
   plan->walked_groups = use == PlanFor::kBackward;
   int64 max_depth, grouped_depth;
-  err = CopyPaths(tree, targets, num_tokens, plan, &max_depth, &grouped_depth);
+  err = CopyPaths(tree, targets, num_tokens, padding, plan, &max_depth, &grouped_depth);
   if (!err.empty()) return err;
   // Grouping in token order, then a stable counting sort by position, gives the plan's
   // order without a pass per level over the tokens' scattered path copies.

@@ -68,12 +68,17 @@ struct VisitPlan {
 // tree, all the grouping work).
 enum class PlanFor { kBackward, kForward };
 
+// What a target < 0 is: an error, or (kSkip) padding, a token of no steps, which every
+// kernel then gives log-probability 0, a zero hidden gradient and no weight row.
+enum class Padding { kError, kSkip };
+
 // Builds the plan for targets[0..num_tokens). Checks every target and every tree offset the
 // batch reads, so that no later step can read out of bounds; returns a message naming the
 // problem, or "" on success. *plan is overwritten; its vectors keep their storage, so a
 // caller building many plans can reuse one.
 std::string BuildVisitPlan(const TreeView& tree, const int64* targets, int64 num_tokens,
-                           VisitPlan* plan, PlanFor use = PlanFor::kBackward);
+                           VisitPlan* plan, PlanFor use = PlanFor::kBackward,
+                           Padding padding = Padding::kError);
 
 }  // namespace tf_hsm
 

@@ -66,6 +66,17 @@ SoftmaxParams<T> ParamsOf(const SoftmaxInputs& in) {
 ::tensorflow::Status ReadTree(::tensorflow::OpKernelContext* ctx, int first, int slot_child_input,
                               int64 num_slots, TreeView* tree);
 
+// The op's `skip_padding` attribute: whether a target < 0 is padding (a token of no
+// steps) or an error. A failed read fails the kernel's construction.
+inline Padding PaddingOf(::tensorflow::OpKernelConstruction* ctx) {
+  bool skip = false;
+  if (ctx->HasAttr("skip_padding")) {
+    const ::tensorflow::Status read = ctx->GetAttr("skip_padding", &skip);
+    if (!read.ok()) ctx->CtxFailure(read);
+  }
+  return skip ? Padding::kSkip : Padding::kError;
+}
+
 // Copies int32/int64 class ids into int64 and checks that the shape equals `batch`.
 ::tensorflow::Status ReadClassIds(const ::tensorflow::Tensor& ids, const char* name,
                                   const ::tensorflow::TensorShape& batch,

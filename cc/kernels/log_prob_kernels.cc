@@ -82,13 +82,14 @@ Status AllocateLarge(OpKernelContext* ctx, ReusableOutput* reusable, int index,
 
 // Reads and checks the inputs both ops share and builds the visit plan.
 template <typename T>
-Status PrepareLogProb(OpKernelContext* ctx, PlanFor use, SoftmaxInputs* in,
+Status PrepareLogProb(OpKernelContext* ctx, PlanFor use, Padding padding, SoftmaxInputs* in,
                       SoftmaxParams<T>* params, TreeView* tree, VisitPlan* plan) {
   TF_RETURN_IF_ERROR(ReadSoftmaxInputs(ctx, in));
   TF_RETURN_IF_ERROR(ReadTree(ctx, 4, -1, in->weights->dim_size(0), tree));
   std::vector<int64> targets;
   TF_RETURN_IF_ERROR(ReadClassIds(ctx->input(3), "targets", BatchShape(*in->hidden), &targets));
-  const std::string problem = BuildVisitPlan(*tree, targets.data(), in->num_tokens, plan, use);
+  const std::string problem =
+      BuildVisitPlan(*tree, targets.data(), in->num_tokens, plan, use, padding);
   if (!problem.empty()) return errors::InvalidArgument(problem);
   *params = ParamsOf<T>(*in);
   return Status();
@@ -99,7 +100,7 @@ Status PrepareLogProb(OpKernelContext* ctx, PlanFor use, SoftmaxInputs* in,
 template <typename Device, typename T, bool kSaving>
 class LogProbOp : public OpKernel {
  public:
-  explicit LogProbOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit LogProbOp(OpKernelConstruction* ctx) : OpKernel(ctx), padding_(PaddingOf(ctx)) {
     if (kSaving) OP_REQUIRES_OK(ctx, ctx->GetAttr("max_saved_logits", &max_saved_));
   }
 
@@ -109,7 +110,8 @@ class LogProbOp : public OpKernel {
     TreeView tree;
     const PlanPool::Lease lease = plans_.Acquire();
     const VisitPlan& plan = *lease;
-    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, Functor::kPlanFor, &in, &params, &tree, lease.get()));
+    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, Functor::kPlanFor, padding_, &in, &params, &tree,
+                                       lease.get()));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, BatchShape(*in.hidden), &out));
     functor::LogProbOutputs<T> outputs;
@@ -136,6 +138,7 @@ class LogProbOp : public OpKernel {
   PlanPool plans_;
   ReusableOutput saved_logits_;
   int64_t max_saved_ = 0;
+  const Padding padding_;
 };
 
 // Hsm>LogProbGrad; with kWithLogProb Hsm>LogProbAndGrad (log_prob first, from the
@@ -145,7 +148,7 @@ class LogProbOp : public OpKernel {
 template <typename Device, typename T, bool kWithLogProb, bool kFromSaved = false>
 class LogProbGradOp : public OpKernel {
  public:
-  explicit LogProbGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit LogProbGradOp(OpKernelConstruction* ctx) : OpKernel(ctx), padding_(PaddingOf(ctx)) {}
 
   void Compute(OpKernelContext* ctx) override {
     SoftmaxInputs in;
@@ -153,7 +156,8 @@ class LogProbGradOp : public OpKernel {
     TreeView tree;
     const PlanPool::Lease lease = plans_.Acquire();
     const VisitPlan& plan = *lease;
-    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, PlanFor::kBackward, &in, &params, &tree, lease.get()));
+    OP_REQUIRES_OK(ctx, PrepareLogProb(ctx, PlanFor::kBackward, padding_, &in, &params, &tree,
+                                       lease.get()));
     const Tensor& upstream = ctx->input(8);
     OP_REQUIRES(ctx, upstream.shape() == BatchShape(*in.hidden),
                 errors::InvalidArgument("upstream gradient must have shape ",
@@ -170,7 +174,9 @@ class LogProbGradOp : public OpKernel {
                                           " logits of these inputs (or empty), got shape ",
                                           saved.shape().DebugString()));
       const Tensor& directions = ctx->input(10);
-      const bool none = saved.NumElements() == 0 && directions.NumElements() == 0;
+      // A batch of padding alone (skip_padding) has no logits to keep: its forward's
+      // directions (all zero) are then not needed either.
+      const bool none = saved.NumElements() == 0 && (directions.NumElements() == 0 || expected == 0);
       OP_REQUIRES(ctx, none || (saved.NumElements() > 0 && directions.shape() == in.hidden->shape()),
                   errors::InvalidArgument("saved_directions must have hidden's shape ",
                                           in.hidden->shape().DebugString(),
@@ -203,6 +209,7 @@ class LogProbGradOp : public OpKernel {
   functor::LogProbGradFunctor<Device, T> functor_;
   PlanPool plans_;
   ReusableOutput weight_rows_;
+  const Padding padding_;
 };
 
 #define REGISTER_CPU(T)                                                                   \

@@ -35,7 +35,10 @@ template <typename T>
 class FusedStepOp : public OpKernel {
  public:
   FusedStepOp(OpKernelConstruction* ctx, Fused kind)
-      : OpKernel(ctx), adam_(kind != Fused::kSgd), from_logits_(kind == Fused::kAdamFromLogits) {
+      : OpKernel(ctx),
+        adam_(kind != Fused::kSgd),
+        from_logits_(kind == Fused::kAdamFromLogits),
+        padding_(PaddingOf(ctx)) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("use_bias", &use_bias_));
   }
 
@@ -80,7 +83,8 @@ class FusedStepOp : public OpKernel {
     grads.sgd_biases = use_bias_ ? vars.data(bias_at) : nullptr;
     OP_REQUIRES_OK(ctx, adam_ ? SetAdam(ctx, vars, &grads) : SetSgd(ctx, &grads));
     const PlanPool::Lease lease = plans_.Acquire();
-    const std::string problem = BuildVisitPlan(tree, targets.data(), in.num_tokens, lease.get());
+    const std::string problem = BuildVisitPlan(tree, targets.data(), in.num_tokens, lease.get(),
+                                               PlanFor::kBackward, padding_);
     OP_REQUIRES(ctx, problem.empty(), errors::InvalidArgument(problem));
 
     Tensor *log_prob = nullptr, *hidden_grad;
@@ -122,7 +126,8 @@ class FusedStepOp : public OpKernel {
                                      " logits of these inputs (or empty), got shape ",
                                      saved.shape().DebugString());
     }
-    const bool none = saved.NumElements() == 0 && directions.NumElements() == 0;
+    // A batch of padding alone (skip_padding) has no logits: its directions are not read.
+    const bool none = saved.NumElements() == 0 && (directions.NumElements() == 0 || expected == 0);
     if (!none && saved.NumElements() == 0) {
       return errors::InvalidArgument("saved_logits is empty but saved_directions is not: "
                                      "give both of the forward's, or neither");
@@ -169,6 +174,7 @@ class FusedStepOp : public OpKernel {
 
   const bool adam_;
   const bool from_logits_;  // after a saving forward pass: its values in, no log_prob out
+  const Padding padding_;  // skip_padding: targets < 0 walk nothing and update nothing
   bool use_bias_ = false;
   PlanPool plans_;
   LeasePool<CoefficientStore<T>> stores_;

@@ -27,7 +27,8 @@ namespace {
       .Input("path_nodes: int64")            \
       .Input("path_slots: int64")            \
       .Attr("T: {float, double}")            \
-      .Attr("Tidx: {int32, int64} = DT_INT64")
+      .Attr("Tidx: {int32, int64} = DT_INT64") \
+      .Attr("skip_padding: bool = false")
 
 // Those inputs checked; *targets = the batch shape (hidden's leading dimensions).
 Status TargetShape(InferenceContext* c, ShapeHandle* targets) {
@@ -76,7 +77,9 @@ z_s - logsumexp over the children s' of node n of z_s', with z_s = weights[s] . 
 hidden: [..., D] hidden states.
 weights: [num_slots, D], one row per tree edge (slot).
 biases: [num_slots], or an empty vector for no bias.
-targets: hidden's leading shape; class ids in [0, num_classes).
+targets: hidden's leading shape; class ids in [0, num_classes). With skip_padding, a
+  target < 0 is padding: its log_prob is 0, it walks no path and gives no gradient (no
+  weight row of the gradient is there for it alone); without, it is an error.
 child_begin: [num_nodes + 1]; node n's children are slots [child_begin[n], child_begin[n+1]).
 path_begin: [num_classes + 1]; class c's path is steps path_begin[c]..path_begin[c+1]-1.
 path_nodes: [path_length]; the node visited at each path step, root first.
@@ -224,6 +227,7 @@ REGISTER_OP("Hsm>SgdStep")
     .Attr("T: {float, double}")
     .Attr("Tidx: {int32, int64} = DT_INT64")
     .Attr("use_bias: bool")
+    .Attr("skip_padding: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) { return FusedStepShape(c, 9, 10); })
     .Doc(R"doc(
@@ -237,7 +241,8 @@ model can be trained from it. The variables are locked for the step.
 hidden: [..., D] hidden states.
 weights: a resource variable [num_slots, D] of dtype T.
 biases: a resource variable [num_slots] of dtype T; ignored unless use_bias.
-targets: hidden's leading shape; class ids in [0, num_classes).
+targets: hidden's leading shape; class ids in [0, num_classes), or < 0 for padding (no
+  path, no update) with skip_padding.
 loss_scale: targets' shape; the weight of each token's negative log-likelihood.
 learning_rate: scalar.
 log_prob: targets' shape, before the update.
@@ -271,6 +276,7 @@ REGISTER_OP("Hsm>AdamStep")
     .Attr("T: {float, double}")
     .Attr("Tidx: {int32, int64} = DT_INT64")
     .Attr("use_bias: bool")
+    .Attr("skip_padding: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) { return FusedStepShape(c, 13, 17); })
     .Doc(R"doc(
@@ -297,6 +303,7 @@ REGISTER_OP("Hsm>AdamStepFromLogits")
     .Attr("T: {float, double}")
     .Attr("Tidx: {int32, int64} = DT_INT64")
     .Attr("use_bias: bool")
+    .Attr("skip_padding: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;

@@ -841,6 +841,40 @@ int64 CoefElements(const VisitPlan& plan, const HostTree& tree) {
   return total;
 }
 
+// Every third target made padding (Padding::kSkip, as the op's skip_padding): the kernels
+// give those tokens log-probability 0 and a zero hidden gradient (whatever their upstream)
+// and no weight row of their own, the others what the CPU core gives them.
+template <typename T>
+void CheckPadding(const Case& c, const Data<T>& data, const std::string& what) {
+  Data<T> padded = data;
+  for (int64 i = 0; i < c.tokens; i += 3) padded.targets[i] = -1;
+  VisitPlan plan;
+  const std::string err = BuildVisitPlan(c.tree.view(), padded.targets.data(), c.tokens, &plan,
+                                         PlanFor::kBackward, Padding::kSkip);
+  HARNESS_EXPECT(err.empty(), "%s padded: %s", what.c_str(), err.c_str());
+  if (!err.empty()) return;
+  const Data<double> data64{Convert<double>(padded.hidden), Convert<double>(padded.weights),
+                            Convert<double>(padded.biases), Convert<double>(padded.upstream),
+                            padded.targets};
+  const Result<double> ref = RunCpu<double>(c, plan, data64);
+  DeviceInputs<T> in(padded);
+  const Result<T> gpu = RunGpu<T>(c, plan, in, c.budget, true, nullptr);
+  const double rtol = sizeof(T) == 8 ? 1e-9 : 1e-3;
+  Compare(what + " padded log_prob", gpu.log_prob, ref.log_prob, rtol);
+  Compare(what + " padded d_hidden", gpu.d_hidden, ref.d_hidden, rtol);
+  Compare(what + " padded weight_rows", gpu.d_rows, ref.d_rows, rtol);
+  Compare(what + " padded bias_rows", gpu.d_bias, ref.d_bias, rtol);
+  HARNESS_EXPECT(gpu.row_ids == ref.row_ids, "%s padded: row ids differ", what.c_str());
+  for (int64 i = 0; i < c.tokens; i += 3) {
+    bool zero = gpu.log_prob[i] == T(0) && ref.log_prob[i] == 0.0;
+    for (int64 d = 0; d < c.dim; ++d) {
+      zero = zero && gpu.d_hidden[i * c.dim + d] == T(0) && ref.d_hidden[i * c.dim + d] == 0.0;
+    }
+    HARNESS_EXPECT(zero, "%s padded: token %lld has a value or a gradient", what.c_str(),
+                   static_cast<long long>(i));
+  }
+}
+
 template <typename T>
 void CheckCase(const Case& c, std::mt19937_64& rng, const Options& opt) {
   const Data<T> data = MakeData<T>(c, rng);
@@ -884,6 +918,7 @@ void CheckCase(const Case& c, std::mt19937_64& rng, const Options& opt) {
     ExpectSame(what + " (coef budget " + std::to_string(small) + ")", gpu, waves, false);
   }
   CheckCandidates<T>(c, data, in, gpu, rng, what);
+  CheckPadding<T>(c, data, what);
   if (opt.hash) std::printf("hash %-44s %016" PRIx64 "\n", what.c_str(), digest.value);
   digest.on = false;
   CheckInference<T>(c, data, in, rng, what);

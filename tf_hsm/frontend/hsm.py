@@ -71,7 +71,7 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=(),
     layer: the calling layer, attached to the output with its hidden states (for the
       top-k metric compiled with the model, which sees only the output).
     op: None for `tf_hsm.log_prob`, or a function `op(hidden, kernel, bias, tree,
-      targets)` of the same value with another gradient.
+      targets, skip_padding=...)` of the same value with another gradient.
 
   Returns:
     The log-probabilities, `targets`' shape, with `_keras_mask` (the valid positions)
@@ -82,17 +82,20 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=(),
   if ignore_class is not None:
     valid = tf.logical_and(valid, tf.not_equal(targets, tf.cast(ignore_class, targets.dtype)))
   valid = combined_mask(masks, valid)
-  safe_targets = tf.where(valid, targets, tf.zeros_like(targets))
   if stock.active():  # tf_hsm.serving.stock_ops(): what is traced needs no op library
     if row_layout is not None or distribute.pieces(kernel) is not None:
       raise ValueError("tf_hsm.serving.stock_ops() exports a table held in one variable; "
                        "this layer's is in pieces or a row layout: restore it into one "
                        "process first (tf_hsm.distribute.checkpoint)")
     out = stock_hsm.log_prob(hidden_in(hidden, kernel.dtype), kernel, bias, tree,
-                             safe_targets)
+                             tf.where(valid, targets, tf.zeros_like(targets)))
   else:
+    # Padding is -1 to the op, which walks no path for it: no work, and no weight row in
+    # the gradient for it alone (which a LazyAdam would move on its moments).
+    padded_targets = tf.where(valid, targets, -tf.ones_like(targets))
     out = (op or log_prob)(hidden_in(hidden, kernel.dtype),
-                           *tables(kernel, bias, row_layout), tree, safe_targets)
+                           *tables(kernel, bias, row_layout), tree, padded_targets,
+                           skip_padding=True)
   out = tf.where(valid, out, tf.zeros_like(out))
   out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
   if layer is not None:

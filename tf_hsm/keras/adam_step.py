@@ -107,7 +107,8 @@ def _checked(optimizer, hidden, weights, biases):
 
 
 @inputs.accepts_ragged
-def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer):
+def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer,
+                            skip_padding=False):
   """log_prob(hidden, weights, biases, tree, targets), whose gradient updates the table.
 
   For a table that `optimizer` trains together with other variables (a model's, in
@@ -127,6 +128,8 @@ def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer):
   one, `LazyAdam.updated_in_backward`). Where the fused op does not run (a
   table off the CPU) this is `log_prob` and its gradient is the table's.
 
+  With `skip_padding`, targets < 0 are padding, as `log_prob`'s: 0, and no update.
+
   Raises:
     TypeError, ValueError: as `adam_step`, for the optimizer and the table; ValueError
       where the optimizer has not been built for the table's variables (the layer
@@ -135,7 +138,7 @@ def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer):
   hidden = _checked(optimizer, hidden, weights, biases)
   targets = inputs.class_ids(targets, "targets")
   if not training.fused_sgd_runs_on(inputs.tf_variable(weights).device):
-    return training.log_prob(hidden, weights, biases, tree, targets)
+    return training.log_prob(hidden, weights, biases, tree, targets, skip_padding)
   variables = _table_variables(weights, biases)
   moments = [m for v in variables for m in _slots(optimizer, v)]
 
@@ -148,7 +151,8 @@ def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer):
   def forward(hidden, *tables):
     # The forward keeps its logits and directions; the update reads them.
     log_probs, saved_logits, saved_directions = training.log_prob_and_saved(
-        hidden, tables[0], tables[1] if len(tables) > 1 else None, tree, targets)
+        hidden, tables[0], tables[1] if len(tables) > 1 else None, tree, targets,
+        skip_padding)
 
     def backward(upstream):
       constants = optimizer.row_constants(hidden.dtype, optimizer.learning_rate)
@@ -157,7 +161,7 @@ def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer):
       # it alone, the update could run first, or beside the read, and copy the table.)
       hidden_grad = fused.adam_rows_step_from_logits(
           hidden, weights, biases, tree, targets, moments, constants, -upstream,
-          saved_logits, saved_directions)
+          saved_logits, saved_directions, skip_padding)
       optimizer.updated_in_backward(variables)
       return [hidden_grad] + [_no_rows(v) for v in variables]
     return log_probs, backward

@@ -212,7 +212,8 @@ class HierarchicalSoftmax(keras.layers.Layer):
       # pass, comes before it), on the variables, not on this call's autocast values.
       with _no_autocast(), keras.name_scope(optimizer.name, caller=optimizer):
         optimizer.build(model.trainable_variables)
-    return lambda *args: fused_update_op.log_prob_updating_table(*args, optimizer)
+    return lambda *args, **kwargs: fused_update_op.log_prob_updating_table(
+        *args, optimizer, **kwargs)
 
   def compute_mask(self, hidden, previous_mask=None):
     # `call` attaches the real mask (it depends on the targets) to its output.

@@ -33,14 +33,16 @@ def adam_rows_step(hidden, weights, biases, tree, targets, moments, constants,
 
 
 def adam_rows_step_from_logits(hidden, weights, biases, tree, targets, moments, constants,
-                               loss_scale, saved_logits, saved_directions):
+                               loss_scale, saved_logits, saved_directions,
+                               skip_padding=False):
   """hidden_grad of `adam_rows_step`'s update after a forward pass that saved its values
-  (`training.log_prob_and_saved` on the same inputs, the table unchanged since): the
-  update reads them instead of computing the logits and paths again."""
+  (`training.log_prob_and_saved` on the same inputs and `skip_padding`, the table
+  unchanged since): the update reads them instead of computing the logits and paths
+  again. With `skip_padding`, targets < 0 update nothing."""
   hidden_grad = loader.ops().hsm_adam_step_from_logits(
       *_step_inputs(hidden, weights, biases, tree, targets, moments, constants,
                     loss_scale), saved_logits, saved_directions,
-      use_bias=biases is not None)
+      use_bias=biases is not None, skip_padding=skip_padding)
   return training._first_order_only(hidden_grad)  # pylint: disable=protected-access
 
 

@@ -5,21 +5,34 @@ import tensorflow as tf
 from tf_hsm.ops import compact as compact_tables
 from tf_hsm.ops import inputs
 from tf_hsm.ops import loader
-def _table_rows(tree, weights, biases, targets):
-  """(weights, biases, tree_inputs, targets) for the ops: the tree's own tensors and the
-  tables as given, or, where a table is held in pieces (a `ShardedVariable` or a list of
-  row ranges), the compact rows of the batch's paths and the batch tree over them
-  (`tf_hsm.ops.compact`)."""
+def _table_rows(tree, weights, biases, targets, skip_padding=False):
+  """(weights, biases, tree_inputs, targets, skip_padding) for the ops: the tree's own
+  tensors and the tables as given, or, where a table is held in pieces (a
+  `ShardedVariable` or a list of row ranges), the compact rows of the batch's paths and
+  the batch tree over them (`tf_hsm.ops.compact`). The batch tree holds the paths of
+  classes only: there padding (targets < 0) walks class 0's path, and the op's
+  skip_padding is off (the caller zeroes those tokens' values, `_zero_padding`)."""
   t = inputs.tree_tensors(tree)
   targets = inputs.class_ids(targets, "targets")
   if compact_tables.is_split(weights, biases):
-    return compact_tables.compact_inputs(tree, t, weights, biases, targets, "targets")
+    if skip_padding:
+      targets = tf.where(targets >= 0, targets, tf.zeros_like(targets))
+    return compact_tables.compact_inputs(tree, t, weights, biases, targets,
+                                         "targets") + (False,)
   return (weights, biases, (t["child_begin"], t["path_begin"], t["path_nodes"],
-                            t["path_slots"]), targets)
+                            t["path_slots"]), targets, skip_padding)
+
+
+def _zero_padding(log_probs, targets, skip_padding, skipped):
+  """`log_probs` with 0 at padding where the op walked it anyway (`_table_rows`)."""
+  if not skip_padding or skipped:
+    return log_probs
+  return tf.where(inputs.class_ids(targets, "targets") >= 0, log_probs,
+                  tf.zeros_like(log_probs))
 
 
 @inputs.accepts_ragged
-def log_prob(hidden, weights, biases, tree, targets):
+def log_prob(hidden, weights, biases, tree, targets, skip_padding=False):
   """log P(targets | hidden) under a hierarchical softmax.
 
   log P(c | h) = sum over c's root-to-leaf path of z(slot taken) - logsumexp(z over the
@@ -33,6 +46,9 @@ def log_prob(hidden, weights, biases, tree, targets):
     biases: [tree.num_slots] or None.
     tree: a `tf_hsm.Tree`.
     targets: int32/int64 class ids with hidden's leading shape.
+    skip_padding: whether targets < 0 are padding: log-probability 0, no path walked,
+      no gradient (no weight row is in the gradient for a padded token alone, so a
+      LazyAdam moves none on its moments). Default False: they are an error.
 
   Returns:
     log-probabilities with the shape of `targets` and the dtype of `hidden`.
@@ -51,28 +67,34 @@ def log_prob(hidden, weights, biases, tree, targets):
   Raises:
     TypeError: wrong dtypes.
     tf.errors.InvalidArgumentError (or ValueError while tracing): targets outside
-      [0, num_classes), shape mismatches, malformed tree tensors.
+      [0, num_classes) (>= num_classes with skip_padding), shape mismatches, malformed
+      tree tensors.
   """
-  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets)
+  given = targets
+  weights, biases, tree_inputs, targets, skip = _table_rows(tree, weights, biases, targets,
+                                                            skip_padding)
   hidden, weights, biases, out_dtype = inputs.dense_inputs(hidden, weights, biases)
   if tf.config.list_logical_devices("GPU") or not inputs.gradient_may_follow():
     # Nothing worth keeping when no tape can record.
-    result = loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
+    result = loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs,
+                                       skip_padding=skip)
   else:
     result = loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
-                                                      *tree_inputs)[0]
+                                                      *tree_inputs, skip_padding=skip)[0]
+  result = _zero_padding(result, given, skip_padding, skip)
   return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
 
 
-def log_prob_and_saved(hidden, weights, biases, tree, targets):
+def log_prob_and_saved(hidden, weights, biases, tree, targets, skip_padding=False):
   """(log_prob, saved_logits, saved_directions) of Hsm>LogProbSavingLogits on the CPU: what
   a fused step after the forward pass reads instead of computing again (both saved
   tensors empty where too many to keep). hidden and the tables of one float type, one
-  variable each."""
-  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets)
+  variable each (never in pieces)."""
+  weights, biases, tree_inputs, targets, skip = _table_rows(tree, weights, biases, targets,
+                                                            skip_padding)
   hidden, weights, biases, _ = inputs.dense_inputs(hidden, weights, biases)
   return loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
-                                                  *tree_inputs)
+                                                  *tree_inputs, skip_padding=skip)
 
 
 @tf.RegisterGradient("Hsm>LogProb")
@@ -80,8 +102,14 @@ def _log_prob_grad(op, upstream):
   hidden, weights, biases, targets = op.inputs[:4]
   tree_inputs = op.inputs[4:8]
   grads = loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets, *tree_inputs,
-                                          upstream)
+                                          upstream, skip_padding=_skips_padding(op))
   return _input_grads(weights, biases, *grads) + [None] * 5
+
+
+def _skips_padding(op):
+  """The forward op's skip_padding, for its gradient op (graphs saved before the
+  attribute get its default, False, when loaded)."""
+  return op.get_attr("skip_padding")
 
 
 @tf.RegisterGradient("Hsm>LogProbSavingLogits")
@@ -94,7 +122,8 @@ def _log_prob_saving_logits_grad(op, upstream, unused_saved_grad, unused_directi
     return [None] * 8
   grads = loader.ops().hsm_log_prob_grad_from_logits(hidden, weights, biases, targets,
                                                       *tree_inputs, upstream, op.outputs[1],
-                                                      op.outputs[2])
+                                                      op.outputs[2],
+                                                      skip_padding=_skips_padding(op))
   return _input_grads(weights, biases, *grads) + [None] * 5
 
 
@@ -186,7 +215,7 @@ def nll_loss(hidden, weights, biases, tree, targets, loss_scale=None):
   Raises:
     as `log_prob`.
   """
-  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets)
+  weights, biases, tree_inputs, targets, _ = _table_rows(tree, weights, biases, targets)
   hidden, weights, biases, _ = inputs.dense_inputs(hidden, weights, biases)
   scale = _token_weights(loss_scale, targets, weights.dtype)
   if tf.config.list_logical_devices("GPU"):
@@ -241,7 +270,7 @@ def _log_prob_and_grad_grad(op, upstream, *unused_output_grads):
 
   grads = _own_or_recomputed(upstream, expected, op.outputs[1:], lambda: (
       loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets, *tree_inputs,
-                                     upstream)))
+                                     upstream, skip_padding=_skips_padding(op))))
   return _input_grads(weights, biases, *grads) + [None] * 6
 
 

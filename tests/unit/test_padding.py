@@ -1,0 +1,121 @@
+"""Padding costs nothing: `tf_hsm.log_prob(..., skip_padding=True)` walks no path for a
+target < 0 (log-probability 0, no gradient, no weight row of the gradient for it alone),
+and `HierarchicalSoftmax` gives the op its padding that way, so a LazyAdam (plain or
+fused) never moves a row that only padding visits. Checked against the op on the real
+tokens alone and against the float64 reference, on fresh random trees."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hsm
+
+import oracle
+
+D = 5
+
+
+def _problem(rng, tokens=9):
+  tree = oracle.random_mixed_tree(rng, max_depth=5, max_branching=12, max_classes=60)
+  weights = rng.normal(size=(tree.num_slots, D))
+  biases = rng.normal(size=tree.num_slots)
+  hidden = rng.normal(size=(tokens, D))
+  targets = rng.integers(0, tree.num_classes, tokens)
+  targets[rng.random(tokens) < 0.4] = -1
+  targets[0] = -1
+  return tree, weights, biases, hidden, targets
+
+
+def _value_and_grads(hidden, weights, biases, tree, targets, scale, **kwargs):
+  hidden, weights, biases = (tf.Variable(x) for x in (hidden, weights, biases))
+  with tf.GradientTape() as tape:
+    out = tf_hsm.log_prob(hidden, weights, biases, tree, targets, **kwargs)
+    total = tf.reduce_sum(out * scale)
+  d_hidden, d_weights, d_biases = tape.gradient(total, [hidden, weights, biases])
+  return out.numpy(), tf.convert_to_tensor(d_hidden).numpy(), d_weights, d_biases
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_padding_is_skipped_and_the_rest_is_the_op_on_the_real_tokens(rng, case):
+  del case  # a fresh tree each time
+  tree, weights, biases, hidden, targets = _problem(rng)
+  real = targets >= 0
+  scale = rng.uniform(0.5, 2.0, len(targets))
+  out, d_hidden, d_weights, d_biases = _value_and_grads(hidden, weights, biases, tree,
+                                                        targets, scale, skip_padding=True)
+  want, want_hidden, want_weights, want_biases = _value_and_grads(
+      hidden[real], weights, biases, tree, targets[real], scale[real])
+  np.testing.assert_array_equal(out[~real], 0.0)
+  np.testing.assert_array_equal(out[real], want)
+  np.testing.assert_array_equal(d_hidden[~real], 0.0)
+  np.testing.assert_array_equal(d_hidden[real], want_hidden)
+  # The same rows, no more: none for a padded token alone.
+  np.testing.assert_array_equal(d_weights.indices, want_weights.indices)
+  np.testing.assert_array_equal(d_weights.values, want_weights.values)
+  np.testing.assert_array_equal(d_biases.values, want_biases.values)
+  reference = oracle.log_prob_reference(hidden[real], weights, biases, tree, targets[real])
+  np.testing.assert_allclose(out[real], reference[0], rtol=1e-12, atol=1e-12)
+
+
+def test_without_a_tape_too(rng):
+  tree, weights, biases, hidden, targets = _problem(rng)
+  out = tf_hsm.log_prob(hidden, weights, biases, tree, targets, skip_padding=True).numpy()
+  real = targets >= 0
+  np.testing.assert_array_equal(out[~real], 0.0)
+  np.testing.assert_allclose(out[real], oracle.log_prob_reference(
+      hidden[real], weights, biases, tree, targets[real])[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_batch_of_padding_alone(rng):
+  tree, weights, biases, hidden, _ = _problem(rng)
+  targets = -np.ones(len(hidden), np.int64)
+  out, d_hidden, d_weights, _ = _value_and_grads(hidden, weights, biases, tree, targets,
+                                                 1.0, skip_padding=True)
+  assert not out.any() and not d_hidden.any() and d_weights.indices.shape == (0,)
+  assert not tf_hsm.log_prob(hidden, weights, biases, tree, targets,
+                             skip_padding=True).numpy().any()
+
+
+def test_padding_is_still_an_error_without_skip_padding(rng):
+  tree, weights, biases, hidden, targets = _problem(rng)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="is not a class id"):
+    tf_hsm.log_prob(hidden, weights, biases, tree, targets)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="is not a class id"):
+    tf_hsm.log_prob(hidden, weights, biases, tree,
+                    np.where(targets < 0, tree.num_classes, targets), skip_padding=True)
+
+
+def _fit(tree, x, y, fused):
+  """The table after `fit` with LazyAdam on batches of 4 (hidden states as inputs)."""
+  keras.utils.set_random_seed(5)
+  hidden = keras.Input([D])
+  targets = keras.Input([], dtype="int32")
+  layer = tf_hsm.HierarchicalSoftmax(tree, fused_update=fused)
+  model = keras.Model([hidden, targets], layer(hidden, targets))
+  model.compile(optimizer=tf_hsm.optimizers.LazyAdam(0.1), loss=tf_hsm.losses.nll)
+  model.fit([x, y], y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+  return layer.kernel.numpy()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_lazy_adam_moves_no_row_that_only_padding_visits(rng, fused):
+  """Class 0's path is trained in the first batch; the second holds it only as padding
+  (the layer's old way gave the op class 0 there, and LazyAdam moved those rows on
+  their moments). The table ends as with the padding left out of the batch."""
+  tree = tf_hsm.Tree.balanced(27, 3)  # classes 18-26 share only the root with class 0
+  x = rng.normal(size=(8, D)).astype(np.float32)
+  y = np.array([0, 0, 5, 9, 20, -1, -1, 26], np.int32)
+  padded = _fit(tree, x, y, fused)
+  first = _fit(tree, x[:4], y[:4], fused)  # the first batch alone
+  class_zero_only = np.setdiff1d(_path_rows(tree, 0), np.concatenate(
+      [_path_rows(tree, c) for c in (20, 26)]))
+  assert class_zero_only.size
+  np.testing.assert_array_equal(padded[class_zero_only], first[class_zero_only])
+
+
+def _path_rows(tree, c):
+  """Every weight row of the nodes on class c's path (the rows its step reads)."""
+  begin, end = tree.path_begin[c], tree.path_begin[c + 1]
+  return np.concatenate([np.arange(tree.child_begin[n], tree.child_begin[n + 1])
+                         for n in tree.path_nodes[begin:end]])
