@@ -145,3 +145,85 @@ def test_a_mixture_with_row_layouts_is_refused(tmp_path):
   with pytest.raises(ValueError, match="row_layout"):
     serving.export(model, str(tmp_path / "m"))
   assert not os.path.exists(tmp_path / "m" / "saved_model.pb")
+
+
+def test_seeds_far_apart_share_no_stream(exported):
+  """Each part's seed comes from (seed, part) through Philox: seeds 2**62 apart draw as
+  independently as seeds 1 apart (an arithmetic mix of seed and part would wrap around
+  and repeat every tree's draws)."""
+  sample = tf.saved_model.load(exported["path"]).signatures["sample"]
+  hidden = np.repeat(exported["hidden"][2:3], 20_000, 0)
+  temperature = tf.constant(0.5, tf.float32)
+  draws = [sample(hidden=hidden, seed=tf.constant(s, tf.int64),
+                  temperature=temperature)["classes"].numpy() for s in (3, 4, 3 + 2**62)]
+  near, far = np.mean(draws[0] == draws[1]), np.mean(draws[0] == draws[2])
+  assert abs(far - near) < 0.05, (near, far)
+
+
+def _exported_module(model, tmp_path):
+  return serving.export(model, str(tmp_path / "saved_model"), k=4)
+
+
+def test_float64_without_biases_matches_the_layer(rng, tmp_path):
+  tail = CLASSES - 3
+  trees = [tf_hsm.HierarchicalSoftmax(tf_hsm.Tree.huffman(rng.integers(1, 60, tail), b),
+                                      use_bias=False, dtype="float64") for b in (2, 4)]
+  hidden_in = keras.Input([DIM], name="hidden", dtype="float64")
+  targets = keras.Input([], dtype="int32", name="targets")
+  layer = HierarchicalSoftmaxMixture(trees, head=[5, 2, 30], tail_dim=3, dtype="float64")
+  model = keras.Model([hidden_in, targets], layer(hidden_in, targets))
+  for v in layer.weights:
+    v.assign(rng.normal(size=v.shape))
+  module = _exported_module(model, tmp_path)
+  hidden = rng.normal(size=(5, DIM))
+  tgt = rng.integers(-1, CLASSES, 5).astype(np.int32)
+  np.testing.assert_allclose(module.log_prob(hidden=hidden, targets=tgt)["log_prob"],
+                             model([hidden, tgt]), rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(module.log_prob_all(hidden=hidden)["log_probs"],
+                             layer.log_prob_all(hidden), rtol=1e-12, atol=1e-12)
+  np.testing.assert_array_equal(module.top_k(hidden=hidden)["classes"],
+                                layer.top_k(hidden, 4)[1])
+
+
+def test_a_masked_sequence_model_matches_the_layer(rng, tmp_path):
+  vocab = CLASSES
+  tokens = keras.Input([None], dtype="int32", name="tokens")
+  targets = keras.Input([None], dtype="int32", name="targets")
+  x = keras.layers.Embedding(vocab, DIM, mask_zero=True)(tokens)
+  x = keras.layers.Dense(DIM, activation="tanh")(x)
+  trees = [tf_hsm.Tree.huffman(rng.integers(1, 60, vocab), b) for b in (3, 5)]
+  layer = HierarchicalSoftmaxMixture(trees, name="mixture")
+  model = keras.Model([tokens, targets], layer(x, targets))
+  for v in layer.weights:
+    v.assign(rng.normal(size=v.shape).astype(np.float32))
+  module = _exported_module(model, tmp_path)
+  ids = rng.integers(1, vocab, size=(3, 6)).astype(np.int32)
+  ids[0, 4:] = 0  # masked positions
+  tgt = rng.integers(0, vocab, size=(3, 6)).astype(np.int32)
+  want = model([ids, tgt]).numpy()
+  got = module.log_prob(tokens=ids, targets=tgt)["log_prob"].numpy()
+  assert np.all(want[0, 4:] == 0) and np.all(got[0, 4:] == 0)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  hidden = keras.Model(tokens, x)(ids)
+  np.testing.assert_array_equal(module.top_k(tokens=ids)["classes"],
+                                layer.top_k(hidden, 4)[1])
+
+
+def test_mixed_float16_with_a_tail_projection_matches_the_model(rng, tmp_path):
+  """The trees take the float32 projection in the layer's call as in log_prob_all (not
+  rounded to float16 at their own call), so the export, which computes in float32,
+  gives what the model gives."""
+  head = [1, 7]
+  trees = [tf_hsm.Tree.huffman(rng.integers(1, 60, CLASSES - 2), b) for b in (2, 3)]
+  tokens = keras.Input([4], dtype="int32", name="tokens")
+  targets = keras.Input([4], dtype="int32", name="targets")
+  x = keras.layers.Embedding(CLASSES, DIM, dtype="mixed_float16")(tokens)
+  layer = HierarchicalSoftmaxMixture(trees, head=head, tail_dim=3, dtype="mixed_float16")
+  model = keras.Model([tokens, targets], layer(x, targets))
+  for v in layer.weights:
+    v.assign(rng.normal(size=v.shape).astype(np.float32))
+  module = _exported_module(model, tmp_path)
+  ids = rng.integers(0, CLASSES, size=(3, 4)).astype(np.int32)
+  tgt = rng.integers(0, CLASSES, size=(3, 4)).astype(np.int32)
+  np.testing.assert_allclose(module.log_prob(tokens=ids, targets=tgt)["log_prob"],
+                             model([ids, tgt]), rtol=1e-5, atol=1e-5)

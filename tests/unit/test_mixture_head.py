@@ -296,10 +296,13 @@ def test_mixed_float16_scores_in_float32_with_a_tail_projection(rng):
     out = layer(hidden, targets)
     total = tf.reduce_sum(out)
   assert out.dtype == tf.float32
-  # The trees take their input in the compute dtype, as Keras casts a layer's input: the
-  # projection reaches them rounded to float16, as the hidden state would.
+  # The head and gate read the float16 hidden state, the trees its float32 projection
+  # (not rounded to float16 at their call: the same values as log_prob_all's).
   np.testing.assert_allclose(out, _reference(np.asarray(hidden, np.float64), layer, targets),
-                             rtol=2e-3, atol=2e-3)
+                             rtol=2e-5, atol=2e-5)
+  every = np.asarray(layer.log_prob_all(hidden))
+  np.testing.assert_allclose(np.asarray(out), every[np.arange(6), targets], rtol=1e-5,
+                             atol=1e-5)
   grad = np.asarray(tape.gradient(total, hidden), np.float32)
   assert np.all(np.isfinite(grad)) and np.all(np.abs(grad).sum(-1) > 0)
   every = layer.log_prob_all(hidden)

@@ -88,6 +88,12 @@ class HierarchicalSoftmaxMixture(keras.layers.Layer):
     # Python's generator, which would move every later seeded draw (the head's too).
     self.tail_projection_initializer = (
         None if self.tail_dim is None else keras.initializers.get(tail_projection_initializer))
+    if self.tail_dim is not None:
+      # The trees take the float32 projection as it is: Keras would round it to the
+      # compute dtype (float16) at their call, and not in log_prob_all, which is no
+      # call; their op computes in float32 either way.
+      for component in self.components:
+        component.autocast = False
     if head is not None:
       self.head_ids, tail = mixture_head.checked_head(head, self.components[0].num_classes)
       self._class_map = mixture_head.ClassMap(self.head_ids, tail)

@@ -104,7 +104,7 @@ class ModelCut:
 
   Attributes:
     layer: the HierarchicalSoftmax, AdaptiveSoftmax or HierarchicalSoftmaxMixture layer.
-      kind: "hsm", "adaptive" or "mixture".
+    kind: "hsm", "adaptive" or "mixture".
     inputs: the model's inputs; target_index: which of them are the layer's targets;
     feature_inputs: the others. hidden: the symbolic hidden states the layer reads.
     encoder: `Model(feature_inputs, hidden)`, in the model's Keras.
@@ -199,7 +199,9 @@ class ServingModule(tf.Module):
     self._specs = [checks.signature_spec(t) for t in inputs]
     {"hsm": self._init_hsm, "adaptive": self._init_adaptive,
      "mixture": self._init_mixture}[self.kind](layer)
-    self.k = min(k, self.num_classes)
+    # An AdaptiveSoftmax with a class_order ranks the classes of the order only.
+    self.k = min(k, self._adaptive.num_classes if self.kind == "adaptive" else
+                 self.num_classes)
     self.dtype = tf.as_dtype({"hsm": lambda: layer.kernel, "adaptive": lambda: layer.head_kernel,
                               "mixture": lambda: layer.gate_kernel}[self.kind]().dtype)
     if log_prob_all is None:
@@ -386,15 +388,16 @@ def export(model, directory, k=10, log_prob_all=None, sample=True, max_exclude=0
 
   Args:
     model: a Keras functional model with one `tf_hsm.HierarchicalSoftmax`,
-      `tf_hsm.AdaptiveSoftmax` or `HierarchicalSoftmaxMixture` layer, called once on the
+      `tf_hsm.AdaptiveSoftmax` or `tf_hsm.HierarchicalSoftmaxMixture` layer, called once on the
       model's hidden states and one of the model's inputs as its targets, whose output
       is the model's output. A mixture's "top_k" ranks its "log_prob_all" (every class
       of every tree scored, as the layer's `top_k`).
     directory: the folder to write the SavedModel to (a str or path; created if
       missing, its SavedModel files overwritten if present).
     k: an int >= 1, the number of classes the "top_k" signature returns (clamped to
-      num_classes). A HierarchicalSoftmax's `ignore_class` is never among them, as in
-      the layer's `top_k` and `inference_model`.
+      num_classes). A HierarchicalSoftmax's `ignore_class` is never among them, nor a
+      mixture's (its own with a head, its trees' without), as in the layer's `top_k`
+      and `inference_model`.
     log_prob_all: whether to add the "log_prob_all" signature; default: when
       num_classes <= `LOG_PROB_ALL_MAX_CLASSES` (1M).
     sample: whether to add the "sample" signature (inputs plus `seed` int64 and

@@ -12,7 +12,8 @@ slot, the trees over the other classes, scoring `h` or its `tail_dim` projection
     P(c | h) = P_head(tail | h) sum_k pi_k(h) P_k(c | h)      c in the tail
 
 `top_k` ranks `log_prob_all`, as the layer's does (every class of every tree is scored);
-`sample` draws a tree from the gate, then a class from it (and the head's slot first).
+`sample` draws a tree from the gate, then a class from it (and the head's slot first),
+each part from its own stream of the one seed.
 """
 
 import numpy as np
@@ -164,16 +165,23 @@ def top_k(weights, hidden, k, exclude=None):
   return tf.reshape(best, shape), tf.reshape(classes, shape)
 
 
+def _part_seed(seed, part):
+  """The seed of a part's draws (tree k: part k, the head: -2), from (seed, part) through
+  Philox, as the layer derives its components' seeds: seeds s and s' share no part's
+  stream, however far apart (an arithmetic mix of the two would wrap around)."""
+  return tf.random.stateless_uniform([], tf.stack([seed, tf.constant(part, tf.int64)]),
+                                     minval=None, maxval=None, dtype=tf.int64)
+
+
 def sample(weights, hidden, seed, temperature=1.0):
   """One class per row, int64 `[...]`: a tree from the gate (Gumbel-max over its logits
-  divided by the temperature), a class from that tree (`hsm.sample`), and with a head
-  the head's slot first. Tree k draws with seed (K + 1) * seed + k, the head with
-  (K + 1) * seed + K, the gate from (seed, -1): streams no two of them share. -1 where a
-  row has no distribution (a NaN or infinite gate logit, or a part's -1)."""
+  divided by the temperature, from (seed, -1)), a class from that tree (`hsm.sample`,
+  seeded by `_part_seed`), and with a head the head's slot first. -1 where a row has no
+  distribution (a NaN or infinite gate logit, or a part's -1)."""
   hidden, scored, _ = weights.inputs(hidden)
   seed, temperature, usable = hsm.sample_arguments(seed, temperature, hidden.dtype)
   count = len(weights.kernels)
-  draws = tf.stack([hsm.sample(scored, w, b, t, (count + 1) * seed + k, temperature)
+  draws = tf.stack([hsm.sample(scored, w, b, t, _part_seed(seed, k), temperature)
                     for k, (w, b, t) in enumerate(weights.components())], -1)
   logits = weights.gate_logits(hidden)
   defined = tf.logical_and(tf.reduce_all(tf.math.is_finite(logits), -1), usable)
@@ -188,7 +196,7 @@ def sample(weights, hidden, seed, temperature=1.0):
   drawn = tf.where(defined, drawn, -tf.ones_like(drawn))
   if weights.head is None:
     return drawn
-  slot = hsm.sample(hidden, *weights.head, (count + 1) * seed + count, temperature)
+  slot = hsm.sample(hidden, *weights.head, _part_seed(seed, -2), temperature)
   place = tf.where(slot < weights.num_head, slot, weights.num_head + drawn)
   known = tf.logical_and(slot >= 0, tf.logical_or(slot < weights.num_head, drawn >= 0))
   return tf.where(known, tf.gather(weights.order, tf.where(known, place,
