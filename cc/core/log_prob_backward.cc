@@ -166,6 +166,10 @@ class BackwardPass {
   }
   const T* HiddenRow(int64 e) const { return p_.hidden + plan_.entry_token[e] * D_; }
   T Upstream(int64 e) const { return upstream_[plan_.entry_token[e]]; }
+  // A token of no steps: padding, with skip_padding (Padding::kSkip).
+  bool IsPadding(int64 i) const {
+    return plan_.token_step_begin[i + 1] == plan_.token_step_begin[i];
+  }
   // A group handled by a single token tile gets its weight rows from the tile's
   // coefficients in hand; larger groups (several tiles) per chunk of slots, afterwards.
   bool WholeGroup(int64 g) const {
@@ -466,6 +470,7 @@ class BackwardPass {
     const int64 D = D_;
     parallel_for_(plan_.num_tokens, std::max<int64>(1, D / 2), [&](int64 begin, int64 end) {
       for (int64 i = begin; i < end; ++i) {
+        if (IsPadding(i)) continue;  // its dh stays 0, whatever its upstream
         const T u = upstream_[i];
         for (int64 d = 0; d < D; ++d) grads_.hidden[i * D + d] += u * wide_directions_[i * D + d];
       }
@@ -601,7 +606,8 @@ class BackwardPass {
   // dh = upstream * direction, rows [begin, end).
   void ScaleRows(int64 begin, int64 end, const T* directions) {
     for (int64 i = begin; i < end; ++i) {
-      const T g = upstream_[i];
+      // A token of no steps (padding) gets 0, whatever its upstream (NaN * 0 is NaN).
+      const T g = IsPadding(i) ? T(0) : upstream_[i];
       for (int64 d = 0; d < D_; ++d) grads_.hidden[i * D_ + d] = g * directions[i * D_ + d];
     }
   }

@@ -42,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <queue>
@@ -841,13 +842,18 @@ int64 CoefElements(const VisitPlan& plan, const HostTree& tree) {
   return total;
 }
 
-// Every third target made padding (Padding::kSkip, as the op's skip_padding): the kernels
-// give those tokens log-probability 0 and a zero hidden gradient (whatever their upstream)
-// and no weight row of their own, the others what the CPU core gives them.
+// Every `stride`-th target made padding (Padding::kSkip, as the op's skip_padding), its
+// upstream NaN: the kernels give those tokens log-probability 0 and a zero hidden
+// gradient (whatever their upstream) and no weight row of their own, the others what the
+// CPU core gives them.
 template <typename T>
-void CheckPadding(const Case& c, const Data<T>& data, const std::string& what) {
+void CheckPaddedEvery(const Case& c, const Data<T>& data, const std::string& what,
+                      int64 stride) {
   Data<T> padded = data;
-  for (int64 i = 0; i < c.tokens; i += 3) padded.targets[i] = -1;
+  for (int64 i = 0; i < c.tokens; i += stride) {
+    padded.targets[i] = -1;
+    padded.upstream[i] = std::numeric_limits<T>::quiet_NaN();
+  }
   VisitPlan plan;
   const std::string err = BuildVisitPlan(c.tree.view(), padded.targets.data(), c.tokens, &plan,
                                          PlanFor::kBackward, Padding::kSkip);
@@ -865,7 +871,7 @@ void CheckPadding(const Case& c, const Data<T>& data, const std::string& what) {
   Compare(what + " padded weight_rows", gpu.d_rows, ref.d_rows, rtol);
   Compare(what + " padded bias_rows", gpu.d_bias, ref.d_bias, rtol);
   HARNESS_EXPECT(gpu.row_ids == ref.row_ids, "%s padded: row ids differ", what.c_str());
-  for (int64 i = 0; i < c.tokens; i += 3) {
+  for (int64 i = 0; i < c.tokens; i += stride) {
     bool zero = gpu.log_prob[i] == T(0) && ref.log_prob[i] == 0.0;
     for (int64 d = 0; d < c.dim; ++d) {
       zero = zero && gpu.d_hidden[i * c.dim + d] == T(0) && ref.d_hidden[i * c.dim + d] == 0.0;
@@ -873,6 +879,13 @@ void CheckPadding(const Case& c, const Data<T>& data, const std::string& what) {
     HARNESS_EXPECT(zero, "%s padded: token %lld has a value or a gradient", what.c_str(),
                    static_cast<long long>(i));
   }
+}
+
+// Padding among real targets, and a batch of padding alone.
+template <typename T>
+void CheckPadding(const Case& c, const Data<T>& data, const std::string& what) {
+  CheckPaddedEvery(c, data, what + " (every third padded)", 3);
+  CheckPaddedEvery(c, data, what + " (all padded)", 1);
 }
 
 template <typename T>

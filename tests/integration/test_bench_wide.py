@@ -65,6 +65,9 @@ def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
   assert wide.parse_mixtures("32:256,3x16+128,4x8+64/75") == (
       (2, 32, 256, False, None), (3, 16, 128, True, None), (4, 8, 64, True, 75))
   assert str(wide.MixtureShape(4, 8, 64, True, 75)) == "4x8+64/75"
+  with pytest.raises(ValueError, match="tail_dim .75. is the width of the trees below a "
+                                       "shared head"):
+    wide.MixtureShape(4, 8, 64, False, 75)
   for bad, message in (("1x16:128", "2-8 trees"), ("9x16:128", "2-8 trees"),
                        ("3x1:4", "a branching of at least 2"),
                        ("ax16:128", "[TREESx]BRANCHING:HEAD or "

@@ -119,3 +119,82 @@ def _path_rows(tree, c):
   begin, end = tree.path_begin[c], tree.path_begin[c + 1]
   return np.concatenate([np.arange(tree.child_begin[n], tree.child_begin[n + 1])
                          for n in tree.path_nodes[begin:end]])
+
+
+def test_a_table_in_pieces_walks_no_path_for_padding(rng):
+  """Pieces (here a list of row ranges) take the compact path: its batch tree is built
+  from the real targets alone, and padding is -1 to the op there too. A batch of padding
+  alone still gathers class 0's path for its (non-empty) batch tree: those rows come
+  back, all zero."""
+  tree, weights, biases, hidden, targets = _problem(rng, tokens=12)
+  cut = tree.num_slots // 2
+  pieces = [tf.Variable(weights[:cut]), tf.Variable(weights[cut:])]
+  real = targets >= 0
+  for batch in (targets, -np.ones_like(targets)):
+    with tf.GradientTape() as tape:
+      out = tf_hsm.log_prob(hidden, pieces, biases, tree, batch, skip_padding=True)
+    grads = tape.gradient(out, pieces)
+    rows = np.sort(np.concatenate([np.asarray(g.indices) + offset for g, offset in
+                                   zip(grads, (0, cut)) if g is not None]))
+    kept = batch >= 0
+    np.testing.assert_array_equal(np.unique(rows), np.unique(np.concatenate(
+        [_path_rows(tree, c) for c in (batch[kept] if kept.any() else [0])])))
+    np.testing.assert_array_equal(out.numpy()[~kept], 0.0)
+  assert not any(np.asarray(g.values).any() for g in grads if g is not None)
+  out = tf_hsm.log_prob(hidden, pieces, biases, tree, targets, skip_padding=True).numpy()
+  np.testing.assert_allclose(out[real], oracle.log_prob_reference(
+      hidden[real], weights, biases, tree, targets[real])[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_padded_token_s_gradient_is_zero_whatever_its_upstream(rng):
+  """NaN or infinite upstream at padding (a 0/0 loss weight, say) gives a zero hidden
+  gradient there, as the GPU kernels, which never read it."""
+  for tree in (tf_hsm.Tree.huffman(rng.integers(1, 50, 40), 2), tf_hsm.Tree.flat(300)):
+    tokens = 200  # a wide group at the flat tree's root
+    hidden = tf.Variable(rng.normal(size=(tokens, D)).astype(np.float32))
+    weights = rng.normal(size=(tree.num_slots, D)).astype(np.float32)
+    targets = rng.integers(0, tree.num_classes, tokens)
+    targets[::3] = -1
+    upstream = np.ones(tokens, np.float32)
+    upstream[0], upstream[3] = np.nan, np.inf
+    with tf.GradientTape() as tape:
+      out = tf_hsm.log_prob(hidden, weights, None, tree, targets, skip_padding=True)
+    d_hidden = tape.gradient(out, hidden, output_gradients=tf.constant(upstream)).numpy()
+    assert not d_hidden[::3].any() and np.isfinite(d_hidden).all()
+
+
+def test_nll_loss_sgd_step_and_adam_step_skip_padding(rng):
+  tree, weights, biases, hidden, targets = _problem(rng)
+  real = targets >= 0
+  hidden = hidden.astype(np.float32)
+  weights, biases = weights.astype(np.float32), biases.astype(np.float32)
+  # nll_loss: the mean over the real tokens, their rows only.
+  losses, rows = [], []
+  for h, t, skip in ((hidden, targets, True), (hidden[real], targets[real], False)):
+    w = tf.Variable(weights)
+    with tf.GradientTape() as tape:
+      loss = tf_hsm.nll_loss(h, w, biases, tree, t, skip_padding=skip)
+    losses.append(loss.numpy())
+    rows.append(np.sort(tape.gradient(loss, w).indices.numpy()))
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+  np.testing.assert_array_equal(rows[0], rows[1])
+  # sgd_step and adam_step: the table as after a step on the real tokens alone.
+  for step in ("sgd", "adam"):
+    tables = []
+    for h, t, skip in ((hidden, targets, True), (hidden[real], targets[real], False)):
+      w, b = tf.Variable(weights), tf.Variable(biases)
+      if step == "sgd":
+        tf_hsm.sgd_step(h, w, b, tree, t, 0.5, skip_padding=skip)
+      else:
+        tf_hsm.adam_step(h, w, b, tree, t, tf_hsm.optimizers.LazyAdam(0.1),
+                         skip_padding=skip)
+      tables.append(w.numpy())
+    np.testing.assert_allclose(tables[0], tables[1], rtol=1e-6, atol=1e-7, err_msg=step)
+  # A batch of padding alone moves nothing, and counts the step.
+  w, b = tf.Variable(weights), tf.Variable(biases)
+  optimizer = tf_hsm.optimizers.LazyAdam(0.1)
+  tf_hsm.adam_step(hidden, w, b, tree, targets[real][:1].repeat(len(targets)), optimizer)
+  moved = w.numpy()
+  tf_hsm.adam_step(hidden, w, b, tree, -np.ones_like(targets), optimizer, skip_padding=True)
+  np.testing.assert_array_equal(w.numpy(), moved)
+  assert int(optimizer.iterations) == 2

@@ -209,6 +209,13 @@ class MixtureShape(collections.namedtuple("MixtureShape",
   shared head of `head` (`HierarchicalSoftmaxMixture(head=...)`), scoring a `tail_dim`
   projection of the hidden state where that is given."""
 
+  def __new__(cls, *args, **kwargs):
+    shape = super().__new__(cls, *args, **kwargs)
+    if shape.tail_dim is not None and not shape.shared:
+      raise ValueError(f"a mixture's tail_dim ({shape.tail_dim}) is the width of the trees "
+                       "below a shared head: give shared=True")
+    return shape
+
   def __str__(self):
     dim = "" if self.tail_dim is None else f"/{self.tail_dim}"
     return (f"{self.count}x{self.branching}+{self.head}{dim}" if self.shared

@@ -20,7 +20,8 @@ _UNFUSED_SETTINGS = ("amsgrad", "weight_decay", "use_ema", "gradient_accumulatio
 
 
 @inputs.accepts_ragged
-def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None):
+def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None,
+              skip_padding=False):
   """One hierarchical-softmax training step with LazyAdam's update of the table, fused.
 
   What `optimizer.apply_gradients` does with the gradient of
@@ -48,7 +49,10 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
       also updates other variables (the rest of a model, whose `apply_gradients` would
       count a second step a step) is refused.
     loss_scale: weight of each token's negative log-likelihood, targets' shape; default
-      1 / number of tokens (the mean). Zero for padding tokens.
+      1 / number of tokens (the mean). Zero for padding tokens (whose rows LazyAdam then
+      still moves on their moments), or:
+    skip_padding: whether targets < 0 are padding, as `nll_loss`'s: no path, no row
+      updated for them, the default loss_scale the mean over the other tokens.
 
   Returns:
     (log_prob, hidden_grad), as `sgd_step`: the log-probabilities before the update and
@@ -71,13 +75,15 @@ def adam_step(hidden, weights, biases, tree, targets, optimizer, loss_scale=None
     optimizer.build(variables)
   _check_own(optimizer, variables)
   targets = inputs.class_ids(targets, "targets")
-  loss_scale = training._token_weights(loss_scale, targets, hidden.dtype)  # pylint: disable=protected-access
+  loss_scale = training._token_weights(loss_scale, targets, hidden.dtype, skip_padding)  # pylint: disable=protected-access
   if not training.fused_sgd_runs_on(inputs.tf_variable(weights).device):
-    return _from_gradient(hidden, weights, biases, tree, targets, optimizer, loss_scale)
+    return _from_gradient(hidden, weights, biases, tree, targets, optimizer, loss_scale,
+                          skip_padding)
   moments = [m for v in variables for m in _slots(optimizer, v)]
   log_probs, hidden_grad = fused.adam_rows_step(
       hidden, weights, biases, tree, targets, moments,
-      optimizer.row_constants(hidden.dtype, optimizer.learning_rate), loss_scale)
+      optimizer.row_constants(hidden.dtype, optimizer.learning_rate), loss_scale,
+      skip_padding)
   with tf.control_dependencies([log_probs, hidden_grad]):
     optimizer.iterations.assign_add(1)
   return log_probs, hidden_grad
@@ -208,12 +214,13 @@ def _slots(optimizer, variable):
   return [optimizer._momentums[index], optimizer._velocities[index]]  # pylint: disable=protected-access
 
 
-def _from_gradient(hidden, weights, biases, tree, targets, optimizer, loss_scale):
+def _from_gradient(hidden, weights, biases, tree, targets, optimizer, loss_scale,
+                   skip_padding):
   """adam_step where the fused op does not run: log_prob's gradient, then
   `optimizer.apply_gradients` (which counts the step)."""
   with tf.GradientTape() as tape:
     tape.watch(hidden)
-    log_probs = training.log_prob(hidden, weights, biases, tree, targets)
+    log_probs = training.log_prob(hidden, weights, biases, tree, targets, skip_padding)
     loss = -tf.reduce_sum(loss_scale * log_probs)
   variables = _table_variables(weights, biases)
   hidden_grad, *table_grads = tape.gradient(loss, [hidden] + variables)

@@ -12,7 +12,7 @@ from tf_hsm.ops import training
 
 
 def adam_rows_step(hidden, weights, biases, tree, targets, moments, constants,
-                   loss_scale):
+                   loss_scale, skip_padding=False):
   """(log_prob, hidden_grad) of one fused step on the CPU.
 
   Args:
@@ -25,10 +25,11 @@ def adam_rows_step(hidden, weights, biases, tree, targets, moments, constants,
     constants: (alpha, 1 - beta_1, 1 - beta_2, epsilon) in hidden's dtype.
     loss_scale: each token's weight in loss = -sum(loss_scale * log_prob), targets'
       shape.
+    skip_padding: whether targets < 0 are padding (no path, no update).
   """
   log_probs, hidden_grad = loader.ops().hsm_adam_step(
       *_step_inputs(hidden, weights, biases, tree, targets, moments, constants,
-                    loss_scale), use_bias=biases is not None)
+                    loss_scale), use_bias=biases is not None, skip_padding=skip_padding)
   return log_probs, training._first_order_only(hidden_grad)  # pylint: disable=protected-access
 
 

@@ -6,29 +6,24 @@ from tf_hsm.ops import compact as compact_tables
 from tf_hsm.ops import inputs
 from tf_hsm.ops import loader
 def _table_rows(tree, weights, biases, targets, skip_padding=False):
-  """(weights, biases, tree_inputs, targets, skip_padding) for the ops: the tree's own
-  tensors and the tables as given, or, where a table is held in pieces (a
-  `ShardedVariable` or a list of row ranges), the compact rows of the batch's paths and
-  the batch tree over them (`tf_hsm.ops.compact`). The batch tree holds the paths of
-  classes only: there padding (targets < 0) walks class 0's path, and the op's
-  skip_padding is off (the caller zeroes those tokens' values, `_zero_padding`)."""
+  """(weights, biases, tree_inputs, targets) for the ops: the tree's own tensors and the
+  tables as given, or, where a table is held in pieces (a `ShardedVariable`, a list of
+  row ranges, a row layout), the compact rows of the batch's paths and the batch tree
+  over them (`tf_hsm.ops.compact`). With `skip_padding` the batch tree holds the real
+  targets' paths alone: padding takes a real target's place in it (class 0's where the
+  batch has none) and is -1 to the op, which walks nothing for it."""
   t = inputs.tree_tensors(tree)
   targets = inputs.class_ids(targets, "targets")
-  if compact_tables.is_split(weights, biases):
-    if skip_padding:
-      targets = tf.where(targets >= 0, targets, tf.zeros_like(targets))
-    return compact_tables.compact_inputs(tree, t, weights, biases, targets,
-                                         "targets") + (False,)
-  return (weights, biases, (t["child_begin"], t["path_begin"], t["path_nodes"],
-                            t["path_slots"]), targets, skip_padding)
-
-
-def _zero_padding(log_probs, targets, skip_padding, skipped):
-  """`log_probs` with 0 at padding where the op walked it anyway (`_table_rows`)."""
-  if not skip_padding or skipped:
-    return log_probs
-  return tf.where(inputs.class_ids(targets, "targets") >= 0, log_probs,
-                  tf.zeros_like(log_probs))
+  if not compact_tables.is_split(weights, biases):
+    return (weights, biases, (t["child_begin"], t["path_begin"], t["path_nodes"],
+                              t["path_slots"]), targets)
+  if not skip_padding:
+    return compact_tables.compact_inputs(tree, t, weights, biases, targets, "targets")
+  real = targets >= 0
+  stand_in = tf.maximum(tf.reduce_max(tf.where(real, targets, -tf.ones_like(targets))), 0)
+  weights, biases, tree_inputs, compact = compact_tables.compact_inputs(
+      tree, t, weights, biases, tf.where(real, targets, stand_in), "targets")
+  return weights, biases, tree_inputs, tf.where(real, compact, -tf.ones_like(compact))
 
 
 @inputs.accepts_ragged
@@ -48,7 +43,9 @@ def log_prob(hidden, weights, biases, tree, targets, skip_padding=False):
     targets: int32/int64 class ids with hidden's leading shape.
     skip_padding: whether targets < 0 are padding: log-probability 0, no path walked,
       no gradient (no weight row is in the gradient for a padded token alone, so a
-      LazyAdam moves none on its moments). Default False: they are an error.
+      LazyAdam moves none on its moments; but a table in pieces, given a batch of
+      padding alone, still gathers class 0's path, whose rows then come back all zero).
+      Default False: they are an error.
 
   Returns:
     log-probabilities with the shape of `targets` and the dtype of `hidden`.
@@ -70,18 +67,17 @@ def log_prob(hidden, weights, biases, tree, targets, skip_padding=False):
       [0, num_classes) (>= num_classes with skip_padding), shape mismatches, malformed
       tree tensors.
   """
-  given = targets
-  weights, biases, tree_inputs, targets, skip = _table_rows(tree, weights, biases, targets,
-                                                            skip_padding)
+  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets,
+                                                      skip_padding)
   hidden, weights, biases, out_dtype = inputs.dense_inputs(hidden, weights, biases)
   if tf.config.list_logical_devices("GPU") or not inputs.gradient_may_follow():
     # Nothing worth keeping when no tape can record.
     result = loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs,
-                                       skip_padding=skip)
+                                       skip_padding=skip_padding)
   else:
     result = loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
-                                                      *tree_inputs, skip_padding=skip)[0]
-  result = _zero_padding(result, given, skip_padding, skip)
+                                                      *tree_inputs,
+                                                      skip_padding=skip_padding)[0]
   return tf.cast(result, out_dtype) if result.dtype != out_dtype else result
 
 
@@ -90,11 +86,11 @@ def log_prob_and_saved(hidden, weights, biases, tree, targets, skip_padding=Fals
   a fused step after the forward pass reads instead of computing again (both saved
   tensors empty where too many to keep). hidden and the tables of one float type, one
   variable each (never in pieces)."""
-  weights, biases, tree_inputs, targets, skip = _table_rows(tree, weights, biases, targets,
-                                                            skip_padding)
+  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets,
+                                                      skip_padding)
   hidden, weights, biases, _ = inputs.dense_inputs(hidden, weights, biases)
   return loader.ops().hsm_log_prob_saving_logits(hidden, weights, biases, targets,
-                                                  *tree_inputs, skip_padding=skip)
+                                                  *tree_inputs, skip_padding=skip_padding)
 
 
 @tf.RegisterGradient("Hsm>LogProb")
@@ -166,10 +162,12 @@ tf.no_gradient("Hsm>LogProbGrad")
 tf.no_gradient("Hsm>LogProbGradFromLogits")
 
 
-def _token_weights(loss_scale, targets, dtype):
-  """loss_scale broadcast to targets' shape; by default 1 / number of tokens (the mean)."""
+def _token_weights(loss_scale, targets, dtype, skip_padding=False):
+  """loss_scale broadcast to targets' shape; by default 1 / number of tokens (the mean),
+  of the real tokens (targets >= 0) with `skip_padding`."""
   if loss_scale is None:
-    count = tf.cast(tf.size(targets), dtype)
+    count = tf.cast(tf.size(targets), dtype) if not skip_padding else tf.reduce_sum(
+        tf.cast(targets >= 0, dtype))
     return tf.fill(tf.shape(targets), 1.0 / tf.maximum(count, 1.0))
   scale = inputs.number_arg(loss_scale, dtype, "loss_scale", scalar=False)
   try:
@@ -184,7 +182,7 @@ def _token_weights(loss_scale, targets, dtype):
 
 
 @inputs.accepts_ragged
-def nll_loss(hidden, weights, biases, tree, targets, loss_scale=None):
+def nll_loss(hidden, weights, biases, tree, targets, loss_scale=None, skip_padding=False):
   """The training loss -sum(loss_scale * log_prob), computed with its gradient in one pass.
 
   The value equals `-tf.reduce_sum(loss_scale * log_prob(...))` up to rounding, and its
@@ -207,7 +205,9 @@ def nll_loss(hidden, weights, biases, tree, targets, loss_scale=None):
     targets: int32/int64 class ids with hidden's leading shape.
     loss_scale: weight of each token's negative log-likelihood, broadcastable to targets'
       shape; default 1 / number of tokens (the mean). Zero for padding tokens (whose
-      targets must still be valid class ids).
+      targets must then still be valid class ids), or:
+    skip_padding: whether targets < 0 are padding, as `log_prob`'s: no work, no
+      gradient row, and the default loss_scale the mean over the other tokens.
 
   Returns:
     The scalar loss, in the weights' dtype.
@@ -215,19 +215,22 @@ def nll_loss(hidden, weights, biases, tree, targets, loss_scale=None):
   Raises:
     as `log_prob`.
   """
-  weights, biases, tree_inputs, targets, _ = _table_rows(tree, weights, biases, targets)
+  weights, biases, tree_inputs, targets = _table_rows(tree, weights, biases, targets,
+                                                      skip_padding)
   hidden, weights, biases, _ = inputs.dense_inputs(hidden, weights, biases)
-  scale = _token_weights(loss_scale, targets, weights.dtype)
+  scale = _token_weights(loss_scale, targets, weights.dtype, skip_padding)
   if tf.config.list_logical_devices("GPU"):
-    log_probs = loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs)
+    log_probs = loader.ops().hsm_log_prob(hidden, weights, biases, targets, *tree_inputs,
+                                          skip_padding=skip_padding)
   else:
     log_probs = _log_probs_with_gradient(hidden, weights, biases, targets, tree_inputs,
-                                         tf.negative(scale))
+                                         tf.negative(scale), skip_padding)
   # d loss / d log_probs = -scale exactly: the upstream the op was given.
   return tf.negative(tf.reduce_sum(scale * log_probs))
 
 
-def _log_probs_with_gradient(hidden, weights, biases, targets, tree_inputs, expected):
+def _log_probs_with_gradient(hidden, weights, biases, targets, tree_inputs, expected,
+                             skip_padding):
   """Hsm>LogProbAndGrad's log-probabilities, differentiable through its own gradient
   outputs (_log_prob_and_grad_grad). The op runs inside a custom gradient whose only
   output is the log-probabilities: recorded as the op itself, its four gradient outputs
@@ -238,12 +241,13 @@ def _log_probs_with_gradient(hidden, weights, biases, targets, tree_inputs, expe
   @tf.custom_gradient
   def log_probs_of(hidden, weights, biases):
     outputs.extend(loader.ops().hsm_log_prob_and_grad(hidden, weights, biases, targets,
-                                                      *tree_inputs, expected))
+                                                      *tree_inputs, expected,
+                                                      skip_padding=skip_padding))
 
     def gradient(upstream):
       grads = _own_or_recomputed(upstream, expected, outputs[1:], lambda: (
           loader.ops().hsm_log_prob_grad(hidden, weights, biases, targets, *tree_inputs,
-                                         upstream)))
+                                         upstream, skip_padding=skip_padding)))
       return _input_grads(weights, biases, *grads)
 
     return tf.identity(outputs[0]), gradient
@@ -275,7 +279,8 @@ def _log_prob_and_grad_grad(op, upstream, *unused_output_grads):
 
 
 @inputs.accepts_ragged
-def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=None):
+def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=None,
+             skip_padding=False):
   """One fused hierarchical-softmax training step with in-place SGD on the table.
 
   Computes log P(targets | hidden), then updates every visited weight row (and bias) in
@@ -293,7 +298,8 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
     targets: int32/int64 class ids with hidden's leading shape.
     learning_rate: scalar.
     loss_scale: weight of each token's negative log-likelihood, targets' shape; default
-      1 / number of tokens (the mean). Zero for padding tokens.
+      1 / number of tokens (the mean). Zero for padding tokens, or:
+    skip_padding: whether targets < 0 are padding, as `nll_loss`'s.
 
   Returns:
     (log_prob, hidden_grad): log-probabilities before the update (targets' shape) and
@@ -313,7 +319,7 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
   if hidden.dtype not in inputs.FLOAT_TYPES:
     raise TypeError(f"hidden must be float32 or float64, got {hidden.dtype.name}")
   targets = inputs.class_ids(targets, "targets")
-  loss_scale = _token_weights(loss_scale, targets, hidden.dtype)
+  loss_scale = _token_weights(loss_scale, targets, hidden.dtype, skip_padding)
   if compact_tables.is_split(weights, biases):
     raise TypeError("sgd_step updates one variable in place; for a table held in pieces "
                     "(a ShardedVariable or a list of row ranges) use nll_loss with "
@@ -324,13 +330,13 @@ def sgd_step(hidden, weights, biases, tree, targets, learning_rate, loss_scale=N
     tree_inputs = (t["child_begin"], t["path_begin"], t["path_nodes"], t["path_slots"])
     log_probs, hidden_grad = sgd_step_from_gradient(
         hidden, weights, biases, tree_inputs, targets, loss_scale,
-        inputs.number_arg(learning_rate, hidden.dtype, "learning_rate"))
+        inputs.number_arg(learning_rate, hidden.dtype, "learning_rate"), skip_padding)
     return log_probs, _first_order_only(hidden_grad)
   log_probs, hidden_grad = loader.ops().hsm_sgd_step(
       hidden, weights_handle, biases_handle, targets, t["child_begin"], t["path_begin"],
       t["path_nodes"], t["path_slots"], loss_scale,
       inputs.number_arg(learning_rate, hidden.dtype, "learning_rate"),
-      use_bias=biases is not None)
+      use_bias=biases is not None, skip_padding=skip_padding)
   return log_probs, _first_order_only(hidden_grad)
 
 
@@ -346,7 +352,7 @@ def fused_sgd_runs_on(device):
 
 
 def sgd_step_from_gradient(hidden, weights, biases, tree_inputs, targets, loss_scale,
-                           learning_rate):
+                           learning_rate, skip_padding=False):
   """sgd_step for a table on a device without the fused op (a GPU): Hsm>LogProb and
   Hsm>LogProbGrad with upstream -loss_scale, which have kernels there, then
   W[s] -= learning_rate * dW[s] (and the biases alike) by a scatter on the touched rows.
@@ -362,9 +368,11 @@ def sgd_step_from_gradient(hidden, weights, biases, tree_inputs, targets, loss_s
   bias_table = None if biases is None else inputs.tf_variable(biases)
   hidden, weight_values, bias_values, _ = inputs.dense_inputs(hidden, table, bias_table)
   ops = loader.ops()
-  log_probs = ops.hsm_log_prob(hidden, weight_values, bias_values, targets, *tree_inputs)
+  log_probs = ops.hsm_log_prob(hidden, weight_values, bias_values, targets, *tree_inputs,
+                               skip_padding=skip_padding)
   hidden_grad, weight_rows, bias_rows, row_ids = ops.hsm_log_prob_grad(
-      hidden, weight_values, bias_values, targets, *tree_inputs, tf.negative(loss_scale))
+      hidden, weight_values, bias_values, targets, *tree_inputs, tf.negative(loss_scale),
+      skip_padding=skip_padding)
   with tf.control_dependencies([log_probs, hidden_grad]):
     table.scatter_sub(tf.IndexedSlices(learning_rate * weight_rows, row_ids))
     if bias_table is not None:
