@@ -76,6 +76,9 @@ ROWS = {
                                                     "--branching", "16", "--head", "128",
                                                     "--mixture", "4"]),
     # The same trees over the classes below one shared head (--shared-head).
+    "mixture16_shared128": ("mixture16_shared128", [
+        "--models", "hsm", "--tree", "context", "--branching", "16", "--head", "128",
+        "--mixture", "--shared-head"]),
     "mixture3x16_shared128": ("mixture3x16_shared128", [
         "--models", "hsm", "--tree", "context", "--branching", "16", "--head", "128",
         "--mixture", "3", "--shared-head"]),

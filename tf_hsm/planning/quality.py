@@ -180,6 +180,8 @@ EVIDENCE = (
            _CPU_MIXTURE.format("linux-comments", 16, 128, " 3", 27)),
     Figure("mixture4x16_head128", LINUX_EPOCH, 101.57,
            _CPU_MIXTURE.format("linux-comments", 16, 128, " 4", 27)),
+    Figure("mixture16_shared128", LINUX_EPOCH, 105.36,
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " --shared-head", 27)),
     Figure("mixture3x16_shared128", LINUX_EPOCH, 103.35,
            _CPU_MIXTURE.format("linux-comments", 16, 128, " 3 --shared-head", 27)),
     Figure("mixture4x16_shared128", LINUX_EPOCH, 103.36,
@@ -226,6 +228,9 @@ KINDS = {
     "mixture4x16_head128": "HierarchicalSoftmaxMixture of four trees from contexts (left "
                            "and right, then both again clustered from another seed), "
                            "each a head of 128 over 16-ary clusters",
+    "mixture16_shared128": "HierarchicalSoftmaxMixture(head=...): the 128 most frequent "
+                           "classes one softmax shared by two 16-ary trees from contexts "
+                           "(left and right) over the other classes",
     "mixture3x16_shared128": "HierarchicalSoftmaxMixture(head=...): the 128 most frequent "
                              "classes one softmax shared by three 16-ary trees from "
                              "contexts (left, right, left from another seed) over the "

@@ -48,7 +48,8 @@ TREES = HSM_TREES + ("learned",) + VECTOR_TREES
 # tail's tokens only.
 CONTEXT_TREES = ("context32_head256",)
 MIXTURE_TREES = ("mixture32_head256", "mixture16_head128", "mixture3x16_head128",
-                 "mixture4x16_head128", "mixture3x16_shared128", "mixture4x16_shared128")
+                 "mixture4x16_head128", "mixture16_shared128", "mixture3x16_shared128",
+                 "mixture4x16_shared128")
 # A context row's name: (context|vectors|mixture[Nx])K_headH or mixture[Nx]K_sharedH.
 _HEAD_TREE_NAME = r"(context|vectors|mixture(\d+x)?)\d+_head\d+|mixture(\d+x)?\d+_shared\d+"
 LEARNED_HEAD = 128
