@@ -94,3 +94,24 @@ def test_targets_are_zipf_over_the_classes():
   assert counts[classes - 1] <= 5
   head = np.sum(1.0 / np.arange(1, 129)) / harmonic  # the 128 most frequent: ~38%
   assert abs(np.mean(targets < 128) - head) < 0.01
+
+
+def test_padding_bench_times_the_four_steps_on_one_batch():
+  """tf_hsm.bench.padding's case on a small tree: each step's loss is the real tokens'
+  summed NLL, the same for padding walked and skipped."""
+  from tf_hsm.bench import cases, padding
+  import numpy as np
+  import tf_hsm
+  tree = tf_hsm.Tree.huffman(cases.zipf_weights(60), 4)
+  result = padding.padding_case("small", tree, 60, 0.3, 1, np.random.default_rng(3))
+  assert set(result["ms"]) == {"no padding", "no padding, skip_padding",
+                               "padding walked as class 0", "padding skipped"}
+  assert all(v > 0 for v in result["ms"].values())
+  assert result["speed-up from skipping"] > 0 and result["case"].endswith("30% padding")
+  assert result["same losses"]
+
+
+def test_padding_bench_refuses_a_fraction_outside_0_1():
+  done = subprocess.run([sys.executable, "-m", "tf_hsm.bench.padding", "--padding", "1"],
+                        capture_output=True, text=True, cwd=support.REPO, timeout=120)
+  assert done.returncode == 2 and "--padding in [0, 1)" in done.stderr

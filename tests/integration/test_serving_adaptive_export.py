@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tf_hsm
 from tf_hsm import serving
-from test_serving_export import run_serving
+from test_serving_export import run_serving, sample_request
 
 DIM = 8
 CLASSES = 60
@@ -91,12 +91,9 @@ def test_bad_input_at_the_adaptive_signatures(exported):
   nan = e["hidden"].copy()
   nan[2, 3] = np.nan
 
-  def sample(temperature, hidden=e["hidden"]):
-    return {"hidden": hidden, "seed": np.array(5, np.int64),
-            "temperature": np.array(temperature, np.float32)}
-
-  requests = {"nan/top_k": {"hidden": nan}, "nan/sample": sample(1.0, nan),
-              "zero/sample": sample(0.0), "tiny/sample": sample(1e-30),
+  requests = {"nan/top_k": {"hidden": nan}, "nan/sample": sample_request(hidden=nan),
+              "zero/sample": sample_request(temperature=0.0, hidden=e["hidden"]),
+              "tiny/sample": sample_request(temperature=1e-30, hidden=e["hidden"]),
               "narrow/log_prob": {"hidden": e["hidden"][:, :5], "targets": e["targets"]},
               "short/log_prob": {"hidden": e["hidden"], "targets": e["targets"][:5]}}
   for mode in ("tf", "xla"):

@@ -44,6 +44,13 @@ def run_serving(mode, model_path, requests, workdir, timeout=300):
     return dict(f.items())
 
 
+def sample_request(seed=5, temperature=1.0, **features):
+  """A request to the "sample" signature: the features, `seed` int64 and `temperature`
+  float32 scalars."""
+  return dict(features, seed=np.array(seed, np.int64),
+              temperature=np.array(temperature, np.float32))
+
+
 def _path_slots(tree, c):
   """The slots (edges) on the path from the root to class c."""
   slots = [int(tree.class_slot[c])]
@@ -131,8 +138,7 @@ def _requests(e, extra=True):
               "log_prob": {"tokens": e["tokens"], "targets": e["targets"]}}
   if extra:
     requests["log_prob_all"] = {"tokens": e["tokens"]}
-    requests["sample"] = {"tokens": e["tokens"], "seed": np.array(3, np.int64),
-                          "temperature": np.array(1.0, np.float32)}
+    requests["sample"] = sample_request(3, tokens=e["tokens"])
   return requests
 
 

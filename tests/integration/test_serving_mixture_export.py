@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_hsm
 from tf_hsm import serving
 from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture
-from test_serving_export import run_serving
+from test_serving_export import run_serving, sample_request
 
 DIM = 8
 CLASSES = 50
@@ -86,8 +86,7 @@ def test_the_sample_signature_draws_the_mixture_s_distribution(exported):
   e = exported
   draws = 40_000
   hidden = np.repeat(e["hidden"][2:3], draws, 0)
-  requests = {"sample": {"hidden": hidden, "seed": np.array(11, np.int64),
-                         "temperature": np.array(1.0, np.float32)}}
+  requests = {"sample": sample_request(11, hidden=hidden)}
   out = run_serving("tf", e["path"], requests, e["folder"])
   drawn = out["sample/classes"]
   assert drawn.min() >= 0 and drawn.max() < CLASSES
@@ -95,9 +94,8 @@ def test_the_sample_signature_draws_the_mixture_s_distribution(exported):
   got = np.bincount(drawn, minlength=CLASSES) / draws
   bound = 4.5 * np.sqrt(want * (1 - want) / draws) + 1e-4
   assert np.all(np.abs(got - want) <= bound), np.abs(got - want) / bound
-  again = run_serving("tf", e["path"], {"sample": {
-      "hidden": hidden[:50], "seed": np.array(11, np.int64),
-      "temperature": np.array(1.0, np.float32)}}, e["folder"])
+  again = run_serving("tf", e["path"], {"sample": sample_request(11, hidden=hidden[:50])},
+                      e["folder"])
   np.testing.assert_array_equal(again["sample/classes"], drawn[:50])
 
 
@@ -115,12 +113,8 @@ def test_bad_input_at_the_mixture_s_signatures(exported):
   nan = e["hidden"].copy()
   nan[3, 1] = np.nan
 
-  def sample(temperature, hidden=e["hidden"]):
-    return {"hidden": hidden, "seed": np.array(5, np.int64),
-            "temperature": np.array(temperature, np.float32)}
-
-  requests = {"nan/top_k": {"hidden": nan}, "nan/sample": sample(1.0, nan),
-              "zero/sample": sample(0.0),
+  requests = {"nan/top_k": {"hidden": nan}, "nan/sample": sample_request(hidden=nan),
+              "zero/sample": sample_request(temperature=0.0, hidden=e["hidden"]),
               "big/log_prob": {"hidden": e["hidden"],
                                "targets": np.full(ROWS, CLASSES, np.int32)}}
   out = run_serving("tf", e["path"], requests, e["folder"])

@@ -8,8 +8,6 @@ says that runtime does. Then Hypothesis draws shapes, temperatures and NaN posit
 against the SavedModel loaded here.
 """
 
-import os
-
 import keras
 import numpy as np
 import pytest

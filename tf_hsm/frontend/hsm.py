@@ -89,6 +89,7 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=(),
                        "process first (tf_hsm.distribute.checkpoint)")
     out = stock_hsm.log_prob(hidden_in(hidden, kernel.dtype), kernel, bias, tree,
                              tf.where(valid, targets, tf.zeros_like(targets)))
+    out = tf.where(valid, out, tf.zeros_like(out))  # it walked class 0's path there
   else:
     # Padding is -1 to the op, which walks no path for it: no work, and no weight row in
     # the gradient for it alone (which a LazyAdam would move on its moments).
@@ -96,7 +97,6 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=(),
     out = (op or log_prob)(hidden_in(hidden, kernel.dtype),
                            *tables(kernel, bias, row_layout), tree, padded_targets,
                            skip_padding=True)
-  out = tf.where(valid, out, tf.zeros_like(out))
   out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
   if layer is not None:
     attach_source(out, layer, hidden, targets)

@@ -9,11 +9,8 @@ layer itself with `tf_hsm.serving`'s stock-op functions on copies of its weights
 
 import tensorflow as tf
 
-from tf_hsm.serving import adaptive as adaptive_serving
 from tf_hsm.serving import checks
-from tf_hsm.serving import hsm
-from tf_hsm.serving import mixture as mixture_serving
-from tf_hsm.serving._tree import StockTree
+from tf_hsm.serving.served import served_kind, served_layer
 
 __all__ = ["export", "ModelCut", "ServingModule", "LOG_PROB_ALL_MAX_CLASSES"]
 
@@ -21,26 +18,9 @@ __all__ = ["export", "ModelCut", "ServingModule", "LOG_PROB_ALL_MAX_CLASSES"]
 # per row (4 MB a row at 1M classes), and its one matmul reads the whole table.
 LOG_PROB_ALL_MAX_CLASSES = 1_000_000
 
-_HSM, _ADAPTIVE, _MIXTURE = ("HierarchicalSoftmax", "AdaptiveSoftmax",
-                             "HierarchicalSoftmaxMixture")
-
-
-def _kind(layer):
-  """"hsm", "adaptive", "mixture" or None, by class name along the MRO (no tf_hsm import
-  here)."""
-  for cls in type(layer).__mro__:
-    if cls.__name__ == _HSM and hasattr(layer, "tree"):
-      return "hsm"
-    if cls.__name__ == _ADAPTIVE and hasattr(layer, "cluster_ranges"):
-      return "adaptive"
-    if cls.__name__ == _MIXTURE and hasattr(layer, "components"):
-      return "mixture"
-  return None
-
-
 def _find_layer(model):
   layers = list(_all_layers(model))
-  found = [layer for layer in layers if _kind(layer) is not None]
+  found = [layer for layer in layers if served_kind(layer) is not None]
   if not found:
     raise ValueError("export needs a model with a tf_hsm HierarchicalSoftmax, "
                      "AdaptiveSoftmax or HierarchicalSoftmaxMixture layer; found none")
@@ -55,12 +35,6 @@ def _all_layers(model):
     yield layer
     if hasattr(layer, "layers") and layer is not model:
       yield from _all_layers(layer)
-
-
-def _variable(value, name):
-  value = value.value if hasattr(value, "value") and not isinstance(value, tf.Variable) \
-      else value
-  return tf.Variable(tf.convert_to_tensor(value), trainable=False, name=name)
 
 
 def _tf_variables(layers_variables):
@@ -115,7 +89,7 @@ class ModelCut:
   def __init__(self, model):
     checks.check_model(model)
     layer = _find_layer(model)
-    self.layer, self.kind = layer, _kind(layer)
+    self.layer, self.kind = layer, served_kind(layer)
     self.ignore_class = _ignore_class(layer)
     nodes = getattr(layer, "_inbound_nodes", [])
     if len(nodes) != 1:
@@ -197,45 +171,13 @@ class ServingModule(tf.Module):
     self.input_names = [t.name for t in inputs]
     self._model_shapes = [list(t.shape) for t in inputs]
     self._specs = [checks.signature_spec(t) for t in inputs]
-    {"hsm": self._init_hsm, "adaptive": self._init_adaptive,
-     "mixture": self._init_mixture}[self.kind](layer)
+    self.served = served_layer(layer)
+    self.num_classes, self.dtype = self.served.num_classes, self.served.dtype
     # An AdaptiveSoftmax with a class_order ranks the classes of the order only.
-    self.k = min(k, self._adaptive.num_classes if self.kind == "adaptive" else
-                 self.num_classes)
-    self.dtype = tf.as_dtype({"hsm": lambda: layer.kernel, "adaptive": lambda: layer.head_kernel,
-                              "mixture": lambda: layer.gate_kernel}[self.kind]().dtype)
+    self.k = min(k, self.served.rankable_classes)
     if log_prob_all is None:
       log_prob_all = self.num_classes <= LOG_PROB_ALL_MAX_CLASSES
     self._signatures = self._make_signatures(log_prob_all, sample, max_exclude)
-
-  def _init_hsm(self, layer):
-    if getattr(layer, "row_layout", None) is not None:
-      raise ValueError("export does not serve a HierarchicalSoftmax with a row_layout")
-    self.num_classes = layer.tree.num_classes
-    self._tree = StockTree(layer.tree)
-    self.weights_table = _variable(layer.kernel, "kernel")
-    self.bias_table = None if layer.bias is None else _variable(layer.bias, "bias")
-
-  def _init_adaptive(self, layer):
-    self.num_classes = layer.num_classes
-    w = adaptive_serving.AdaptiveWeights.from_layer(layer)
-    self._adaptive = adaptive_serving.AdaptiveWeights(
-        w.num_classes, w.cutoffs, _variable(w.head_kernel, "head_kernel"),
-        None if w.head_bias is None else _variable(w.head_bias, "head_bias"),
-        [_variable(p, f"tail_projection_{i}") for i, p in enumerate(w.projections)],
-        [_variable(t, f"tail_kernel_{i}") for i, t in enumerate(w.tail_kernels)],
-        [None if b is None else _variable(b, f"tail_bias_{i}")
-         for i, b in enumerate(w.tail_biases)],
-        w.tail_trees, w.class_order)
-    self.adaptive_variables = [v for v in
-                               [self._adaptive.head_kernel, self._adaptive.head_bias]
-                               + self._adaptive.projections + self._adaptive.tail_kernels
-                               + self._adaptive.tail_biases if v is not None]
-
-  def _init_mixture(self, layer):
-    self.num_classes = layer.num_classes
-    self._mixture = mixture_serving.MixtureWeights.from_layer(layer, _variable)
-    self.mixture_variables = self._mixture.variables()  # saved, each once
 
   # ------------------------------------------------------------------ the computations
 
@@ -251,13 +193,7 @@ class ServingModule(tf.Module):
     return [kwargs[n] for i, n in enumerate(self.input_names) if i != self._target_index]
 
   def _top_k(self, hidden, exclude=None):
-    exclude = self._with_ignored(exclude)
-    if self.kind == "hsm":
-      return hsm.top_k(hidden, self.weights_table, self.bias_table, self._tree, self.k,
-                       exclude=exclude)
-    if self.kind == "mixture":
-      return mixture_serving.top_k(self._mixture, hidden, self.k, exclude=exclude)
-    return adaptive_serving.adaptive_top_k(self._adaptive, hidden, self.k, exclude=exclude)
+    return self.served.top_k(hidden, self.k, exclude=self._with_ignored(exclude))
 
   def _with_ignored(self, exclude):
     """`exclude` ([..., n] int64, or None) with the layer's ignore_class added to every
@@ -269,28 +205,6 @@ class ServingModule(tf.Module):
     ignored = tf.fill(tf.concat([tf.shape(exclude)[:-1], [1]], 0),
                       tf.constant(self.ignore_class, tf.int64))
     return tf.concat([exclude, ignored], -1)
-
-  def _log_prob(self, hidden, targets):
-    if self.kind == "hsm":
-      return hsm.log_prob(hidden, self.weights_table, self.bias_table, self._tree, targets)
-    if self.kind == "mixture":
-      return mixture_serving.log_prob(self._mixture, hidden, targets)
-    return adaptive_serving.adaptive_log_prob(self._adaptive, hidden, targets)
-
-  def _log_prob_all(self, hidden):
-    if self.kind == "hsm":
-      return hsm.log_prob_all(hidden, self.weights_table, self.bias_table, self._tree)
-    if self.kind == "mixture":
-      return mixture_serving.log_prob_all(self._mixture, hidden)
-    return adaptive_serving.adaptive_log_prob_all(self._adaptive, hidden)
-
-  def _sample(self, hidden, seed, temperature):
-    if self.kind == "hsm":
-      return hsm.sample(hidden, self.weights_table, self.bias_table, self._tree, seed,
-                        temperature)
-    if self.kind == "mixture":
-      return mixture_serving.sample(self._mixture, hidden, seed, temperature)
-    return adaptive_serving.adaptive_sample(self._adaptive, hidden, seed, temperature)
 
   # ------------------------------------------------------------------ signatures
 
@@ -327,16 +241,16 @@ class ServingModule(tf.Module):
                          targets)
     if mask is not None:
       targets = tf.where(tf.cast(mask, tf.bool), targets, -tf.ones_like(targets))
-    return {"log_prob": self._log_prob(hidden, targets)}
+    return {"log_prob": self.served.log_prob(hidden, targets)}
 
   def _log_prob_all_fn(self, *features):
     hidden, _ = self._hidden(self._checked(features, self._feature_indices))
-    return {"log_probs": self._log_prob_all(hidden)}
+    return {"log_probs": self.served.log_prob_all(hidden)}
 
   def _sample_fn(self, *args):
     features, seed, temperature = list(args[:-2]), args[-2], args[-1]
     hidden, _ = self._hidden(self._checked(features, self._feature_indices))
-    return {"classes": self._sample(hidden, seed, temperature)}
+    return {"classes": self.served.sample(hidden, seed, temperature)}
 
   def _make_signatures(self, with_log_prob_all, with_sample, max_exclude):
     all_names = [s.name for s in self._specs]

@@ -85,15 +85,18 @@ class MixtureWeights:
     return [v for v in found if v is not None]
 
   def inputs(self, hidden):
-    """(hidden in the tables' dtype, what the trees score, log pi [..., K])."""
+    """(hidden in the tables' dtype, what the trees score)."""
     dtype = self.gate_kernel.dtype
     hidden = tf.convert_to_tensor(hidden)
     if hidden.dtype != dtype:
       hidden = tf.cast(hidden, dtype)
     scored = hidden if self.tail_projection is None else tf.tensordot(
         hidden, tf.convert_to_tensor(self.tail_projection), 1)
-    log_gate = tf.nn.log_softmax(self.gate_logits(hidden), -1)
-    return hidden, scored, log_gate
+    return hidden, scored
+
+  def log_gate(self, hidden):
+    """log pi(hidden), `[..., K]`."""
+    return tf.nn.log_softmax(self.gate_logits(hidden), -1)
 
   def gate_logits(self, hidden):
     return tf.tensordot(hidden, tf.convert_to_tensor(self.gate_kernel), 1) + self.gate_bias
@@ -105,7 +108,8 @@ class MixtureWeights:
 def log_prob(weights, hidden, targets):
   """log P(targets | hidden), `[...]`: targets < 0 are padding (0), targets >=
   num_classes NaN (`export` checks them where TensorFlow runs)."""
-  hidden, scored, log_gate = weights.inputs(hidden)
+  hidden, scored = weights.inputs(hidden)
+  log_gate = weights.log_gate(hidden)
   targets = tf.cast(tf.convert_to_tensor(targets), tf.int64)
   valid = tf.logical_and(targets >= 0, targets < weights.num_classes)
   tree_targets, head_lp = targets, None
@@ -130,7 +134,8 @@ def log_prob(weights, hidden, targets):
 
 def log_prob_all(weights, hidden):
   """log P(c | hidden) for every class c: `[..., num_classes]`."""
-  hidden, scored, log_gate = weights.inputs(hidden)
+  hidden, scored = weights.inputs(hidden)
+  log_gate = weights.log_gate(hidden)
   parts = tf.stack([hsm.log_prob_all(scored, w, b, t) for w, b, t in weights.components()],
                    -1)
   mixed = tf.reduce_logsumexp(parts + log_gate[..., None, :], -1)
@@ -178,7 +183,7 @@ def sample(weights, hidden, seed, temperature=1.0):
   divided by the temperature, from (seed, -1)), a class from that tree (`hsm.sample`,
   seeded by `_part_seed`), and with a head the head's slot first. -1 where a row has no
   distribution (a NaN or infinite gate logit, or a part's -1)."""
-  hidden, scored, _ = weights.inputs(hidden)
+  hidden, scored = weights.inputs(hidden)
   seed, temperature, usable = hsm.sample_arguments(seed, temperature, hidden.dtype)
   count = len(weights.kernels)
   draws = tf.stack([hsm.sample(scored, w, b, t, _part_seed(seed, k), temperature)
