@@ -103,3 +103,19 @@ def trained_and_reloaded(model, inputs, targets, path, fit_scope=None):
   np.testing.assert_array_equal(again.predict(inputs, verbose=0),
                                 model.predict(inputs, verbose=0))
   return again
+
+
+def layer_results(layers, hidden, targets, mask, k, seed):
+  """For each layer (a Keras 3 layer and its tf_keras twin, say), on one batch: (output,
+  its Keras mask, the gradients of the output's sum for hidden and the layer's trainable
+  weights, top_k(hidden, k), log_prob_all(hidden), sample(hidden, seed=seed))."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  results = []
+  for layer in layers:
+    with tf.GradientTape() as tape:
+      tape.watch(hidden)
+      out = layer(hidden, targets, mask=mask)
+    grads = tape.gradient(out, [hidden] + list(layer.trainable_weights))
+    results.append((out, out._keras_mask, grads, layer.top_k(hidden, k),  # pylint: disable=protected-access
+                    layer.log_prob_all(hidden), layer.sample(hidden, seed=seed)))
+  return results

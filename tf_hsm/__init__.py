@@ -47,7 +47,7 @@ _PUBLIC = {
     "sample": ("tf_hsm.ops", "sample"),
     "log_prob_candidates": ("tf_hsm.ops", "log_prob_candidates"),
     "HierarchicalSoftmax": (_KERAS, "HierarchicalSoftmax"),
-    "HierarchicalSoftmaxMixture": ("tf_hsm.keras.mixture", "HierarchicalSoftmaxMixture"),
+    "HierarchicalSoftmaxMixture": (_KERAS, "HierarchicalSoftmaxMixture"),
     "AdaptiveSoftmax": (_KERAS, "AdaptiveSoftmax"),
     "inference_model": (_KERAS + ".predict", "inference_model"),
     "plan": ("tf_hsm.planning", "plan"),

@@ -147,14 +147,6 @@ def test_the_built_mixture_trains():
   assert all(not np.array_equal(b, w.numpy()) for b, w in zip(before, layer.weights))
 
 
-def test_tf_keras_top_level_names_refuse_the_mixture(monkeypatch):
-  ids, counts = support.zipf_ids()
-  layer = _planned_mixture(ids, counts)
-  monkeypatch.setattr(tf_hsm, "_KERAS", "tf_hsm.tf_keras")
-  with pytest.raises(ValueError, match="Keras 3 layer, and TF_USE_LEGACY_KERAS"):
-    layer.build()
-
-
 def test_recommend_tree_refuses_a_mixture():
   ids, counts = support.zipf_ids()
   with pytest.raises(ValueError, match="mixture32_head256 is a HierarchicalSoftmaxMixture "
@@ -196,15 +188,13 @@ def test_recommend_tree_leaves_the_mixtures_out_of_its_defaults():
   assert isinstance(tree, tf_hsm.Tree) and row["method"].startswith("HierarchicalSoftmax ")
 
 
-def test_under_tf_keras_the_mixture_rows_are_left_out_with_a_note(monkeypatch):
+def test_under_tf_keras_the_mixture_rows_are_priced_too(monkeypatch):
   ids, counts = support.zipf_ids()
   monkeypatch.setattr(tf_hsm, "_KERAS", "tf_hsm.tf_keras")
   report = tf_hsm.plan(3_000, 16, 256, counts=counts, machine=MACHINE, adaptive=(),
                        token_ids=ids)
-  assert not any("Mixture" in r["method"] for r in report.rows)
-  assert any("context(32, head=256)" in r["method"] for r in report.rows)
-  assert report.notes[0].startswith("no mixture rows: HierarchicalSoftmaxMixture is a "
-                                    "Keras 3 layer")
+  assert any("Mixture" in r["method"] for r in report.rows)
+  assert not any("no mixture rows" in n for n in report.notes)
 
 
 def test_a_model_holding_a_mixture_is_planned_by_its_body():

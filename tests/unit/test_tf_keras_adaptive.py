@@ -45,14 +45,7 @@ def test_same_weights_give_the_keras3_results(rng, tail, ordered):
   targets = tf.constant(rng.integers(0, V, (3, 4)), tf.int32)
   targets = tf.tensor_scatter_nd_update(targets, [[0, 0]], [-1])
   mask = tf.constant(rng.random((3, 4)) > 0.3)
-  results = []
-  for layer in (layer3, layer2):
-    with tf.GradientTape() as tape:
-      tape.watch(hidden)
-      out = layer(hidden, targets, mask=mask)
-    grads = tape.gradient(out, [hidden] + list(layer.trainable_weights))
-    results.append((out, out._keras_mask, grads, layer.top_k(hidden, 4),
-                    layer.log_prob_all(hidden), layer.sample(hidden, seed=5)))
+  results = support.layer_results((layer3, layer2), hidden, targets, mask, 4, 5)
   (out3, mask3, grads3, top3, all3, drawn3), (out2, mask2, grads2, top2, all2, drawn2) = \
       results
   np.testing.assert_allclose(out2.numpy(), out3.numpy(), rtol=1e-6, atol=1e-7)

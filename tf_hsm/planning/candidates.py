@@ -39,7 +39,7 @@ from tf_hsm.planning.pricing import price
 # tests read them as candidates.TREES, candidates.learned_layout, ...).
 from tf_hsm.planning.tree_candidates import (  # noqa: F401
     CONTEXT_TREES, HSM_TREES, LEARNED_HEAD, MIXTURE_TREES, TREES, VECTOR_TREES,
-    VECTORS_REBUILD_AFTER, _candidate_trees, _legacy_keras, _tree_label, _trees_and_text,
+    VECTORS_REBUILD_AFTER, _candidate_trees, _tree_label, _trees_and_text,
     learned_layout, vectors_layout)
 
 
@@ -149,7 +149,7 @@ class Layer:
     `component_kwargs` are the arguments of `layer_kwargs` that the mixture does not
     take (fused_update, initializers, ignore_class, ...; dtype goes to both; with a
     shared head, ignore_class, head_bias_initializer, tail_dim and
-    tail_projection_initializer to the mixture), Keras 3 only. Imports TensorFlow."""
+    tail_projection_initializer to the mixture). Imports TensorFlow."""
     if self.kind == "HierarchicalSoftmaxMixture":
       return _mixture_layer(self.trees, layer_kwargs, self.head)
     if self.kind in ("HierarchicalSoftmax", "AdaptiveSoftmax") or (
@@ -195,11 +195,8 @@ def _mixture_layer(trees, layer_kwargs, head=None):
   shared `head`, if given), the arguments split between them (`_MIXTURE_ARGUMENTS` to
   the mixture, and ignore_class with a head; the rest to each component, dtype to
   both)."""
-  tf_hsm = importlib.import_module("tf_hsm")
-  if _legacy_keras():
-    raise ValueError("HierarchicalSoftmaxMixture is a Keras 3 layer, and TF_USE_LEGACY_KERAS "
-                     "selects tf_keras: unset it, or plan without the mixture rows "
-                     "(trees=tf_hsm.planning.TREES)")
+  # The front end of tf_hsm's top-level names: tf_keras under TF_USE_LEGACY_KERAS.
+  front_end = importlib.import_module(importlib.import_module("tf_hsm")._KERAS)  # pylint: disable=protected-access
   mine = _MIXTURE_ARGUMENTS + (("ignore_class", "head_bias_initializer", "tail_dim",
                                 "tail_projection_initializer") if head is not None else ())
   own = {k: v for k, v in layer_kwargs.items() if k in mine}
@@ -208,8 +205,8 @@ def _mixture_layer(trees, layer_kwargs, head=None):
     each["dtype"] = own["dtype"]
   if head is not None:
     own["head"] = head
-  components = [tf_hsm.keras.HierarchicalSoftmax(tree, **each) for tree in trees]
-  return tf_hsm.HierarchicalSoftmaxMixture(components, **own)
+  components = [front_end.HierarchicalSoftmax(tree, **each) for tree in trees]
+  return front_end.HierarchicalSoftmaxMixture(components, **own)
 
 
 @dataclasses.dataclass
@@ -486,7 +483,6 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
                                            counts, sequence_length)
   _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
                         dtype, div_value, adaptive)
-  mixtures_left_out = trees is None and token_ids is not None and _legacy_keras()
   trees, token_ids = _trees_and_text(trees, token_ids, num_classes)
   _check_quality_bound(max_perplexity_increase)
   # A measurement of the machine is announced on stderr even without `progress`.
@@ -494,8 +490,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   progress = progress or _quiet
   V, D, T = int(num_classes), int(hidden), int(tokens_per_step)
   probs = probabilities(V, counts)
-  notes = ["no mixture rows: HierarchicalSoftmaxMixture is a Keras 3 layer, and "
-           "TF_USE_LEGACY_KERAS selects tf_keras"] if mixtures_left_out else []
+  notes = []
   body_row = None
   if body is not None:
     body_row = body_lib.body_price(body, optimizer, dtype, machine)

@@ -3,7 +3,6 @@
 (a `TreeWork`), how to build it, its `RebuildTree` arguments, and its row's label."""
 
 import dataclasses
-import importlib
 import math
 import re
 
@@ -271,11 +270,9 @@ def _tree_label(name):
 
 def _trees_and_text(trees, token_ids, num_classes, mixtures=True):
   """(tree names, token ids as an int64 array or None): `plan`'s default trees (the
-  mixtures' with `mixtures` and Keras 3 for tf_hsm's top-level names: the mixture is a
-  Keras 3 layer), checked against the training text a context tree is built from; a
+  mixtures' with `mixtures`), checked against the training text a context tree is built from; a
   mixture of two spelled "mixture2xK_headH" is "mixtureK_headH", once."""
-  text = () if token_ids is None else CONTEXT_TREES + (
-      MIXTURE_TREES if mixtures and not _legacy_keras() else ())
+  text = () if token_ids is None else CONTEXT_TREES + (MIXTURE_TREES if mixtures else ())
   names = TREES + text if trees is None else trees
   if isinstance(names, str) or any(not isinstance(n, str) for n in names):
     raise TypeError(f"trees must be a list of tree names (str), got {names!r}")
@@ -295,9 +292,3 @@ def _trees_and_text(trees, token_ids, num_classes, mixtures=True):
     raise ValueError(f"token_ids must lie in [0, num_classes={num_classes}), got "
                      f"[{ids.min()}, {ids.max()}]")
   return names, ids.astype(np.int64, copy=False)
-
-
-def _legacy_keras():
-  """Whether tf_hsm's top-level layers are tf_keras' (TF_USE_LEGACY_KERAS), read from
-  the package root without importing TensorFlow."""
-  return importlib.import_module("tf_hsm")._KERAS != "tf_hsm.keras"  # pylint: disable=protected-access

@@ -1,7 +1,8 @@
 """The tf_keras ("Keras 2") front end: tf_hsm in `tf_keras` models, and so in `tf.keras`
 models under `TF_USE_LEGACY_KERAS=1`.
 
-layers.py (`HierarchicalSoftmax`), adaptive.py (`AdaptiveSoftmax`), losses.py (`nll`),
+layers.py (`HierarchicalSoftmax`), mixture.py (`HierarchicalSoftmaxMixture`), adaptive.py
+(`AdaptiveSoftmax`), losses.py (`nll`),
 optimizers.py (`LazyAdam`, `SparseAdagrad`, `SparseSGD`: touched rows only), metrics.py
 (`Perplexity`, `TopKAccuracy`) and callbacks.py (`RebuildTree`), with predict.py
 (`inference_model`), are thin tf_keras classes over the helpers that `tf_hsm.keras` (Keras 3) calls too
@@ -24,7 +25,8 @@ and `MirroredStrategy` (docs/distributed.md).
 from tf_hsm.tf_keras import callbacks, losses, metrics, optimizers
 from tf_hsm.tf_keras.adaptive import AdaptiveSoftmax
 from tf_hsm.tf_keras.layers import HierarchicalSoftmax
+from tf_hsm.tf_keras.mixture import HierarchicalSoftmaxMixture
 from tf_hsm.tf_keras.predict import inference_model
 
-__all__ = ["AdaptiveSoftmax", "HierarchicalSoftmax", "callbacks", "inference_model",
-           "losses", "metrics", "optimizers"]
+__all__ = ["AdaptiveSoftmax", "HierarchicalSoftmax", "HierarchicalSoftmaxMixture", "callbacks",
+           "inference_model", "losses", "metrics", "optimizers"]

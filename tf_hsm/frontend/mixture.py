@@ -1,0 +1,478 @@
+"""What both Keras' `HierarchicalSoftmaxMixture` compute and check: the gate, the
+shared head's class map, the call, `log_prob_all`, `top_k` and `sample`, over a layer
+of either Keras (its `components`, `head`, `gate_kernel`, ... as `tf_hsm.keras.mixture`
+describes them).
+
+    P(c | h) = sum_k pi_k(h) P_k(c | h),    pi(h) = softmax(G h + g)
+
+and with a shared head (`head=...`), one exact softmax over the frequent classes and a
+tail slot, the trees over the other classes and walked for the tail's tokens only:
+
+    P(c | h) = P_head(c | h)                                      c in the head
+    P(c | h) = P_head(tail | h) sum_k pi_k(h) P_k(c | h)           c in the tail
+
+The tail trees are over the tail classes in increasing id order (`Tree.from_context(...,
+classes=tail_classes(head, V))` builds them); `ClassMap` maps class ids to head slots
+and tail positions and back.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_hsm.frontend import hsm
+from tf_hsm.ops import inference
+from tf_hsm.tree import Tree
+
+# ------------------------------------------------------------------ the shared head
+
+
+def checked_head(head, num_tail_classes):
+  """(head ids as int64, tail ids as int64) of `num_tail_classes + len(head)` classes, or
+  ValueError naming what is wrong with `head`."""
+  ids = np.asarray(head)
+  if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError("head must be a non-empty 1-D sequence of integer class ids (the "
+                     f"classes themselves, not their count), got shape {ids.shape} of "
+                     f"{ids.dtype}")
+  ids = ids.astype(np.int64)
+  num_classes = ids.size + num_tail_classes
+  if ids.min() < 0 or ids.max() >= num_classes:
+    raise ValueError(f"head ids must be within [0, {num_classes}) (the head's "
+                     f"{ids.size} classes and the trees' {num_tail_classes}), got "
+                     f"{ids.min()}..{ids.max()}")
+  if np.unique(ids).size != ids.size:
+    raise ValueError("head holds a class id more than once")
+  return ids, tail_classes(ids, num_classes)
+
+
+def tail_classes(head, num_classes):
+  """The classes a mixture with `head` leaves to its trees, increasing: the `classes`
+  to build its tail trees over."""
+  return np.setdiff1d(np.arange(num_classes, dtype=np.int64), np.asarray(head, np.int64))
+
+
+def head_layer(head_ids, component, bias_initializer, name, initializers):
+  """An unbuilt HierarchicalSoftmax (the component's class) over `Tree.flat(len(head) +
+  1)` (the last slot the tail), with the settings of `component` (kernel initializer,
+  regularizers, constraints, use_bias, fused update, dtype) but its own biases.
+  `initializers`: the Keras' initializers module."""
+  config = component.get_config()
+  # Its own name, tree and biases; trainable as the mixture is (which sets it after).
+  for key in ("name", "tree", "row_layout", "ignore_class", "bias_initializer", "trainable"):
+    config.pop(key, None)
+  config["bias_initializer"] = initializers.serialize(initializers.get(bias_initializer))
+  return type(component)(Tree.flat(len(head_ids) + 1), name=name, **config)
+
+
+class ClassMap:
+  """Class ids to (head slot, tail position) and back, as constant tensors."""
+
+  def __init__(self, head_ids, tail_ids):
+    self.num_head = len(head_ids)
+    self.num_classes = len(head_ids) + len(tail_ids)
+    order = np.concatenate([head_ids, tail_ids])
+    position = np.empty(self.num_classes, np.int64)
+    position[order] = np.arange(self.num_classes)
+    self._position = tf.constant(position)  # class -> its place in [head..., tail...]
+    self._order = tf.constant(order)  # that place -> the class
+
+  def split(self, targets, valid):
+    """(head targets, tail targets, in_tail): the head slot of each valid target (the
+    tail slot, len(head), for a tail class) and -1 elsewhere; each valid tail target's
+    position among the tail classes and -1 elsewhere (no tail tree's work for them)."""
+    targets = tf.cast(targets, tf.int64)
+    position = tf.gather(self._position, tf.where(valid, targets, tf.zeros_like(targets)))
+    in_tail = tf.logical_and(valid, position >= self.num_head)
+    head = tf.where(valid, tf.minimum(position, self.num_head), tf.constant(-1, tf.int64))
+    tail = tf.where(in_tail, position - self.num_head, tf.constant(-1, tf.int64))
+    return head, tail, in_tail
+
+  def assemble(self, head_log_probs, tail_log_probs):
+    """[..., V] log-probabilities in class order from the head's [..., H + 1] and the
+    tail's conditional [..., V - H] (log P(c | tail))."""
+    joined = tf.concat([head_log_probs[..., :self.num_head],
+                        head_log_probs[..., self.num_head:] + tail_log_probs], -1)
+    return tf.gather(joined, self._position, axis=-1)
+
+  def classes(self, head_draws, tail_draws):
+    """Class ids of draws: a head slot below len(head) is its class, the tail slot the
+    tail draw's class; -1 where either draw is -1 (no distribution)."""
+    place = tf.where(head_draws < self.num_head, head_draws, self.num_head + tail_draws)
+    defined = tf.logical_and(head_draws >= 0, tf.logical_or(head_draws < self.num_head,
+                                                             tail_draws >= 0))
+    return tf.where(defined, tf.gather(self._order, tf.where(defined, place,
+                                                             tf.zeros_like(place))),
+                    tf.constant(-1, tf.int64))
+
+
+# ------------------------------------------------------------------ the layer's parts
+
+
+class MixtureParts:
+  """What both Keras' `HierarchicalSoftmaxMixture` hold and do beyond their own Keras'
+  call signature: the parts (`_set_up`), the weights (`build`), the class counts, the
+  inference methods and the config. A layer class lists it before its Keras' `Layer`
+  and names its Keras' HierarchicalSoftmax (`_COMPONENT`), initializers module
+  (`_INITIALIZERS`) and the `add_weight` argument that keeps a weight from being cast
+  (`_NO_CAST`)."""
+
+  _COMPONENT = None
+  _KERAS_NAME = None
+  _INITIALIZERS = None
+  _NO_CAST = None  # {"autocast": False} or {"experimental_autocast": False}
+  _INPUT_CAST = None  # the component's attribute that turns its input casting off
+
+  def _set_up(self, components, gate_initializer, head, head_bias_initializer,
+              ignore_class, tail_dim, tail_projection_initializer):
+    inits = self._INITIALIZERS
+    self.components = checked_components(components, self.name, self.dtype_policy,
+                                         self._COMPONENT, self._KERAS_NAME)
+    self.gate_initializer = inits.get(gate_initializer)
+    self.head_ids, self.head, self.class_map = None, None, None
+    self.head_bias_initializer = inits.get(head_bias_initializer)
+    self._ignore_class = checked_ignore_class(ignore_class, head, self.components)
+    self.tail_dim = checked_tail_dim(tail_dim, head)
+    # Made only where it is used: an initializer made without a seed draws one from
+    # Python's generator, which would move every later seeded draw (the head's too).
+    self.tail_projection_initializer = (
+        None if self.tail_dim is None else inits.get(tail_projection_initializer))
+    if self.tail_dim is not None:
+      # The trees take the float32 projection as it is: Keras would round it to the
+      # compute dtype (float16) at their call, and not in log_prob_all, which is no
+      # call; their op computes in float32 either way.
+      for component in self.components:
+        setattr(component, self._INPUT_CAST, False)
+    if head is not None:
+      self.head_ids, tail = checked_head(head, self.components[0].num_classes)
+      self.class_map = ClassMap(self.head_ids, tail)
+      self.head = head_layer(self.head_ids, self.components[0], self.head_bias_initializer,
+                             f"{self.name}_head", inits)
+    if not self.trainable:  # Keras set it before the components existed
+      for component in self.components + ([self.head] if self.head is not None else []):
+        component.trainable = False
+    self.supports_masking = True
+
+  @property
+  def num_classes(self):
+    return self.components[0].num_classes + (0 if self.head_ids is None else
+                                             len(self.head_ids))
+
+  @property
+  def ignore_class(self):
+    return self._ignore_class if self.head is not None else self.components[0].ignore_class
+
+  def build(self, hidden_shape, targets_shape=None):
+    dim = hidden_shape[-1]
+    if dim is None:
+      raise ValueError("HierarchicalSoftmaxMixture needs a known last dimension of "
+                       f"`hidden`, got shape {hidden_shape}")
+    dim = int(dim)
+    if self.head is not None:
+      self.head.build(hidden_shape)
+    tail_shape = tuple(hidden_shape[:-1]) + (self.tail_dim or dim,)
+    for component in self.components:
+      component.build(tail_shape)
+    if self.tail_dim is not None:
+      self.tail_projection = self.add_weight(
+          name="tail_projection", shape=(dim, self.tail_dim),
+          initializer=self.tail_projection_initializer, **self._NO_CAST)
+    self.gate_kernel = self.add_weight(name="gate_kernel", shape=(dim, len(self.components)),
+                                       initializer=self.gate_initializer, **self._NO_CAST)
+    self.gate_bias = self.add_weight(name="gate_bias", shape=(len(self.components),),
+                                     initializer="zeros", **self._NO_CAST)
+    self.built = True
+
+  def compute_mask(self, *unused_args, **unused_kwargs):
+    # `call` attaches the real mask (it depends on the targets) to its output.
+    return None
+
+  def log_prob_all(self, hidden, **kwargs):
+    """log P(c | hidden) for every class c: `[..., num_classes]` (each component's
+    `log_prob_all`, keyword arguments passed on, mixed by the gate)."""
+    return log_prob_all(self, hidden, **kwargs)
+
+  def top_k(self, hidden, k, exclude=None):
+    """The k most probable classes: (log_probs, classes), each `[..., k]`, from
+    `log_prob_all`, leaving out `ignore_class` and `exclude` (class ids `[..., n]` per
+    row, as `tf_hsm.inference.top_k`'s; ids < 0 exclude nothing). Where fewer than k
+    classes are left, the last are class -1 at -inf, as the component's."""
+    return top_k(self, hidden, k, exclude)
+
+  def sample(self, hidden, seed=None, temperature=1.0):
+    """Draws one class per hidden state, int64 `[...]`: a component from the gate, then
+    a class from that component's tree (its `sample`), which is exact ancestral
+    sampling of the mixture. With temperature T the gate's logits and every node's are
+    divided by T: the mixture whose weights and biases are divided by T, as a
+    component's temperature is. `seed`: an int (scalar) from which the gate's draw and
+    each component's seed are derived (through Philox: seeds s and s + 1 share no
+    component's stream), or None for fresh draws. A row whose gate logits are not all
+    finite (NaN or infinite hidden states) gets -1, as a component's row without a
+    distribution does."""
+    return sample(self, hidden, seed, temperature)
+
+  def get_config(self):
+    config = super().get_config()
+    serialize = self._INITIALIZERS.serialize
+    config.update({
+        "components": [c.get_config() for c in self.components],
+        "gate_initializer": serialize(self.gate_initializer),
+        "head": None if self.head_ids is None else self.head_ids.tolist(),
+        "head_bias_initializer": serialize(self.head_bias_initializer),
+        "ignore_class": self._ignore_class,
+    })
+    if self.tail_dim is not None:  # written only where set: older configs load as before
+      config.update({"tail_dim": self.tail_dim,
+                     "tail_projection_initializer": serialize(
+                         self.tail_projection_initializer)})
+    return config
+
+
+# ------------------------------------------------------------------ the arguments
+
+
+def check_dense(what, *tensors):
+  if any(isinstance(t, tf.RaggedTensor) for t in tensors):
+    raise TypeError(f"HierarchicalSoftmaxMixture.{what} takes dense hidden states (and "
+                    "targets): pad them (targets < 0 or a Keras mask mark the padding)")
+
+
+def check_built(layer, what):
+  if not layer.built:
+    raise ValueError(f"HierarchicalSoftmaxMixture.{what} needs a built layer: call it "
+                     "on data (or call build(hidden_shape)) first")
+
+
+def checked_ignore_class(ignore_class, head, components):
+  """The mixture's own ignore_class (with a head), or ValueError where it cannot be."""
+  if head is not None and components[0].ignore_class is not None:
+    raise ValueError("with a head, the components' ignore_class must be None (their ids "
+                     "are positions among the tail classes): give it to the mixture")
+  if ignore_class is None:
+    return None
+  if head is None:
+    raise ValueError("ignore_class is the mixture's with a head only: without one, give "
+                     "it to the components")
+  if isinstance(ignore_class, bool) or not isinstance(ignore_class, (int, np.integer)):
+    raise TypeError(f"ignore_class must be an int class id, got {ignore_class!r}")
+  num_classes = components[0].num_classes + len(head)
+  if not 0 <= ignore_class < num_classes:
+    raise ValueError(f"ignore_class must be within [0, {num_classes}), got {ignore_class}")
+  return int(ignore_class)
+
+
+def checked_tail_dim(tail_dim, head):
+  """`tail_dim` as an int, or None; TypeError/ValueError where it cannot be."""
+  if tail_dim is None:
+    return None
+  if isinstance(tail_dim, bool) or not isinstance(tail_dim, (int, np.integer)):
+    raise TypeError(f"tail_dim must be a positive int (the trees' width), got {tail_dim!r}")
+  if tail_dim < 1:
+    raise ValueError(f"tail_dim must be a positive int (the trees' width), got {tail_dim}")
+  if head is None:
+    raise ValueError("tail_dim needs a head: the projection is of what the trees below "
+                     "the shared head score")
+  return int(tail_dim)
+
+
+def checked_components(components, name, dtype_policy, layer_class, keras_name):
+  """The components as unbuilt `layer_class` (the Keras' HierarchicalSoftmax, named
+  `keras_name` in errors) layers over one set of classes."""
+  if isinstance(components, (Tree, dict, layer_class)) or not hasattr(components, "__len__"):
+    raise TypeError("components must be a list of two or more Trees or HierarchicalSoftmax "
+                    f"layers, got {type(components).__name__}")
+  if len(components) < 2:
+    raise ValueError(f"a mixture needs two or more components, got {len(components)}")
+  layers = []
+  for index, component in enumerate(components):
+    if isinstance(component, dict) and "tree" in component:
+      component = layer_class.from_config(component)
+    elif isinstance(component, (Tree, dict)):
+      component = layer_class(component, name=f"{name}_tree_{index}", dtype=dtype_policy)
+    if not isinstance(component, layer_class):
+      raise TypeError(f"components[{index}] must be a Tree or a HierarchicalSoftmax "
+                      f"({keras_name}), got {type(component).__name__}")
+    if component.built:
+      raise ValueError(f"components[{index}] is built already: give the mixture unbuilt "
+                       "layers (it builds them on its hidden states)")
+    if any(component is other for other in layers):
+      raise ValueError(f"components[{index}] is components[{layers.index(component)}] "
+                       "again: each component is a layer of its own")
+    layers.append(component)
+  _check_alike(layers, dtype_policy)
+  return layers
+
+
+def _check_alike(layers, dtype_policy):
+  classes = {c.num_classes for c in layers}
+  if len(classes) > 1:
+    raise ValueError(f"the components' trees must be over the same classes, got "
+                     f"{sorted(classes)} classes")
+  dtypes = {c.dtype_policy.variable_dtype for c in layers} - {dtype_policy.variable_dtype}
+  if dtypes:
+    raise ValueError(f"the components' tables are {', '.join(sorted(dtypes))} and the "
+                     f"mixture's {dtype_policy.variable_dtype}: give them one dtype")
+  ignored = {c.ignore_class for c in layers}
+  if len(ignored) > 1:
+    raise ValueError("the components must share one ignore_class, got "
+                     f"{sorted(ignored, key=str)}")
+
+
+# ------------------------------------------------------------------ the computations
+
+
+def gate_logits(layer, hidden):
+  """G hidden + g, `[..., K]`, in the tables' dtype."""
+  hidden = hsm.hidden_in(hidden, layer.gate_kernel.dtype)
+  return tf.tensordot(hidden, layer.gate_kernel, 1) + layer.gate_bias
+
+
+def log_gate(layer, hidden):
+  """log pi(hidden), `[..., K]`, in the tables' dtype."""
+  return tf.nn.log_softmax(gate_logits(layer, hidden), axis=-1)
+
+
+def tail_input(layer, hidden):
+  """What the trees score: `hidden`, or its projection with `tail_dim`."""
+  if layer.tail_dim is None:
+    return hidden
+  return tf.tensordot(hsm.hidden_in(hidden, layer.tail_projection.dtype),
+                      layer.tail_projection, 1)
+
+
+def log_probs(layer, hidden, targets, masks, training):
+  """The layer's output, with its Keras mask and source attached (`hsm.log_probs`')."""
+  check_dense("call", hidden, targets)
+  mask = hsm.combined_mask(masks)
+  if layer.head is not None:
+    out, valid = _headed_call(layer, hidden, targets, mask, training)
+  else:
+    parts = [c(hidden, targets, mask=mask, training=training) for c in layer.components]
+    valid = parts[0]._keras_mask  # pylint: disable=protected-access
+    mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + log_gate(layer, hidden), -1)
+    out = tf.where(valid, mixed, tf.zeros_like(mixed))
+  out._keras_mask = valid  # how Keras attaches a mask to a tensor (masking guide)
+  hsm.attach_source(out, layer, hidden, targets)  # for TopKAccuracy in compile
+  return out
+
+
+def _headed_call(layer, hidden, targets, mask, training):
+  """(log P(targets), valid) with the shared head: the head's softmax for every
+  token, the trees and the gate for the tail's tokens only, gathered (no tree walks a
+  path, nor names a row in its gradient, for a head or padded token)."""
+  targets = tf.convert_to_tensor(targets)
+  if not targets.dtype.is_integer:
+    raise TypeError(f"targets must be integer class ids, got {targets.dtype.name}")
+  targets = tf.cast(targets, tf.int64)
+  valid = hsm.combined_mask((mask,), targets >= 0)
+  if layer.ignore_class is not None:
+    valid = tf.logical_and(valid, targets != layer.ignore_class)
+  tf.debugging.assert_less(tf.where(valid, targets, tf.zeros_like(targets)),
+                           tf.constant(layer.num_classes, tf.int64),
+                           message=f"targets must be < num_classes = {layer.num_classes}")
+  head_targets, tail_targets, in_tail = layer.class_map.split(targets, valid)
+  head = layer.head(hidden, head_targets, training=training)
+  hidden = tf.convert_to_tensor(hidden)
+  flat_hidden = tf.reshape(hidden, [-1, tf.shape(hidden)[-1]])
+  where = tf.where(tf.reshape(in_tail, [-1]))  # [n, 1]: the tail's tokens
+  tail_hidden = tf.gather_nd(flat_hidden, where)
+  scored = tail_input(layer, tail_hidden)
+  parts = [c(scored, tf.gather_nd(tf.reshape(tail_targets, [-1]), where), training=training)
+           for c in layer.components]
+  mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + log_gate(layer, tail_hidden), -1)
+  mixed = tf.reshape(tf.scatter_nd(where, mixed, tf.size(in_tail, out_type=tf.int64)[None]),
+                     tf.shape(in_tail))
+  out = head + tf.cast(mixed, head.dtype)
+  return tf.where(valid, out, tf.zeros_like(out)), valid
+
+
+def log_prob_all(layer, hidden, **kwargs):
+  """log P(c | hidden) for every class c: `[..., num_classes]` (each component's
+  `log_prob_all`, keyword arguments passed on, mixed by the gate)."""
+  check_built(layer, "log_prob_all")
+  check_dense("log_prob_all", hidden)
+  if layer.head is not None and kwargs:
+    raise ValueError(f"HierarchicalSoftmaxMixture.log_prob_all with a head takes no "
+                     f"{', '.join(sorted(kwargs))}: the head's slots and the trees' "
+                     "classes are not one range of ids")
+  scored = tail_input(layer, hidden)
+  parts = tf.stack([c.log_prob_all(scored, **kwargs) for c in layer.components], -1)
+  mixed = tf.reduce_logsumexp(parts + log_gate(layer, hidden)[..., None, :], -1)
+  if layer.head is None:
+    return mixed
+  return layer.class_map.assemble(layer.head.log_prob_all(hidden, **kwargs), mixed)
+
+
+def top_k(layer, hidden, k, exclude=None):
+  """The k most probable classes: (log_probs, classes), each `[..., k]`, from
+  `log_prob_all`, leaving out `ignore_class` and `exclude` (class ids `[..., n]` per
+  row, as `tf_hsm.inference.top_k`'s; ids < 0 exclude nothing). Where fewer than k
+  classes are left, the last are class -1 at -inf, as the component's."""
+  check_built(layer, "top_k")
+  check_dense("top_k", hidden)
+  inference.check_k(k, layer.num_classes)
+  log_probs_all = log_prob_all(layer, hidden)
+  left_out = hsm.with_ignored(exclude, layer.ignore_class, hidden)
+  if left_out is not None:
+    log_probs_all = _excluded(log_probs_all, left_out, layer.num_classes)
+  values, classes = tf.math.top_k(log_probs_all, k)
+  classes = tf.where(tf.math.is_inf(values), tf.constant(-1, classes.dtype), classes)
+  return values, tf.cast(classes, tf.int64)
+
+
+def _excluded(log_probs_all, left_out, num_classes):
+  """`log_probs_all` [..., V] with -inf at each row's ids of `left_out` ([..., n], a
+  dimension of 1 for every row along it; ids < 0 leave nothing out), scattered into
+  the rows: no [..., n, V] tensor."""
+  left_out = tf.cast(tf.convert_to_tensor(left_out), tf.int64)
+  tf.debugging.assert_less(left_out, tf.constant(num_classes, tf.int64),
+                           message=f"exclude ids must be < num_classes = {num_classes}")
+  rows = tf.reshape(log_probs_all, [-1, num_classes])
+  ids = tf.reshape(tf.broadcast_to(left_out, tf.concat(
+      [tf.shape(log_probs_all, out_type=tf.int64)[:-1],
+       tf.shape(left_out, out_type=tf.int64)[-1:]], 0)), [tf.shape(rows)[0], -1])
+  row = tf.broadcast_to(tf.range(tf.shape(ids, out_type=tf.int64)[0])[:, None],
+                        tf.shape(ids))
+  keep = ids >= 0
+  where = tf.stack([row[keep], ids[keep]], -1)
+  rows = tf.tensor_scatter_nd_update(
+      rows, where, tf.fill(tf.shape(where)[:1], tf.constant(-float("inf"), rows.dtype)))
+  return tf.reshape(rows, tf.shape(log_probs_all))
+
+
+def _part_seed(seed, part):
+  """A part's seed from (seed, part) through Philox: seeds s and s + 1 share no part's
+  stream (component k: part k; the gate -1, the head -2)."""
+  return tf.random.stateless_uniform([], tf.stack([seed, tf.constant(part, tf.int64)]),
+                                     minval=None, maxval=None, dtype=tf.int64)
+
+
+def sample(layer, hidden, seed=None, temperature=1.0):
+  """Draws one class per hidden state, int64 `[...]`: a component from the gate, then
+  a class from that component's tree (its `sample`), which is exact ancestral
+  sampling of the mixture (see the layers' `sample`)."""
+  check_built(layer, "sample")
+  check_dense("sample", hidden)
+  count = len(layer.components)
+  seed = inference.seed_tensor(seed)  # None: one drawn, as the component's
+  # Each component checks the temperature (and draws its class) first.
+  scored = tail_input(layer, hidden)
+  draws = tf.stack([c.sample(scored, seed=_part_seed(seed, k), temperature=temperature)
+                    for k, c in enumerate(layer.components)], -1)
+  logits = gate_logits(layer, hidden)
+  # A row without a distribution (a NaN or infinite gate logit) gets -1, as a
+  # component's; the largest logit subtracted first, so a small T cannot overflow.
+  defined = tf.reduce_all(tf.math.is_finite(logits), -1)
+  logits = (logits - tf.reduce_max(logits, -1, keepdims=True)) / tf.cast(temperature,
+                                                                        logits.dtype)
+  rows = tf.reshape(tf.where(defined[..., None], logits, tf.zeros_like(logits)),
+                    [-1, count])
+  chosen = tf.random.stateless_categorical(rows, 1,
+                                           tf.stack([seed, tf.constant(-1, tf.int64)]))
+  chosen = tf.reshape(chosen, tf.shape(logits)[:-1])
+  drawn = tf.reduce_sum(draws * tf.one_hot(chosen, count, dtype=tf.int64), -1)
+  drawn = tf.where(defined, drawn, tf.constant(-1, tf.int64))
+  if layer.head is None:
+    return drawn
+  # The head's slot first (its own seed): the tail's draw where it is the tail slot.
+  return layer.class_map.classes(
+      layer.head.sample(hidden, seed=_part_seed(seed, -2), temperature=temperature), drawn)

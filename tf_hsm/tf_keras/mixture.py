@@ -1,0 +1,45 @@
+"""`HierarchicalSoftmaxMixture` for tf_keras models: the tf_keras twin of
+`tf_hsm.keras.HierarchicalSoftmaxMixture`, over the same helpers
+(`tf_hsm/frontend/mixture.py`)."""
+
+import tensorflow as tf
+import tf_keras
+
+from tf_hsm.frontend import mixture
+from tf_hsm.tf_keras.layers import HierarchicalSoftmax
+
+
+@tf_keras.saving.register_keras_serializable(package="tf_hsm")
+class HierarchicalSoftmaxMixture(mixture.MixtureParts, tf_keras.layers.Layer):
+  """`layer(hidden, targets)` -> log sum_k pi_k(hidden) P_k(targets | hidden), in a
+  tf_keras model.
+
+  What `tf_hsm.keras.HierarchicalSoftmaxMixture` (Keras 3) is, with the same arguments,
+  weights (each component's `kernel` and `bias`, `gate_kernel` [D, K], `gate_bias`
+  [K], the shared head's table and `tail_projection` where set), outputs, masking and
+  inference (`log_prob_all`, `top_k`, `sample`); see that class. Its components are
+  tf_keras `HierarchicalSoftmax` layers (or Trees, made into them), its weights are
+  never cast under mixed precision, and tf_keras' optimizers train it (tf_hsm's
+  `LazyAdam` moves the touched rows only: each table's gradient is sparse).
+  """
+
+  _COMPONENT, _KERAS_NAME, _INITIALIZERS = HierarchicalSoftmax, "tf_keras", tf_keras.initializers
+  _NO_CAST, _INPUT_CAST = {"experimental_autocast": False}, "_autocast"
+
+  def __init__(self, components, gate_initializer="zeros", head=None,
+               head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
+               tail_projection_initializer="glorot_uniform", **kwargs):
+    super().__init__(**kwargs)
+    self._set_up(components, gate_initializer, head, head_bias_initializer, ignore_class,
+                 tail_dim, tail_projection_initializer)
+
+  def build(self, hidden_shape, targets_shape=None):
+    super().build(tf.TensorShape(hidden_shape), targets_shape)
+
+  def call(self, hidden, targets, mask=None, training=None):
+    # tf_keras fills `mask` with the mask of `hidden` (its first argument) unless given.
+    return mixture.log_probs(self, hidden, targets, (mask,), training)
+
+  def compute_output_signature(self, input_signature):
+    return tf.TensorSpec(input_signature.shape[:-1], tf.float64
+                         if self.dtype == "float64" else tf.float32)
