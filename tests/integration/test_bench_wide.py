@@ -115,3 +115,15 @@ def test_padding_bench_refuses_a_fraction_outside_0_1():
   done = subprocess.run([sys.executable, "-m", "tf_hsm.bench.padding", "--padding", "1"],
                         capture_output=True, text=True, cwd=support.REPO, timeout=120)
   assert done.returncode == 2 and "--padding in [0, 1)" in done.stderr
+
+
+def test_width_part_fits_a_line_through_the_widths():
+  from tf_hsm.bench import wide
+  import numpy as np
+  result = wide.width_part(np.random.default_rng(0), 1, widths=(8, 32), classes=2_000,
+                           tokens=64)
+  assert set(result["ms"]) == {"D=8 forward", "D=8 forward and backward",
+                               "D=32 forward", "D=32 forward and backward"}
+  line = result["step ms = a + b D"]
+  steps = result["ms"]
+  assert abs(line["a"] + 32 * line["b"] - steps["D=32 forward and backward"]) < 0.1

@@ -4,6 +4,7 @@ classes, and a training step's memory at a million classes.
 
     python -m tf_hsm.bench.wide [--parts flat,rate,head,inference,memory] [--rounds 7]
         [--heads 32:1024,32:256,64:256,32:0] [--parts mixture --mixtures 32:256,3x16+128]
+        [--parts width]
 
 - flat: `nll_loss` forward and backward on `Tree.flat(V)` (V=100K, D=256, T=1,024)
   interleaved with TensorFlow's `matmul` + `sparse_softmax_cross_entropy_with_logits`
@@ -28,6 +29,10 @@ classes, and a training step's memory at a million classes.
   classes below one shared head of the HEAD most frequent, DIM wide if given; default
   32:256, 16:128 and 3x16+128),
   one tree of the first shape, and TF's sampled softmax, interleaved.
+- width (not among the default parts): a 16-ary tree from vectors over the 999,872
+  classes below a head of 128 at V=1M, on 1,985 targets (the tail's share of T=3,200),
+  forward, and forward and backward, at D=300, 150, 75 and 16, interleaved, and the
+  line a + b D through the steps.
 - memory: a process of its own per case (V=1M, D=300, T=3,200 and V=10M, D=300, T=256):
   VmHWM after set-up (table, batch, the op library loaded), then the growth of the peak
   over one step of `sgd_step`, and of `nll_loss` with its gradient (at V=1M only: two
@@ -296,6 +301,35 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
                                if name != "sampled softmax 1024"}}
 
 
+def _forward(tree, hidden, table, biases, targets):
+  @tf.function
+  def step():
+    return (tf.reduce_sum(tf_hsm.log_prob(hidden, table, biases, tree, targets)),)
+  return step
+
+
+def width_part(rng, rounds, widths=(300, 150, 75, 16), classes=999_872, tokens=1985):
+  """One 16-ary tree from vectors over `classes` (a tail tree below a shared head of
+  128 at V=1M), on `tokens` targets (the tail's share of T=3,200 Zipf(1) tokens), at
+  each of `widths`, forward and forward with backward, interleaved: how a tree step
+  grows with its rows' width (what a narrower `tail_dim` or narrower rows could save)
+  and what it costs without width."""
+  tree = cases.vectors_tree(classes, 16, 0)
+  targets = tf.constant(cases.zipf_targets(classes, tokens, rng))
+  methods = {}
+  for dim in widths:
+    hidden, table, biases, _ = _problem(rng, tree.num_slots, dim, tokens)
+    methods[f"D={dim} forward"] = _forward(tree, hidden, table, biases, targets)
+    methods[f"D={dim} forward and backward"] = _hsm_step(tree, hidden, table, biases,
+                                                         targets)
+  med = interleaved(methods, rounds)
+  steps = [med[f"D={dim} forward and backward"] for dim in widths]
+  slope, intercept = np.polyfit(np.asarray(widths, np.float64), steps, 1)
+  return {"case": f"16-ary over {classes:,} classes, T={tokens:,}", "ms": _ms(med),
+          "step ms = a + b D": {"a": round(intercept * 1e3, 2),
+                                "b": round(slope * 1e3, 4)}}
+
+
 def parse_heads(text):
   """"32:1024,64:256" -> ((32, 1024), (64, 256)); ValueError naming a bad entry."""
   trees = []
@@ -396,7 +430,8 @@ PARTS = {"flat": flat_part, "rate": rate_part, "head": head_part,
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--parts", default="flat,rate,head,inference,memory",
-                      help="comma-separated, of flat, rate, head, inference, memory")
+                      help="comma-separated, of flat, rate, head, inference, memory, "
+                           "mixture, width")
   parser.add_argument("--rounds", type=int, default=7, help="timed rounds (medians)")
   parser.add_argument("--heads", default=",".join(f"{b}:{h}" for b, h in HEAD_TREES),
                       help="the head part's trees, BRANCHING:HEAD pairs (default: %(default)s)")
@@ -416,10 +451,10 @@ def main(argv=None):
     print(json.dumps(memory_case(int(classes), int(dim), int(tokens), mode)))
     return
   parts = args.parts.split(",")
-  unknown = sorted(set(parts) - set(PARTS) - {"memory", "mixture"})
+  unknown = sorted(set(parts) - set(PARTS) - {"memory", "mixture", "width"})
   if unknown or args.rounds < 1:
     parser.error(f"unknown parts {unknown} (of flat, rate, head, inference, memory, "
-                 "mixture)" if unknown
+                 "mixture, width)" if unknown
                  else "--rounds must be >= 1")
   rng = np.random.default_rng(0)
   for part in parts:
@@ -429,6 +464,8 @@ def main(argv=None):
       result = head_part(rng, args.rounds, heads)
     elif part == "mixture":
       result = mixture_part(rng, args.rounds, mixtures)
+    elif part == "width":
+      result = width_part(rng, args.rounds)
     else:
       result = PARTS[part](rng, args.rounds)
     print(json.dumps({part: result}), flush=True)
