@@ -65,6 +65,7 @@ _SLOW_UNIT_TESTS = (
     # the_tf_keras_front_end resolves these names and every other one in one.
     "unit/test_tf_keras.py::test_legacy_keras_resolves_to_the_tf_keras_front_end",
     "unit/test_tf_keras_adaptive.py::test_legacy_keras_resolves_to_the_tf_keras_layer",
+    "unit/test_tf_keras_mixture.py::test_legacy_keras_resolves_to_the_tf_keras_mixture",
 )
 
 

@@ -231,6 +231,8 @@ def test_tail_trees_from_context_are_over_the_classes_given():
   assert all(t.max_branching == 4 for t in trees)
   np.testing.assert_array_equal(mixture_head.tail_classes(head, 60),
                                 np.setdiff1d(np.arange(60), head))
+  np.testing.assert_array_equal(HierarchicalSoftmaxMixture.tail_classes(head, 60),
+                                mixture_head.tail_classes(head, 60))
   biases = demo_trees.head_biases(counts, head)
   np.testing.assert_allclose(np.exp(biases).sum(), 1.0, rtol=1e-12)
   for bad in ([3, 2], [0, 60], [[1, 2]]):

@@ -212,7 +212,8 @@ found = {
     "from tf_hsm import metrics": metrics.__name__}
 for name in ("callbacks", "losses", "optimizers", "metrics", "layers", "adaptive"):
   found["tf_hsm." + name] = getattr(tf_hsm, name).__name__
-for name in ("HierarchicalSoftmax", "AdaptiveSoftmax", "inference_model"):
+for name in ("HierarchicalSoftmax", "HierarchicalSoftmaxMixture", "AdaptiveSoftmax",
+             "inference_model"):
   found["tf_hsm." + name] = getattr(tf_hsm, name).__module__
 V = 40
 tree = tf_hsm.Tree.huffman(np.arange(1, V + 1, dtype=float), branching=3)

@@ -81,7 +81,7 @@ def _model(trees, **kwargs):
   return model
 
 
-@pytest.mark.parametrize("name", ["model.keras", "saved_model"])
+@pytest.mark.parametrize("name", ["model.keras", "model.h5", "saved_model"])
 def test_fit_trains_every_part_and_a_saved_model_gives_the_same_output(rng, tmp_path, name):
   trees = [tf_hsm.Tree.huffman(rng.integers(1, 50, 26), branching=b) for b in (2, 4)]
   model = _model(trees, head=[3, 7, 1, 0], tail_dim=4)
@@ -118,8 +118,38 @@ def test_inference_model_and_the_export_serve_it(rng):
   assert layer.num_classes == 30
 
 
+def test_an_explicit_mask_joins_the_hidden_states_mask_as_in_keras3(rng):
+  """Embedding(mask_zero) masks token 0; an explicit mask masks position 3 too: both
+  layers of tf_keras give 0 at both, as Keras 3's do."""
+  trees = [tf_hsm.Tree.huffman(rng.integers(1, 50, 26), branching=b) for b in (2, 4)]
+  x = rng.integers(1, 26, (4, 6)).astype(np.int32)
+  x[:, 0] = 0
+  y = rng.integers(0, 26, (4, 6)).astype(np.int32)
+  explicit = np.ones((4, 6), bool)
+  explicit[:, 3] = False
+  for package, front_end in ((keras, hk3), (tf_keras, hk2)):
+    for output in (front_end.HierarchicalSoftmaxMixture(trees),
+                   front_end.HierarchicalSoftmax(trees[0])):
+      tokens = package.Input((None,), dtype="int32")
+      targets = package.Input((None,), dtype="int32")
+      mask = package.Input((None,), dtype="bool")
+      hidden = package.layers.Embedding(26, D, mask_zero=True)(tokens)
+      model = package.Model([tokens, targets, mask], output(hidden, targets, mask=mask))
+      out = model.predict([x, y, explicit], verbose=0)
+      assert (out[:, 0] == 0).all() and (out[:, 3] == 0).all(), (package.__name__, output)
+      assert (np.delete(out, [0, 3], 1) < 0).all()
+
+
 def test_mixing_the_two_keras_is_refused_by_name():
   tree = tf_hsm.Tree.huffman(np.arange(1, 9), branching=2)
+  trees = [tree, tf_hsm.Tree.huffman(np.arange(1, 9), branching=3)]
+  with pytest.raises(TypeError, match=r"in a keras \(Keras 3\) model use "
+                                      r"tf_hsm\.keras\.HierarchicalSoftmaxMixture"):
+    hk2.HierarchicalSoftmaxMixture(trees, head=[0])(keras.Input((D,)),
+                                                    keras.Input((), dtype="int32"))
+  with pytest.raises(TypeError, match=r"use tf_hsm\.tf_keras\.HierarchicalSoftmaxMixture"):
+    hk3.HierarchicalSoftmaxMixture(trees, head=[0])(tf_keras.Input((D,)),
+                                                    tf_keras.Input((), dtype="int32"))
   with pytest.raises(TypeError, match=r"components\[0\] must be a Tree or a "
                                       r"HierarchicalSoftmax \(tf_keras\), got "
                                       "HierarchicalSoftmax"):

@@ -112,11 +112,12 @@ class MixtureParts:
   """What both Keras' `HierarchicalSoftmaxMixture` hold and do beyond their own Keras'
   call signature: the parts (`_set_up`), the weights (`build`), the class counts, the
   inference methods and the config. A layer class lists it before its Keras' `Layer`
-  and names its Keras' HierarchicalSoftmax (`_COMPONENT`), initializers module
+  and names its Keras (`_KERAS`), its HierarchicalSoftmax (`_COMPONENT`), initializers module
   (`_INITIALIZERS`) and the `add_weight` argument that keeps a weight from being cast
   (`_NO_CAST`)."""
 
   _COMPONENT = None
+  _KERAS = None  # "keras" or "tf_keras"
   _KERAS_NAME = None
   _INITIALIZERS = None
   _NO_CAST = None  # {"autocast": False} or {"experimental_autocast": False}
@@ -168,10 +169,10 @@ class MixtureParts:
                        f"`hidden`, got shape {hidden_shape}")
     dim = int(dim)
     if self.head is not None:
-      self.head.build(hidden_shape)
+      self._build_part(self.head, hidden_shape)
     tail_shape = tuple(hidden_shape[:-1]) + (self.tail_dim or dim,)
     for component in self.components:
-      component.build(tail_shape)
+      self._build_part(component, tail_shape)
     if self.tail_dim is not None:
       self.tail_projection = self.add_weight(
           name="tail_projection", shape=(dim, self.tail_dim),
@@ -181,6 +182,18 @@ class MixtureParts:
     self.gate_bias = self.add_weight(name="gate_bias", shape=(len(self.components),),
                                      initializer="zeros", **self._NO_CAST)
     self.built = True
+
+  def _build_part(self, part, shape):
+    part.build(shape)
+
+  def _refuse_other_keras(self, args, kwargs):
+    hsm.refuse_other_keras(self._KERAS, "HierarchicalSoftmaxMixture", (args, kwargs))
+
+  @staticmethod
+  def tail_classes(head, num_classes):
+    """The classes a mixture with `head` leaves to its trees, increasing: the `classes`
+    to build its tail trees over (`Tree.from_context(..., classes=tail)`)."""
+    return tail_classes(head, num_classes)
 
   def compute_mask(self, *unused_args, **unused_kwargs):
     # `call` attaches the real mask (it depends on the targets) to its output.

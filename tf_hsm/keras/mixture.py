@@ -47,7 +47,7 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, keras.layers.Layer):
     head: optional class ids (distinct) scored by one softmax shared by the
       components, with a slot for the rest; the components' trees are then over the
       other classes, in increasing id order (`Tree.from_context(..., classes=
-      tf_hsm.keras.mixture_head.tail_classes(head, V))`), and the layer is over
+      HierarchicalSoftmaxMixture.tail_classes(head, V))`), and the layer is over
       len(head) + their classes. Default None: each tree over every class.
     head_bias_initializer: initializer of the head softmax's len(head) + 1 biases (the
       last the tail's); its table takes the first component's other settings.
@@ -69,8 +69,8 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, keras.layers.Layer):
       `tail_dim` without `head` or not a positive int.
   """
 
-  _COMPONENT, _KERAS_NAME, _INITIALIZERS = HierarchicalSoftmax, "Keras 3", keras.initializers
-  _NO_CAST, _INPUT_CAST = {"autocast": False}, "autocast"
+  _COMPONENT, _KERAS, _KERAS_NAME = HierarchicalSoftmax, "keras", "Keras 3"
+  _INITIALIZERS, _NO_CAST, _INPUT_CAST = keras.initializers, {"autocast": False}, "autocast"
 
   def __init__(self, components, gate_initializer="zeros", head=None,
                head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
@@ -79,6 +79,10 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, keras.layers.Layer):
     self._set_up(components, gate_initializer, head, head_bias_initializer, ignore_class,
                  tail_dim, tail_projection_initializer)
     self.supports_jit = False
+
+  def __call__(self, *args, **kwargs):
+    self._refuse_other_keras(args, kwargs)
+    return super().__call__(*args, **kwargs)
 
   def call(self, hidden, targets, mask=None, hidden_mask=None, training=None):
     # Keras fills `hidden_mask` with the mask of `hidden` (one `<argument>_mask` a tensor).

@@ -250,7 +250,7 @@ def _shared_mixture(count, k, head, num_classes, counts, probs, tokens, token_id
       f", {count} trees" if count > 2 else "")
   # How to build it, spelled out: `head` the most frequent classes, `tail` the others.
   code = (f"[{code}], head=head) with head = np.argsort(-counts, kind='stable')[:{head}], "
-          "tail = tf_hsm.keras.mixture_head.tail_classes(head, num_classes")
+          "tail = tf_hsm.HierarchicalSoftmaxMixture.tail_classes(head, num_classes")
   return _TreeCandidate(name, code, work, build, trees=count, head_work=head_work,
                         head_ids=head_ids)
 

@@ -2,12 +2,11 @@
 models under `TF_USE_LEGACY_KERAS=1`.
 
 layers.py (`HierarchicalSoftmax`), mixture.py (`HierarchicalSoftmaxMixture`), adaptive.py
-(`AdaptiveSoftmax`), losses.py (`nll`),
-optimizers.py (`LazyAdam`, `SparseAdagrad`, `SparseSGD`: touched rows only), metrics.py
-(`Perplexity`, `TopKAccuracy`) and callbacks.py (`RebuildTree`), with predict.py
-(`inference_model`), are thin tf_keras classes over the helpers that `tf_hsm.keras` (Keras 3) calls too
-(`tf_hsm/frontend/`): the same op calls, tree handling, tables in pieces and row
-updates. This package imports `tf_keras` directly, so it needs no environment variable.
+(`AdaptiveSoftmax`), losses.py (`nll`), optimizers.py (`LazyAdam`, `SparseAdagrad`,
+`SparseSGD`: touched rows only), metrics.py (`Perplexity`, `TopKAccuracy`) and
+callbacks.py (`RebuildTree`), with predict.py (`inference_model`), are thin tf_keras
+classes over the helpers that `tf_hsm.keras` (Keras 3) calls too (`tf_hsm/frontend/`):
+the same op calls, tree handling, tables in pieces and row updates. This package imports `tf_keras` directly, so it needs no environment variable.
 
 Keep each model in one Keras: a Keras 3 tf_hsm layer called on tf_keras tensors (or the
 reverse) raises a TypeError that names the class to use, and so does `compile` given

@@ -89,9 +89,11 @@ class HierarchicalSoftmax(tf_keras.layers.Layer):
     return super().__call__(*args, **kwargs)
 
   def call(self, hidden, targets, mask=None):
-    # tf_keras fills `mask` with the mask of `hidden` (its first argument) unless given.
+    # tf_keras fills `mask` with the mask of `hidden` (its first argument) unless it is
+    # given; given, it is combined with that one, as Keras 3 combines them.
     return frontend_hsm.log_probs(hidden, targets, self.kernel, self.bias, self.tree,
-                                  self.row_layout, (mask,), self.ignore_class, self)
+                                  self.row_layout, (mask, getattr(hidden, "_keras_mask", None)),
+                                  self.ignore_class, self)
 
   def compute_mask(self, inputs, mask=None):
     # `call` attaches the real mask (it depends on the targets) to its output.

@@ -23,8 +23,9 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, tf_keras.layers.Layer):
   `LazyAdam` moves the touched rows only: each table's gradient is sparse).
   """
 
-  _COMPONENT, _KERAS_NAME, _INITIALIZERS = HierarchicalSoftmax, "tf_keras", tf_keras.initializers
-  _NO_CAST, _INPUT_CAST = {"experimental_autocast": False}, "_autocast"
+  _COMPONENT, _KERAS, _KERAS_NAME = HierarchicalSoftmax, "tf_keras", "tf_keras"
+  _INITIALIZERS, _NO_CAST = tf_keras.initializers, {"experimental_autocast": False}
+  _INPUT_CAST = "_autocast"
 
   def __init__(self, components, gate_initializer="zeros", head=None,
                head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
@@ -36,9 +37,21 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, tf_keras.layers.Layer):
   def build(self, hidden_shape, targets_shape=None):
     super().build(tf.TensorShape(hidden_shape), targets_shape)
 
+  def _build_part(self, part, shape):
+    # In the part's own name scope, as tf_keras builds a layer it calls: else every
+    # part's weights are named "<mixture>/kernel:0", which HDF5 files cannot hold twice.
+    with tf.name_scope(part.name):
+      part.build(shape)
+
+  def __call__(self, *args, **kwargs):
+    self._refuse_other_keras(args, kwargs)
+    return super().__call__(*args, **kwargs)
+
   def call(self, hidden, targets, mask=None, training=None):
-    # tf_keras fills `mask` with the mask of `hidden` (its first argument) unless given.
-    return mixture.log_probs(self, hidden, targets, (mask,), training)
+    # tf_keras fills `mask` with the mask of `hidden` (its first argument) unless it is
+    # given; given, it is combined with that one, as Keras 3 combines them.
+    return mixture.log_probs(self, hidden, targets,
+                             (mask, getattr(hidden, "_keras_mask", None)), training)
 
   def compute_output_signature(self, input_signature):
     return tf.TensorSpec(input_signature.shape[:-1], tf.float64
