@@ -4,7 +4,8 @@ ParameterServerStrategy (2 PS + 2 workers, table and slots in pieces, a balanced
 layout, a worker killed after epoch 2 of 4, a checkpoint restored into one process;
 then LazyAdam under BackupAndRestore, its backup of 2 pieces resumed on 3 PS and in one
 process; an AdaptiveSoftmax with two-level tails trained by LazyAdam on both workers,
-and on 3 PS + 1 worker), MultiWorkerMirroredStrategy over 2 worker processes,
+and on 3 PS + 1 worker; a HierarchicalSoftmaxMixture on 3 PS + 1 worker),
+MultiWorkerMirroredStrategy over 2 worker processes,
 MirroredStrategy over 2 devices."""
 
 import json
@@ -215,6 +216,29 @@ def test_ps_fit_trains_adaptive_softmax_with_tables_in_pieces(ps):
     assert moved > 0.1 and off < 1e-4 * moved, (name, off, moved)
     moved, off = _moved_and_off(cluster, single, name)
     assert off < 0.25 * moved, (name, off, moved)
+
+
+@pytest.mark.slow
+def test_ps_fit_trains_a_mixture_with_tables_in_pieces(ps):
+  """tf_hsm.tf_keras.HierarchicalSoftmaxMixture (two Huffman trees below a shared head of
+  20) trained by LazyAdam with `fit` on 3 PS + 1 worker (the `resume` cluster), against
+  one process running the same 24 steps on the same fixed batch: every table in pieces
+  on the servers, each tree's pieces updated by the rows its batch touched, and, the
+  worker running its steps in order, one process's losses and weights (measured: equal
+  to the bit)."""
+  run, single = ps["resumed_3"]["mixture"], ps["single"]["mixture"]
+  for name in ("head_kernel", "dense_kernel", "tree_0_kernel", "tree_1_kernel"):
+    servers = {device.split("/device")[0] for device in run["pieces"][name]}
+    assert len(run["pieces"][name]) == 3 and len(servers) == 3, (name, run["pieces"])
+  trees = [u for u in run["updates"] if "/mixture_tree_" in u[0]]
+  assert len({u[0] for u in trees}) == 12, trees  # 2 trees x (kernel, bias) x 3 pieces
+  assert all(kind == "IndexedSlices" for _, kind, _, _ in trees), trees
+  assert run["iterations"] == single["iterations"] == 24
+  assert run["losses"][-1] < 0.6 * run["losses"][0], run["losses"]
+  np.testing.assert_allclose(run["losses"], single["losses"], rtol=1e-5)
+  for name in single["final"]:
+    moved, off = _moved_and_off(run, single, name)
+    assert moved > 0.1 and off < 1e-4 * moved, (name, off, moved)
 
 
 def _free_ports(n):

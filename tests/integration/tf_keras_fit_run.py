@@ -15,7 +15,9 @@ Each prints one JSON line. The model: features -> Dense -> HierarchicalSoftmax (
 balanced row layout over 2 shards) trained on one fixed batch repeated, so that the
 steps of asynchronous workers see the same data in any order. `ps` (first, on both
 workers) and `single` also train, the same way, features -> Dense -> AdaptiveSoftmax
-(two-level tails, a class order leaving id 0 out) with LazyAdam (`fit_adaptive`).
+(two-level tails, a class order leaving id 0 out) with LazyAdam (`fit_adaptive`);
+`resume N` and `single`, features -> Dense -> HierarchicalSoftmaxMixture (two trees
+below a shared head) with LazyAdam (`fit_mixture`).
 
 With TF_HSM_BACKUP set, `ps` then trains the same model with LazyAdam for
 ADAM_EPOCHS epochs under tf_keras' `BackupAndRestore` (a checkpoint of the model and
@@ -302,6 +304,61 @@ def fit_adaptive(strategy):
   return result
 
 
+MIXTURE_HEAD, MIXTURE_EPOCHS, MIXTURE_LR = 20, 3, 0.01
+
+
+def make_mixture_model(optimizer):
+  """features -> Dense(D) -> HierarchicalSoftmaxMixture (Huffman trees of 4 and 8 over
+  the classes below a shared head of the 20 most frequent), with the same initial
+  weights whatever the strategy (set after it is built). Returns (model, its tables by
+  name)."""
+  counts = 1.0 / np.arange(1, V + 1)
+  trees = [tf_hsm.Tree.huffman(counts[MIXTURE_HEAD:], branching=b) for b in (4, 8)]
+  features = tf_keras.Input((F,))
+  targets = tf_keras.Input((), dtype="int32")
+  dense = tf_keras.layers.Dense(D, name="mixture_dense")
+  output = hk.HierarchicalSoftmaxMixture(trees, head=np.arange(MIXTURE_HEAD), name="mixture")
+  model = tf_keras.Model([features, targets], output(dense(features), targets))
+  tables = {"head_kernel": output.head.kernel, "head_bias": output.head.bias,
+            "gate_kernel": output.gate_kernel, "gate_bias": output.gate_bias,
+            "dense_kernel": dense.kernel}
+  for i, component in enumerate(output.components):
+    tables[f"tree_{i}_kernel"], tables[f"tree_{i}_bias"] = component.kernel, component.bias
+  rng = np.random.default_rng(4)
+  for name, variable in tables.items():
+    variable.assign(rng.normal(size=variable.shape).astype(np.float32) * 0.3)
+  model.compile(optimizer=optimizer, loss=hk.losses.nll)
+  return model, tables
+
+
+def fit_mixture(strategy):
+  """The mixture model trained by LazyAdam for MIXTURE_EPOCHS x STEPS steps on one fixed
+  batch (`problem()`'s), under `strategy` (a DatasetCreator) or in one process (None):
+  losses, initial and final tables (whole), and the tables' pieces."""
+  _, _, features, targets = problem()
+  scope = strategy.scope() if strategy else contextlib.nullcontext()
+  RecordingAdam.seen.clear()
+  with scope:
+    model, tables = make_mixture_model(RecordingAdam(MIXTURE_LR))
+
+  def whole():
+    return {name: np.concatenate([p.numpy() for p in distribute.pieces(v)]).tolist()
+            if distribute.pieces(v) else v.numpy().tolist() for name, v in tables.items()}
+
+  result = {"initial": whole()}
+  if strategy:
+    data = tf_keras.utils.experimental.DatasetCreator(dataset_fn(features, targets))
+  else:
+    data = dataset_fn(features, targets)()
+  history = model.fit(data, epochs=MIXTURE_EPOCHS, steps_per_epoch=STEPS, verbose=0)
+  result.update(losses=history.history["loss"], final=whole(),
+                iterations=int(model.optimizer.iterations.numpy()),
+                updates=[u for u in RecordingAdam.seen if u[0].startswith("mixture/")],
+                pieces={name: [p.device for p in distribute.pieces(v) or []]
+                        for name, v in tables.items()})
+  return result
+
+
 def run_ps():
   from tf_hsm.cluster import LoopbackCluster  # pylint: disable=import-outside-toplevel
   tree, layout, features, targets = problem()
@@ -363,6 +420,7 @@ def run_single(steps, restore=None):
   result["losses"] = history.history["loss"]
   result["final"] = weights(model)
   result["adaptive"] = fit_adaptive(None)
+  result["mixture"] = fit_mixture(None)
   print(json.dumps(result))
 
 
@@ -386,6 +444,7 @@ def run_resume(num_ps, backup):
       # The AdaptiveSoftmax model with its tables in num_ps pieces and one worker, which
       # runs the steps in order (no concurrent updates): what `single` computes.
       result["adaptive"] = fit_adaptive(strategy)
+      result["mixture"] = fit_mixture(strategy)  # likewise
   print(json.dumps(result))
 
 
