@@ -5,7 +5,7 @@ layout, a worker killed after epoch 2 of 4, a checkpoint restored into one proce
 then LazyAdam under BackupAndRestore, its backup of 2 pieces resumed on 3 PS and in one
 process; an AdaptiveSoftmax with two-level tails trained by LazyAdam on both workers,
 and on 3 PS + 1 worker; a HierarchicalSoftmaxMixture on 3 PS + 1 worker),
-MultiWorkerMirroredStrategy over 2 worker processes,
+MultiWorkerMirroredStrategy over 2 worker processes (the three layers),
 MirroredStrategy over 2 devices."""
 
 import json
@@ -286,6 +286,18 @@ def test_mwms_fit_equals_one_process_on_the_combined_batch():
                if "tail_kernel" in name or "tail_bias" in name), seen
     for name, value in mirrored["adaptive_one"].items():
       # float32 sums in another order: an absolute tolerance of the weights' scale.
+      scale = np.abs(np.array(value)).max()
+      np.testing.assert_allclose(np.array(weights[name]), np.array(value), rtol=2e-5,
+                                 atol=2e-6 * max(scale, 1.0), err_msg=name)
+  # The HierarchicalSoftmaxMixture (two trees below a shared head) likewise: its trees'
+  # and head's gradients combined as IndexedSlices, one device's weights.
+  for seen, weights in [(mirrored["mixture_seen"], mirrored["mixture_two"])] + [
+      (out["mixture_seen"], out["mixture"]) for out in outs]:
+    seen = {name: kind for name, kind, *_ in seen}
+    trees = {name: kind for name, kind in seen.items() if "mixture_tree_" in name}
+    tables = {name.split(":")[0].replace("/replica_1", "") for name in trees}
+    assert len(tables) == 4 and set(trees.values()) == {"IndexedSlices"}, seen
+    for name, value in mirrored["mixture_one"].items():
       scale = np.abs(np.array(value)).max()
       np.testing.assert_allclose(np.array(weights[name]), np.array(value), rtol=2e-5,
                                  atol=2e-6 * max(scale, 1.0), err_msg=name)

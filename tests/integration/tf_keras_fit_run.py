@@ -7,9 +7,9 @@ by test_tf_keras_fit.py in processes of their own that it bounds in time.
                                   # on N PS + 1 worker (N = 0: in one process); on
                                   # N PS also the AdaptiveSoftmax model's fit
     tf_keras_fit_run.py mirrored  # MirroredStrategy over 2 CPU devices, and one device
-                                  # (HierarchicalSoftmax, then AdaptiveSoftmax)
+                                  # (HierarchicalSoftmax, AdaptiveSoftmax, the mixture)
     tf_keras_fit_run.py mwms I PORTS  # worker I of a 2-worker MultiWorkerMirroredStrategy
-                                      # (HierarchicalSoftmax, then AdaptiveSoftmax)
+                                      # (HierarchicalSoftmax, AdaptiveSoftmax, the mixture)
 
 Each prints one JSON line. The model: features -> Dense -> HierarchicalSoftmax (a
 balanced row layout over 2 shards) trained on one fixed batch repeated, so that the
@@ -474,6 +474,18 @@ def _fit_adaptive_under(strategy, options=None):
   return adaptive_weights(model)
 
 
+def _fit_mixture_under(strategy, options=None):
+  """The mixture model trained by SparseSGD for STEPS steps of one fixed batch (split
+  over the replicas, or over the workers with `options`' sharding): its whole tables."""
+  _, _, features, targets = problem()
+  with strategy.scope():
+    model, tables = make_mixture_model(SeenSGD(LR))
+  data = tf.data.Dataset.from_tensor_slices(((features, targets), targets)).batch(B)
+  data = data.repeat(STEPS)
+  model.fit(data if options is None else data.with_options(options), epochs=1, verbose=0)
+  return {name: v.numpy().tolist() for name, v in tables.items()}
+
+
 def run_mirrored():
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -486,8 +498,14 @@ def run_mirrored():
   adaptive_one = _fit_adaptive_under(tf.distribute.get_strategy())
   SeenSGD.seen.clear()
   adaptive_two = _fit_adaptive_under(mirrored)
+  adaptive_seen = list(SeenSGD.seen)
+  mixture_one = _fit_mixture_under(tf.distribute.get_strategy())
+  SeenSGD.seen.clear()
+  mixture_two = _fit_mixture_under(mirrored)
   print(json.dumps({"one": one, "two": two, "seen": seen, "adaptive_one": adaptive_one,
-                    "adaptive_two": adaptive_two, "adaptive_seen": SeenSGD.seen}))
+                    "adaptive_two": adaptive_two, "adaptive_seen": adaptive_seen,
+                    "mixture_one": mixture_one, "mixture_two": mixture_two,
+                    "mixture_seen": SeenSGD.seen}))
 
 
 def run_mwms(index, ports):
@@ -504,8 +522,12 @@ def run_mwms(index, ports):
   seen = list(SeenSGD.seen)
   SeenSGD.seen.clear()
   adaptive = _fit_adaptive_under(strategy, options)
+  adaptive_seen = list(SeenSGD.seen)
+  SeenSGD.seen.clear()
+  mixture = _fit_mixture_under(strategy, options)
   print(json.dumps({"weights": result, "seen": seen, "adaptive": adaptive,
-                    "adaptive_seen": SeenSGD.seen}))
+                    "adaptive_seen": adaptive_seen, "mixture": mixture,
+                    "mixture_seen": SeenSGD.seen}))
 
 
 if __name__ == "__main__":
