@@ -124,8 +124,7 @@ def _path_rows(tree, c):
 def test_a_table_in_pieces_walks_no_path_for_padding(rng):
   """Pieces (here a list of row ranges) take the compact path: its batch tree is built
   from the real targets alone, and padding is -1 to the op there too. A batch of padding
-  alone still gathers class 0's path for its (non-empty) batch tree: those rows come
-  back, all zero."""
+  alone gathers no row: its gradients hold none."""
   tree, weights, biases, hidden, targets = _problem(rng, tokens=12)
   cut = tree.num_slots // 2
   pieces = [tf.Variable(weights[:cut]), tf.Variable(weights[cut:])]
@@ -138,9 +137,9 @@ def test_a_table_in_pieces_walks_no_path_for_padding(rng):
                                    zip(grads, (0, cut)) if g is not None]))
     kept = batch >= 0
     np.testing.assert_array_equal(np.unique(rows), np.unique(np.concatenate(
-        [_path_rows(tree, c) for c in (batch[kept] if kept.any() else [0])])))
+        [_path_rows(tree, c) for c in batch[kept]] + [np.zeros(0, np.int64)])))
     np.testing.assert_array_equal(out.numpy()[~kept], 0.0)
-  assert not any(np.asarray(g.values).any() for g in grads if g is not None)
+  assert rows.size == 0  # the batch of padding alone
   out = tf_hsm.log_prob(hidden, pieces, biases, tree, targets, skip_padding=True).numpy()
   np.testing.assert_allclose(out[real], oracle.log_prob_reference(
       hidden[real], weights, biases, tree, targets[real])[0], rtol=1e-12, atol=1e-12)
@@ -198,3 +197,26 @@ def test_nll_loss_sgd_step_and_adam_step_skip_padding(rng):
   tf_hsm.adam_step(hidden, w, b, tree, -np.ones_like(targets), optimizer, skip_padding=True)
   np.testing.assert_array_equal(w.numpy(), moved)
   assert int(optimizer.iterations) == 2
+
+
+def test_a_batch_of_padding_alone_gathers_no_row_of_a_row_layout(rng):
+  """A layer whose table has a row layout (the compact path, as a table in pieces) given
+  padding alone: zeros, and gradients of no row for the kernel and the biases (each an
+  empty IndexedSlices: no bias row moves on an optimizer's moments either)."""
+  counts = rng.integers(1, 50, 40).astype(float)
+  tree = tf_hsm.Tree.huffman(counts, 3)
+  layout = tf_hsm.distribute.balanced_layout(tree, 2, 16, counts=counts)
+  layer = tf_hsm.keras.HierarchicalSoftmax(tree, row_layout=layout)
+  hidden = tf.constant(rng.normal(size=(4, 6, D)), tf.float32)
+  layer.build(hidden.shape)
+  for dtype in (np.int64, np.int32):
+    with tf.GradientTape() as tape:
+      out = layer(hidden, tf.constant(-np.ones((4, 6), dtype)))
+    grads = tape.gradient(out, layer.trainable_weights)
+    np.testing.assert_array_equal(out.numpy(), 0.0)
+    assert [type(g).__name__ for g in grads] == ["IndexedSlices", "IndexedSlices"]
+    assert all(g.indices.shape[0] == 0 for g in grads)
+  targets = rng.integers(0, 40, (4, 6)).astype(np.int32)
+  targets[0] = -1
+  out = layer(hidden, tf.constant(targets)).numpy()  # int32 targets, some padding
+  assert (out[0] == 0).all() and (out[1:] < 0).all()

@@ -10,8 +10,8 @@ def _table_rows(tree, weights, biases, targets, skip_padding=False):
   tables as given, or, where a table is held in pieces (a `ShardedVariable`, a list of
   row ranges, a row layout), the compact rows of the batch's paths and the batch tree
   over them (`tf_hsm.ops.compact`). With `skip_padding` the batch tree holds the real
-  targets' paths alone: padding takes a real target's place in it (class 0's where the
-  batch has none) and is -1 to the op, which walks nothing for it."""
+  targets' paths alone (none for a batch of padding: no row is gathered, so none is in
+  the gradient) and padding is -1 to the op, which walks nothing for it."""
   t = inputs.tree_tensors(tree)
   targets = inputs.class_ids(targets, "targets")
   if not compact_tables.is_split(weights, biases):
@@ -19,11 +19,13 @@ def _table_rows(tree, weights, biases, targets, skip_padding=False):
                               t["path_slots"]), targets)
   if not skip_padding:
     return compact_tables.compact_inputs(tree, t, weights, biases, targets, "targets")
-  real = targets >= 0
-  stand_in = tf.maximum(tf.reduce_max(tf.where(real, targets, -tf.ones_like(targets))), 0)
+  flat = tf.reshape(targets, [-1])
+  where = tf.where(flat >= 0)  # [n, 1]: the real targets' positions
   weights, biases, tree_inputs, compact = compact_tables.compact_inputs(
-      tree, t, weights, biases, tf.where(real, targets, stand_in), "targets")
-  return weights, biases, tree_inputs, tf.where(real, compact, -tf.ones_like(compact))
+      tree, t, weights, biases, tf.gather_nd(flat, where), "targets")
+  compact = tf.tensor_scatter_nd_update(-tf.ones_like(flat), where,
+                                        tf.cast(compact, flat.dtype))
+  return weights, biases, tree_inputs, tf.reshape(compact, tf.shape(targets))
 
 
 @inputs.accepts_ragged
@@ -43,8 +45,7 @@ def log_prob(hidden, weights, biases, tree, targets, skip_padding=False):
     targets: int32/int64 class ids with hidden's leading shape.
     skip_padding: whether targets < 0 are padding: log-probability 0, no path walked,
       no gradient (no weight row is in the gradient for a padded token alone, so a
-      LazyAdam moves none on its moments; but a table in pieces, given a batch of
-      padding alone, still gathers class 0's path, whose rows then come back all zero).
+      LazyAdam moves none on its moments; a table in pieces gathers none for it either).
       Default False: they are an error.
 
   Returns:
@@ -148,11 +149,14 @@ def _first_order_only(gradient):
 
 def _input_grads(weights, biases, hidden_grad, weight_rows, bias_rows, row_ids):
   """[d hidden, d weights, d biases] from a gradient op's outputs: the table gradients as
-  `tf.IndexedSlices` over the touched rows; an empty biases input stands for "no bias" and
-  gets no gradient. Each refuses to be differentiated again (`_first_order_only`)."""
+  `tf.IndexedSlices` over the touched rows; an empty biases input beside a table with
+  rows stands for "no bias" and gets no gradient (both empty: the compact problem of a
+  batch of padding, whose biases get an empty gradient). Each refuses to be
+  differentiated again (`_first_order_only`)."""
   dense_shape = tf.shape(weights, out_type=tf.int64)
   weight_grad = tf.IndexedSlices(_first_order_only(weight_rows), row_ids, dense_shape)
-  no_bias = biases.shape.rank == 1 and biases.shape[0] == 0
+  no_bias = (biases.shape.rank == 1 and biases.shape[0] == 0 and
+             weights.shape[0] != 0)
   bias_grad = None if no_bias else tf.IndexedSlices(_first_order_only(bias_rows), row_ids,
                                                     dense_shape[:1])
   return [_first_order_only(hidden_grad), weight_grad, bias_grad]
