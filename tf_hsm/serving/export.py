@@ -160,7 +160,7 @@ class ServingModule(tf.Module):
     k = checks.check_k(k)
     max_exclude = checks.check_max_exclude(max_exclude)
     cut = ModelCut(model)
-    layer, self.kind = cut.layer, cut.kind
+    layer = cut.layer
     self.ignore_class = cut.ignore_class
     self._hidden_rank = len(cut.hidden.shape)
     self._target_index = cut.target_index

@@ -112,29 +112,33 @@ class ServedMixture(tf.Module):
     return mixture_serving.sample(self._weights, hidden, seed, temperature)
 
 
-_SERVED = ((_HSM, "tree", ServedTree), (_ADAPTIVE, "cluster_ranges", ServedAdaptive),
-           (_MIXTURE, "components", ServedMixture))
+# (class name, an attribute the layer has, its kind, its served class), by kind.
+_SERVED = ((_HSM, "tree", "hsm", ServedTree),
+           (_ADAPTIVE, "cluster_ranges", "adaptive", ServedAdaptive),
+           (_MIXTURE, "components", "mixture", ServedMixture))
 
 
-def _served_class(layer):
+def _served_entry(layer):
+  """`layer`'s row of `_SERVED` (by class name along the MRO: no tf_hsm import here),
+  or None."""
   for cls in type(layer).__mro__:
-    for name, marker, served in _SERVED:
-      if cls.__name__ == name and hasattr(layer, marker):
-        return served
+    for entry in _SERVED:
+      if cls.__name__ == entry[0] and hasattr(layer, entry[1]):
+        return entry
   return None
 
 
 def served_kind(layer):
   """"hsm", "adaptive", "mixture", or None where `layer` is none of tf_hsm's output
-  layers (by class name along the MRO and an attribute each kind has)."""
-  return {ServedTree: "hsm", ServedAdaptive: "adaptive",
-          ServedMixture: "mixture", None: None}[_served_class(layer)]
+  layers."""
+  entry = _served_entry(layer)
+  return None if entry is None else entry[2]
 
 
 def served_layer(layer):
   """The served copy of a tf_hsm output layer (`ServedTree`, `ServedAdaptive` or
   `ServedMixture`)."""
-  served = _served_class(layer)
-  if served is None:
+  entry = _served_entry(layer)
+  if entry is None:
     raise ValueError(f"{type(layer).__name__} is not a tf_hsm output layer")
-  return served(layer)
+  return entry[3](layer)
