@@ -1319,6 +1319,48 @@ void CheckNanStaysInItsRow(std::mt19937_64& rng) {
   }
 }
 
+// A batch of padding alone against the tree a table in pieces gets for it: the batch tree
+// of no real target, one node of no children and no slot (tf_hsm/ops/compact.py), and
+// weight and bias tables of no row. Every token gets log-probability 0 and a zero hidden
+// gradient (its upstream NaN), and no weight row is in the gradient, on the GPU as in the
+// CPU core; no kernel launches over an empty grid or reads past the empty tables.
+template <typename T>
+void CheckEmptyBatchTree(std::mt19937_64& rng) {
+  Case c;
+  c.name = "empty_batch_tree";
+  c.tree.child_begin = {0, 0};
+  c.tree.path_begin = {0, 0};
+  c.tree.num_classes = 1;
+  c.tokens = 6;
+  c.dim = 5;
+  Data<T> d;
+  std::normal_distribution<double> normal(0, 1);
+  d.hidden.resize(c.tokens * c.dim);
+  for (auto& v : d.hidden) v = static_cast<T>(normal(rng));
+  d.upstream.assign(c.tokens, std::numeric_limits<T>::quiet_NaN());
+  d.targets.assign(c.tokens, -1);
+  const std::string what = c.name + (sizeof(T) == 4 ? " float32" : " float64");
+  VisitPlan plan;
+  const std::string err = BuildVisitPlan(c.tree.view(), d.targets.data(), c.tokens, &plan,
+                                         PlanFor::kBackward, Padding::kSkip);
+  HARNESS_EXPECT(err.empty(), "%s: %s", what.c_str(), err.c_str());
+  if (!err.empty()) return;
+  HARNESS_EXPECT(plan.num_rows() == 0, "%s: %" PRId64 " rows planned", what.c_str(),
+                 plan.num_rows());
+  const Result<T> cpu = RunCpu<T>(c, plan, d);
+  DeviceInputs<T> in(d);
+  const Result<T> gpu = RunGpu<T>(c, plan, in, c.budget, true, nullptr);
+  for (const Result<T>* r : {&cpu, &gpu}) {
+    const bool zero = std::all_of(r->log_prob.begin(), r->log_prob.end(),
+                                  [](T x) { return x == T(0); }) &&
+                      std::all_of(r->d_hidden.begin(), r->d_hidden.end(),
+                                  [](T x) { return x == T(0); });
+    HARNESS_EXPECT(zero && r->d_rows.empty() && r->row_ids.empty(),
+                   "%s (%s): a padded token has a value, a gradient or a row", what.c_str(),
+                   r == &cpu ? "CPU" : "GPU");
+  }
+}
+
 // ---- The cases ---------------------------------------------------------------------------
 
 std::vector<Case> CorrectnessCases(std::mt19937_64& rng, bool quick) {
@@ -1783,7 +1825,7 @@ void TimeHostPlans(std::mt19937_64& rng, const Options& opt) {
   }
 }
 
-// The checks of special inputs (a NaN row, masked children), each named like a case so
+// The checks of special inputs (a NaN row, masked children, an empty batch tree), each named like a case so
 // that --only selects it.
 void CheckSpecialInputs(std::mt19937_64& rng, const Options& opt) {
   const auto selected = [&](const char* name) {
@@ -1799,6 +1841,12 @@ void CheckSpecialInputs(std::mt19937_64& rng, const Options& opt) {
     before = failures;
     CheckInferenceNanRow(rng);
     report("nan_row_inference", before);
+  }
+  if (selected("empty_batch_tree")) {
+    const int before = failures;
+    CheckEmptyBatchTree<double>(rng);
+    CheckEmptyBatchTree<float>(rng);
+    report("empty_batch_tree", before);
   }
   if (selected("masked_children")) {
     const int before = failures;

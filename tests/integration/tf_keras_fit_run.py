@@ -16,8 +16,8 @@ balanced row layout over 2 shards) trained on one fixed batch repeated, so that 
 steps of asynchronous workers see the same data in any order. `ps` (first, on both
 workers) and `single` also train, the same way, features -> Dense -> AdaptiveSoftmax
 (two-level tails, a class order leaving id 0 out) with LazyAdam (`fit_adaptive`);
-`resume N` and `single`, features -> Dense -> HierarchicalSoftmaxMixture (two trees
-below a shared head) with LazyAdam (`fit_mixture`).
+and features -> Dense -> HierarchicalSoftmaxMixture (two trees below a shared head) with
+LazyAdam (`fit_mixture`; `resume N` too).
 
 With TF_HSM_BACKUP set, `ps` then trains the same model with LazyAdam for
 ADAM_EPOCHS epochs under tf_keras' `BackupAndRestore` (a checkpoint of the model and
@@ -368,8 +368,9 @@ def run_ps():
         cluster.resolver(),
         variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(
             2))
-    # The AdaptiveSoftmax model first, while both workers run.
+    # The AdaptiveSoftmax model and the mixture first, while both workers run.
     result["adaptive"] = fit_adaptive(strategy)
+    result["mixture"] = fit_mixture(strategy)
     with strategy.scope():
       model = make_model(tree, layout, Recording(LR))
     layer = model.get_layer("hsm")
