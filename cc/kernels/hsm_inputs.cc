@@ -34,9 +34,10 @@ Status CheckSoftmaxTensors(const Tensor& hidden, const Tensor& weights, const Te
   const int64 num_slots = in->weights->dim_size(0);
   if (in->biases->dims() != 1 ||
       (in->biases->dim_size(0) != 0 && in->biases->dim_size(0) != num_slots)) {
-    return errors::InvalidArgument("biases must be a vector of ", num_slots,
-                                   " (one per weight row) or empty, got shape ",
-                                   in->biases->shape().DebugString());
+    return errors::InvalidArgument(
+        "biases must be a vector of ", num_slots, " (one per weight row: weights has ",
+        num_slots, " rows, and both need one per tree slot) or empty, got shape ",
+        in->biases->shape().DebugString());
   }
   in->has_bias = in->biases->dim_size(0) != 0;
   in->num_tokens = in->dim == 0 ? BatchShape(*in->hidden).num_elements()

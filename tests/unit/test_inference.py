@@ -615,3 +615,12 @@ def test_top_k_exclude_ragged_and_errors(rng):
     top_k(hidden, weights, biases, tree, 3, exclude=[[20]])
   with pytest.raises(TypeError, match="exclude must be int32 or int64"):
     top_k(hidden, weights, biases, tree, 3, exclude=[[1.0]])
+  # Rows of ids for other rows than the batch's (6 for 5) are named, by the op and by
+  # the layers (whose ignore_class joins each row).
+  with pytest.raises(ValueError, match=r"broadcasts to the rows' \[5\], got shape \[6, 2\]"):
+    top_k(hidden, weights, biases, tree, 3, exclude=np.zeros([6, 2], np.int64))
+  layer = tf_hsm.HierarchicalSoftmax(tree, ignore_class=0)
+  layer.build((None, 4))
+  for shape in ([6, 2], [3, 5, 2]):
+    with pytest.raises(ValueError, match="broadcasts to the rows'"):
+      layer.top_k(hidden, 3, exclude=np.zeros(shape, np.int64))

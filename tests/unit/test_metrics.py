@@ -101,6 +101,22 @@ def test_top_k_accuracy_is_exact(rng, k):
                                 k=k) == pytest.approx(expected, abs=1e-7)
 
 
+def test_top_k_accuracy_refuses_targets_that_are_not_class_ids(rng):
+  """Beside hidden states (no layer output to read them from), a target past the
+  classes would count as a miss and a float be truncated: each is named instead."""
+  tree = tf_hsm.Tree.two_level(V, counts=1.0 / np.arange(1, V + 1))
+  hidden, targets = _data(rng)
+  model, layer = _model(tree)
+  model([hidden, targets])
+  metric = metrics.TopKAccuracy(layer, k=2)
+  with pytest.raises(tf.errors.InvalidArgumentError, match=f"< num_classes = {V}"):
+    metric.update_state(np.where(targets >= 0, V + 7, targets), hidden)
+  with pytest.raises(TypeError, match="integer class ids, got float"):
+    metric.update_state(targets + 0.5, hidden)
+  metric.update_state(targets, hidden)  # padding (< 0) is still skipped
+  assert 0.0 <= float(metric.result()) <= 1.0
+
+
 def test_top_k_accuracy_arguments():
   with pytest.raises(ValueError, match="k must be a positive int"):
     metrics.TopKAccuracy(object(), k=0)

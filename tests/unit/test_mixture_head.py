@@ -121,6 +121,23 @@ def test_log_prob_all_is_normalised_and_top_k_reads_it(rng, tail_dim):
   np.testing.assert_allclose(values, np.sort(every, -1)[..., ::-1][..., :4], rtol=1e-12)
 
 
+def test_top_k_of_a_nan_row_is_no_ranking(rng):
+  """A row of NaN hidden states: classes -1 and log-probabilities NaN, as the export's
+  top_k, with ignore_class and exclude too (tf.math.top_k ranked an excluded class's
+  -inf first there); the other rows as without it."""
+  layer, num_classes = _headed(rng, ignore_class=0)
+  hidden = rng.normal(size=(3, D))
+  layer(hidden, np.ones(3, np.int64))
+  want = layer.top_k(hidden, 3, exclude=[[1], [2], [3]])
+  hidden[1] = np.nan
+  values, classes = layer.top_k(hidden, 3, exclude=[[1], [2], [3]])
+  np.testing.assert_array_equal(classes[1], [-1, -1, -1])
+  assert np.all(np.isnan(values[1]))
+  for row in (0, 2):
+    np.testing.assert_array_equal(classes[row], want[1][row])
+    np.testing.assert_array_equal(values[row], want[0][row])
+
+
 @pytest.mark.parametrize("tail_dim", [None, 2])
 def test_sample_draws_the_layer_s_distribution(rng, tail_dim):
   layer, num_classes = _headed(rng, dtype="float32", tail_dim=tail_dim)
@@ -199,6 +216,9 @@ def test_inference_model_top_k_on_a_headed_mixture(rng, tail_dim):
     ([1], {"tail_dim": 0}, ValueError, "positive int"),
     ([1], {"tail_dim": 2.0}, TypeError, "positive int"),
     ([1], {"tail_dim": True}, TypeError, "positive int"),
+    ([1], {"num_classes": 8}, ValueError, "trees over 8 make 9"),
+    ([1], {"num_classes": 9.0}, TypeError, "num_classes must be an int"),
+    (None, {"num_classes": 9}, ValueError, "trees are over 8 classes"),
 ])
 def test_bad_heads_are_named(head, kwargs, error, message):
   trees = [tf_hsm.Tree.huffman(np.arange(1, 9), 2), tf_hsm.Tree.huffman(np.arange(1, 9), 3)]
@@ -213,6 +233,15 @@ def test_components_with_their_own_ignore_class_are_refused_beside_a_head():
     HierarchicalSoftmaxMixture(components, head=[3])
 
 
+def test_num_classes_given_is_checked_and_kept_in_the_config():
+  trees = [tf_hsm.Tree.huffman(np.arange(1, 9), 2), tf_hsm.Tree.huffman(np.arange(1, 9), 3)]
+  layer = HierarchicalSoftmaxMixture(trees, head=[1, 4], num_classes=10)
+  assert layer.num_classes == 10
+  again = HierarchicalSoftmaxMixture.from_config(layer.get_config())
+  assert again.num_classes == 10 and again.get_config()["num_classes"] == 10
+  assert "num_classes" not in HierarchicalSoftmaxMixture(trees, head=[1]).get_config()
+
+
 def test_targets_beyond_the_classes_are_named(rng):
   layer, num_classes = _headed(rng)
   hidden = rng.normal(size=(2, D))
@@ -220,6 +249,24 @@ def test_targets_beyond_the_classes_are_named(rng):
     layer(hidden, np.array([0, num_classes]))
   with pytest.raises(TypeError, match="integer class ids"):
     layer(hidden, np.array([0.0, 1.0]))
+
+
+def test_targets_beyond_the_classes_are_named_in_fit():
+  """In fit's graph the check runs before the class map's gather, whose own error
+  ("indices[...] = 1000 is not in [0, 1000)", naming a GatherV2) would come first."""
+  num_classes, head = 1000, np.arange(1, 33)
+  tail = HierarchicalSoftmaxMixture.tail_classes(head, num_classes)
+  layer = HierarchicalSoftmaxMixture([tf_hsm.Tree.balanced(len(tail), 8)] * 2, head=head,
+                                     ignore_class=0)
+  tokens, targets = keras.Input([None], dtype="int32"), keras.Input([None], dtype="int32")
+  model = keras.Model([tokens, targets],
+                      layer(keras.layers.Embedding(num_classes, D)(tokens), targets))
+  model.compile(optimizer="sgd", loss=tf_hsm.losses.nll)
+  x = np.random.default_rng(0).integers(1, num_classes, size=(64, 8))
+  y = np.roll(x, -1, 1)
+  y[0, 0] = num_classes
+  with pytest.raises(tf.errors.InvalidArgumentError, match="targets must be < num_classes"):
+    model.fit([x, y], y, epochs=1, verbose=0)
 
 
 def test_tail_trees_from_context_are_over_the_classes_given():

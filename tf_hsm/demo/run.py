@@ -300,7 +300,8 @@ def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
             for k, t in enumerate(trees)]
   output = layers[0] if len(trees) == 1 else HierarchicalSoftmaxMixture(
       layers, name="hsm", head=head, head_bias_initializer=keras.initializers.Constant(
-          head_biases(counts, head)) if head is not None else "zeros", tail_dim=tail_dim)
+          head_biases(counts, head)) if head is not None else "zeros", tail_dim=tail_dim,
+      num_classes=len(counts))
   log_probs = output(x, targets)
   return _compile(keras.Model([tokens, targets], log_probs, name=name), "hsm",
                   learning_rate, output_lr_scale)

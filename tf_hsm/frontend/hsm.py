@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hsm import distribute
+from tf_hsm.ops import inference
 from tf_hsm.ops import log_prob
 from tf_hsm.serving import hsm as stock_hsm
 from tf_hsm.serving import stock
@@ -155,6 +156,7 @@ def with_ignored(exclude, ignore_class, hidden):
     exclude = tf.cast(exclude, tf.int64)
   else:
     exclude = tf.cast(tf.convert_to_tensor(exclude), tf.int64)
+    inference.check_exclude_shape(exclude, ignored.shape[:-1])
     # Dimensions of 1 apply to every row: spelled out, to sit beside the per-row id.
     if exclude.shape.rank == ignored.shape.rank:
       exclude = tf.broadcast_to(exclude, tf.concat([tf.shape(ignored)[:-1],

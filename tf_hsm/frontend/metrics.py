@@ -85,7 +85,7 @@ def top_k_terms(own_keras, layer, k, y_true, y_pred, sample_weight):
         "compile, give the layer and the hidden states: "
         "TopKAccuracy(layer, k).update_state(targets, hidden)")
   else:
-    hidden, targets = y_pred, tf.convert_to_tensor(y_true)
+    hidden, targets = y_pred, _checked_targets(y_true, layer.num_classes)
     weight = valid_weight(targets, tf.cast(targets, tf.float64), sample_weight)
     ignored = getattr(layer, "ignore_class", None)
     if ignored is not None:
@@ -95,6 +95,20 @@ def top_k_terms(own_keras, layer, k, y_true, y_pred, sample_weight):
   targets = tf.cast(tf.convert_to_tensor(targets), tf.int64)
   hit = tf.reduce_any(tf.equal(tf.cast(classes, tf.int64), targets[..., None]), axis=-1)
   return tf.reduce_sum(weight * tf.cast(hit, tf.float64)), tf.reduce_sum(weight)
+
+
+def _checked_targets(targets, num_classes):
+  """The targets given beside the hidden states, refused where they are not class ids:
+  a float would be truncated and an id past the classes counted a miss, silently."""
+  targets = tf.convert_to_tensor(targets)
+  if not targets.dtype.is_integer:
+    raise TypeError(f"TopKAccuracy's targets must be integer class ids, got "
+                    f"{targets.dtype.name}")
+  in_range = tf.debugging.assert_less(
+      tf.cast(targets, tf.int64), tf.constant(num_classes, tf.int64),
+      message=f"TopKAccuracy's targets must be < num_classes = {num_classes}")
+  with tf.control_dependencies([in_range]):
+    return tf.identity(targets)
 
 
 def _check_source(own_keras, layer, source_layer):

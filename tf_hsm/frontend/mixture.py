@@ -124,7 +124,7 @@ class MixtureParts:
   _INPUT_CAST = None  # the component's attribute that turns its input casting off
 
   def _set_up(self, components, gate_initializer, head, head_bias_initializer,
-              ignore_class, tail_dim, tail_projection_initializer):
+              ignore_class, tail_dim, tail_projection_initializer, num_classes=None):
     inits = self._INITIALIZERS
     self.components = checked_components(components, self.name, self.dtype_policy,
                                          self._COMPONENT, self._KERAS_NAME)
@@ -148,6 +148,7 @@ class MixtureParts:
       self.class_map = ClassMap(self.head_ids, tail)
       self.head = head_layer(self.head_ids, self.components[0], self.head_bias_initializer,
                              f"{self.name}_head", inits)
+    self._declared_classes = checked_num_classes(num_classes, self.num_classes, head)
     if not self.trainable:  # Keras set it before the components existed
       for component in self.components + ([self.head] if self.head is not None else []):
         component.trainable = False
@@ -233,6 +234,8 @@ class MixtureParts:
         "head_bias_initializer": serialize(self.head_bias_initializer),
         "ignore_class": self._ignore_class,
     })
+    if self._declared_classes is not None:  # likewise
+      config["num_classes"] = self._declared_classes
     if self.tail_dim is not None:  # written only where set: older configs load as before
       config.update({"tail_dim": self.tail_dim,
                      "tail_projection_initializer": serialize(
@@ -271,6 +274,25 @@ def checked_ignore_class(ignore_class, head, components):
   if not 0 <= ignore_class < num_classes:
     raise ValueError(f"ignore_class must be within [0, {num_classes}), got {ignore_class}")
   return int(ignore_class)
+
+
+def checked_num_classes(num_classes, made, head):
+  """The num_classes a user gave (or None), checked against the classes the parts make:
+  trees over all the classes below a head would make a layer of num_classes + len(head)
+  classes, their class j silently the tail's j-th."""
+  if num_classes is None:
+    return None
+  if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)):
+    raise TypeError(f"num_classes must be an int, got {num_classes!r}")
+  if num_classes != made:
+    if head is None:
+      raise ValueError(f"num_classes = {num_classes}, but the trees are over {made} classes")
+    raise ValueError(
+        f"num_classes = {num_classes}, but the head's {len(head)} classes and trees over "
+        f"{made - len(head)} make {made}: below a head the trees are over the other "
+        "classes alone (Tree.from_context(..., classes=HierarchicalSoftmaxMixture"
+        ".tail_classes(head, num_classes)))")
+  return int(num_classes)
 
 
 def checked_tail_dim(tail_dim, head):
@@ -379,9 +401,12 @@ def _headed_call(layer, hidden, targets, mask, training):
   valid = hsm.combined_mask((mask,), targets >= 0)
   if layer.ignore_class is not None:
     valid = tf.logical_and(valid, targets != layer.ignore_class)
-  tf.debugging.assert_less(tf.where(valid, targets, tf.zeros_like(targets)),
-                           tf.constant(layer.num_classes, tf.int64),
-                           message=f"targets must be < num_classes = {layer.num_classes}")
+  in_range = tf.debugging.assert_less(
+      tf.where(valid, targets, tf.zeros_like(targets)),
+      tf.constant(layer.num_classes, tf.int64),
+      message=f"targets must be < num_classes = {layer.num_classes}")
+  with tf.control_dependencies([in_range]):  # in a graph too, before the class map's gather
+    targets = tf.identity(targets)
   head_targets, tail_targets, in_tail = layer.class_map.split(targets, valid)
   head = layer.head(hidden, head_targets, training=training)
   hidden = tf.convert_to_tensor(hidden)
@@ -419,7 +444,8 @@ def top_k(layer, hidden, k, exclude=None):
   """The k most probable classes: (log_probs, classes), each `[..., k]`, from
   `log_prob_all`, leaving out `ignore_class` and `exclude` (class ids `[..., n]` per
   row, as `tf_hsm.inference.top_k`'s; ids < 0 exclude nothing). Where fewer than k
-  classes are left, the last are class -1 at -inf, as the component's."""
+  classes are left, the last are class -1 at -inf, as the component's; a row with a NaN
+  log-probability has no ranking: classes -1, log-probabilities NaN (as the export's)."""
   check_built(layer, "top_k")
   check_dense("top_k", hidden)
   inference.check_k(k, layer.num_classes)
@@ -429,6 +455,10 @@ def top_k(layer, hidden, k, exclude=None):
     log_probs_all = _excluded(log_probs_all, left_out, layer.num_classes)
   values, classes = tf.math.top_k(log_probs_all, k)
   classes = tf.where(tf.math.is_inf(values), tf.constant(-1, classes.dtype), classes)
+  # tf.math.top_k ranks NaN anywhere (an excluded -inf first, seen): no ranking there.
+  unranked = tf.reduce_any(tf.math.is_nan(log_probs_all), -1, keepdims=True)
+  values = tf.where(unranked, tf.constant(np.nan, values.dtype), values)
+  classes = tf.where(unranked, tf.constant(-1, classes.dtype), classes)
   return values, tf.cast(classes, tf.int64)
 
 

@@ -60,13 +60,16 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, keras.layers.Layer):
       then d wide, which is what a tree step at V=1M costs (its rows are read and
       written once per token and level). Default None: the hidden state itself.
     tail_projection_initializer: initializer of that projection.
+    num_classes: optional, the classes the layer is over, checked against what the parts
+      make (len(head) + the trees' classes): trees built over all the classes below a
+      head (`classes=` left out) are then an error, not a larger layer.
     **kwargs: base `keras.layers.Layer` arguments (name, dtype, trainable, ...).
 
   Raises:
     TypeError, ValueError: fewer than two components, a component that is neither, trees
       over different numbers of classes, components with different `ignore_class`, a
       malformed `head`, `ignore_class` without `head` or beside the components' own,
-      `tail_dim` without `head` or not a positive int.
+      `tail_dim` without `head` or not a positive int, `num_classes` unlike the parts'.
   """
 
   _COMPONENT, _KERAS, _KERAS_NAME = HierarchicalSoftmax, "keras", "Keras 3"
@@ -74,10 +77,10 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, keras.layers.Layer):
 
   def __init__(self, components, gate_initializer="zeros", head=None,
                head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
-               tail_projection_initializer="glorot_uniform", **kwargs):
+               tail_projection_initializer="glorot_uniform", num_classes=None, **kwargs):
     super().__init__(**kwargs)
     self._set_up(components, gate_initializer, head, head_bias_initializer, ignore_class,
-                 tail_dim, tail_projection_initializer)
+                 tail_dim, tail_projection_initializer, num_classes)
     self.supports_jit = False
 
   def __call__(self, *args, **kwargs):

@@ -163,10 +163,30 @@ def _top_k_excluding(hidden, weights, biases, tree, k, return_num_expanded, excl
   return log_probs, classes
 
 
+def check_exclude_shape(exclude, rows_shape):
+  """ValueError naming `exclude` where its leading shape cannot broadcast to the rows'
+  (else the comparison below fails without naming it, or eagerly gives one bool)."""
+  if isinstance(exclude, tf.RaggedTensor):
+    return
+  rows, given = tf.TensorShape(rows_shape), tf.TensorShape(exclude.shape)
+  if rows.rank is None or given.rank is None:
+    return
+  if given.rank == 0:
+    raise ValueError("exclude must be class ids [..., n], got a scalar")
+  given = given[:-1]
+  fits = given.rank <= rows.rank and all(
+      g is None or r is None or g in (1, r)
+      for g, r in zip(reversed(given.as_list()), reversed(rows.as_list())))
+  if not fits:
+    raise ValueError(f"exclude must be class ids [..., n] whose leading shape broadcasts "
+                     f"to the rows' {rows.as_list()}, got shape {exclude.shape.as_list()}")
+
+
 def drop_excluded(log_probs, classes, exclude, k):
   """The best k of a top list `(log_probs, classes)` `[..., K]` that are not in `exclude`
   `[..., n]` (int64; broadcast against the rows), in the list's order; -inf and class -1
   where fewer than k are left."""
+  check_exclude_shape(exclude, classes.shape[:-1])
   classes = tf.cast(classes, tf.int64)
   wide = classes.shape[-1]
   excluded = tf.reduce_any(classes[..., :, None] == exclude[..., None, :], axis=-1)

@@ -187,7 +187,7 @@ class Layer:
 
 # The mixture's own arguments (`HierarchicalSoftmaxMixture` and keras.layers.Layer's);
 # `Layer.build` hands the others to each component.
-_MIXTURE_ARGUMENTS = ("gate_initializer", "name", "dtype", "trainable")
+_MIXTURE_ARGUMENTS = ("gate_initializer", "name", "dtype", "trainable", "num_classes")
 
 
 def _mixture_layer(trees, layer_kwargs, head=None):

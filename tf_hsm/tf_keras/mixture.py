@@ -29,10 +29,10 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, tf_keras.layers.Layer):
 
   def __init__(self, components, gate_initializer="zeros", head=None,
                head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
-               tail_projection_initializer="glorot_uniform", **kwargs):
+               tail_projection_initializer="glorot_uniform", num_classes=None, **kwargs):
     super().__init__(**kwargs)
     self._set_up(components, gate_initializer, head, head_bias_initializer, ignore_class,
-                 tail_dim, tail_projection_initializer)
+                 tail_dim, tail_projection_initializer, num_classes)
 
   def build(self, hidden_shape, targets_shape=None):
     super().build(tf.TensorShape(hidden_shape), targets_shape)
