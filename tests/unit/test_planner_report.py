@@ -86,3 +86,26 @@ def test_command_line_counts_in_id_order(tmp_path, capsys):
   report = json.loads(capsys.readouterr().out)
   assert any(row["method"].startswith("AdaptiveSoftmax") for row in report["rows"])
   assert any("class_order" in note for note in report["notes"])
+
+
+def test_figures_farther_than_the_others_are_marked():
+  """A figure measured at a vocabulary size farther from V than the others' is marked
+  `^` (in place of `~`, or after it), as the recommendation sets it aside; full
+  softmax, the reference at any V, never."""
+  from tf_hsm.planning import candidates  # pylint: disable=import-outside-toplevel
+  rows = [{"quality": 1.0, "quality_kind": "full", "quality_scale_gap": 2.3},
+          {"quality": 1.235, "quality_kind": "huffman8", "quality_scale_gap": 1.0},
+          {"quality": 1.117, "quality_kind": "huffman2", "quality_scale_gap": 2.3},
+          {"quality": None, "quality_kind": None, "quality_scale_gap": None}]
+  assert candidates._farther_rows(rows) == [rows[2]]  # pylint: disable=protected-access
+  cell = candidates._quality_cell  # pylint: disable=protected-access
+  assert (cell(1.117, True, True), cell(1.117, True), cell(1.117, False, True),
+          cell(1.03, False, True), cell(None, False, True)) == ("^12", "~12", "12^", "3.0^", "?")
+  report = tf_hsm.plan(1_000_000, 300, 3200, optimizer="lazy_adam",
+                       counts=1.0 / np.arange(1, 1_000_001), memory_budget=24 * 2**30)
+  farther = [r for r in report.rows if r["label"] == "HSM huffman(2)"]
+  assert farther and farther[0] in candidates._farther_rows(report.rows)  # pylint: disable=protected-access
+  table = report.to_markdown().splitlines()
+  line = next(l for l in table if l.startswith("| HSM huffman(2) |"))
+  assert line.split(" | ")[-2].startswith("^"), line
+  assert not any("^" in l.split(" | ")[-2] for l in table if l.startswith("| HSM huffman(8) |"))

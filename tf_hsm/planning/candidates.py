@@ -249,6 +249,7 @@ class Report:
         ["per shard"] if shards else []) + ["rows", "GFLOP", "moved", "step"] + (
             ["whole", "whole peak"] if whole else []) + ["ppl+%", "fits"]
     lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    farther = _farther_rows(self.rows)
     footnotes = []
     for row in self.rows:
       label = row.get("label", row["method"])
@@ -263,13 +264,17 @@ class Report:
           _size(row["bytes_moved"], short=True), _seconds(row["step_seconds"], short=True)] + (
               [_seconds(row["whole_step_seconds"], short=True),
                _size(row["whole_peak_bytes"], short=True)] if whole else []) + [
-          _quality_cell(row.get("quality"), row.get("quality_far")),
+          _quality_cell(row.get("quality"), row.get("quality_far"), row in farther),
           ("yes" if row["fits"] else "no") + ("" if row["exact"] else "*")]
       lines.append("| " + " | ".join(cells) + " |")
     text = ["HSM: HierarchicalSoftmax; rows: rows touched a step (expected); GFLOP: forward "
             "and backward; moved: bytes a step reads and writes; *: approximate, never "
             "recommended." + (" whole: with the body's step and memory." if whole else ""),
             quality_lib.column_note(s["num_classes"]),
+            *(["^ (for ~, or after the figure): measured at a vocabulary size farther "
+               "from this V's than the other figures, which the recommendation does not "
+               "compare it with."]
+              if farther else []),
             *footnotes, ""] + ([s["body"], ""] if whole else []) + [
             f"Recommended: {self.recommended}: {self.reason}"]
     if self.layer is not None and self.layer.code:
@@ -282,16 +287,31 @@ class Report:
     return "\n".join(lines)
 
 
-def _quality_cell(ratio, far=False):
+def _farther_rows(rows):
+  """The rows whose measured quality comes from a vocabulary size farther from V than
+  the nearest any row's does (`_comparable` sets them aside by that; full softmax, the
+  reference at any V, never)."""
+  gap = lambda r: r.get("quality_scale_gap") or 0.0
+  measured = [r for r in rows if r.get("quality") is not None and
+              r.get("quality_kind") != "full"]
+  if not measured:
+    return []
+  nearest = min(map(gap, measured))
+  return [r for r in measured if gap(r) > nearest + 1e-9]
+
+
+def _quality_cell(ratio, far=False, farther=False):
   """The ppl+% cell: one decimal below 5%, whole percents above (the table fits 120
   columns; the row's `quality` and the reason keep the figure); `~` and whole percents
-  for a figure measured far from this V (`quality.FAR`): an ordering, not a decimal."""
+  for a figure measured far from this V (`quality.FAR`): an ordering, not a decimal;
+  `^` for a figure farther than the others (`_farther_rows`), in place of `~`."""
   if ratio is None:
     return "?"
   percent = (ratio - 1) * 100
   if far:
-    return f"~{percent:.0f}"
-  return f"{percent:.1f}" if abs(percent) < 5 else f"{percent:.0f}"
+    return f"{'^' if farther else '~'}{percent:.0f}"
+  return (f"{percent:.1f}" if abs(percent) < 5 else f"{percent:.0f}") + (
+      "^" if farther else "")
 
 
 def _size(value, short=False):
@@ -789,7 +809,9 @@ def _choose(exact, full, whole):
     quickest = min(faster, key=lambda r: r[key])
     worse = (f"; the fastest, {quickest['label']} ({_seconds(quickest[key])}), "
              + ("quality unknown" if quickest["quality"] is None else
-                f"{quickest['quality'] - 1:+.1%} perplexity"))
+                f"{quickest['quality'] - 1:+.1%} perplexity")
+             + (" at a vocabulary size farther from this V's" if quickest in
+                _farther_rows(exact) else ""))
   return best, (
       f"the most accurate measured layer within {QUALITY_MARGIN:.0%} of the fastest "
       f"{step}: {best['quality'] - 1:+.1%} perplexity against full softmax "
