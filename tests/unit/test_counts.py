@@ -87,3 +87,17 @@ def test_the_planner_notes_unsorted_counts_and_keeps_the_adaptive_rows():
              for n in report.notes)
   text = " ".join(report.to_markdown().split())
   assert all(" ".join(n.split()) in text for n in report.notes)
+
+def test_the_planner_notes_counts_sorted_after_padding_ids():
+  """Counts sorted by frequency after a padding id of count 0 (the README's id 0): the
+  note says so and what class_order does with those ids, rather than "not sorted"."""
+  from tf_hsm import planning
+  counts = np.r_[0.0, 1.0 / np.arange(1, 2000)]
+  report = planning.plan(2000, 64, 256, counts=counts, trees=("huffman2",),
+                         machine={"matmul_flops": 2e11, "read_bytes": 2e10,
+                                  "call_seconds": 1e-4})
+  sorted_notes = [n for n in report.notes if "sorted by frequency" in n]
+  assert len(sorted_notes) == 1, report.notes
+  assert sorted_notes[0].startswith("the counts are sorted by frequency after ids [0]")
+  assert "padding=[0] would leave them out" in sorted_notes[0]
+  assert any(r["method"].startswith("AdaptiveSoftmax") for r in report.rows)

@@ -360,11 +360,30 @@ def _frequency_order(counts, probs, tails, notes):
   except ValueError as error:
     if not str(error).startswith("counts must be non-increasing"):
       return None
-  notes.append("the counts are not sorted by frequency (ids in a tokenizer's order): "
-               "the AdaptiveSoftmax rows rank the classes by their counts, and their "
-               "layer takes class_order=AdaptiveSoftmax.frequency_order(counts, "
-               "padding=()) (it keeps the ids; leave out padding ids with padding=[...])")
+  padding = _leading_padding(counts)
+  if padding:
+    notes.append(f"the counts are sorted by frequency after ids {_short_list(padding)} "
+                 "(count 0: padding, say): the AdaptiveSoftmax rows rank the classes by "
+                 "their counts, and their layer takes class_order=AdaptiveSoftmax."
+                 "frequency_order(counts, padding=()), which ranks those ids last "
+                 f"(padding={_short_list(padding)} would leave them out of the classes)")
+  else:
+    notes.append("the counts are not sorted by frequency (ids in a tokenizer's order): "
+                 "the AdaptiveSoftmax rows rank the classes by their counts, and their "
+                 "layer takes class_order=AdaptiveSoftmax.frequency_order(counts, "
+                 "padding=()) (it keeps the ids; leave out padding ids with padding=[...])")
   return np.argsort(-probs, kind="stable")
+
+
+def _leading_padding(counts):
+  """The first ids where counts of 0 lead a list sorted by frequency after them (the
+  README's padding id 0), else []."""
+  counts = np.asarray(counts, np.float64)
+  first = int(np.argmax(counts > 0)) if np.any(counts > 0) else 0
+  rest = counts[first:]
+  if first == 0 or np.any(rest[1:] > rest[:-1]):
+    return []
+  return list(range(first))
 
 
 def _adaptive_layouts(V, D, T, probs, optimizer, dtype, machine, tails, cutoffs,
