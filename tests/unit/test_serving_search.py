@@ -136,6 +136,25 @@ def test_under_xla_the_same_results(tight, monkeypatch, rng):
   _check(eager[0], eager[1], tf_hsm.log_prob_all(hidden, weights, None, tree).numpy(), 6, 1e-4)
 
 
+def test_under_xla_with_rows_of_a_lookup(rng):
+  """The rows gathered from a table by ids inside the compiled function (an exported
+  model's Embedding), whose count XLA does not fold to a constant: the search needs no
+  shape at compile time (a scatter's did: "must be a compile-time constant")."""
+  tree, hidden, weights = _confident_problem(rng, classes=1000, batch=12)
+  ids = tf.constant(np.arange(12, dtype=np.int32).reshape(3, 4))
+  table = tf.Variable(hidden)
+
+  @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32)])
+  def run(ids):  # traced for any shape, as an exported signature is
+    rows = tf.reshape(tf.nn.embedding_lookup(table, ids), [-1, hidden.shape[1]])
+    return serving.top_k(rows, weights, None, tree, 6)
+
+  eager = run(ids)
+  xla = tf.function(lambda ids: run(ids), jit_compile=True)(ids)
+  np.testing.assert_allclose(xla[0], eager[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(xla[1], eager[1])
+
+
 _LITERT = """
 import sys
 import numpy as np

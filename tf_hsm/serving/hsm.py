@@ -4,7 +4,7 @@
 
 Every op used here is one that TensorFlow, XLA and TFLite's builtin op set all accept:
 gathers, (batch) matmuls, elementwise math, reductions, unsorted segment reductions,
-`tf.math.top_k`, scatter_nd, `tf.cond` and `tf.while_loop`. Python loops are unrolled at
+`tf.math.top_k`, `tf.cond` and `tf.while_loop`. Python loops are unrolled at
 trace time and bounded by the tree's max depth; `tf.while_loop`s walk the children of
 wide nodes in chunks of `CHUNK` (bounded by ``ceil(max_branching / CHUNK)``), top_k's
 search (at most `SEARCH_ITERATIONS`) and the rows it leaves unproved.
@@ -443,7 +443,6 @@ def _best_first(tree, h, weights, biases, k):
   lost = fr_v[:, start]
   fr_v, fr_n = _pad_to(fr_v[:, :start], fr_n[:, :start], width)
   column = tf.range(width, dtype=tf.int32)
-  rows = tf.tile(tf.range(n)[:, None], [1, expand])
 
   def state(found_v, dropped, lost, fr_v):
     """(open: a frontier node not below the k-th class; stuck: a class that ties the
@@ -469,11 +468,11 @@ def _best_first(tree, h, weights, biases, k):
                         sel_v >= kth[:, None])
     node = tf.where(go, tf.gather(fr_n, sel_at, batch_dims=1), tf.zeros_like(sel_at))
     # The selected of active rows leave the frontier (those not expanded are below the
-    # k-th class).
-    taken = tf.scatter_nd(tf.reshape(tf.stack([rows, sel_at], -1), [-1, 2]),
-                          tf.reshape(tf.cast(active[:, None], tf.int32) + 0 * sel_at, [-1]),
-                          tf.stack([n, width]))
-    fr_v = tf.where(taken > 0, neg_inf, fr_v)
+    # k-th class). A compare, not a scatter: XLA needs a scatter's shape at compile time,
+    # and the rows' count is not always one (a batch of an Embedding's lookups).
+    taken = tf.logical_and(active[:, None], tf.reduce_any(
+        tf.equal(sel_at[:, :, None], column[None, None, :]), axis=1))     # [N, W]
+    fr_v = tf.where(taken, neg_inf, fr_v)
     begin = tf.gather(tree.child_begin, node)
     count = tf.where(go, tf.gather(tree.child_begin, node + 1) - begin, tf.zeros_like(begin))
     pos = tf.range(branching, dtype=tf.int32)
