@@ -263,6 +263,14 @@ def test_bad_calls(rng):
     with pytest.raises(TypeError, match="takes name, dtype and trainable.*got " +
                        next(iter(extra))):
       AdaptiveSoftmax.from_torch_state_dict(state, [5, 10], 4.0, **extra)
+  # Weights the arguments leave no place for are named, not dropped: a head.bias without
+  # head_bias=True (every output would differ from the module's), a third tail.
+  state = torch_state_dict(rng, 20, 8, [5, 10], 2.0, True)
+  with pytest.raises(ValueError, match=r"\['head.bias'\].*pass it too"):
+    AdaptiveSoftmax.from_torch_state_dict(state, [5, 10], 2.0)
+  state = torch_state_dict(rng, 20, 8, [5, 10, 15], 2.0, False)
+  with pytest.raises(ValueError, match="tail.2.0.weight"):
+    AdaptiveSoftmax.from_torch_state_dict(state, [5, 10], 2.0)
 
 
 @pytest.mark.parametrize("initializer", ["glorot_uniform", keras.initializers.RandomNormal(),

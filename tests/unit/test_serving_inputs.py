@@ -147,6 +147,15 @@ def test_k_must_be_a_positive_int_as_for_inference_model(model, tmp_path, k):
   assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("name,value", [("sample", "no"), ("sample", None), ("sample", 0),
+                                        ("log_prob_all", "no"), ("log_prob_all", 1)])
+def test_a_signature_switch_must_be_a_bool(model, tmp_path, name, value):
+  """A string such as "no" is true: taken as is it would add the signature."""
+  with pytest.raises(TypeError, match=f"{name} must be True or False"):
+    serving.export(model, tmp_path / "m", **{name: value})
+  assert not (tmp_path / "m").exists()
+
+
 def test_a_directory_that_cannot_hold_the_export(model, tmp_path):
   with pytest.raises(TypeError, match="directory must be a path"):
     serving.export(model, None)

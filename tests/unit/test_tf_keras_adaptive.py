@@ -181,3 +181,5 @@ def test_adaptive_top_k_exclude_is_the_best_allowed(rng):
                                    rtol=1e-10)
     with pytest.raises(ValueError, match=r"exclude must be class ids \[\.\.\., n\]"):
       layer.top_k(hidden, 5, exclude=[1, 2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="excluded id is >= num_classes"):
+      layer.top_k(hidden, 5, exclude=np.full((4, 3, 1), 30))

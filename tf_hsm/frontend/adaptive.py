@@ -436,6 +436,10 @@ class AdaptiveSoftmaxCore:
     if exclude.shape.rank != tf.convert_to_tensor(hidden).shape.rank or n is None:
       raise ValueError(f"exclude must be class ids [..., n] with hidden's leading shape "
                        f"and a known n, got shape {exclude.shape}")
+    with tf.control_dependencies([tf.debugging.assert_less(
+        exclude, tf.constant(self.num_classes, tf.int64),
+        message=f"top_k: an excluded id is >= num_classes = {self.num_classes}")]):
+      exclude = tf.identity(exclude)
     log_probs, classes = self._top_k(hidden, min(k + n, self.num_ranked))
     return inference.drop_excluded(log_probs, classes, exclude, k)
 
@@ -523,6 +527,7 @@ class AdaptiveSoftmaxCore:
     for name in ["head.weight", last] + (["head.bias"] if head_bias else []):
       if name not in arrays:
         raise ValueError(f"state_dict has no {name!r} (keys: {sorted(arrays)})")
+    _check_no_unused_torch_keys(arrays, len(cutoffs), head_bias)
     num_classes = cutoffs[-1] + arrays[last].shape[0]
     dim = arrays["head.weight"].shape[1]
     dtype = "float64" if arrays["head.weight"].dtype == np.float64 else "float32"
@@ -557,6 +562,21 @@ class AdaptiveSoftmaxCore:
                         {"encoding": tree_io.CONFIG_ENCODING,
                          "ids": tree_io.encode_ints(self.class_order.order)}),
     }
+
+
+def _check_no_unused_torch_keys(arrays, num_tails, head_bias):
+  """ValueError naming the state_dict's keys a module of these arguments does not hold:
+  each would be left out of the layer silently (a head.bias without head_bias=True
+  changes every output)."""
+  expected = {"head.weight"} | ({"head.bias"} if head_bias else set()) | {
+      f"tail.{i}.{j}.weight" for i in range(num_tails) for j in (0, 1)}
+  unused = sorted(set(arrays) - expected)
+  if unused:
+    hint = (": the module was made with head_bias=True; pass it too"
+            if "head.bias" in unused else "")
+    raise ValueError(f"state_dict holds {unused}, which a module of these arguments "
+                     f"(cutoffs of {num_tails} tails, head_bias={head_bias}) does not "
+                     f"have{hint}")
 
 
 def _check_torch_shapes(layer, arrays, cutoffs, div_value, head_bias):

@@ -20,9 +20,10 @@ The signature checks have to hold in three runtimes that fail differently:
 import numbers
 import os
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["broadcast_rows", "check_k", "check_directory", "check_max_exclude",
+__all__ = ["broadcast_rows", "check_k", "check_directory", "check_flag", "check_max_exclude",
            "check_model", "conform", "runtime_shape", "same_positions",
            "signature_spec", "targets_below"]
 
@@ -43,6 +44,17 @@ def check_max_exclude(max_exclude):
     raise ValueError(f"max_exclude must be an int >= 0 (0: no top_k_excluding "
                      f"signature), got {max_exclude!r}")
   return int(max_exclude)
+
+
+def check_flag(name, value, none_ok=False):
+  """A signature's switch as a bool: any other value (the string "no", say, which is
+  true) is an error rather than a signature added or left out by its truth."""
+  if value is None and none_ok:
+    return None
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be True or False{' or None' if none_ok else ''}, got "
+                    f"{value!r}")
+  return bool(value)
 
 
 def check_directory(directory):

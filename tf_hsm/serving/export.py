@@ -159,6 +159,8 @@ class ServingModule(tf.Module):
     super().__init__(name="tf_hsm_serving")
     k = checks.check_k(k)
     max_exclude = checks.check_max_exclude(max_exclude)
+    log_prob_all = checks.check_flag("log_prob_all", log_prob_all, none_ok=True)
+    sample = checks.check_flag("sample", sample)
     cut = ModelCut(model)
     layer = cut.layer
     self.ignore_class = cut.ignore_class
@@ -345,11 +347,14 @@ def export(model, directory, k=10, log_prob_all=None, sample=True, max_exclude=0
 
   Raises:
     TypeError: `model` is not a functional Keras model (a layer, a subclassed model).
+    TypeError: log_prob_all or sample not a bool (log_prob_all: or None).
     ValueError: k is not an int >= 1, max_exclude not an int >= 0, a directory that is
       empty, a file or not writable, or a model that cannot be cut at its tf_hsm layer.
   """
   k = checks.check_k(k)
   max_exclude = checks.check_max_exclude(max_exclude)
+  log_prob_all = checks.check_flag("log_prob_all", log_prob_all, none_ok=True)
+  sample = checks.check_flag("sample", sample)
   checks.check_model(model)
   directory = checks.check_directory(directory)
   module = ServingModule(model, k=k, log_prob_all=log_prob_all, sample=sample,
