@@ -60,6 +60,7 @@ _PUBLIC = {
     "keras": ("tf_hsm.keras", None),
     "tf_keras": ("tf_hsm.tf_keras", None),
     "inference": ("tf_hsm.ops.inference", None),
+    "adaptive": (_KERAS + ".adaptive", None),
     "planner": ("tf_hsm.planning", None),
     "baselines": ("tf_hsm.bench.baselines", None),
 }
@@ -86,7 +87,8 @@ _MOVED = {
 # `from tf_hsm import *`: the functions, classes and modules a model uses (not the old
 # module paths kept for compatibility, nor the tf_keras front end, which needs tf-keras).
 __all__ = sorted(name for name in _PUBLIC
-                 if name not in ("inference", "planner", "baselines", "tf_keras"))
+                 if name not in ("inference", "adaptive", "planner", "baselines",
+                                 "tf_keras"))
 
 
 def __getattr__(name):

@@ -252,6 +252,18 @@ def test_bad_calls(rng):
     layer(tf.zeros((2, 8)), tf.constant([1, 20]))
   with pytest.raises(TypeError, match="targets"):
     layer(tf.zeros((2, 8)), tf.constant([1.0, 2.0]))
+  # Hidden states of another width, named (not a reshape's or a loss's shape error).
+  with pytest.raises(ValueError, match="hidden size mismatch.*built for D = 8"):
+    layer(tf.zeros((2, 9)), tf.constant([1, 2]))
+  for method in (layer.log_prob_all, lambda h: layer.top_k(h, 2), layer.sample):
+    with pytest.raises(ValueError, match=r"hidden has shape \[3, 6\].*D = 8"):
+      method(tf.zeros((3, 6)))
+  # Ragged batches: the layers take padded ones (the ops take ragged ones).
+  ragged = tf.RaggedTensor.from_row_lengths(tf.zeros((3, 8)), [1, 2])
+  for call in (lambda: layer(ragged, tf.ragged.constant([[1], [2, 3]])),
+               lambda: layer.top_k(ragged, 2), lambda: layer.log_prob_all(ragged)):
+    with pytest.raises(TypeError, match="layers take dense hidden states"):
+      call()
   state = torch_state_dict(rng, 20, 8, [5, 10], 2.0, False)
   del state["tail.0.0.weight"]
   with pytest.raises(ValueError, match="tail.0.0.weight"):

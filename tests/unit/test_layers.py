@@ -200,6 +200,20 @@ def test_constructor_errors(rng):
     HierarchicalSoftmax(_tree(rng)).top_k(np.zeros((1, 3), np.float32), 2)
 
 
+def test_ragged_batches_are_refused_by_name(rng):
+  """The layers take padded batches (their outputs carry Keras masks); the ops take
+  ragged ones. Named, rather than a conversion's error about len()."""
+  layer = HierarchicalSoftmax(_tree(rng))
+  layer.build((None, 3))
+  ragged = tf.RaggedTensor.from_row_lengths(tf.zeros((3, 3)), [1, 2])
+  for call in (lambda: layer(ragged, tf.ragged.constant([[1], [0, 2]])),
+               lambda: layer(tf.zeros((2, 1, 3)), tf.ragged.constant([[1], [0]])),
+               lambda: layer.log_prob_all(ragged), lambda: layer.top_k(ragged, 2),
+               lambda: layer.sample(ragged)):
+    with pytest.raises(TypeError, match="layers take dense hidden states.*pad ragged"):
+      call()
+
+
 def _run_fresh(script, *args, timeout):
   """Runs a Python script in a fresh process with this checkout importable; asserts that
   it succeeded."""

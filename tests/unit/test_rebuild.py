@@ -368,6 +368,40 @@ def test_rebuild_between_fit_calls_with_a_given_tree(rng):
   assert not np.array_equal(layer.kernel.numpy(), before)
 
 
+def test_fit_refuses_a_rebuild_it_cannot_make_before_training(rng):
+  """A layer name the model lacks, another kind of layer, counts of another length: named
+  when fit starts, not after the epochs the rebuild waits for."""
+  model = _lm(tf_hsm.Tree.two_level(_CLASSES))
+  model.compile(optimizer=optimizers.SparseSGD(0.3), loss=losses.nll)
+  x, y = _data(rng, 32)
+  seen = []
+  count = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(epoch))
+  for callback, message in ((RebuildTree("HSM", after_epoch=3), "no layer named 'HSM'"),
+                            (RebuildTree("dense"), "got Dense"),
+                            (RebuildTree("hsm", counts=np.ones(3)),
+                             "counts has 3 entries; the layer has 48")):
+    with pytest.raises(ValueError, match=message):
+      model.fit([x, y], y, batch_size=16, epochs=3, verbose=0, callbacks=[callback, count])
+  assert not seen
+
+
+@pytest.mark.parametrize("schedule,fits", [
+    ({"after_epoch": 5}, [{"epochs": 2}]),
+    ({"after_batch": 100}, [{"epochs": 2}]),
+    ({"after_epoch": 1}, [{"epochs": 3, "initial_epoch": 2}]),
+    ({"after_epoch": 3}, [{"epochs": 2}, {"epochs": 2}]),
+])
+def test_a_schedule_that_never_comes_warns(rng, schedule, fits):
+  model = _lm(tf_hsm.Tree.two_level(_CLASSES))
+  model.compile(optimizer=optimizers.SparseSGD(0.3), loss=losses.nll)
+  x, y = _data(rng, 32)
+  rebuild = RebuildTree("hsm", **schedule)
+  for fit in fits:
+    with pytest.warns(UserWarning, match="did not rebuild the tree in this fit"):
+      model.fit([x, y], y, batch_size=16, verbose=0, callbacks=[rebuild], **fit)
+  assert rebuild.tree is None
+
+
 def test_errors_name_the_problem(rng):
   with pytest.raises(ValueError, match="built"):
     HierarchicalSoftmax(tf_hsm.Tree.two_level(_CLASSES)).rebuild_tree()

@@ -302,11 +302,16 @@ class AdaptiveSoftmaxCore:
   # ------------------------------------------------------------------ helpers
 
   def _flat_hidden(self, hidden):
-    hidden = tf.convert_to_tensor(hidden)
-    dtype = tf.as_dtype(self.head_kernel.dtype)
-    if hidden.dtype != dtype:
-      hidden = tf.cast(hidden, dtype)
+    hidden = hsm.hidden_in(hidden, self.head_kernel.dtype)
     dim = self.head_kernel.shape[-1]
+    if hidden.shape.rank is not None and (hidden.shape.rank == 0 or
+                                          hidden.shape[-1] not in (None, dim)):
+      raise ValueError(f"hidden size mismatch: hidden has shape {hidden.shape.as_list()} "
+                       f"but the layer was built for D = {dim}")
+    with tf.control_dependencies([tf.debugging.assert_equal(
+        tf.shape(hidden)[-1], dim, message=f"hidden size mismatch: the layer was built "
+                                           f"for D = {dim}")]):
+      hidden = tf.identity(hidden)
     return tf.reshape(hidden, [-1, dim]), tf.shape(hidden)[:-1]
 
   def _head_logits(self, hidden):
@@ -339,6 +344,7 @@ class AdaptiveSoftmaxCore:
   def _valid_targets(self, targets, masks):
     """(flat targets as the layer's classes, where they count): padding (< 0), masked
     positions and ids a class order leaves out do not count."""
+    hsm.refuse_ragged(targets)
     targets = tf.convert_to_tensor(targets)
     if not targets.dtype.is_integer:
       raise TypeError(f"targets must be integer class ids, got {targets.dtype.name}")

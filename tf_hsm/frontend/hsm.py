@@ -43,8 +43,19 @@ def checked_row_layout(tree, row_layout):
   return row_layout
 
 
+def refuse_ragged(*tensors):
+  """TypeError where a layer is given a `tf.RaggedTensor` (the ops take them; the layers,
+  whose outputs carry Keras masks, take padded batches)."""
+  if any(isinstance(t, tf.RaggedTensor) for t in tensors):
+    raise TypeError("tf_hsm's layers take dense hidden states [..., D] and targets: pad "
+                    "ragged ones (hidden.to_tensor(), targets.to_tensor(-1): targets < 0 "
+                    "or a Keras mask mark the padding); the ops (tf_hsm.log_prob, "
+                    "tf_hsm.top_k, ...) take tf.RaggedTensor as they are")
+
+
 def hidden_in(hidden, dtype):
   """`hidden` in the table's dtype: low-precision activations are computed in float32."""
+  refuse_ragged(hidden)
   hidden = tf.convert_to_tensor(hidden)
   dtype = tf.as_dtype(dtype)
   return hidden if hidden.dtype == dtype else tf.cast(hidden, dtype)
@@ -78,6 +89,7 @@ def log_probs(hidden, targets, kernel, bias, tree, row_layout=None, masks=(),
     The log-probabilities, `targets`' shape, with `_keras_mask` (the valid positions)
     attached, as both Keras read a mask off a tensor.
   """
+  refuse_ragged(hidden, targets)
   targets = tf.convert_to_tensor(targets)
   valid = targets >= 0
   if ignore_class is not None:

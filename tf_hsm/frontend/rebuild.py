@@ -6,6 +6,7 @@ docstring for how the tree is made and how the weights start).
 """
 
 import time
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -170,6 +171,31 @@ class RebuildSchedule:
       raise TypeError(f"RebuildTree got a {type(model).__module__.split('.')[0]} model: "
                       + frontend_hsm.other_keras_name(own, "callbacks", "RebuildTree"))
     super().set_model(model)
+
+  def on_train_begin(self, logs=None):
+    # What the rebuild would refuse, refused before the first epoch rather than after
+    # the epochs it waits for: a layer name the model lacks, another layer's name, counts
+    # of another length.
+    layer = _find_layer(self.model, self.layer, self.front_end)
+    if self.counts is not None and np.size(self.counts) != layer.num_classes:
+      raise ValueError(f"RebuildTree: counts has {np.size(self.counts)} entries; the layer "
+                       f"has {layer.num_classes} classes")
+    self._epochs_seen = []
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epochs_seen.append(epoch)
+
+  def on_train_end(self, logs=None):
+    if self.tree is not None:
+      return
+    when = (f"after_epoch={self.after_epoch}" if self.after_epoch is not None else
+            f"after_batch={self.after_batch}")
+    ran = (f"epochs {self._epochs_seen[0] + 1}-{self._epochs_seen[-1] + 1} (counted from "
+           "each fit's initial_epoch)" if self._epochs_seen else "no epoch")
+    warnings.warn(f"RebuildTree({when}) did not rebuild the tree in this fit: it ran "
+                  f"{ran}; {self._before_epoch + self._in_epoch} batches so far in all "
+                  "(after_batch counts across fits); the layer trained on its first tree",
+                  stacklevel=2)
 
   def on_train_batch_end(self, batch, logs=None):
     # `batch` is the index in the epoch of the last batch run: with steps_per_execution

@@ -30,7 +30,10 @@ def nll(y_true, y_pred):
 
   Keras averages the result over the positions that are not masked ("sum over batch
   size" reduction with a mask gives the mean over valid positions), so the training loss
-  is the mean negative log-likelihood per token and exp(loss) is the perplexity.
+  is each batch's mean negative log-likelihood per token. Over several batches with
+  different numbers of real tokens, `fit` and `evaluate` report the mean of those batch
+  means, so exp(loss) is close to, not equal to, the perplexity: `tf_hsm.keras.metrics.
+  Perplexity` counts every token once.
 
   Args:
     y_true: the targets, or anything (e.g. zeros) if there is no padding. When it has
