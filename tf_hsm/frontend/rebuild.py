@@ -153,6 +153,7 @@ class RebuildSchedule:
     self.after_batch = None if after_batch is None else int(after_batch)
     self.head = int(head)
     self._before_epoch = self._in_epoch = 0  # training batches run, for after_batch
+    self._epochs_seen = []  # this fit's epochs, for the warning of a schedule not met
     self.branching = branching
     self.counts = counts
     self.seed = seed
