@@ -163,7 +163,7 @@ def test_log_prob_all_and_top_k(rng):
   np.testing.assert_array_equal(np.reshape(square, (4, 3)), shared)
   assert not np.any(np.asarray(shared) == want[0, 0])
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=f"exclude ids must be < num_classes = {trees[0].num_classes}"):
+                     match=f"excluded id is >= num_classes = {trees[0].num_classes}"):
     layer.top_k(hidden, 3, exclude=np.full((4, 1), trees[0].num_classes))
   # Asked for every class: the left-out ones come last, as class -1 at -inf.
   values, classes = layer.top_k(hidden, trees[0].num_classes)

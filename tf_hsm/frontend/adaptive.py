@@ -45,7 +45,6 @@ import tensorflow as tf
 from tf_hsm.frontend import hsm
 from tf_hsm.frontend import wiring
 from tf_hsm.ops import inference
-from tf_hsm.ops import inputs
 from tf_hsm.ops import log_prob
 from tf_hsm.planning import cutoffs as cutoff_search
 from tf_hsm.planning.costs import TAILS, tail_widths
@@ -437,15 +436,8 @@ class AdaptiveSoftmaxCore:
                        f"{k}")
     if exclude is None:
       return self._top_k(hidden, k)
-    exclude = tf.cast(inputs.class_ids(exclude, "exclude"), tf.int64)
-    n = exclude.shape[-1] if exclude.shape.rank else None
-    if exclude.shape.rank != tf.convert_to_tensor(hidden).shape.rank or n is None:
-      raise ValueError(f"exclude must be class ids [..., n] with hidden's leading shape "
-                       f"and a known n, got shape {exclude.shape}")
-    with tf.control_dependencies([tf.debugging.assert_less(
-        exclude, tf.constant(self.num_classes, tf.int64),
-        message=f"top_k: an excluded id is >= num_classes = {self.num_classes}")]):
-      exclude = tf.identity(exclude)
+    exclude = inference.checked_exclude(exclude, hidden, self.num_classes)
+    n = exclude.shape[-1]
     log_probs, classes = self._top_k(hidden, min(k + n, self.num_ranked))
     return inference.drop_excluded(log_probs, classes, exclude, k)
 

@@ -43,14 +43,14 @@ def checked_row_layout(tree, row_layout):
   return row_layout
 
 
-def refuse_ragged(*tensors):
+def refuse_ragged(*tensors, who="tf_hsm's layers take"):
   """TypeError where a layer is given a `tf.RaggedTensor` (the ops take them; the layers,
-  whose outputs carry Keras masks, take padded batches)."""
+  whose outputs carry Keras masks, take padded batches); `who` names the refuser."""
   if any(isinstance(t, tf.RaggedTensor) for t in tensors):
-    raise TypeError("tf_hsm's layers take dense hidden states [..., D] and targets: pad "
-                    "ragged ones (hidden.to_tensor(), targets.to_tensor(-1): targets < 0 "
-                    "or a Keras mask mark the padding); the ops (tf_hsm.log_prob, "
-                    "tf_hsm.top_k, ...) take tf.RaggedTensor as they are")
+    raise TypeError(f"{who} dense hidden states [..., D] and targets: pad ragged ones "
+                    "(hidden.to_tensor(), targets.to_tensor(-1): targets < 0 or a Keras "
+                    "mask mark the padding); the ops (tf_hsm.log_prob, tf_hsm.top_k, ...) "
+                    "take tf.RaggedTensor as they are")
 
 
 def hidden_in(hidden, dtype):

@@ -247,9 +247,7 @@ class MixtureParts:
 
 
 def check_dense(what, *tensors):
-  if any(isinstance(t, tf.RaggedTensor) for t in tensors):
-    raise TypeError(f"HierarchicalSoftmaxMixture.{what} takes dense hidden states (and "
-                    "targets): pad them (targets < 0 or a Keras mask mark the padding)")
+  hsm.refuse_ragged(*tensors, who=f"HierarchicalSoftmaxMixture.{what} takes")
 
 
 def check_built(layer, what):
@@ -466,9 +464,8 @@ def _excluded(log_probs_all, left_out, num_classes):
   """`log_probs_all` [..., V] with -inf at each row's ids of `left_out` ([..., n], a
   dimension of 1 for every row along it; ids < 0 leave nothing out), scattered into
   the rows: no [..., n, V] tensor."""
-  left_out = tf.cast(tf.convert_to_tensor(left_out), tf.int64)
-  tf.debugging.assert_less(left_out, tf.constant(num_classes, tf.int64),
-                           message=f"exclude ids must be < num_classes = {num_classes}")
+  left_out = inference.below_num_classes(
+      tf.cast(tf.convert_to_tensor(left_out), tf.int64), num_classes)
   rows = tf.reshape(log_probs_all, [-1, num_classes])
   ids = tf.reshape(tf.broadcast_to(left_out, tf.concat(
       [tf.shape(log_probs_all, out_type=tf.int64)[:-1],

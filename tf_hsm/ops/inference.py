@@ -140,27 +140,39 @@ def _top_k_excluding(hidden, weights, biases, tree, k, return_num_expanded, excl
     flat = _top_k_excluding(hidden.flat_values, weights, biases, tree, k,
                             return_num_expanded, exclude.flat_values)
     return tuple(hidden.with_flat_values(part) for part in flat)
-  exclude = tf.cast(op_inputs.class_ids(exclude, "exclude"), tf.int64)
-  hidden_rank = tf.convert_to_tensor(hidden).shape.rank
-  n = exclude.shape[-1] if exclude.shape.rank else None
-  if exclude.shape.rank != hidden_rank or n is None:
-    raise ValueError(f"exclude must be class ids [..., n] with hidden's leading shape "
-                     f"and a known n, got shape {exclude.shape} for hidden of rank "
-                     f"{hidden_rank} (for the same ids on every row of a [B, D] batch: "
-                     "shape [1, n])")
+  exclude = checked_exclude(exclude, hidden, tree.num_classes)
+  n = exclude.shape[-1]
   check_k(k, tree.num_classes)
   if n == 0:
     return _search(hidden, weights, biases, tree, k, return_num_expanded)
-  with tf.control_dependencies([tf.debugging.assert_less(
-      exclude, tf.constant(tree.num_classes, tf.int64),
-      message="top_k: an excluded id is >= num_classes")]):
-    exclude = tf.identity(exclude)
   wide = min(k + n, tree.num_classes)
   log_probs, classes, expanded = _search(hidden, weights, biases, tree, wide, True)
   log_probs, classes = drop_excluded(log_probs, classes, exclude, k)
   if return_num_expanded:
     return log_probs, classes, expanded
   return log_probs, classes
+
+
+def checked_exclude(exclude, hidden, num_classes):
+  """`exclude` as int64 class ids `[..., n]` of `hidden`'s rank with a known n (else
+  ValueError), checked below `num_classes` when it runs: the one check of `top_k`'s
+  `exclude` for the tree's op, the adaptive softmax and the mixture."""
+  exclude = tf.cast(op_inputs.class_ids(exclude, "exclude"), tf.int64)
+  hidden_rank = tf.convert_to_tensor(hidden).shape.rank
+  if exclude.shape.rank != hidden_rank or exclude.shape[-1] is None:
+    raise ValueError(f"exclude must be class ids [..., n] with hidden's leading shape "
+                     f"and a known n, got shape {exclude.shape} for hidden of rank "
+                     f"{hidden_rank} (for the same ids on every row of a [B, D] batch: "
+                     "shape [1, n])")
+  return below_num_classes(exclude, num_classes)
+
+
+def below_num_classes(exclude, num_classes):
+  """`exclude` (int64 ids) under a check, when it runs, that every id is < num_classes."""
+  with tf.control_dependencies([tf.debugging.assert_less(
+      exclude, tf.constant(num_classes, tf.int64),
+      message=f"top_k: an excluded id is >= num_classes = {num_classes}")]):
+    return tf.identity(exclude)
 
 
 def check_exclude_shape(exclude, rows_shape):

@@ -264,7 +264,7 @@ class Report:
           _size(row["bytes_moved"], short=True), _seconds(row["step_seconds"], short=True)] + (
               [_seconds(row["whole_step_seconds"], short=True),
                _size(row["whole_peak_bytes"], short=True)] if whole else []) + [
-          _quality_cell(row.get("quality"), row.get("quality_far"), row in farther),
+          _quality_cell(row.get("quality"), row.get("quality_far"), _among(row, farther)),
           ("yes" if row["fits"] else "no") + ("" if row["exact"] else "*")]
       lines.append("| " + " | ".join(cells) + " |")
     text = ["HSM: HierarchicalSoftmax; rows: rows touched a step (expected); GFLOP: forward "
@@ -291,13 +291,22 @@ def _farther_rows(rows):
   """The rows whose measured quality comes from a vocabulary size farther from V than
   the nearest any row's does (`_comparable` sets them aside by that; full softmax, the
   reference at any V, never)."""
-  gap = lambda r: r.get("quality_scale_gap") or 0.0
   measured = [r for r in rows if r.get("quality") is not None and
               r.get("quality_kind") != "full"]
   if not measured:
     return []
-  nearest = min(map(gap, measured))
-  return [r for r in measured if gap(r) > nearest + 1e-9]
+  nearest = min(map(_scale_gap, measured))
+  return [r for r in measured if _scale_gap(r) > nearest + 1e-9]
+
+
+def _scale_gap(row):
+  """How far from V the vocabulary size of `row`'s quality figure is (0: at V)."""
+  return row.get("quality_scale_gap") or 0.0
+
+
+def _among(row, rows):
+  """Whether `row` is one of `rows` (the same dict, not an equal one)."""
+  return any(row is r for r in rows)
 
 
 def _quality_cell(ratio, far=False, farther=False):
@@ -616,7 +625,7 @@ def _more_accurate_note(exact, best, sampled, most=3):
                   key=lambda r: r[key])
   compared, _ = _comparable([best] + slower)
   frontier, top = [], best["quality"] / (1 + QUALITY_TIE)
-  for r in (r for r in slower if r in compared):
+  for r in (r for r in slower if _among(r, compared)):
     if r["quality"] < top:
       frontier.append(r)
       top = r["quality"] / (1 + QUALITY_TIE)
@@ -691,7 +700,7 @@ def _within_quality(rows, bound, notes):
     return rows
   compared = _comparable([r for r in rows if r["quality"] is not None])[0]
   within = [r for r in rows if r["method"] == "full softmax" or (
-      r in compared and r["quality"] <= 1 + bound)]
+      _among(r, compared) and r["quality"] <= 1 + bound)]
   if within:
     return within
   if rows:
@@ -771,12 +780,11 @@ def _comparable(known):
   against one after an epoch)."""
   if not known:
     return [], []
-  gap = lambda r: r.get("quality_scale_gap") or 0.0
-  near = [r for r in known if gap(r) <= min(map(gap, known)) + 1e-9]
+  near = [r for r in known if _scale_gap(r) <= min(map(_scale_gap, known)) + 1e-9]
   tokens = lambda r: r.get("quality_tokens") or math.inf
   longest = max(map(tokens, near))
   compared = [r for r in near if tokens(r) >= 0.5 * longest]
-  return compared, [r for r in known if r not in compared]
+  return compared, [r for r in known if not _among(r, compared)]
 
 
 def _set_aside_note(exact, key, best):
@@ -787,8 +795,7 @@ def _set_aside_note(exact, key, best):
   if not aside:
     return ""
   why = lambda r: ("measured at a vocabulary size farther from this V's"
-                   if (r.get("quality_scale_gap") or 0.0) >
-                   (best.get("quality_scale_gap") or 0.0) + 1e-9 else
+                   if _scale_gap(r) > _scale_gap(best) + 1e-9 else
                    f"measured after {r['quality_tokens'] / 1e6:.1f}M training tokens only")
   return "; not compared: " + ", ".join(
       f"{r['label']} ({r['quality'] - 1:+.1%}, {why(r)})" for r in aside)
@@ -829,8 +836,8 @@ def _choose(exact, full, whole):
     worse = (f"; the fastest, {quickest['label']} ({_seconds(quickest[key])}), "
              + ("quality unknown" if quickest["quality"] is None else
                 f"{quickest['quality'] - 1:+.1%} perplexity")
-             + (" at a vocabulary size farther from this V's" if quickest in
-                _farther_rows(exact) else ""))
+             + (" at a vocabulary size farther from this V's"
+                if _among(quickest, _farther_rows(exact)) else ""))
   return best, (
       f"the most accurate measured layer within {QUALITY_MARGIN:.0%} of the fastest "
       f"{step}: {best['quality'] - 1:+.1%} perplexity against full softmax "

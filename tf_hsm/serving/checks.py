@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 __all__ = ["broadcast_rows", "check_k", "check_directory", "check_flag", "check_max_exclude",
-           "check_model", "conform", "runtime_shape", "same_positions",
+           "check_model", "check_options", "conform", "runtime_shape", "same_positions",
            "signature_spec", "targets_below"]
 
 
@@ -55,6 +55,13 @@ def check_flag(name, value, none_ok=False):
     raise TypeError(f"{name} must be True or False{' or None' if none_ok else ''}, got "
                     f"{value!r}")
   return bool(value)
+
+
+def check_options(k, log_prob_all, sample, max_exclude):
+  """export's and ServingModule's options, checked: (k, log_prob_all, sample,
+  max_exclude)."""
+  return (check_k(k), check_flag("log_prob_all", log_prob_all, none_ok=True),
+          check_flag("sample", sample), check_max_exclude(max_exclude))
 
 
 def check_directory(directory):

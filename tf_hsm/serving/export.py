@@ -157,10 +157,8 @@ class ServingModule(tf.Module):
 
   def __init__(self, model, k=10, log_prob_all=None, sample=True, max_exclude=0):
     super().__init__(name="tf_hsm_serving")
-    k = checks.check_k(k)
-    max_exclude = checks.check_max_exclude(max_exclude)
-    log_prob_all = checks.check_flag("log_prob_all", log_prob_all, none_ok=True)
-    sample = checks.check_flag("sample", sample)
+    k, log_prob_all, sample, max_exclude = checks.check_options(
+        k, log_prob_all, sample, max_exclude)
     cut = ModelCut(model)
     layer = cut.layer
     self.ignore_class = cut.ignore_class
@@ -351,10 +349,8 @@ def export(model, directory, k=10, log_prob_all=None, sample=True, max_exclude=0
     ValueError: k is not an int >= 1, max_exclude not an int >= 0, a directory that is
       empty, a file or not writable, or a model that cannot be cut at its tf_hsm layer.
   """
-  k = checks.check_k(k)
-  max_exclude = checks.check_max_exclude(max_exclude)
-  log_prob_all = checks.check_flag("log_prob_all", log_prob_all, none_ok=True)
-  sample = checks.check_flag("sample", sample)
+  # Checked before the directory is made (ServingModule checks them for its own callers).
+  checks.check_options(k, log_prob_all, sample, max_exclude)
   checks.check_model(model)
   directory = checks.check_directory(directory)
   module = ServingModule(model, k=k, log_prob_all=log_prob_all, sample=sample,
