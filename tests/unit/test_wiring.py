@@ -1,7 +1,7 @@
 """What a tf_hsm layer says about the way it is wired into a model, in both Keras: a
 warning (once) when the compiled optimizer would update the whole table, naming the
 sparse one; errors that say what to pass for missing targets, targets of the wrong
-shape, a loss that reads class scores, and a Keras 3 metric in a tf_keras model."""
+shape, a loss that reads class scores or compares values, and a Keras 3 metric in a tf_keras model."""
 
 import re
 import warnings
@@ -125,6 +125,25 @@ def test_a_class_score_loss_names_nll(rng, which, loss):
   with pytest.raises(ValueError, match=rf"'sparse_categorical_crossentropy'.*outputs log P"
                                        rf"\(target\).*loss={package}\.nll"):
     model.fit(list(_data(rng)), _data(rng)[1], verbose=0)
+
+
+@pytest.mark.parametrize("which", ["keras", "tf_keras"])
+@pytest.mark.parametrize("loss", ["mse", "object"])
+def test_a_loss_of_values_names_nll(rng, which, loss):
+  """With 1-D targets the output's shape is the targets': "mse" would train log
+  P(target) towards the class id without an error of Keras'."""
+  keras_module, front, _ = FRONTS[which]
+  if loss == "object":
+    loss = keras_module.losses.MeanAbsoluteError()
+  hidden = keras_module.Input((D,))
+  targets = keras_module.Input((), dtype="int32")
+  layer = front.HierarchicalSoftmax(tf_hsm.Tree.balanced(V, 3))
+  model = keras_module.Model([hidden, targets], layer(hidden, targets))
+  model.compile(optimizer=front.optimizers.LazyAdam(), loss=loss)
+  x, y = _data(rng)
+  with pytest.raises(ValueError, match=r"'(mse|mean_absolute_error)'\) compares the model's "
+                                       r"output with the targets.*outputs log P\(target\)"):
+    model.fit([x[:, 0], y[:, 0]], y[:, 0], verbose=0)
 
 
 def test_a_keras3_metric_in_a_tf_keras_model_names_the_tf_keras_one():

@@ -21,6 +21,13 @@ _CLASS_SCORE_LOSSES = frozenset([
     "binary_crossentropy", "categorical_focal_crossentropy",
     "sparse_categorical_focal_crossentropy", "binary_focal_crossentropy",
     "kl_divergence", "kld", "kullback_leibler_divergence", "categorical_hinge"])
+# Losses that compare the output with the targets as values: with 1-D targets the
+# shapes agree and such a loss would train log P(target) towards the class id.
+_VALUE_LOSSES = frozenset([
+    "mean_squared_error", "mse", "mean_absolute_error", "mae",
+    "mean_absolute_percentage_error", "mape", "mean_squared_logarithmic_error", "msle",
+    "huber", "huber_loss", "log_cosh", "logcosh", "cosine_similarity", "hinge",
+    "squared_hinge", "poisson", "dice", "tversky", "circle"])
 
 # Keras optimizers whose update of a tf.IndexedSlices gradient changes every row of the
 # variable (moments or accumulators that decay or grow everywhere), by the class name,
@@ -146,7 +153,33 @@ def check_model(layer, sparse_table=True):
     return
   _check_loss(layer, model, keras_name)
   if training and sparse_table and layer.trainable:
-    _warn_dense_optimizer(layer, getattr(model, "optimizer", None), keras_name)
+    optimizer = getattr(model, "optimizer", None)
+    _check_replicated_optimizer(layer, optimizer, keras_name)
+    _warn_dense_optimizer(layer, optimizer, keras_name)
+
+
+def _check_replicated_optimizer(layer, optimizer, keras_name):
+  """ValueError for a Keras 3 optimizer whose update is not linear in the gradient
+  (Adam's squares, Adagrad's sums of squares) under more than one replica: Keras 3
+  applies the replicas' summed tf.IndexedSlices, whose rows repeat once per replica,
+  slice by slice (the square of each replica's row, not of their sum), so the table and,
+  through it, the whole model would train otherwise than on one device. tf_keras sums
+  repeated rows first; tf_hsm's optimizers do too."""
+  hint = dense_update_hint(optimizer)
+  # SGD's momentum (hint SparseSGD) is linear in the gradient: repeated rows add up.
+  if keras_name != "keras" or hint in (None, "SparseSGD"):
+    return
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  replicas = tf.distribute.get_strategy().num_replicas_in_sync
+  if replicas <= 1:
+    return
+  kind = type(_unwrapped(optimizer))
+  raise ValueError(
+      f"keras.optimizers.{kind.__name__} cannot train {type(layer).__name__} "
+      f"{layer.name!r} over {replicas} replicas: Keras 3 applies the replicas' sparse "
+      "gradients of its table row by row without summing the rows they share, so the "
+      "update differs from one device's. Use tf_hsm.optimizers."
+      f"{hint} (the same arguments; it sums them), or keras.optimizers.SGD.")
 
 
 def _check_loss(layer, model, keras_name):
@@ -154,10 +187,12 @@ def _check_loss(layer, model, keras_name):
   if loss is None or isinstance(loss, (dict, list, tuple)):
     return  # several outputs: which loss is the layer's is the model's business
   name = _loss_name(loss)
-  if name in _CLASS_SCORE_LOSSES:
+  if name in _CLASS_SCORE_LOSSES or name in _VALUE_LOSSES:
     losses, predictor = _PACKAGES[keras_name][1], _PACKAGES[keras_name][2]
+    reads = ("reads the model's output as scores of every class" if name in
+             _CLASS_SCORE_LOSSES else "compares the model's output with the targets")
     raise ValueError(
-        f"compile(loss={name!r}) reads the model's output as scores of every class, but "
+        f"compile(loss={name!r}) {reads}, but "
         f"{type(layer).__name__} {layer.name!r} outputs log P(target) for each target "
         f"(its targets are an input of the model): compile with loss={losses}.nll "
         "(the same cross-entropy, padding excluded). For every class's log-probability "
