@@ -294,3 +294,15 @@ def test_importable_without_legacy_keras():
 def test_tf_keras_package_holds_every_public_module():
   for name in ("callbacks", "losses", "metrics", "optimizers"):
     assert name in hk2.__all__ and getattr(hk2, name).__name__ == f"tf_hsm.tf_keras.{name}"
+
+
+def test_jit_compile_is_refused_by_a_message_that_fits_tf_keras(rng):
+  """tf_keras, unlike Keras 3, compiles the step with XLA when asked: the ops' error
+  must say to compile without it (not that the model already turned it off)."""
+  model = _model(_tree())
+  model.compile(optimizer=hk2.optimizers.LazyAdam(0.01), loss=hk2.losses.nll,
+                jit_compile=True)
+  x, y = _data(rng, n=8)
+  with pytest.raises(ValueError, match="tf_keras models do not: compile them without "
+                                       "jit_compile=True"):
+    model.fit([x, y], y, epochs=1, verbose=0)

@@ -62,8 +62,9 @@ def tree_tensors(tree):
     raise ValueError(
         "tf_hsm's ops cannot run in a function compiled by XLA (tf.function(jit_compile="
         "True), or a Keras model compiled with jit_compile=True): they have CPU and CUDA "
-        "kernels, none for XLA. Call them from a tf.function without jit_compile; Keras "
-        "models with a HierarchicalSoftmax layer already turn jit_compile off.")
+        "kernels, none for XLA. Call them from a tf.function without jit_compile; Keras 3 "
+        "models with a tf_hsm layer turn jit_compile off, tf_keras models do not: compile "
+        "them without jit_compile=True.")
   cached = tree.__dict__.get("_tf_tensors")
   if cached is None:
     cached = {}
