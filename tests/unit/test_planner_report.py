@@ -47,6 +47,23 @@ def test_layer_builds_what_it_describes():
     sampled.build()
 
 
+def test_a_padding_id_of_no_count_is_the_layers_ignore_class():
+  """Counts with class 0 at 0 (the README's padding id): the layer the plan builds
+  leaves its targets out and never predicts it, as its code says; the caller decides."""
+  padded = np.concatenate([[0.0], COUNTS[:-1]])
+  plan = tf_hsm.plan(V, 64, 512, counts=padded, machine=MACHINE, trees=("huffman8",),
+                     adaptive=())
+  assert plan.layer.code.endswith(", ignore_class=0)"), plan.layer.code
+  assert any("ignore_class=0" in note for note in plan.notes)
+  unpadded = tf_hsm.plan(V, 64, 512, counts=COUNTS, machine=MACHINE, trees=("huffman8",),
+                         adaptive=()).layer
+  assert unpadded.ignore_class is None and "ignore_class" not in unpadded.code
+  pytest.importorskip("keras")
+  assert plan.layer.build().ignore_class == 0
+  assert plan.layer.build(ignore_class=None).ignore_class is None
+  assert unpadded.build().ignore_class is None
+
+
 def test_counts_in_id_order_keep_the_adaptive_rows_with_a_class_order():
   sorted_report = tf_hsm.plan(V, 128, 640, counts=COUNTS, machine=MACHINE, trees=())
   report = tf_hsm.plan(V, 128, 640, counts=BY_ID, machine=MACHINE, trees=())

@@ -83,6 +83,9 @@ class Layer:
     for full softmax likewise, over `Tree.flat(num_classes)` (the exact softmax); for
     HierarchicalSoftmaxMixture, `components`: its trees (`trees`), and `head`: the
     shared head's class ids where it has one (`head`).
+  ignore_class: 0 where the counts give class 0 no count (the padding id of the
+    README's models): `build()` passes `ignore_class=0` unless told otherwise, so the
+    padding targets are left out of the loss and never predicted; None otherwise.
   """
   kind: str
   method: str
@@ -97,6 +100,7 @@ class Layer:
   _tree: object = dataclasses.field(default=None, repr=False, compare=False)
   _class_order: object = dataclasses.field(default=None, repr=False, compare=False)
   head: object = dataclasses.field(default=None, repr=False, compare=False)
+  ignore_class: int = None
 
   @property
   def tree(self):
@@ -150,6 +154,8 @@ class Layer:
     take (fused_update, initializers, ignore_class, ...; dtype goes to both; with a
     shared head, ignore_class, head_bias_initializer, tail_dim and
     tail_projection_initializer to the mixture). Imports TensorFlow."""
+    if self.ignore_class is not None:
+      layer_kwargs = {"ignore_class": self.ignore_class, **layer_kwargs}
     if self.kind == "HierarchicalSoftmaxMixture":
       return _mixture_layer(self.trees, layer_kwargs, self.head)
     if self.kind in ("HierarchicalSoftmax", "AdaptiveSoftmax") or (
@@ -182,7 +188,8 @@ class Layer:
             "cutoffs": self.cutoffs, "tail": self.tail, "div_value": self.div_value,
             "rebuild": None if not self.rebuild else
                        {k: v for k, v in self.rebuild.items() if k != "counts"},
-            "head": None if self.head is None else [int(c) for c in self.head]}
+            "head": None if self.head is None else [int(c) for c in self.head],
+            "ignore_class": self.ignore_class}
 
 
 # The mixture's own arguments (`HierarchicalSoftmaxMixture` and keras.layers.Layer's);
@@ -600,7 +607,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     best = min((r for r in rows if r["exact"]), key=lambda r: r["per_shard_bytes"])
     reason = (f"nothing exact fits {_size(memory_budget)}; this one needs the least "
               f"({_size(best['per_shard_bytes'])}): add shards or memory")
-  layer = layers[rows.index(best)]
+  layer = _with_padding_id(layers[rows.index(best)], counts, notes)
   notes += _more_accurate_note(exact, best, rows[1])
   notes += _fused_update_note(optimizer, layer)
   settings = {"num_classes": V, "hidden": D, "tokens_per_step": T, "optimizer": optimizer,
@@ -611,6 +618,22 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   if body_row is not None:
     settings["body"] = body_lib.describe(body_row)
   return Report(rows, best["method"], reason, settings, layer, notes, body_row)
+
+
+def _with_padding_id(layer, counts, notes):
+  """`layer` with ignore_class=0 where class 0 has no count (the padding id of the
+  README's models, whose targets would otherwise train it as a class and make it a
+  top prediction), and a note saying so; `layer` as it is otherwise. An
+  AdaptiveSoftmax leaves padding out through its class order instead (the counts'
+  note says how)."""
+  if counts is None or np.asarray(counts)[0] != 0 or layer.kind not in (
+      "HierarchicalSoftmax", "HierarchicalSoftmaxMixture", "full softmax"):
+    return layer
+  notes.append("class 0 has no count (padding, say): build() passes ignore_class=0, so "
+               "its targets are left out of the loss and it is never predicted (pass "
+               "ignore_class=None to keep it a class)")
+  return dataclasses.replace(layer, code=layer.code[:-1] + ", ignore_class=0)",
+                             ignore_class=0)
 
 
 def _more_accurate_note(exact, best, sampled, most=3):
