@@ -86,6 +86,13 @@ def test_human_sizes():
   assert planner.parse_count("3200") == 3200
   assert planner.parse_bytes("24GiB") == 24 * 2**30
   assert planner.parse_bytes("12GB") == 12 * 10**9
+  # plan() takes the command line's sizes too, and names a budget that is none.
+  report = tf_hsm.plan(1000, 16, 64, memory_budget="24GiB", trees=(), adaptive=(),
+                       machine=MACHINE)
+  assert report.settings["memory_budget"] == 24 * 2**30
+  for bad in ("lots", -1, True, [1]):
+    with pytest.raises(ValueError, match="memory_budget must be bytes > 0 or a size"):
+      tf_hsm.plan(1000, 16, 64, memory_budget=bad, trees=(), adaptive=(), machine=MACHINE)
   with pytest.raises(ValueError):
     planner.parse_bytes("lots")
 

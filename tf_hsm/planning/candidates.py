@@ -34,7 +34,7 @@ from tf_hsm.planning.costs import (DIV_VALUE, DTYPE_BYTES, OPTIMIZERS, TAILS,
                                    adaptive_cost, flat_softmax_cost, probabilities,
                                    pytorch_cutoffs, sampled_softmax_cost, tail_widths)
 from tf_hsm.planning.cutoffs import checked_counts, choose_cutoffs
-from tf_hsm.planning.pricing import price
+from tf_hsm.planning.pricing import memory_budget_bytes, price
 # The tree names and their layouts are tree_candidates.py's, named here too (callers and
 # tests read them as candidates.TREES, candidates.learned_layout, ...).
 from tf_hsm.planning.tree_candidates import (  # noqa: F401
@@ -487,7 +487,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
       optimizer; tf_hsm's sparse ones update touched rows only).
     dtype: "float32", "float64", "bfloat16" or "float16" (the table's).
     memory_budget: bytes available per device (per parameter server with num_shards),
-      or None.
+      a size as the command line takes it ('24GiB'), or None.
     num_shards: parameter servers the table and slots are split over.
     machine: a `Machine` (default: this machine's cached rates, measured once, saying
       so through `progress`), or a dict of its fields.
@@ -534,6 +534,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     perplexity against full softmax), the rule runs over the rows measured within it
     (full softmax always is); where none that fits is, over all (a note says so).
   """
+  memory_budget = memory_budget_bytes(memory_budget)
   body, num_classes, hidden = _model_sizes(model, num_classes, hidden, tokens_per_step,
                                            counts, sequence_length)
   _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
@@ -900,6 +901,7 @@ def recommend_tree(num_classes, hidden, tokens_per_step, counts=None, optimizer=
     raise ValueError(f"{mixtures[0]} is a HierarchicalSoftmaxMixture of trees, not a "
                      "tree: tf_hsm.plan(...) prices and recommends it")
   _check_quality_bound(max_perplexity_increase)
+  memory_budget = memory_budget_bytes(memory_budget)
   probs = probabilities(V, counts)
   machine = machine_lib.resolve(machine, progress)
   progress = progress or _quiet

@@ -16,6 +16,7 @@ import numpy as np
 from tf_hsm.planning.candidates import plan
 from tf_hsm.planning.costs import DTYPE_BYTES, OPTIMIZERS
 from tf_hsm.planning.machine import Machine
+from tf_hsm.planning.pricing import parse_bytes
 
 
 def parse_count(text):
@@ -25,16 +26,6 @@ def parse_count(text):
     raise ValueError(f"not a count: {text!r}")
   return int(float(match.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9,
                                        "T": 10**12}[match.group(2).upper()])
-
-
-def parse_bytes(text):
-  """'24GiB' -> 24 * 2**30, '12GB' -> 12e9, '512MiB', '1000' (bytes)."""
-  match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
-  if not match:
-    raise ValueError(f"not a size: {text!r}")
-  power = " KMGT".index(match.group(2).upper() or " ")
-  base = 1024 if match.group(3) else 1000
-  return int(float(match.group(1)) * base**power)
 
 
 class _Parser(argparse.ArgumentParser):

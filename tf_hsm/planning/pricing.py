@@ -2,12 +2,40 @@
 (`price`), and the parts of the step time that add up over the tiers of an adaptive
 softmax (`step_terms`, `fixed_step_terms`), which the cutoff search sums."""
 
+import numbers
+import re
+
 import numpy as np
 
 from tf_hsm.planning import machine as machine_lib
 from tf_hsm.planning.costs import (CALLS_PER_STEP, DTYPE_BYTES, OPTIMIZERS,
                                    STEP_WORKSPACE_BYTES, moved_elements, slot_elements)
 from tf_hsm.planning.tree_work import tree_step_terms
+
+
+def parse_bytes(text):
+  """'24GiB' -> 24 * 2**30, '12GB' -> 12e9, '512MiB', '1000' (bytes)."""
+  match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+  if not match:
+    raise ValueError(f"not a size: {text!r}")
+  power = " KMGT".index(match.group(2).upper() or " ")
+  base = 1024 if match.group(3) else 1000
+  return int(float(match.group(1)) * base**power)
+
+
+def memory_budget_bytes(budget):
+  """`plan`'s memory_budget as bytes: None, a number of bytes, or a size as the command
+  line takes it ('24GiB')."""
+  if budget is None or (isinstance(budget, numbers.Real) and not isinstance(budget, bool)
+                        and budget > 0):
+    return budget
+  if isinstance(budget, str):
+    try:
+      return parse_bytes(budget)
+    except ValueError:
+      pass
+  raise ValueError(f"memory_budget must be bytes > 0 or a size such as '24GiB', '12GB' "
+                   f"or '512MiB', got {budget!r}")
 
 
 def _bytes_and_slot_bytes(parts, optimizer, dtype_bytes):
