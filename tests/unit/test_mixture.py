@@ -320,3 +320,24 @@ def test_compiled_top_k_accuracy_reads_the_mixture(rng):
   top = np.argsort(-every, axis=-1)[..., :3]
   want = np.mean(np.any(top == y[..., None], axis=-1))
   assert [v for k, v in got.items() if "top" in k][0] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("ignore_class", [None, 0])
+def test_exclude_without_the_time_axis_is_named_where_batch_is_time(rng, ignore_class):
+  """Hidden states [B, T, D] with exclude [B, n], B == T: the ids would broadcast along
+  the time axis (row b's ids excluded at step b of every sequence) or fail in a concat;
+  both layers name the shape instead."""
+  trees = [tf_hsm.Tree.huffman(rng.integers(1, 50, 30), branching=3),
+           tf_hsm.Tree.balanced(30, 4)]
+  hidden = tf.constant(rng.standard_normal((5, 5, D)), tf.float32)
+  targets = tf.ones([5, 5], tf.int32)
+  mixture = HierarchicalSoftmaxMixture(
+      [tf_hsm.HierarchicalSoftmax(t, ignore_class=ignore_class) for t in trees])
+  tree_layer = tf_hsm.HierarchicalSoftmax(trees[0], ignore_class=ignore_class)
+  for layer in (mixture, tree_layer):
+    layer(hidden, targets)
+    with pytest.raises(ValueError, match=r"exclude must be class ids.*shape \(5, 1\) for "
+                                         r"hidden of rank 3.*\[B, 1, n\]"):
+      layer.top_k(hidden, 3, exclude=np.ones((5, 1), np.int64))
+    _, classes = layer.top_k(hidden, 3, exclude=np.ones((5, 1, 1), np.int64))
+    assert not np.any(np.asarray(classes) == 1)

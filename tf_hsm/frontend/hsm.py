@@ -151,8 +151,13 @@ def combined_mask(masks, valid=None):
 
 
 def with_ignored(exclude, ignore_class, hidden):
-  """`exclude` ([..., n] class ids per row of `hidden`, or None) with `ignore_class`
-  added to every row, for the layer's top_k (ragged like a ragged `hidden`)."""
+  """`exclude` ([..., n] class ids per row of `hidden`, or None; `hidden`'s rank) with
+  `ignore_class` added to every row, for the layers' top_k (ragged like a ragged
+  `hidden`)."""
+  if exclude is not None and not isinstance(exclude, tf.RaggedTensor) and \
+      not isinstance(hidden, tf.RaggedTensor):
+    exclude = tf.convert_to_tensor(exclude)
+    inference.check_exclude_rank(exclude, tf.convert_to_tensor(hidden).shape.rank)
   if ignore_class is None:
     return exclude
   if isinstance(hidden, tf.RaggedTensor):

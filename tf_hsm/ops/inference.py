@@ -158,13 +158,18 @@ def checked_exclude(exclude, hidden, num_classes):
   ValueError), checked below `num_classes` when it runs: the one check of `top_k`'s
   `exclude` for the tree's op, the adaptive softmax and the mixture."""
   exclude = tf.cast(op_inputs.class_ids(exclude, "exclude"), tf.int64)
-  hidden_rank = tf.convert_to_tensor(hidden).shape.rank
+  check_exclude_rank(exclude, tf.convert_to_tensor(hidden).shape.rank)
+  return below_num_classes(exclude, num_classes)
+
+
+def check_exclude_rank(exclude, hidden_rank):
+  """ValueError unless `exclude` has `hidden`'s rank (a batch of sequences' exclude
+  [B, n] would otherwise broadcast along the time axis where B is T) and a known n."""
   if exclude.shape.rank != hidden_rank or exclude.shape[-1] is None:
     raise ValueError(f"exclude must be class ids [..., n] with hidden's leading shape "
                      f"and a known n, got shape {exclude.shape} for hidden of rank "
                      f"{hidden_rank} (for the same ids on every row of a [B, D] batch: "
-                     "shape [1, n])")
-  return below_num_classes(exclude, num_classes)
+                     "shape [1, n]; of a [B, T, D] one: [B, 1, n] or [1, 1, n])")
 
 
 def below_num_classes(exclude, num_classes):
