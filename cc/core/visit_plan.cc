@@ -89,7 +89,8 @@ std::string CopyPaths(const TreeView& tree, const int64* targets, int64 num_toke
       continue;
     }
     if (t < 0 || t >= tree.num_classes) {
-      return Message("targets[", i, "] = ", t, " is not a class id in [0, ", tree.num_classes, ")");
+      return Message("targets[", i, "] = ", t, " is not a class id in [0, ", tree.num_classes, ")",
+                     t < 0 ? " (targets < 0 are padding with skip_padding=True)" : "");
     }
     const int64 b = tree.path_begin[t], e = tree.path_begin[t + 1];
     if (!tree_checks::ValidPathRange(tree, b, e)) return tree_checks::BadPathRange(tree, t);
