@@ -2,7 +2,9 @@
 table inside the layer's backward pass, and ends where the unfused layer ends, bit for
 bit; what it cannot fuse is refused by name, and outside `fit` it is the plain layer."""
 
+import gc
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -91,6 +93,22 @@ def test_rebuild_during_fit_matches(rng):
   assert models[1][1].tree is not tree  # rebuilt
   assert models[0][1].tree.num_slots == models[1][1].tree.num_slots
   _assert_same_state(models[0][0], models[1][0])
+
+
+def test_a_rebuild_frees_the_table_and_optimizer_it_replaced(rng):
+  """TensorFlow keeps a traced custom gradient's function for good: the fused step's
+  must not hold the old table and LazyAdam's moments (3x the table) after a rebuild."""
+  tree = _tree(rng)
+  model, layer = _model(tree, True)
+  x, y, _ = _data(rng)
+  model.fit([x, y], y, batch_size=2, epochs=1, verbose=0)  # traced, built
+  old = [weakref.ref(layer.kernel), weakref.ref(model.optimizer)]
+  old += [weakref.ref(v) for v in model.optimizer.variables if len(v.shape) == 2]
+  rebuild = tf_hsm.callbacks.RebuildTree(layer, after_batch=1, branching=3)
+  model.fit([x, y], y, batch_size=2, epochs=1, verbose=0, callbacks=[rebuild])
+  gc.collect()
+  assert layer.tree is not tree  # rebuilt
+  assert [ref() for ref in old] == [None] * len(old)
 
 
 def test_outside_fit_the_gradient_is_the_tables(rng, monkeypatch):
