@@ -341,3 +341,7 @@ def test_exclude_without_the_time_axis_is_named_where_batch_is_time(rng, ignore_
       layer.top_k(hidden, 3, exclude=np.ones((5, 1), np.int64))
     _, classes = layer.top_k(hidden, 3, exclude=np.ones((5, 1, 1), np.int64))
     assert not np.any(np.asarray(classes) == 1)
+  # The mixture scatters its exclusions: an n unknown when traced is fine there.
+  search = tf.function(lambda h, e: mixture.top_k(h, 3, exclude=e), input_signature=[
+      tf.TensorSpec([None, None, D]), tf.TensorSpec([None, None, None], tf.int64)])
+  assert not np.any(search(hidden, np.ones((5, 1, 2), np.int64))[1].numpy() == 1)

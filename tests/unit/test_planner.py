@@ -90,7 +90,9 @@ def test_human_sizes():
   report = tf_hsm.plan(1000, 16, 64, memory_budget="24GiB", trees=(), adaptive=(),
                        machine=MACHINE)
   assert report.settings["memory_budget"] == 24 * 2**30
-  for bad in ("lots", -1, True, [1]):
+  assert tf_hsm.plan(1000, 16, 64, memory_budget=np.array(24e9), trees=(), adaptive=(),
+                     machine=MACHINE).settings["memory_budget"] == 24e9
+  for bad in ("lots", "0GiB", -1, True, [1]):
     with pytest.raises(ValueError, match="memory_budget must be bytes > 0 or a size"):
       tf_hsm.plan(1000, 16, 64, memory_budget=bad, trees=(), adaptive=(), machine=MACHINE)
   with pytest.raises(ValueError):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import tf_hsm
+from tf_hsm.planning import candidates
 from tf_hsm.planning import cli
 
 MACHINE = {"matmul_flops": 200e9, "read_bytes": 20e9, "call_seconds": 100e-6}
@@ -62,6 +63,13 @@ def test_a_padding_id_of_no_count_is_the_layers_ignore_class():
   assert plan.layer.build().ignore_class == 0
   assert plan.layer.build(ignore_class=None).ignore_class is None
   assert unpadded.build().ignore_class is None
+  # A code that goes on after the layer (a rebuild), or a mixture's, says it at the end.
+  for code in ("HierarchicalSoftmax(tree); rebuilt by RebuildTree(layer, head=128)",
+               "HierarchicalSoftmaxMixture([tree, tree])"):
+    kind = code.split("(")[0]
+    padded_layer = candidates._with_padding_id(tf_hsm.planning.Layer(kind, kind, code),
+                                               padded, [])
+    assert padded_layer.code == code + "; built with ignore_class=0"
 
 
 def test_counts_in_id_order_keep_the_adaptive_rows_with_a_class_order():

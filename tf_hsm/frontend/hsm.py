@@ -47,7 +47,7 @@ def refuse_ragged(*tensors, who="tf_hsm's layers take"):
   """TypeError where a layer is given a `tf.RaggedTensor` (the ops take them; the layers,
   whose outputs carry Keras masks, take padded batches); `who` names the refuser."""
   if any(isinstance(t, tf.RaggedTensor) for t in tensors):
-    raise TypeError(f"{who} dense hidden states [..., D] and targets: pad ragged ones "
+    raise TypeError(f"{who} dense hidden states [..., D] (and targets): pad ragged ones "
                     "(hidden.to_tensor(), targets.to_tensor(-1): targets < 0 or a Keras "
                     "mask mark the padding); the ops (tf_hsm.log_prob, tf_hsm.top_k, ...) "
                     "take tf.RaggedTensor as they are")
@@ -157,7 +157,8 @@ def with_ignored(exclude, ignore_class, hidden):
   if exclude is not None and not isinstance(exclude, tf.RaggedTensor) and \
       not isinstance(hidden, tf.RaggedTensor):
     exclude = tf.convert_to_tensor(exclude)
-    inference.check_exclude_rank(exclude, tf.convert_to_tensor(hidden).shape.rank)
+    inference.check_exclude_rank(exclude, tf.convert_to_tensor(hidden).shape.rank,
+                                 known_n=False)
   if ignore_class is None:
     return exclude
   if isinstance(hidden, tf.RaggedTensor):

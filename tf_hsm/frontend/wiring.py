@@ -159,21 +159,29 @@ def check_model(layer, sparse_table=True):
 
 
 def _check_replicated_optimizer(layer, optimizer, keras_name):
-  """ValueError for a Keras 3 optimizer whose update is not linear in the gradient
-  (Adam's squares, Adagrad's sums of squares) under more than one replica: Keras 3
+  """ValueError for a Keras 3 optimizer other than SGD (whose update is linear in the
+  gradient; Adam's squares it) under more than one replica: Keras 3
   applies the replicas' summed tf.IndexedSlices, whose rows repeat once per replica,
   slice by slice (the square of each replica's row, not of their sum), so the table and,
   through it, the whole model would train otherwise than on one device. tf_keras sums
   repeated rows first; tf_hsm's optimizers do too."""
-  hint = dense_update_hint(optimizer)
-  # SGD's momentum (hint SparseSGD) is linear in the gradient: repeated rows add up.
-  if keras_name != "keras" or hint in (None, "SparseSGD"):
+  inner = _unwrapped(optimizer)
+  kind = type(inner)
+  # SGD (with momentum too) is linear in the gradient: repeated rows add up. Every
+  # other Keras 3 optimizer is taken as not (Adam's squares, Muon's orthogonalization,
+  # a schedule-free average...), a list of names being bound to miss new ones.
+  if keras_name != "keras" or inner is None or kind.__module__.startswith("tf_hsm."):
+    return
+  # The Keras class it is or extends; a subclass of Keras' base class alone is the user's.
+  keras_class = next((c for c in kind.__mro__ if c.__module__.startswith("keras.")), None)
+  if keras_class is None or keras_class.__name__ in ("SGD", "Optimizer", "TFOptimizer",
+                                                     "BaseOptimizer"):
     return
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   replicas = tf.distribute.get_strategy().num_replicas_in_sync
   if replicas <= 1:
     return
-  kind = type(_unwrapped(optimizer))
+  hint = dense_update_hint(optimizer) or "LazyAdam"
   raise ValueError(
       f"keras.optimizers.{kind.__name__} cannot train {type(layer).__name__} "
       f"{layer.name!r} over {replicas} replicas: Keras 3 applies the replicas' sparse "
@@ -187,6 +195,9 @@ def _check_loss(layer, model, keras_name):
   if loss is None or isinstance(loss, (dict, list, tuple)):
     return  # several outputs: which loss is the layer's is the model's business
   name = _loss_name(loss)
+  outputs_it = _outputs_layer(model, layer)
+  if outputs_it is False or (name in _VALUE_LOSSES and outputs_it is None):
+    return  # the loss is another output's (the layer's may be an added loss), or may be
   if name in _CLASS_SCORE_LOSSES or name in _VALUE_LOSSES:
     losses, predictor = _PACKAGES[keras_name][1], _PACKAGES[keras_name][2]
     reads = ("reads the model's output as scores of every class" if name in
@@ -197,6 +208,21 @@ def _check_loss(layer, model, keras_name):
         f"(its targets are an input of the model): compile with loss={losses}.nll "
         "(the same cross-entropy, padding excluded). For every class's log-probability "
         f"after training, use {predictor}(model, output=\"log_prob_all\").")
+
+
+def _outputs_layer(model, layer):
+  """Whether the model's output is `layer`'s (or its mixture's): True, False, or None
+  where the model does not say (a subclassed model's outputs are not symbolic)."""
+  outputs = getattr(model, "outputs", None)
+  if not outputs:
+    return None
+  for output in outputs:
+    history = getattr(output, "_keras_history", None)
+    # Keras 3 names the producer `operation`, tf_keras `layer`.
+    producer = getattr(history, "operation", None) or getattr(history, "layer", None)
+    if producer is layer or any(c is layer for c in getattr(producer, "components", ())):
+      return True
+  return False
 
 
 def _unwrapped(optimizer):

@@ -162,10 +162,11 @@ def checked_exclude(exclude, hidden, num_classes):
   return below_num_classes(exclude, num_classes)
 
 
-def check_exclude_rank(exclude, hidden_rank):
+def check_exclude_rank(exclude, hidden_rank, known_n=True):
   """ValueError unless `exclude` has `hidden`'s rank (a batch of sequences' exclude
-  [B, n] would otherwise broadcast along the time axis where B is T) and a known n."""
-  if exclude.shape.rank != hidden_rank or exclude.shape[-1] is None:
+  [B, n] would otherwise broadcast along the time axis where B is T) and, with
+  `known_n` (the tree's search sizes its list by it), a known n."""
+  if exclude.shape.rank != hidden_rank or (known_n and exclude.shape[-1] is None):
     raise ValueError(f"exclude must be class ids [..., n] with hidden's leading shape "
                      f"and a known n, got shape {exclude.shape} for hidden of rank "
                      f"{hidden_rank} (for the same ids on every row of a [B, D] batch: "

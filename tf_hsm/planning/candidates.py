@@ -633,8 +633,11 @@ def _with_padding_id(layer, counts, notes):
   notes.append("class 0 has no count (padding, say): build() passes ignore_class=0, so "
                "its targets are left out of the loss and it is never predicted (pass "
                "ignore_class=None to keep it a class)")
-  return dataclasses.replace(layer, code=layer.code[:-1] + ", ignore_class=0)",
-                             ignore_class=0)
+  if ";" not in layer.code and layer.kind != "HierarchicalSoftmaxMixture":
+    code = layer.code[:-1] + ", ignore_class=0)"  # HierarchicalSoftmax(tree, ...)
+  else:  # a rebuild after the layer, or a mixture (build() gives it where it belongs)
+    code = layer.code + "; built with ignore_class=0"
+  return dataclasses.replace(layer, code=code, ignore_class=0)
 
 
 def _more_accurate_note(exact, best, sampled, most=3):

@@ -26,14 +26,18 @@ def parse_bytes(text):
 def memory_budget_bytes(budget):
   """`plan`'s memory_budget as bytes: None, a number of bytes, or a size as the command
   line takes it ('24GiB')."""
-  if budget is None or (isinstance(budget, numbers.Real) and not isinstance(budget, bool)
-                        and budget > 0):
-    return budget
+  if budget is None:
+    return None
+  value = budget
   if isinstance(budget, str):
     try:
-      return parse_bytes(budget)
+      value = parse_bytes(budget)
     except ValueError:
       pass
+  elif isinstance(budget, (np.ndarray, np.generic)) and np.ndim(budget) == 0:
+    value = budget.item()
+  if isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0:
+    return value
   raise ValueError(f"memory_budget must be bytes > 0 or a size such as '24GiB', '12GB' "
                    f"or '512MiB', got {budget!r}")
 
