@@ -96,9 +96,9 @@ def test_rebuild_during_fit_matches(rng):
 
 
 def test_a_rebuild_frees_the_table_and_optimizer_it_replaced(rng):
-  """TensorFlow keeps a traced custom gradient's function for good: the fused step's
-  must not hold the old table's and LazyAdam's Python variables after a rebuild (their
-  graph's captures still hold the buffers: docs/limits.md)."""
+  """The fused step's traced gradient (tf_hsm.ops.custom_gradient, not TensorFlow's,
+  which keeps every traced one for good) goes with its step: a rebuild frees the old
+  table and LazyAdam's moments (3x the table)."""
   tree = _tree(rng)
   model, layer = _model(tree, True)
   x, y, _ = _data(rng)

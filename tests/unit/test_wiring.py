@@ -150,3 +150,34 @@ def test_a_keras3_metric_in_a_tf_keras_model_names_the_tf_keras_one():
   model = _model(tf_keras, hk2.HierarchicalSoftmax(tf_hsm.Tree.balanced(V, 3)))
   with pytest.raises(TypeError, match=r"use tf_hsm\.tf_keras\.metrics\.Perplexity"):
     model.compile(loss=hk2.losses.nll, metrics=[hk3.metrics.Perplexity()])
+
+
+def test_the_loss_is_checked_through_an_inner_model_and_not_for_an_added_loss(rng):
+  """An outer model whose output is an inner model's that ends in the layer is checked;
+  a subclassed model using the layer as an added loss beside a classifier head trains."""
+  tree = tf_hsm.Tree.balanced(V, 3)
+  hidden, targets = keras.Input((D,)), keras.Input((), dtype="int32")
+  inner = keras.Model([hidden, targets], hk3.HierarchicalSoftmax(tree)(hidden, targets))
+  x, t = keras.Input((D,)), keras.Input((), dtype="int32")
+  outer = keras.Model([x, t], inner([keras.layers.Dense(D)(x), t]))
+  outer.compile(optimizer=hk3.optimizers.LazyAdam(), loss="mse")
+  h, y = _data(rng)
+  with pytest.raises(ValueError, match="'mse'.*compares the model's output"):
+    outer.fit([h[:, 0], y[:, 0]], y[:, 0], verbose=0)
+
+  class WithAddedLoss(keras.Model):
+
+    def __init__(self):
+      super().__init__()
+      self.hsm = hk3.HierarchicalSoftmax(tree)
+      self.head = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, inputs):
+      features, ids = inputs
+      self.add_loss(-keras.ops.mean(self.hsm(features, ids)))
+      return self.head(features)
+
+  model = WithAddedLoss()
+  model.compile(optimizer=hk3.optimizers.LazyAdam(),
+                loss="sparse_categorical_crossentropy")
+  model.fit([h[:, 0], y[:, 0]], y[:, 0] % 3, verbose=0)

@@ -39,6 +39,9 @@ _DENSE = {"Adam": "LazyAdam", "AdamW": "LazyAdam", "Adamax": "LazyAdam",
           "Adafactor": "LazyAdam"}
 # tf_keras' legacy optimizers apply sparse gradients with TensorFlow's sparse kernels
 # (touched rows only) except for the Adam family, whose moments decay everywhere.
+# The Keras 3 optimizers whose tf_hsm counterpart takes the same arguments.
+_SPARSE_TWINS = {"Adam": "LazyAdam", "AdamW": "LazyAdam", "Nadam": "LazyAdam",
+                 "Adamax": "LazyAdam", "Lamb": "LazyAdam", "Adagrad": "SparseAdagrad"}
 _DENSE_LEGACY = {"Adam": "LazyAdam", "Adamax": "LazyAdam", "Nadam": "LazyAdam"}
 
 _PACKAGES = {"keras": ("tf_hsm.optimizers", "tf_hsm.losses", "tf_hsm.inference_model"),
@@ -181,13 +184,16 @@ def _check_replicated_optimizer(layer, optimizer, keras_name):
   replicas = tf.distribute.get_strategy().num_replicas_in_sync
   if replicas <= 1:
     return
-  hint = dense_update_hint(optimizer) or "LazyAdam"
+  twin = _SPARSE_TWINS.get(keras_class.__name__)
+  named = f"keras.optimizers.{keras_class.__name__}" + (
+      "" if kind is keras_class else f" ({kind.__name__})")
   raise ValueError(
-      f"keras.optimizers.{kind.__name__} cannot train {type(layer).__name__} "
-      f"{layer.name!r} over {replicas} replicas: Keras 3 applies the replicas' sparse "
-      "gradients of its table row by row without summing the rows they share, so the "
-      "update differs from one device's. Use tf_hsm.optimizers."
-      f"{hint} (the same arguments; it sums them), or keras.optimizers.SGD.")
+      f"{named} cannot train {type(layer).__name__} {layer.name!r} over {replicas} "
+      "replicas: Keras 3 applies the replicas' sparse gradients of its table row by row "
+      "without summing the rows they share, so the update differs from one device's. "
+      + (f"Use tf_hsm.optimizers.{twin} (the same arguments; it sums them)" if twin else
+         "Use tf_hsm.optimizers.LazyAdam, SparseAdagrad or SparseSGD (they sum them)")
+      + ", or keras.optimizers.SGD.")
 
 
 def _check_loss(layer, model, keras_name):
@@ -195,9 +201,8 @@ def _check_loss(layer, model, keras_name):
   if loss is None or isinstance(loss, (dict, list, tuple)):
     return  # several outputs: which loss is the layer's is the model's business
   name = _loss_name(loss)
-  outputs_it = _outputs_layer(model, layer)
-  if outputs_it is False or (name in _VALUE_LOSSES and outputs_it is None):
-    return  # the loss is another output's (the layer's may be an added loss), or may be
+  if not _outputs_layer(model, layer):
+    return  # another output's loss (the layer's may be an added loss), or unknown
   if name in _CLASS_SCORE_LOSSES or name in _VALUE_LOSSES:
     losses, predictor = _PACKAGES[keras_name][1], _PACKAGES[keras_name][2]
     reads = ("reads the model's output as scores of every class" if name in
@@ -220,7 +225,9 @@ def _outputs_layer(model, layer):
     history = getattr(output, "_keras_history", None)
     # Keras 3 names the producer `operation`, tf_keras `layer`.
     producer = getattr(history, "operation", None) or getattr(history, "layer", None)
-    if producer is layer or any(c is layer for c in getattr(producer, "components", ())):
+    # The layer itself, or a mixture or an inner model holding it.
+    inside = getattr(producer, "_flatten_layers", lambda: ())()
+    if producer is layer or any(c is layer for c in inside):
       return True
   return False
 

@@ -5,13 +5,12 @@ side, its slots, its step's constants and its step count; and `log_prob_updating
 the same update in the gradient of a layer's output (`HierarchicalSoftmax(...,
 fused_update=True)` in `model.fit`)."""
 
-import weakref
-
 import tensorflow as tf
 
 from tf_hsm.keras import optimizers
 from tf_hsm.ops import adam_step as fused
 from tf_hsm.ops import compact as compact_tables
+from tf_hsm.ops.custom_gradient import custom_gradient
 from tf_hsm.ops import inputs
 from tf_hsm.ops import training
 
@@ -155,12 +154,7 @@ def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer,
   # plainly, and after the step's sparse update that read copies the whole table.
   tables = [inputs.read_table(v) for v in variables]
 
-  # TensorFlow keeps a traced custom gradient's function for the life of the process
-  # (its gradient registry): held weakly, the optimizer, table and moments a step was
-  # traced with are freed when a RebuildTree replaces them (3x the table at 1M classes).
-  held = [weakref.ref(x) for x in [optimizer, *variables, *moments]]
-
-  @tf.custom_gradient
+  @custom_gradient
   def forward(hidden, *tables):
     # The forward keeps its logits and directions; the update reads them.
     log_probs, saved_logits, saved_directions = training.log_prob_and_saved(
@@ -168,18 +162,12 @@ def log_prob_updating_table(hidden, weights, biases, tree, targets, optimizer,
         skip_padding)
 
     def backward(upstream):
-      live = [ref() for ref in held]
-      if any(x is None for x in live):
-        raise RuntimeError("the optimizer or table this step was traced with is gone "
-                           "(a rebuilt layer): trace the step again")
-      optimizer, variables, moments = live[0], live[1:1 + len(tables)], live[1 + len(tables):]
-      biases = variables[1] if len(variables) > 1 else None
       constants = optimizer.row_constants(hidden.dtype, optimizer.learning_rate)
       # Reading the forward's outputs orders the update after the forward's read of the
       # table. (The upstream gradient of a mean loss does not depend on log_probs: with
       # it alone, the update could run first, or beside the read, and copy the table.)
       hidden_grad = fused.adam_rows_step_from_logits(
-          hidden, variables[0], biases, tree, targets, moments, constants, -upstream,
+          hidden, weights, biases, tree, targets, moments, constants, -upstream,
           saved_logits, saved_directions, skip_padding)
       optimizer.updated_in_backward(variables)
       return [hidden_grad] + [_no_rows(v) for v in variables]

@@ -3,6 +3,7 @@
 import tensorflow as tf
 
 from tf_hsm.ops import compact as compact_tables
+from tf_hsm.ops.custom_gradient import custom_gradient
 from tf_hsm.ops import inputs
 from tf_hsm.ops import loader
 def _table_rows(tree, weights, biases, targets, skip_padding=False):
@@ -124,7 +125,7 @@ def _log_prob_saving_logits_grad(op, upstream, unused_saved_grad, unused_directi
   return _input_grads(weights, biases, *grads) + [None] * 5
 
 
-@tf.custom_gradient
+@custom_gradient
 def _refusing_identity(gradient):
   """The identity, whose own gradient raises NotImplementedError."""
 
@@ -242,7 +243,7 @@ def _log_probs_with_gradient(hidden, weights, biases, targets, tree_inputs, expe
   gradient (one the size of the weight gradient: at V=1M, D=300 a second 1.2 GB)."""
   outputs = []
 
-  @tf.custom_gradient
+  @custom_gradient
   def log_probs_of(hidden, weights, biases):
     outputs.extend(loader.ops().hsm_log_prob_and_grad(hidden, weights, biases, targets,
                                                       *tree_inputs, expected,
