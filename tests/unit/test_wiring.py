@@ -181,3 +181,18 @@ def test_the_loss_is_checked_through_an_inner_model_and_not_for_an_added_loss(rn
   model.compile(optimizer=hk3.optimizers.LazyAdam(),
                 loss="sparse_categorical_crossentropy")
   model.fit([h[:, 0], y[:, 0]], y[:, 0] % 3, verbose=0)
+
+
+@pytest.mark.parametrize("which", ["keras", "tf_keras"])
+def test_a_mixture_names_a_wrong_loss_and_a_dense_optimizer(rng, which):
+  """tf_keras names the mixture, not the model, to its components: the mixture checks."""
+  keras_module, front, package = FRONTS[which]
+  trees = [tf_hsm.Tree.balanced(V, 3), tf_hsm.Tree.balanced(V, 5)]
+  model = _model(keras_module, front.HierarchicalSoftmaxMixture(trees))
+  model.compile(optimizer=front.optimizers.LazyAdam(), loss="mse")
+  with pytest.raises(ValueError, match="'mse'.*compares the model's output"):
+    model.fit(list(_data(rng)), _data(rng)[1], verbose=0)
+  model = _model(keras_module, front.HierarchicalSoftmaxMixture(trees))
+  model.compile(optimizer=keras_module.optimizers.Adam(), loss=front.losses.nll)
+  caught = _fit_warnings(model, _data(rng), epochs=1)
+  assert caught and re.search(rf"use {package}\.LazyAdam", caught[0]), caught

@@ -6,6 +6,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_hsm.frontend import mixture
+from tf_hsm.frontend import wiring
 from tf_hsm.tf_keras.layers import HierarchicalSoftmax
 
 
@@ -45,6 +46,9 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, tf_keras.layers.Layer):
 
   def __call__(self, *args, **kwargs):
     self._refuse_other_keras(args, kwargs)
+    # tf_keras names the innermost layer being called to the components' checks (this
+    # one): the model's loss and optimizer are checked here.
+    wiring.check_model(self)
     return super().__call__(*args, **kwargs)
 
   def call(self, hidden, targets, mask=None, training=None):
