@@ -39,9 +39,8 @@ _DENSE = {"Adam": "LazyAdam", "AdamW": "LazyAdam", "Adamax": "LazyAdam",
           "Adafactor": "LazyAdam"}
 # tf_keras' legacy optimizers apply sparse gradients with TensorFlow's sparse kernels
 # (touched rows only) except for the Adam family, whose moments decay everywhere.
-# The Keras 3 optimizers whose tf_hsm counterpart takes the same arguments.
-_SPARSE_TWINS = {"Adam": "LazyAdam", "AdamW": "LazyAdam", "Nadam": "LazyAdam",
-                 "Adamax": "LazyAdam", "Lamb": "LazyAdam", "Adagrad": "SparseAdagrad"}
+# The optimizers of _DENSE whose tf_hsm counterpart takes the same arguments.
+_SAME_ARGUMENTS = frozenset(["Adam", "AdamW", "Nadam", "Adamax", "Lamb", "Adagrad"])
 _DENSE_LEGACY = {"Adam": "LazyAdam", "Adamax": "LazyAdam", "Nadam": "LazyAdam"}
 
 _PACKAGES = {"keras": ("tf_hsm.optimizers", "tf_hsm.losses", "tf_hsm.inference_model"),
@@ -184,7 +183,7 @@ def _check_replicated_optimizer(layer, optimizer, keras_name):
   replicas = tf.distribute.get_strategy().num_replicas_in_sync
   if replicas <= 1:
     return
-  twin = _SPARSE_TWINS.get(keras_class.__name__)
+  twin = _DENSE[keras_class.__name__] if keras_class.__name__ in _SAME_ARGUMENTS else None
   named = f"keras.optimizers.{keras_class.__name__}" + (
       "" if kind is keras_class else f" ({kind.__name__})")
   raise ValueError(
@@ -216,12 +215,10 @@ def _check_loss(layer, model, keras_name):
 
 
 def _outputs_layer(model, layer):
-  """Whether the model's output is `layer`'s (or its mixture's): True, False, or None
-  where the model does not say (a subclassed model's outputs are not symbolic)."""
-  outputs = getattr(model, "outputs", None)
-  if not outputs:
-    return None
-  for output in outputs:
+  """Whether the model's output is known to be `layer`'s (or its mixture's, or an inner
+  model's holding it); False too where the model does not say (a subclassed model's
+  outputs are not symbolic)."""
+  for output in getattr(model, "outputs", None) or ():
     history = getattr(output, "_keras_history", None)
     # Keras 3 names the producer `operation`, tf_keras `layer`.
     producer = getattr(history, "operation", None) or getattr(history, "layer", None)
