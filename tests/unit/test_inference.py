@@ -598,6 +598,40 @@ def test_top_k_exclude_broadcasts_and_runs_out(rng):
   np.testing.assert_array_equal(plain[1].numpy(), empty[1].numpy())
 
 
+def test_top_k_exclude_takes_histories_of_any_length(rng):
+  # Per-row histories as a ragged [B, (n)] beside dense hidden states: padded with -1,
+  # which excludes nothing; ids repeated within a row are one exclusion.
+  tree = tf_hsm.Tree.huffman(np.arange(30, 0, -1.0), branching=4)
+  hidden, weights, biases = _inputs(rng, tree, (3,), 5, np.float64)
+  ref = all_log_probs(hidden, weights, biases, tree)
+  rows = [[4, 4, 9, 0], [], [29]]
+  histories = tf.ragged.constant(rows, dtype=tf.int64)
+  _, classes = top_k(hidden, weights, biases, tree, 5, exclude=histories)
+  for row, banned in enumerate(rows):
+    np.testing.assert_array_equal(classes.numpy()[row], _best_allowed(ref[row], set(banned), 5))
+  layer = tf_hsm.HierarchicalSoftmax(tree, ignore_class=0)
+  layer.build((None, 5))
+  _, by_layer = layer.top_k(hidden, 3, exclude=histories)
+  _, padded = layer.top_k(hidden, 3, exclude=histories.to_tensor(-1))
+  np.testing.assert_array_equal(by_layer.numpy(), padded.numpy())
+
+
+def test_top_k_exclude_many_ids_is_exact_in_little_memory(rng):
+  # Most of the classes excluded from every row: the membership test sorts the ids
+  # instead of comparing every candidate with every id ([rows, k + n, n] booleans, 40 GB
+  # for four rows of 100,000 ids at a million classes).
+  tree = tf_hsm.Tree.huffman(rng.random(3000) + 0.1, branching=8)
+  hidden, weights, biases = _inputs(rng, tree, (4,), 6, np.float64)
+  ref = all_log_probs(hidden, weights, biases, tree)
+  exclude = np.stack([rng.permutation(3000)[:2990] for _ in range(4)])
+  exclude[:, :5] = -1  # padding among the ids
+  _, classes = top_k(hidden, weights, biases, tree, 8, exclude=exclude)
+  for row in range(4):
+    kept = _best_allowed(ref[row], set(exclude[row].tolist()), 8)
+    np.testing.assert_array_equal(classes.numpy()[row, :len(kept)], kept)
+    np.testing.assert_array_equal(classes.numpy()[row, len(kept):], -1)
+
+
 def test_top_k_exclude_ragged_and_errors(rng):
   tree = tf_hsm.Tree.balanced(20, 4)
   hidden, weights, biases = _inputs(rng, tree, (5,), 4, np.float32)

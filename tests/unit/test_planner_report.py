@@ -27,7 +27,7 @@ def test_print_report_is_the_table(capsys):
 
 
 def test_layer_builds_what_it_describes():
-  keras = pytest.importorskip("keras")
+  pytest.importorskip("keras")
   hsm = tf_hsm.plan(V, 64, 512, counts=COUNTS, machine=MACHINE, trees=("huffman8",),
                     adaptive=()).layer
   layer = hsm.build(name="output")

@@ -154,11 +154,13 @@ def with_ignored(exclude, ignore_class, hidden):
   """`exclude` ([..., n] class ids per row of `hidden`, or None; `hidden`'s rank) with
   `ignore_class` added to every row, for the layers' top_k (ragged like a ragged
   `hidden`)."""
-  if exclude is not None and not isinstance(exclude, tf.RaggedTensor) and \
-      not isinstance(hidden, tf.RaggedTensor):
-    exclude = tf.convert_to_tensor(exclude)
-    inference.check_exclude_rank(exclude, tf.convert_to_tensor(hidden).shape.rank,
-                                 known_n=False)
+  if exclude is not None:
+    exclude = inference.dense_exclude(exclude, hidden)
+    if not isinstance(exclude, tf.RaggedTensor):
+      exclude = tf.convert_to_tensor(exclude)
+      if not isinstance(hidden, tf.RaggedTensor):
+        inference.check_exclude_rank(exclude, tf.convert_to_tensor(hidden).shape.rank,
+                                     known_n=False)
   if ignore_class is None:
     return exclude
   if isinstance(hidden, tf.RaggedTensor):
@@ -173,7 +175,7 @@ def with_ignored(exclude, ignore_class, hidden):
   if isinstance(exclude, tf.RaggedTensor):
     exclude = tf.cast(exclude, tf.int64)
   else:
-    exclude = tf.cast(tf.convert_to_tensor(exclude), tf.int64)
+    exclude = tf.cast(exclude, tf.int64)
     inference.check_exclude_shape(exclude, ignored.shape[:-1])
     # Dimensions of 1 apply to every row: spelled out, to sit beside the per-row id.
     if exclude.shape.rank == ignored.shape.rank:
