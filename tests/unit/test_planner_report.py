@@ -72,6 +72,26 @@ def test_a_padding_id_of_no_count_is_the_layers_ignore_class():
     assert padded_layer.code == code + "; built with ignore_class=0"
 
 
+@pytest.mark.parametrize("ignore_class", [None, 0, 7])
+def test_a_planned_models_ignore_class_stands(ignore_class):
+  """With model=, the pick keeps the model's layer's ignore_class: class 0 of no count
+  may be a new item, which ignore_class=0 would never learn nor recommend."""
+  keras = pytest.importorskip("keras")
+  padded = np.concatenate([[0.0], COUNTS[:-1]])
+  features = keras.Input((16,))
+  targets = keras.Input((), dtype="int64")
+  hidden = keras.layers.Dense(64)(features)
+  layer = tf_hsm.HierarchicalSoftmax(tf_hsm.Tree.huffman(padded + 1, 8),
+                                     ignore_class=ignore_class)
+  model = keras.Model([features, targets], layer(hidden, targets))
+  plan = tf_hsm.plan(model=model, tokens_per_step=512, counts=padded, machine=MACHINE,
+                     trees=("huffman8",), adaptive=())
+  assert plan.layer.ignore_class == ignore_class
+  assert plan.layer.build().ignore_class == ignore_class
+  assert ("ignore_class=" in plan.layer.code) == (ignore_class is not None)
+  assert any("pass ignore_class=0" in note for note in plan.notes) == (ignore_class is None)
+
+
 def test_counts_in_id_order_keep_the_adaptive_rows_with_a_class_order():
   sorted_report = tf_hsm.plan(V, 128, 640, counts=COUNTS, machine=MACHINE, trees=())
   report = tf_hsm.plan(V, 128, 640, counts=BY_ID, machine=MACHINE, trees=())

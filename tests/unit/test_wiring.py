@@ -111,6 +111,11 @@ def test_targets_of_another_shape_say_so(which):
   sequence = keras_module.Input((T + 1, D))
   with pytest.raises(ValueError, match=r"hidden \[None, 5, 6\] and targets \[None, 4\]"):
     front.AdaptiveSoftmax(V, [6, 15], div_value=2.0)(sequence, targets)
+  # Labels [batch, 1] beside hidden [batch, D]: drop the axis, nothing recurrent.
+  labels = keras_module.Input((1,), dtype="int64")
+  with pytest.raises(ValueError, match=r"trailing axis of 1.*tf\.squeeze") as raised:
+    front.HierarchicalSoftmax(tf_hsm.Tree.balanced(V, 3))(hidden, labels)
+  assert "return_sequences" not in str(raised.value)
 
 
 @pytest.mark.parametrize("which", ["keras", "tf_keras"])

@@ -81,9 +81,14 @@ def check_call(layer, args, kwargs):
   mismatch = len(leading) != len(targets_shape) or any(
       a is not None and b is not None and a != b for a, b in zip(leading, targets_shape))
   if mismatch:
-    hint = (" For one prediction per time step the hidden states must be "
-            "[batch, time, D] (e.g. an LSTM or GRU with return_sequences=True)."
-            if len(targets_shape) > len(leading) else "")
+    hint = ""
+    if list(targets_shape) == list(leading) + [1]:
+      hint = (" Targets of one id each with a trailing axis of 1 (as CSV readers and "
+              "TensorFlow Recommenders give them): drop that axis, e.g. an input "
+              "keras.Input((), dtype=\"int64\") or tf.squeeze(targets, -1).")
+    elif len(targets_shape) > len(leading):
+      hint = (" For one prediction per time step the hidden states must be "
+              "[batch, time, D] (e.g. an LSTM or GRU with return_sequences=True).")
     raise ValueError(
         f"{name}: targets must have hidden's shape without its last axis (one class id "
         f"per hidden state); got hidden {_text(hidden_shape)} and targets "

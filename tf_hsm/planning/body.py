@@ -120,6 +120,7 @@ class Body:
   notes: list = dataclasses.field(default_factory=list)
   output_layer: str = None  # the tf_hsm layer's class name, when the model held one
   num_classes: int = None  # its num_classes, when it has one
+  ignore_class: int = None  # its ignore_class, when it has one
 
   @property
   def params(self):
@@ -314,9 +315,11 @@ def body_cost(model, tokens_per_step, sequence_length=None):
     if num_classes is None:
       tree = getattr(output, "tree", None)
       num_classes = getattr(tree, "num_classes", None)
+  ignore_class = getattr(output, "ignore_class", None)
   return Body(costs, batch, hidden_shape, notes,
               type(output).__name__ if output is not None else None,
-              int(num_classes) if num_classes is not None else None)
+              int(num_classes) if num_classes is not None else None,
+              int(ignore_class) if ignore_class is not None else None)
 
 
 def _sequence_length(body_layers, hidden_shape, tokens, sequence_length, notes):

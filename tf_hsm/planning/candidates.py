@@ -608,7 +608,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     best = min((r for r in rows if r["exact"]), key=lambda r: r["per_shard_bytes"])
     reason = (f"nothing exact fits {_size(memory_budget)}; this one needs the least "
               f"({_size(best['per_shard_bytes'])}): add shards or memory")
-  layer = _with_padding_id(layers[rows.index(best)], counts, notes)
+  layer = _with_padding_id(layers[rows.index(best)], counts, notes, body)
   notes += _more_accurate_note(exact, best, rows[1])
   notes += _fused_update_note(optimizer, layer)
   settings = {"num_classes": V, "hidden": D, "tokens_per_step": T, "optimizer": optimizer,
@@ -621,23 +621,37 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
   return Report(rows, best["method"], reason, settings, layer, notes, body_row)
 
 
-def _with_padding_id(layer, counts, notes):
-  """`layer` with ignore_class=0 where class 0 has no count (the padding id of the
+def _with_padding_id(layer, counts, notes, body=None):
+  """`layer` with the ignore_class of the model's tf_hsm layer (`body`'s), or, planned
+  without one, with ignore_class=0 where class 0 has no count (the padding id of the
   README's models, whose targets would otherwise train it as a class and make it a
   top prediction), and a note saying so; `layer` as it is otherwise. An
   AdaptiveSoftmax leaves padding out through its class order instead (the counts'
   note says how)."""
-  if counts is None or np.asarray(counts)[0] != 0 or layer.kind not in (
-      "HierarchicalSoftmax", "HierarchicalSoftmaxMixture", "full softmax"):
+  if layer.kind not in ("HierarchicalSoftmax", "HierarchicalSoftmaxMixture",
+                        "full softmax"):
     return layer
-  notes.append("class 0 has no count (padding, say): build() passes ignore_class=0, so "
-               "its targets are left out of the loss and it is never predicted (pass "
-               "ignore_class=None to keep it a class)")
+  uncounted = counts is not None and np.asarray(counts)[0] == 0
+  if body is not None and body.output_layer is not None:
+    ignore = body.ignore_class  # the model's own choice stands: class 0 may be a cold item
+    if ignore is None:
+      if uncounted:
+        notes.append("class 0 has no count; the model's layer keeps it a class "
+                     "(ignore_class=None) and so does build(): if it is padding, pass "
+                     "ignore_class=0")
+      return layer
+  elif uncounted:
+    ignore = 0
+    notes.append("class 0 has no count (padding, say): build() passes ignore_class=0, "
+                 "so its targets are left out of the loss and it is never predicted "
+                 "(pass ignore_class=None to keep it a class)")
+  else:
+    return layer
   if ";" not in layer.code and layer.kind != "HierarchicalSoftmaxMixture":
-    code = layer.code[:-1] + ", ignore_class=0)"  # HierarchicalSoftmax(tree, ...)
+    code = layer.code[:-1] + f", ignore_class={ignore})"  # HierarchicalSoftmax(tree, ...)
   else:  # a rebuild after the layer, or a mixture (build() gives it where it belongs)
-    code = layer.code + "; built with ignore_class=0"
-  return dataclasses.replace(layer, code=code, ignore_class=0)
+    code = layer.code + f"; built with ignore_class={ignore}"
+  return dataclasses.replace(layer, code=code, ignore_class=ignore)
 
 
 def _more_accurate_note(exact, best, sampled, most=3):
