@@ -118,6 +118,19 @@ def test_confident_rows_are_proved_by_the_search(monkeypatch, rng):
   _check(values, classes, tf_hsm.log_prob_all(hidden, weights, None, tree).numpy(), 10, 1e-4)
 
 
+@pytest.mark.parametrize("k", [40, 100])
+def test_a_large_k_is_proved_by_the_search_sized_for_it(k, rng):
+  # A search sized for k = 10 proved no row at k = 32 on a million classes: every row
+  # went to the beams, one row at a time (50x the time); its sizes grow with k.
+  tree, hidden, weights = _confident_problem(rng, classes=20_000, batch=16)
+  hidden *= 0.5           # less peaked: the top k spread over many nodes
+  _, _, proved, _ = hsm._best_first(  # pylint: disable=protected-access
+      hsm.stock_tree(tree), tf.constant(hidden), tf.constant(weights), None, k)
+  assert proved.numpy().mean() >= 0.9, proved.numpy()
+  values, classes = serving.top_k(hidden, weights, None, tree, k)
+  _check(values, classes, tf_hsm.log_prob_all(hidden, weights, None, tree).numpy(), k, 1e-4)
+
+
 @pytest.mark.parametrize("tight", [False, True], ids=["proved", "fallback"])
 def test_under_xla_the_same_results(tight, monkeypatch, rng):
   monkeypatch.setattr(hsm, "PREFIX_SLOTS", 0)
