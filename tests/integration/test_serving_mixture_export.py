@@ -221,3 +221,51 @@ def test_mixed_float16_with_a_tail_projection_matches_the_model(rng, tmp_path):
   tgt = rng.integers(0, CLASSES, size=(3, 4)).astype(np.int32)
   np.testing.assert_allclose(module.log_prob(tokens=ids, targets=tgt)["log_prob"],
                              model([ids, tgt]), rtol=1e-5, atol=1e-5)
+
+
+def _litert_runner(tflite_bytes, signature):
+  from ai_edge_litert.interpreter import Interpreter  # pylint: disable=import-outside-toplevel
+  return Interpreter(model_content=tflite_bytes).get_signature_runner(signature)
+
+
+def test_one_litert_runner_after_an_empty_batch_and_on_nan_rows(exported):
+  """A serving loop keeps one runner: after a batch of zero rows, LiteRT's default
+  delegate ranked the next new batch size wrongly (off by up to 3 nats), and its max
+  skips NaN, which turned a NaN row into classes 0..k-1 at -inf."""
+  e = exported
+  with open(e["tflite"], "rb") as f:
+    runner = _litert_runner(f.read(), "top_k")
+  assert runner(hidden=e["hidden"][:0])["classes"].shape == (0, 6)
+  _check_top_k({f"top_k/{n}": v for n, v in runner(hidden=e["hidden"]).items()}, e)
+  broken = e["hidden"][:3].copy()
+  broken[0, 2], broken[1, 0] = np.nan, np.inf
+  out = runner(hidden=broken)
+  np.testing.assert_array_equal(out["classes"][:2], -1)
+  assert np.all(np.isnan(out["log_probs"][:2]))
+  np.testing.assert_array_equal(out["classes"][2], e["top_classes"][2])
+
+
+def test_a_sequence_mixture_converts_to_litert_builtins(rng, tmp_path):
+  # [batch, time, D] hidden states: the gate's new axis was a strided slice that TFLite's
+  # builtins do not take.
+  hidden_in = keras.Input([None, DIM], name="hidden")
+  targets = keras.Input([None], dtype="int32", name="targets")
+  trees = [tf_hsm.Tree.huffman(rng.integers(1, 60, CLASSES), b) for b in (3, 5)]
+  layer = HierarchicalSoftmaxMixture(trees, name="mixture")
+  model = keras.Model([hidden_in, targets], layer(hidden_in, targets))
+  for v in layer.weights:
+    v.assign(rng.normal(size=v.shape).astype(np.float32))
+  path = str(tmp_path / "saved_model")
+  serving.export(model, path, k=4)
+  hidden = rng.normal(size=(2, 3, DIM)).astype(np.float32)
+  tgt = rng.integers(0, CLASSES, size=(2, 3)).astype(np.int32)
+  for signature in ("top_k", "log_prob"):
+    converter = tf.lite.TFLiteConverter.from_saved_model(path, signature_keys=[signature])
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+    runner = _litert_runner(converter.convert(), signature)
+    if signature == "top_k":
+      np.testing.assert_array_equal(runner(hidden=hidden)["classes"],
+                                    layer.top_k(hidden, 4)[1])
+    else:
+      np.testing.assert_allclose(runner(hidden=hidden, targets=tgt)["log_prob"],
+                                 model([hidden, tgt]), rtol=1e-5, atol=1e-5)

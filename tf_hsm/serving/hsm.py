@@ -630,13 +630,19 @@ def top_k(hidden, weights, biases, tree, k, exclude=None):
   return _cast_back(tf.reshape(best, shape), out_dtype), tf.reshape(classes, shape)
 
 
+def at_least_one_row(h):
+  """(`h` [N, D] with a row of zeros below it where N is 0, N). An empty batch is ranked
+  as one row: the search's ops refuse zero rows in LiteRT and under XLA (which compiles
+  for the batch's static size), and LiteRT's default delegate, once it has run a batch of
+  zero rows through a mixture's ranking, ranked the next new batch size wrongly."""
+  n = tf.shape(h)[0]
+  zeros = tf.zeros(tf.stack([tf.maximum(1 - n, 0), tf.shape(h)[1]]), h.dtype)
+  return tf.concat([h, zeros], 0), n
+
+
 def _top_k_flat(tree, h, weights, biases, k):
   """(log_probs, int64 classes) [N, k] of the rows h [N, D]; NaN rows -1 and NaN."""
-  # An empty batch is searched as one row of zeros: the search's ops refuse zero rows
-  # in LiteRT, and under XLA, which compiles for the batch's static size.
-  n = tf.shape(h)[0]
-  padded = tf.concat([h, tf.zeros(tf.stack([tf.maximum(1 - n, 0), tf.shape(h)[1]]), h.dtype)],
-                     0)
+  padded, n = at_least_one_row(h)
   best, classes = _top_k_rows(tree, padded, weights, biases, k)
   best, classes = no_class_where_nan(best[:n], tf.cast(classes[:n], tf.int64),
                                      tree.num_classes)

@@ -125,7 +125,7 @@ def log_prob(weights, hidden, targets):
     tree_targets = tf.where(valid, targets, -tf.ones_like(targets))
   parts = tf.stack([hsm.log_prob(scored, w, b, t, tree_targets)
                     for w, b, t in weights.components()], -1)
-  mixed = tf.reduce_logsumexp(parts + log_gate, -1)
+  mixed = _logsumexp(parts + log_gate)
   out = tf.where(in_tail, mixed, tf.zeros_like(mixed))
   if head_lp is not None:
     out = tf.where(valid, head_lp + out, tf.zeros_like(out))
@@ -138,13 +138,22 @@ def log_prob_all(weights, hidden):
   log_gate = weights.log_gate(hidden)
   parts = tf.stack([hsm.log_prob_all(scored, w, b, t) for w, b, t in weights.components()],
                    -1)
-  mixed = tf.reduce_logsumexp(parts + log_gate[..., None, :], -1)
+  # expand_dims, not [..., None, :]: a strided slice with a new axis is no TFLite builtin.
+  mixed = _logsumexp(parts + tf.expand_dims(log_gate, -2))
   if weights.head is None:
     return mixed
   head = hsm.log_prob_all(hidden, *weights.head)
   joined = tf.concat([head[..., :weights.num_head], head[..., weights.num_head:] + mixed],
                      -1)
   return tf.gather(joined, weights.position, axis=-1)
+
+
+def _logsumexp(x):
+  """log sum exp over the last axis, NaN where a term is: TFLite's max skips NaN, so
+  its logsumexp of a NaN row is a finite value."""
+  nan = tf.reduce_any(tf.math.is_nan(x), -1)
+  out = tf.reduce_logsumexp(x, -1)
+  return tf.where(nan, tf.constant(float("nan"), x.dtype), out)
 
 
 def top_k(weights, hidden, k, exclude=None):
@@ -156,12 +165,13 @@ def top_k(weights, hidden, k, exclude=None):
   k = min(k, weights.num_classes)
   hidden = tf.convert_to_tensor(hidden)
   rank, leading = hidden.shape.rank, tf.shape(hidden)[:-1]
-  every = tf.reshape(log_prob_all(weights, hidden), [-1, weights.num_classes])
+  rows, n = hsm.at_least_one_row(tf.reshape(hidden, tf.stack([-1, tf.shape(hidden)[-1]])))
+  every = log_prob_all(weights, rows)
   ids = None if exclude is None else hsm.exclusions(exclude, rank, leading,
                                                     weights.num_classes)
   wide = k if ids is None else min(k + ids.shape[-1], weights.num_classes)
   best, classes = tf.math.top_k(every, wide)
-  best, classes = hsm.no_class_where_nan(best, tf.cast(classes, tf.int64),
+  best, classes = hsm.no_class_where_nan(best[:n], tf.cast(classes[:n], tf.int64),
                                          weights.num_classes)
   if ids is not None:
     best, classes = hsm.drop_excluded(best, classes, ids, k)
