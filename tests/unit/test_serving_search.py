@@ -119,9 +119,12 @@ def test_confident_rows_are_proved_by_the_search(monkeypatch, rng):
 
 
 @pytest.mark.parametrize("k", [40, 100])
-def test_a_large_k_is_proved_by_the_search_sized_for_it(k, rng):
+@pytest.mark.parametrize("take", ["compare", "sort"])
+def test_a_large_k_is_proved_by_the_search_sized_for_it(k, take, monkeypatch, rng):
   # A search sized for k = 10 proved no row at k = 32 on a million classes: every row
-  # went to the beams, one row at a time (50x the time); its sizes grow with k.
+  # went to the beams, one row at a time (50x the time); its sizes grow with k. The
+  # frontier's taken columns by a compare (small sizes) or by the sorts (large ones).
+  monkeypatch.setattr(hsm, "TAKE_BY_COMPARE", 1 << 30 if take == "compare" else 0)
   tree, hidden, weights = _confident_problem(rng, classes=20_000, batch=16)
   hidden *= 0.5           # less peaked: the top k spread over many nodes
   _, _, proved, _ = hsm._best_first(  # pylint: disable=protected-access
