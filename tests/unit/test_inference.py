@@ -614,16 +614,21 @@ def test_top_k_exclude_takes_histories_of_any_length(rng):
   _, by_layer = layer.top_k(hidden, 3, exclude=histories)
   _, padded = layer.top_k(hidden, 3, exclude=histories.to_tensor(-1))
   np.testing.assert_array_equal(by_layer.numpy(), padded.numpy())
+  # Traced, the longest history is unknown, and the search's width k + n must be known.
+  traced = tf.function(lambda ids: top_k(hidden, weights, biases, tree, 5, exclude=ids))
+  with pytest.raises(ValueError, match=r"RaggedTensor.*to_tensor\(-1, shape=\[None, n\]\)"):
+    traced(histories)
 
 
 def test_top_k_exclude_many_ids_is_exact_in_little_memory(rng):
   # Most of the classes excluded from every row: the membership test sorts the ids
-  # instead of comparing every candidate with every id ([rows, k + n, n] booleans, 40 GB
-  # for four rows of 100,000 ids at a million classes).
-  tree = tf_hsm.Tree.huffman(rng.random(3000) + 0.1, branching=8)
+  # instead of comparing every candidate with every id ([rows, k + n, n] booleans: 40 GB
+  # here, four rows of 100,000 ids).
+  classes = 100_050
+  tree = tf_hsm.Tree.huffman(rng.random(classes) + 0.1, branching=8)
   hidden, weights, biases = _inputs(rng, tree, (4,), 6, np.float64)
-  ref = all_log_probs(hidden, weights, biases, tree)
-  exclude = np.stack([rng.permutation(3000)[:2990] for _ in range(4)])
+  ref = tf_hsm.log_prob_all(hidden, weights, biases, tree).numpy()
+  exclude = np.stack([rng.permutation(classes)[:100_000] for _ in range(4)])
   exclude[:, :5] = -1  # padding among the ids
   _, classes = top_k(hidden, weights, biases, tree, 8, exclude=exclude)
   for row in range(4):

@@ -92,6 +92,22 @@ def test_a_planned_models_ignore_class_stands(ignore_class):
   assert any("pass ignore_class=0" in note for note in plan.notes) == (ignore_class is None)
 
 
+def test_a_planned_adaptive_model_leaves_padding_to_the_pick():
+  """An AdaptiveSoftmax has no ignore_class (it orders its classes): a tree picked for
+  its model leaves a padding id of no count out, as when planned without a model."""
+  keras = pytest.importorskip("keras")
+  padded = np.concatenate([[0.0], COUNTS[:-1]])
+  features = keras.Input((16,))
+  targets = keras.Input((), dtype="int64")
+  hidden = keras.layers.Dense(64)(features)
+  order = tf_hsm.AdaptiveSoftmax.frequency_order(padded)
+  layer = tf_hsm.AdaptiveSoftmax(V, [2000], class_order=order)
+  model = keras.Model([features, targets], layer(hidden, targets))
+  plan = tf_hsm.plan(model=model, tokens_per_step=512, counts=padded, machine=MACHINE,
+                     trees=("huffman8",), adaptive=())
+  assert plan.layer.ignore_class == 0 and plan.layer.code.endswith(", ignore_class=0)")
+
+
 def test_counts_in_id_order_keep_the_adaptive_rows_with_a_class_order():
   sorted_report = tf_hsm.plan(V, 128, 640, counts=COUNTS, machine=MACHINE, trees=())
   report = tf_hsm.plan(V, 128, 640, counts=BY_ID, machine=MACHINE, trees=())

@@ -179,8 +179,13 @@ def checked_exclude(exclude, hidden, num_classes):
   """`exclude` as int64 class ids `[..., n]` of `hidden`'s rank with a known n (else
   ValueError), checked below `num_classes` when it runs: the one check of `top_k`'s
   `exclude` for the tree's op, the adaptive softmax and the mixture."""
-  exclude = dense_exclude(exclude, hidden)
-  exclude = tf.cast(op_inputs.class_ids(exclude, "exclude"), tf.int64)
+  padded = dense_exclude(exclude, hidden)
+  if padded is not exclude and padded.shape[-1] is None:
+    raise ValueError("exclude is a tf.RaggedTensor of histories, whose longest length is "
+                     "not known when traced (in a tf.function or Keras' predict): the "
+                     "search's width, k + n, must be; pad it to a fixed n, e.g. "
+                     "exclude.to_tensor(-1, shape=[None, n]) (-1 excludes nothing)")
+  exclude = tf.cast(op_inputs.class_ids(padded, "exclude"), tf.int64)
   check_exclude_rank(exclude, tf.convert_to_tensor(hidden).shape.rank)
   return below_num_classes(exclude, num_classes)
 

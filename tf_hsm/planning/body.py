@@ -120,7 +120,8 @@ class Body:
   notes: list = dataclasses.field(default_factory=list)
   output_layer: str = None  # the tf_hsm layer's class name, when the model held one
   num_classes: int = None  # its num_classes, when it has one
-  ignore_class: int = None  # its ignore_class, when it has one
+  ignore_class: int = None  # its ignore_class
+  has_ignore_class: bool = False  # whether it has one (AdaptiveSoftmax orders classes)
 
   @property
   def params(self):
@@ -319,7 +320,8 @@ def body_cost(model, tokens_per_step, sequence_length=None):
   return Body(costs, batch, hidden_shape, notes,
               type(output).__name__ if output is not None else None,
               int(num_classes) if num_classes is not None else None,
-              int(ignore_class) if ignore_class is not None else None)
+              int(ignore_class) if ignore_class is not None else None,
+              hasattr(output, "ignore_class"))
 
 
 def _sequence_length(body_layers, hidden_shape, tokens, sequence_length, notes):

@@ -632,7 +632,7 @@ def _with_padding_id(layer, counts, notes, body=None):
                         "full softmax"):
     return layer
   uncounted = counts is not None and np.asarray(counts)[0] == 0
-  if body is not None and body.output_layer is not None:
+  if body is not None and body.has_ignore_class:
     ignore = body.ignore_class  # the model's own choice stands: class 0 may be a cold item
     if ignore is None:
       if uncounted:
