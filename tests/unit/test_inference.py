@@ -618,6 +618,11 @@ def test_top_k_exclude_takes_histories_of_any_length(rng):
   traced = tf.function(lambda ids: top_k(hidden, weights, biases, tree, 5, exclude=ids))
   with pytest.raises(ValueError, match=r"RaggedTensor.*to_tensor\(-1, shape=\[None, n\]\)"):
     traced(histories)
+  # The layer's top_k pads the histories (and adds its ignore_class) before the search:
+  # the same message, not the generic one about a known n.
+  traced_layer = tf.function(lambda ids: layer.top_k(hidden, 3, exclude=ids))
+  with pytest.raises(ValueError, match=r"RaggedTensor.*to_tensor\(-1, shape=\[None, n\]\)"):
+    traced_layer(histories)
 
 
 def test_top_k_exclude_many_ids_is_exact_in_little_memory(rng):

@@ -150,12 +150,13 @@ def combined_mask(masks, valid=None):
   return valid
 
 
-def with_ignored(exclude, ignore_class, hidden):
+def with_ignored(exclude, ignore_class, hidden, known_n=True):
   """`exclude` ([..., n] class ids per row of `hidden`, or None; `hidden`'s rank) with
   `ignore_class` added to every row, for the layers' top_k (ragged like a ragged
-  `hidden`)."""
+  `hidden`). `known_n`: the layer's search needs a known n (a tree's; a mixture ranks
+  `log_prob_all` and takes any)."""
   if exclude is not None:
-    exclude = inference.dense_exclude(exclude, hidden)
+    exclude = inference.dense_exclude(exclude, hidden, known_n)
     if not isinstance(exclude, tf.RaggedTensor):
       exclude = tf.convert_to_tensor(exclude)
       if not isinstance(hidden, tf.RaggedTensor):

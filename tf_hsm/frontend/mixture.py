@@ -448,7 +448,7 @@ def top_k(layer, hidden, k, exclude=None):
   check_dense("top_k", hidden)
   inference.check_k(k, layer.num_classes)
   log_probs_all = log_prob_all(layer, hidden)
-  left_out = hsm.with_ignored(exclude, layer.ignore_class, hidden)
+  left_out = hsm.with_ignored(exclude, layer.ignore_class, hidden, known_n=False)
   if left_out is not None:
     log_probs_all = _excluded(log_probs_all, left_out, layer.num_classes)
   values, classes = tf.math.top_k(log_probs_all, k)

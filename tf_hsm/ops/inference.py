@@ -167,11 +167,19 @@ def is_member(classes, exclude):
   return tf.gather(ids, at, batch_dims=classes.shape.rank - 1) == classes
 
 
-def dense_exclude(exclude, hidden):
+def dense_exclude(exclude, hidden, known_n=True):
   """A `tf.RaggedTensor` of per-row histories for a dense `hidden` as the dense
-  `[..., n]` the searches take: padded with -1, which excludes nothing."""
+  `[..., n]` the searches take: padded with -1, which excludes nothing. With `known_n`
+  (the tree's search sizes its list by k + n), ValueError where the longest history is
+  not known when traced."""
   if isinstance(exclude, tf.RaggedTensor) and not isinstance(hidden, tf.RaggedTensor):
-    return exclude.to_tensor(default_value=-1)
+    padded = exclude.to_tensor(default_value=-1)
+    if known_n and padded.shape[-1] is None:
+      raise ValueError("exclude is a tf.RaggedTensor of histories, whose longest length is "
+                       "not known when traced (in a tf.function or Keras' predict): the "
+                       "search's width, k + n, must be; pad it to a fixed n, e.g. "
+                       "exclude.to_tensor(-1, shape=[None, n]) (-1 excludes nothing)")
+    return padded
   return exclude
 
 
@@ -179,13 +187,7 @@ def checked_exclude(exclude, hidden, num_classes):
   """`exclude` as int64 class ids `[..., n]` of `hidden`'s rank with a known n (else
   ValueError), checked below `num_classes` when it runs: the one check of `top_k`'s
   `exclude` for the tree's op, the adaptive softmax and the mixture."""
-  padded = dense_exclude(exclude, hidden)
-  if padded is not exclude and padded.shape[-1] is None:
-    raise ValueError("exclude is a tf.RaggedTensor of histories, whose longest length is "
-                     "not known when traced (in a tf.function or Keras' predict): the "
-                     "search's width, k + n, must be; pad it to a fixed n, e.g. "
-                     "exclude.to_tensor(-1, shape=[None, n]) (-1 excludes nothing)")
-  exclude = tf.cast(op_inputs.class_ids(padded, "exclude"), tf.int64)
+  exclude = tf.cast(op_inputs.class_ids(dense_exclude(exclude, hidden), "exclude"), tf.int64)
   check_exclude_rank(exclude, tf.convert_to_tensor(hidden).shape.rank)
   return below_num_classes(exclude, num_classes)
 
