@@ -56,11 +56,17 @@ def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
   from tf_hsm.bench import wide
   result = wide.mixture_part(np.random.default_rng(0), 1, wide.parse_mixtures(
       "8:16,3x4:8,3x4+16,3x4+16/3"), classes=3000, dim=8, tokens=64)
+  shared = ("shared head 16 + three 4-ary", "shared head 16 + three 4-ary, d=3")
+  parts = {f"{m}: {p}" for m in shared for p in ("its head", "one tree, tail tokens")}
   assert set(result["ms"]) == {"one tree 8:16", "mixture of two 8:16",
-                               "mixture of three 4:8", "shared head 16 + three 4-ary",
-                               "shared head 16 + three 4-ary, d=3", "sampled softmax 1024"}
+                               "mixture of three 4:8", *shared, "sampled softmax 1024",
+                               *parts}
   assert all(v > 0 for v in result["ms"].values())
-  assert set(result["speed vs sampled"]) == set(result["ms"]) - {"sampled softmax 1024"}
+  assert set(result["speed vs sampled"]) == set(result["ms"]) - {"sampled softmax 1024"} - parts
+  ms = result["ms"]
+  for m in shared:  # the mixture's step less its parts (each rounded to 0.1 ms above)
+    assert result["shared head's rest"][m] == pytest.approx(
+        ms[m] - ms[f"{m}: its head"] - 3 * ms[f"{m}: one tree, tail tokens"], abs=0.3)
   assert wide.parse_mixtures(",".join(map(str, wide.MIXTURE_TREES))) == wide.MIXTURE_TREES
   assert wide.parse_mixtures("32:256,3x16+128,4x8+64/75") == (
       (2, 32, 256, False, None), (3, 16, 128, True, None), (4, 8, 64, True, 75))

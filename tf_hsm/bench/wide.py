@@ -28,7 +28,9 @@ classes, and a training step's memory at a million classes.
   by default, each with its head; [TREESx]BRANCHING+HEAD[/DIM], the trees over the
   classes below one shared head of the HEAD most frequent, DIM wide if given; default
   32:256, 16:128 and 3x16+128),
-  one tree of the first shape, and TF's sampled softmax, interleaved.
+  one tree of the first shape, and TF's sampled softmax, interleaved; for a shared head
+  also its parts alone (the head over every token, one tree over the tail's tokens) and
+  the rest of the mixture's step past them (the gathers, the gate, the mixing).
 - width (not among the default parts): a 16-ary tree from vectors over the 999,872
   classes below a head of 128 at V=1M, on 1,985 targets (the tail's share of T=3,200),
   forward, and forward and backward, at D=300, 150, 75 and 16, interleaved, and the
@@ -292,13 +294,49 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
           first, hidden, table, biases, targets)
     trees, head = _mixture_trees(rng, shape, first, classes)
     methods[shape.label()] = _mixture_step(trees, hidden, targets, head, shape.tail_dim)
+    if shape.shared:
+      methods.update(_shared_head_parts(rng, shape, trees[0], hidden, targets))
   _, table, biases, _ = _problem(rng, classes, dim, tokens)
   methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
   med = interleaved(methods, rounds)
   sampled = med["sampled softmax 1024"]
   return {"case": f"V={classes:,} D={dim} T={tokens:,}", "ms": _ms(med),
           "speed vs sampled": {name: round(sampled / s, 2) for name, s in med.items()
-                               if name != "sampled softmax 1024"}}
+                               if name != "sampled softmax 1024" and ": " not in name},
+          "shared head's rest": _shared_head_rest(shapes, med)}
+
+
+def _shared_head_parts(rng, shape, tree, hidden, targets):
+  """{name: step} of a shared-head mixture's parts, each timed alone: its head (the
+  exact softmax over the head's classes and the tail slot, every token) and one of its
+  trees on the tail's tokens (their hidden states, or random ones `tail_dim` wide)."""
+  label = shape.label()
+  head_targets = tf.minimum(targets, shape.head)  # the Zipf classes are ranked
+  _, table, biases, _ = _problem(rng, shape.head + 1, hidden.shape[-1], 1)
+  in_tail = tf.where(targets >= shape.head)[:, 0]
+  tail_hidden = tf.gather(hidden, in_tail)
+  if shape.tail_dim is not None:
+    tail_hidden = tf.constant(rng.normal(size=(int(in_tail.shape[0]), shape.tail_dim)
+                                         ).astype(np.float32) * 0.1)
+  _, tree_table, tree_biases, _ = _problem(rng, tree.num_slots, tail_hidden.shape[-1], 1)
+  return {f"{label}: its head": _hsm_step(tf_hsm.Tree.flat(shape.head + 1), hidden,
+                                          table, biases, head_targets),
+          f"{label}: one tree, tail tokens": _hsm_step(
+              tree, tail_hidden, tree_table, tree_biases,
+              tf.gather(targets, in_tail) - shape.head)}
+
+
+def _shared_head_rest(shapes, med):
+  """{mixture: ms} of each shared-head mixture's step past its head and its trees, each
+  timed alone (the class map, the gathers, the gate and the mixing): the median step
+  less the head's and `count` times the one tree's medians."""
+  rest = {}
+  for shape in (MixtureShape(*s) for s in shapes):
+    if shape.shared:
+      label = shape.label()
+      rest[label] = round(1e3 * (med[label] - med[f"{label}: its head"] - shape.count
+                                 * med[f"{label}: one tree, tail tokens"]), 2)
+  return rest
 
 
 def _forward(tree, hidden, table, biases, targets):
