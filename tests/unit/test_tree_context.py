@@ -87,6 +87,14 @@ def test_from_context_puts_each_group_under_its_own_nodes(rng):
   assert _pure_nodes(tree, first, num_classes) >= 0.9 * 8
 
 
+def test_words_absent_from_the_text_do_not_make_a_chain(rng):
+  # A vocabulary larger than the text's words: 2,000 ids never occur (count 0, alike
+  # vectors); split in balance below the others, not one at a time (depth 1,990 before).
+  ids, _, num_classes = _grouped_corpus(rng)
+  tree = Tree.from_context(ids, num_classes + 2000, branching=2, contexts=30, dims=8)
+  assert tree.max_depth <= 2 + int(np.ceil(np.log2(num_classes + 2000)))
+
+
 def _pure_nodes(tree, first, num_classes):
   """Nodes of 4 or more of the groups' words whose words are all of one group."""
   group_of = (np.arange(num_classes) - first) // 40

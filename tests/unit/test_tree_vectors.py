@@ -58,6 +58,26 @@ def test_uniform_counts_give_a_near_balanced_tree():
   assert np.all(tree.class_depth == 3)
 
 
+@pytest.mark.parametrize("branching, head", [(2, 0), (32, 0), (32, 64)])
+def test_unseen_classes_do_not_make_a_chain(branching, head):
+  # Classes of count 0 (a vocabulary's words absent from the text) whose untrained
+  # vectors lie together: they weigh half the smallest positive count, so their group is
+  # split in balance, not a class at a time (depth 2,040 at branching 2 before).
+  rng = np.random.default_rng(3)
+  classes = 5000
+  counts = np.floor(1e6 / np.arange(1, classes + 1) ** 1.1)
+  unseen = rng.random(classes) < 0.3
+  counts[unseen] = 0
+  vectors = rng.standard_normal((classes, 16))
+  vectors[unseen] = rng.uniform(-0.05, 0.05, size=(unseen.sum(), 16))
+  tree = Tree.from_vectors(vectors, counts, branching=branching, head=head)
+  check_invariants(tree)
+  assert tree.max_depth <= Tree.huffman(counts, branching).max_depth
+  # All counts zero: the classes weigh alike, a balanced tree.
+  flat_counts = Tree.from_vectors(vectors, np.zeros(classes), branching=branching)
+  assert flat_counts.max_depth == int(np.ceil(np.log(classes) / np.log(branching) - 1e-9))
+
+
 def test_branching_per_level():
   rng = np.random.default_rng(2)
   vectors, _ = clustered(rng, 10, 60, 5)

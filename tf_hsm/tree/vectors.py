@@ -23,6 +23,7 @@ is O(V D depth) and memory beyond the vectors O(V) (index arrays and projections
 import numpy as np
 
 from tf_hsm.tree.checks import check_int, counts_array
+from tf_hsm.tree.transfer import class_masses
 
 _SAMPLE = 2048  # vectors a 2-means direction is fitted on
 _ITERATIONS = 8
@@ -108,10 +109,12 @@ def parents_from_vectors(vectors, counts, branching, seed, head=0):
   """The `parents` array (classes, then internal nodes; see `Tree.from_parents`) of a
   tree over the rows of `vectors`. `branching` is an int, or a list of ints per level
   (the last one for every deeper level); `head` classes (the most frequent) are leaf
-  children of the root in addition to its `branching` slots."""
+  children of the root in addition to its `branching` slots. A zero count weighs half
+  the smallest positive one (`class_masses`): a group of unseen classes (a vocabulary's
+  words absent from the text, their untrained rows alike) has no mass to balance, and
+  its cuts would peel a class at a time, a chain as deep as the group is large."""
   num_classes = vectors.shape[0]
-  weights = (np.full(num_classes, 1.0) if counts is None
-             else np.asarray(counts, np.float64) + 0.0)
+  weights = class_masses(counts, num_classes)
   per_level = list(branching) if isinstance(branching, (list, tuple)) else [branching]
   rng = np.random.default_rng(seed)
   class_parent = np.full(num_classes, -1, np.int64)
