@@ -369,8 +369,10 @@ def test_rebuild_between_fit_calls_with_a_given_tree(rng):
 
 
 def test_fit_refuses_a_rebuild_it_cannot_make_before_training(rng):
-  """A layer name the model lacks, another kind of layer, counts of another length: named
-  when fit starts, not after the epochs the rebuild waits for."""
+  """A layer name the model lacks, another kind of layer, the tree's options (counts of
+  another length or negative, a branching of 1, a head without counts or of every
+  class), vectors of another row count: named when fit starts, not after the epochs the
+  rebuild waits for."""
   model = _lm(tf_hsm.Tree.two_level(_CLASSES))
   model.compile(optimizer=optimizers.SparseSGD(0.3), loss=losses.nll)
   x, y = _data(rng, 32)
@@ -379,7 +381,17 @@ def test_fit_refuses_a_rebuild_it_cannot_make_before_training(rng):
   for callback, message in ((RebuildTree("HSM", after_epoch=3), "no layer named 'HSM'"),
                             (RebuildTree("dense"), "got Dense"),
                             (RebuildTree("hsm", counts=np.ones(3)),
-                             "counts has 3 entries; the layer has 48")):
+                             "counts has 3 entries; the layer has 48"),
+                            (RebuildTree("hsm", counts=-np.ones(_CLASSES), after_epoch=3),
+                             "RebuildTree: counts.* is negative"),
+                            (RebuildTree("hsm", branching=1, after_epoch=3),
+                             "RebuildTree: branching must be >= 2"),
+                            (RebuildTree("hsm", head=4, after_epoch=3), "head needs counts"),
+                            (RebuildTree("hsm", head=_CLASSES, counts=np.ones(_CLASSES),
+                                         after_epoch=3), "head must be less than"),
+                            (RebuildTree("hsm", vectors=np.ones((_CLASSES - 1, 4)),
+                                         after_epoch=3),
+                             r"vectors must have shape \[num_classes, dim\] = \[48, dim\]")):
     with pytest.raises(ValueError, match=message):
       model.fit([x, y], y, batch_size=16, epochs=3, verbose=0, callbacks=[callback, count])
   assert not seen

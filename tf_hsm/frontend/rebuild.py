@@ -14,6 +14,7 @@ import tensorflow as tf
 from tf_hsm import distribute
 from tf_hsm.frontend import hsm as frontend_hsm
 from tf_hsm.tree import Tree
+from tf_hsm.tree import vectors as tree_vectors
 from tf_hsm.tree.checks import counts_array
 from tf_hsm.tree.transfer import class_masses, transferred_weights
 
@@ -175,12 +176,21 @@ class RebuildSchedule:
 
   def on_train_begin(self, logs=None):
     # What the rebuild would refuse, refused before the first epoch rather than after
-    # the epochs it waits for: a layer name the model lacks, another layer's name, counts
-    # of another length.
+    # the epochs it waits for: a layer name the model lacks, another layer's name, the
+    # tree's options (counts, branching, seed, head), vectors given as an array of
+    # another row count. Vectors read at the rebuild (an Embedding) are checked then.
     layer = _find_layer(self.model, self.layer, self.front_end)
-    if self.counts is not None and np.size(self.counts) != layer.num_classes:
-      raise ValueError(f"RebuildTree: counts has {np.size(self.counts)} entries; the layer "
-                       f"has {layer.num_classes} classes")
+    try:
+      tree_vectors.checked_options(layer.num_classes, self.counts, self.branching,
+                                   self.seed, self.head, "the layer has")
+      if self.vectors is not None and hasattr(self.vectors, "shape"):
+        if (len(self.vectors.shape) != 2 or self.vectors.shape[0] is not None and
+            self.vectors.shape[0] != layer.num_classes):
+          raise ValueError(f"vectors must have shape [num_classes, dim] = "
+                           f"[{layer.num_classes}, dim], one row per class, got shape "
+                           f"{tuple(self.vectors.shape)}")
+    except ValueError as e:
+      raise ValueError(f"RebuildTree: {e}") from None
     self._epochs_seen = []
 
   def on_epoch_begin(self, epoch, logs=None):

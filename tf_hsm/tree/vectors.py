@@ -164,11 +164,20 @@ def checked_arguments(vectors, counts, branching, seed, head=0):
     if not np.all(np.isfinite(vectors[start:start + _CHUNK])):
       raise ValueError("vectors must be finite (a NaN or infinity was found in rows "
                        f"{start}..{min(start + _CHUNK, vectors.shape[0]) - 1})")
+  return (vectors,) + checked_options(vectors.shape[0], counts, branching, seed, head,
+                                      "vectors has")
+
+
+def checked_options(num_classes, counts, branching, seed, head, classes_are="there are"):
+  """(counts, branching, seed, head) of a tree over `num_classes` classes, checked
+  (ValueError for anything malformed) without the vectors: what a rebuild can check
+  before training, its vectors read only when it runs. `classes_are` words the count."""
   if counts is not None:
     counts = counts_array(counts)
-    if counts.shape[0] != vectors.shape[0]:
-      raise ValueError(f"counts has {counts.shape[0]} entries but vectors has "
-                       f"{vectors.shape[0]} rows")
+    if counts.shape[0] != num_classes:
+      rows = "rows" if classes_are == "vectors has" else "classes"
+      raise ValueError(f"counts has {counts.shape[0]} entries; {classes_are} "
+                       f"{num_classes} {rows}")
   levels = list(branching) if isinstance(branching, (list, tuple)) else [branching]
   if not levels:
     raise ValueError("branching must be an int >= 2 or a non-empty list of them")
@@ -176,8 +185,8 @@ def checked_arguments(vectors, counts, branching, seed, head=0):
   head = check_int(head, "head", minimum=0)
   if head and counts is None:
     raise ValueError("head needs counts: it takes the most frequent classes")
-  if head and head >= vectors.shape[0]:
-    raise ValueError(f"head must be less than the number of classes ({vectors.shape[0]}), "
+  if head and head >= num_classes:
+    raise ValueError(f"head must be less than the number of classes ({num_classes}), "
                      f"got {head}")
-  return vectors, counts, levels if isinstance(branching, (list, tuple)) else levels[0], \
+  return counts, levels if isinstance(branching, (list, tuple)) else levels[0], \
       check_int(seed, "seed"), head
