@@ -50,6 +50,11 @@ def test_frequency_order_leaves_padding_out_and_breaks_ties_by_id():
   for padding in (-1, [0, 3]):
     with pytest.raises(ValueError, match=r"padding ids must be ids .* \[0, 3\)"):
       AdaptiveSoftmax.frequency_order([7, 5, 9], padding=padding)
+  # Counts the layer would refuse are refused here too (a NaN ranked last unnamed).
+  for counts, message in (([7, np.nan, 9], "finite"), ([7, -5, 9], "negative"),
+                          ([7, np.inf, 9], "finite"), ([[7, 5, 9]], "1-D")):
+    with pytest.raises(ValueError, match=message):
+      AdaptiveSoftmax.frequency_order(counts)
 
 
 @pytest.mark.parametrize("tail", ["flat", "two_level"])

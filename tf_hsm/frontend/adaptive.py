@@ -51,6 +51,7 @@ from tf_hsm.planning.costs import TAILS, tail_widths
 from tf_hsm.serving.adaptive import ClassOrder
 from tf_hsm.tree import Tree
 from tf_hsm.tree import io as tree_io
+from tf_hsm.tree.checks import counts_array
 
 # Tokens a step assumed by cutoffs=None when tokens_per_step is not given.
 DEFAULT_TOKENS_PER_STEP = 1024
@@ -88,10 +89,11 @@ def frequency_order(counts, padding=(0,)):
       (0,), is for the vocabularies of `Embedding(mask_zero=True)`, whose id 0 is
       padding: where id 0 is a real class, pass () (or None), which keeps every id.
   """
-  counts = np.asarray(counts, np.float64)
-  if counts.ndim != 1:
+  if np.ndim(counts) != 1:
     raise ValueError(f"counts must be a 1-D array (one frequency per id), got shape "
-                     f"{counts.shape}")
+                     f"{np.shape(counts)}")
+  # Finite and non-negative, as the layer's `counts`: a NaN would rank last unnamed.
+  counts = counts_array(counts).astype(np.float64)
   order = np.argsort(-counts, kind="stable")
   padding = _padding_ids(padding)
   outside = padding[(padding < 0) | (padding >= counts.size)]

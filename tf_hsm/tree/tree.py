@@ -56,9 +56,10 @@ def _tree_from_layout(child_begin, slot_child, num_classes):
 class Tree:
     """A class tree for hierarchical softmax, stored as flat int64 arrays.
 
-    Build one with a classmethod (`balanced`, `two_level`, `huffman`,
-    `from_parents`, `from_paths`, `from_nested`, `load`); the constructor itself
-    is not public, so that every tree passes the same validation.
+    Build one with a classmethod (`flat`, `balanced`, `two_level`, `huffman`,
+    `from_vectors`, `from_context`, `from_parents`, `from_paths`, `from_nested`,
+    `from_config`, `load`); the constructor itself is not public, so that every
+    tree passes the same validation.
 
     Classes ``0..C-1`` are the leaves, internal nodes ``0..M-1`` are numbered in
     breadth-first order from the root ``0``, and every edge is a weight-table row
@@ -83,9 +84,10 @@ class Tree:
     def __init__(self, *args, **kwargs):
         del args, kwargs
         raise TypeError(
-            "Tree has no public constructor; use Tree.balanced, Tree.two_level, "
-            "Tree.huffman, Tree.from_parents, Tree.from_paths, Tree.from_nested "
-            "or Tree.load")
+            "Tree has no public constructor; use Tree.flat, Tree.balanced, "
+            "Tree.two_level, Tree.huffman, Tree.from_vectors, Tree.from_context, "
+            "Tree.from_parents, Tree.from_paths, Tree.from_nested, "
+            "Tree.from_config or Tree.load")
 
     # ------------------------------------------------------------------ #
     # The one real constructor
