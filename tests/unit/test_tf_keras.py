@@ -163,6 +163,31 @@ def test_rebuild_tree_callback(rng):
   assert np.abs(layer.kernel.numpy() - before).max() > 0
 
 
+@pytest.mark.parametrize("when", [{"after_epoch": 1}, {"after_batch": 3}])
+def test_mixed_float16_rebuild_gives_the_loss_scale_optimizer_the_new_table(rng, when):
+  # The loss-scale wrapper keeps no variable index of its own: the rebuild took it for an
+  # optimizer not yet built, kept it, and the next step failed on the new kernel
+  # ("The optimizer cannot recognize variable kernel:0").
+  tf_keras.mixed_precision.set_global_policy("mixed_float16")
+  try:
+    model = _model(_tree())
+  finally:
+    tf_keras.mixed_precision.set_global_policy("float32")
+  old_optimizer = model.optimizer
+  x, y = _data(rng)
+  callback = hk2.callbacks.RebuildTree("hsm", **when)
+  history = model.fit([x, y], y, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
+  layer = model.get_layer("hsm")
+  assert callback.tree is not None and layer.tree is callback.tree
+  assert model.optimizer is not old_optimizer
+  assert isinstance(model.optimizer, tf_keras.mixed_precision.LossScaleOptimizer)
+  assert isinstance(model.optimizer.inner_optimizer, hk2.optimizers.LazyAdam)
+  assert np.isfinite(history.history["loss"]).all()
+  before = layer.kernel.numpy().copy()
+  model.fit([x, y], y, epochs=1, batch_size=16, verbose=0)
+  assert np.abs(layer.kernel.numpy() - before).max() > 0
+
+
 def test_keras3_rebuild_callback_in_a_tf_keras_model_says_which_to_use(rng):
   model = _model(_tree())
   x, y = _data(rng, n=16)

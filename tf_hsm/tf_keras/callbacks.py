@@ -12,8 +12,11 @@ from tf_hsm.tf_keras.layers import HierarchicalSoftmax
 
 
 def _built(optimizer):
-  return isinstance(optimizer, tf_keras.optimizers.Optimizer) and \
-      bool(getattr(optimizer, "_index_dict", None))
+  # A mixed_float16 model's LossScaleOptimizer keeps no variable index of its own: its
+  # inner optimizer's says whether it is built.
+  inner = getattr(optimizer, "inner_optimizer", optimizer)
+  return isinstance(inner, tf_keras.optimizers.Optimizer) and \
+      bool(getattr(inner, "_index_dict", None))
 
 
 _FRONT_END = frontend_rebuild.FrontEnd(HierarchicalSoftmax, tf_keras.layers.Layer, _built)
