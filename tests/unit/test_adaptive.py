@@ -129,15 +129,25 @@ def randomize(layer, rng):
     var.assign(rng.standard_normal(var.shape) * 0.5)
 
 
-@pytest.mark.parametrize("tail", ["flat", "two_level"])
+@pytest.mark.parametrize("tail", ["flat", "two_level", "given trees"])
 def test_inference_is_exact(rng, tail):
   counts = 1.0 / np.arange(1, 301)
-  layer = AdaptiveSoftmax(300, [20, 80], div_value=2.0, tail=tail, counts=counts,
-                          dtype="float64")
+  given = {}
+  if tail == "given trees":  # any tree a cluster, over its classes in rank order
+    given = {"tail_trees": [tf_hsm.Tree.huffman(rng.random(60) + 0.1, 3),
+                            tf_hsm.Tree.balanced(220, 4)]}
+  layer = AdaptiveSoftmax(300, [20, 80], div_value=2.0, tail=tail.replace(
+      "given trees", "two_level"), counts=counts, dtype="float64", **given)
+  if given:
+    assert [t.num_slots for t in layer.tail_trees] == [
+        t.num_slots for t in given["tail_trees"]]
+    again = AdaptiveSoftmax.from_config(layer.get_config())
+    assert [t.get_config() for t in again.tail_trees] == [
+        t.get_config() for t in given["tail_trees"]]
   layer.build((None, 16))
   randomize(layer, rng)
   hidden = rng.standard_normal((11, 16))
-  if tail == "two_level":
+  if tail != "flat":
     ref = tree_tail_reference(layer, hidden)
   else:
     state = {"head.weight": layer.head_kernel.numpy()}

@@ -623,6 +623,18 @@ def test_top_k_exclude_takes_histories_of_any_length(rng):
   traced_layer = tf.function(lambda ids: layer.top_k(hidden, 3, exclude=ids))
   with pytest.raises(ValueError, match=r"RaggedTensor.*to_tensor\(-1, shape=\[None, n\]\)"):
     traced_layer(histories)
+  from tf_hsm import tf_keras as hk2  # pylint: disable=import-outside-toplevel
+  legacy = hk2.HierarchicalSoftmax(tree, ignore_class=0)
+  legacy.build((None, 5))
+  with pytest.raises(ValueError, match=r"RaggedTensor.*to_tensor\(-1, shape=\[None, n\]\)"):
+    tf.function(lambda ids: legacy.top_k(hidden, 3, exclude=ids))(histories)
+  # A mixture ranks log_prob_all, whatever the histories' longest length: it takes them.
+  mixture = tf_hsm.HierarchicalSoftmaxMixture(
+      [tree, tf_hsm.Tree.balanced(30, 3)], dtype="float64")
+  mixture.build((None, 5))
+  _, traced_mixture = tf.function(lambda ids: mixture.top_k(hidden, 3, exclude=ids))(histories)
+  _, padded_mixture = mixture.top_k(hidden, 3, exclude=histories.to_tensor(-1))
+  np.testing.assert_array_equal(traced_mixture.numpy(), padded_mixture.numpy())
 
 
 def test_top_k_exclude_many_ids_is_exact_in_little_memory(rng):

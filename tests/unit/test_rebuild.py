@@ -391,7 +391,13 @@ def test_fit_refuses_a_rebuild_it_cannot_make_before_training(rng):
                                          after_epoch=3), "head must be less than"),
                             (RebuildTree("hsm", vectors=np.ones((_CLASSES - 1, 4)),
                                          after_epoch=3),
-                             r"vectors must have shape \[num_classes, dim\] = \[48, dim\]")):
+                             r"vectors must have shape \[num_classes, dim\] = \[48, dim\]"),
+                            (RebuildTree("hsm", vectors=[[1.0, 2.0]] * (_CLASSES + 1),
+                                         after_epoch=3), r"got shape \(49, 2\)"),
+                            (RebuildTree("hsm", vectors=tf.ones([_CLASSES, 2, 1]),
+                                         after_epoch=3), r"got shape \(48, 2, 1\)"),
+                            (RebuildTree("hsm", vectors=np.full((_CLASSES, 2), np.nan),
+                                         after_epoch=3), "vectors must be finite")):
     with pytest.raises(ValueError, match=message):
       model.fit([x, y], y, batch_size=16, epochs=3, verbose=0, callbacks=[callback, count])
   assert not seen

@@ -175,13 +175,23 @@ def test_mixed_float16_rebuild_gives_the_loss_scale_optimizer_the_new_table(rng,
     tf_keras.mixed_precision.set_global_policy("float32")
   old_optimizer = model.optimizer
   x, y = _data(rng)
+  scales = []  # the loss scale and its counter at each step's start
+  spy = tf_keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: scales.append(
+      (float(model.optimizer.loss_scale), int(model.optimizer.dynamic_counter.numpy()))))
+  old_optimizer.build(model.trainable_variables)
+  old_optimizer._loss_scale.current_loss_scale.assign(256.0)  # pylint: disable=protected-access
   callback = hk2.callbacks.RebuildTree("hsm", **when)
-  history = model.fit([x, y], y, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
+  history = model.fit([x, y], y, epochs=2, batch_size=16, verbose=0,
+                      callbacks=[callback, spy])
   layer = model.get_layer("hsm")
   assert callback.tree is not None and layer.tree is callback.tree
   assert model.optimizer is not old_optimizer
   assert isinstance(model.optimizer, tf_keras.mixed_precision.LossScaleOptimizer)
   assert isinstance(model.optimizer.inner_optimizer, hk2.optimizers.LazyAdam)
+  # The scale goes on where it was across the rebuild (no overflow here: 256, and a
+  # counter of the steps), not back to 32,768 and 0.
+  assert [s for s, _ in scales] == [256.0] * len(scales)
+  assert [c for _, c in scales] == list(range(len(scales)))
   assert np.isfinite(history.history["loss"]).all()
   before = layer.kernel.numpy().copy()
   model.fit([x, y], y, epochs=1, batch_size=16, verbose=0)

@@ -89,7 +89,8 @@ def test_from_context_puts_each_group_under_its_own_nodes(rng):
 
 def test_words_absent_from_the_text_do_not_make_a_chain(rng):
   # A vocabulary larger than the text's words: 2,000 ids never occur (count 0, alike
-  # vectors); split in balance below the others, not one at a time (depth 1,990 before).
+  # vectors); split in balance below the others, not one at a time (a chain 2,000 deep
+  # before).
   ids, _, num_classes = _grouped_corpus(rng)
   tree = Tree.from_context(ids, num_classes + 2000, branching=2, contexts=30, dims=8)
   assert tree.max_depth <= 2 + int(np.ceil(np.log2(num_classes + 2000)))

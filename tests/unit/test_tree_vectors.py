@@ -62,7 +62,7 @@ def test_uniform_counts_give_a_near_balanced_tree():
 def test_unseen_classes_do_not_make_a_chain(branching, head):
   # Classes of count 0 (a vocabulary's words absent from the text) whose untrained
   # vectors lie together: they weigh half the smallest positive count, so their group is
-  # split in balance, not a class at a time (depth 2,040 at branching 2 before).
+  # split in balance, not a class at a time (a chain over a thousand deep before).
   rng = np.random.default_rng(3)
   classes = 5000
   counts = np.floor(1e6 / np.arange(1, classes + 1) ** 1.1)

@@ -280,10 +280,13 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
   ((trees, branching, head) triples: the first tree as the head part's, the others of
   other vectors), one tree of the first shape, and TF's sampled softmax (1,024 samples),
   interleaved, at V=1M, D=300, T=3,200, Zipf(1) targets (the sizes are arguments for
-  the tests)."""
+  the tests). For a shared head also its parts alone (`_shared_head_parts`: "MIXTURE:
+  its head", "MIXTURE: one tree, tail tokens", in "ms" but not in "speed vs sampled")
+  and "shared head's rest" (`_shared_head_rest`). The parts draw from `rng` too: the
+  mixtures after a shared head get other trees than before they were timed."""
   targets = tf.constant(cases.zipf_targets(classes, tokens, rng))
   hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
-  methods = {}
+  methods, parts = {}, set()
   for index, shape in enumerate(MixtureShape(*s) for s in shapes):
     # The first shape's tree is timed alone; a mixture with its own heads starts on it.
     first = (cases.vectors_tree(classes, shape.branching, shape.head)
@@ -295,14 +298,16 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
     trees, head = _mixture_trees(rng, shape, first, classes)
     methods[shape.label()] = _mixture_step(trees, hidden, targets, head, shape.tail_dim)
     if shape.shared:
-      methods.update(_shared_head_parts(rng, shape, trees[0], hidden, targets))
+      shared_parts = _shared_head_parts(rng, shape, trees[0], hidden, targets)
+      methods.update(shared_parts)
+      parts.update(shared_parts)
   _, table, biases, _ = _problem(rng, classes, dim, tokens)
   methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
   med = interleaved(methods, rounds)
   sampled = med["sampled softmax 1024"]
   return {"case": f"V={classes:,} D={dim} T={tokens:,}", "ms": _ms(med),
           "speed vs sampled": {name: round(sampled / s, 2) for name, s in med.items()
-                               if name != "sampled softmax 1024" and ": " not in name},
+                               if name != "sampled softmax 1024" and name not in parts},
           "shared head's rest": _shared_head_rest(shapes, med)}
 
 
@@ -328,8 +333,10 @@ def _shared_head_parts(rng, shape, tree, hidden, targets):
 
 def _shared_head_rest(shapes, med):
   """{mixture: ms} of each shared-head mixture's step past its head and its trees, each
-  timed alone (the class map, the gathers, the gate and the mixing): the median step
-  less the head's and `count` times the one tree's medians."""
+  timed alone (the class map, the gathers, the gate, the mixing, and with `tail_dim`
+  the projection): the median step less the head's and `count` times the one tree's
+  medians. Each part timed alone pays a call of its own (a `tf.function`, its checks),
+  which the mixture pays once: the rest reads low by `count` such calls."""
   rest = {}
   for shape in (MixtureShape(*s) for s in shapes):
     if shape.shared:

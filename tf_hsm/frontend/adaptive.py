@@ -88,6 +88,10 @@ def frequency_order(counts, padding=(0,)):
     padding: the ids that are not classes, an id or a list of them. The default,
       (0,), is for the vocabularies of `Embedding(mask_zero=True)`, whose id 0 is
       padding: where id 0 is a real class, pass () (or None), which keeps every id.
+
+  Raises:
+    ValueError: counts that are not a non-empty 1-D array of finite, non-negative
+      numbers; padding ids outside the vocabulary.
   """
   if np.ndim(counts) != 1:
     raise ValueError(f"counts must be a 1-D array (one frequency per id), got shape "

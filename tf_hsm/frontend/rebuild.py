@@ -76,10 +76,31 @@ def vectors_array(vectors, num_classes):
       vectors = vectors.numpy() if hasattr(vectors, "numpy") else np.asarray(vectors)
     except (TypeError, ValueError) as e:
       raise ValueError(f"vectors must be a 2-D array of numbers: {e}") from None
-  if vectors.ndim != 2 or vectors.shape[0] != num_classes:
-    raise ValueError(f"vectors must have shape [num_classes, dim] = [{num_classes}, dim], "
-                     f"one row per class, got shape {tuple(vectors.shape)}")
+  check_vectors_shape(vectors.shape, num_classes)
   return vectors
+
+
+def check_vectors_shape(shape, num_classes):
+  """ValueError unless `shape` is [num_classes, dim] (a row count unknown until traced
+  passes)."""
+  if len(shape) != 2 or shape[0] is not None and shape[0] != num_classes:
+    raise ValueError(f"vectors must have shape [num_classes, dim] = [{num_classes}, dim], "
+                     f"one row per class, got shape {tuple(shape)}")
+
+
+def check_vectors_given(vectors, num_classes):
+  """What can be checked of a rebuild's `vectors` before it reads them: the shape of any
+  but a layer or a function (read at the rebuild), and NumPy values or lists finite (a
+  variable's values are the ones it holds when the rebuild runs)."""
+  if vectors is None or callable(vectors) and not hasattr(vectors, "shape"):
+    return
+  if isinstance(vectors, (np.ndarray, list, tuple)):
+    values = np.asarray(vectors) if isinstance(vectors, (list, tuple)) else vectors
+    check_vectors_shape(values.shape, num_classes)
+    if np.issubdtype(values.dtype, np.number) and not np.all(np.isfinite(values)):
+      raise ValueError("vectors must be finite (a NaN or infinity was found)")
+  elif hasattr(vectors, "shape"):
+    check_vectors_shape(tuple(vectors.shape), num_classes)
 
 
 class FrontEnd:
@@ -177,18 +198,15 @@ class RebuildSchedule:
   def on_train_begin(self, logs=None):
     # What the rebuild would refuse, refused before the first epoch rather than after
     # the epochs it waits for: a layer name the model lacks, another layer's name, the
-    # tree's options (counts, branching, seed, head), vectors given as an array of
-    # another row count. Vectors read at the rebuild (an Embedding) are checked then.
+    # tree's options (counts, branching, seed, head), vectors of another shape or, as
+    # NumPy values, not finite. Vectors read at the rebuild (an Embedding, a function, a
+    # variable's values) are checked then.
     layer = _find_layer(self.model, self.layer, self.front_end)
     try:
       tree_vectors.checked_options(layer.num_classes, self.counts, self.branching,
-                                   self.seed, self.head, "the layer has")
-      if self.vectors is not None and hasattr(self.vectors, "shape"):
-        if (len(self.vectors.shape) != 2 or self.vectors.shape[0] is not None and
-            self.vectors.shape[0] != layer.num_classes):
-          raise ValueError(f"vectors must have shape [num_classes, dim] = "
-                           f"[{layer.num_classes}, dim], one row per class, got shape "
-                           f"{tuple(self.vectors.shape)}")
+                                   self.seed, self.head,
+                                   f"the layer has {layer.num_classes} classes")
+      check_vectors_given(self.vectors, layer.num_classes)  # a layer is read then
     except ValueError as e:
       raise ValueError(f"RebuildTree: {e}") from None
     self._epochs_seen = []
@@ -342,7 +360,19 @@ def _rebuilt_optimizer(optimizer, replaced, rows, model):
     value = (new if _path(new_state).endswith("average") else new_state).numpy().copy()
     value[new_rows] = tf.gather(state, old_rows).numpy()
     new_state.assign(value)
+  _carry_loss_scale(optimizer, fresh)
   return fresh
+
+
+def _carry_loss_scale(optimizer, fresh):
+  """The dynamic loss scale and its counter of a tf_keras `LossScaleOptimizer`, which
+  keeps them outside its `variables` (Keras 3's are among them, carried above)."""
+  state = getattr(optimizer, "_loss_scale", None)
+  new_state = getattr(fresh, "_loss_scale", None)
+  for name in ("current_loss_scale", "counter"):
+    old, new = getattr(state, name, None), getattr(new_state, name, None)
+    if isinstance(old, tf.Variable) and isinstance(new, tf.Variable):
+      new.assign(old)
 
 
 def _path(variable):

@@ -42,7 +42,8 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, keras.layers.Layer):
     div_value: cluster i works at width int(D // div_value ** (i + 1)).
     head_bias: whether the head has biases (PyTorch's default: no).
     tail: "flat" (an exact softmax within each cluster, as PyTorch) or "two_level" (each
-      cluster is a `Tree.two_level` over its classes, with per-edge biases).
+      cluster is a `Tree.two_level` over its classes, with per-edge biases, or the tree
+      `tail_trees` gives it).
     counts: optional class frequencies: `[num_classes]`, one per id. Without a
       `class_order` they must be non-increasing (ids sorted by frequency). They choose
       the cutoffs (with cutoffs=None) and group the two-level tails' classes.
@@ -58,8 +59,10 @@ class AdaptiveSoftmax(core.AdaptiveSoftmaxCore, keras.layers.Layer):
       (default `DEFAULT_TOKENS_PER_STEP`); otherwise unused.
     machine: with cutoffs=None, the `tf_hsm.planning.Machine` (or a dict of its fields)
       to choose for (default: this machine's cached rates); otherwise unused.
-    **kwargs: base `keras.layers.Layer` arguments; `tail_trees` (the trees' configs) is
-      how `get_config` carries the trees.
+    tail_trees: with tail="two_level" and `cutoffs`: a `tf_hsm.Tree` (or its config)
+      per cluster, over its classes (class j of cluster i is the layer's class
+      `cutoffs[i] + j`), in place of the two-level trees; `get_config` carries them.
+    **kwargs: base `keras.layers.Layer` arguments.
 
   Call arguments:
     hidden: `[..., D]` float hidden states. targets: int class ids, `hidden`'s leading

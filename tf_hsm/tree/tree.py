@@ -275,8 +275,8 @@ class Tree:
           vectors: [num_classes, dim] array (a NumPy memmap is read in chunks, never
             copied whole): class embeddings, output-layer rows, anything whose
             distances say which classes are alike.
-          counts: optional class frequencies [num_classes] (uniform if None); a zero
-            count weighs half the smallest positive one.
+          counts: optional class frequencies [num_classes] (uniform if None or all
+            zero); a zero count weighs half the smallest positive one.
           branching: children per node, an int >= 2, or a list of ints per level (the
             last one for every deeper level).
           seed: seed of the samples the 2-means directions are fitted on.

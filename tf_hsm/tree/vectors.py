@@ -165,19 +165,19 @@ def checked_arguments(vectors, counts, branching, seed, head=0):
       raise ValueError("vectors must be finite (a NaN or infinity was found in rows "
                        f"{start}..{min(start + _CHUNK, vectors.shape[0]) - 1})")
   return (vectors,) + checked_options(vectors.shape[0], counts, branching, seed, head,
-                                      "vectors has")
+                                      f"vectors has {vectors.shape[0]} rows")
 
 
-def checked_options(num_classes, counts, branching, seed, head, classes_are="there are"):
+def checked_options(num_classes, counts, branching, seed, head, classes=None):
   """(counts, branching, seed, head) of a tree over `num_classes` classes, checked
   (ValueError for anything malformed) without the vectors: what a rebuild can check
-  before training, its vectors read only when it runs. `classes_are` words the count."""
+  before training, its vectors read only when it runs. `classes` says where the number
+  of classes comes from in errors (default "there are N classes")."""
   if counts is not None:
     counts = counts_array(counts)
     if counts.shape[0] != num_classes:
-      rows = "rows" if classes_are == "vectors has" else "classes"
-      raise ValueError(f"counts has {counts.shape[0]} entries; {classes_are} "
-                       f"{num_classes} {rows}")
+      raise ValueError(f"counts has {counts.shape[0]} entries; "
+                       f"{classes or f'there are {num_classes} classes'}")
   levels = list(branching) if isinstance(branching, (list, tuple)) else [branching]
   if not levels:
     raise ValueError("branching must be an int >= 2 or a non-empty list of them")
