@@ -170,7 +170,9 @@ fi
 # --- The wheel (--wheel) -----------------------------------------------------------------
 if [ "$wheel" = 1 ]; then
   say "building the wheel (library for -march=$march)"
-  rm -rf build/lib build/bdist.*
+  # setuptools stages the package in build/lib.<platform>-<python>: what a module left
+  # there from an earlier build would ship again.
+  rm -rf build/lib build/lib.* build/bdist.*
   "$python" -m pip wheel -q --no-deps --no-build-isolation -w dist . \
     || { say "the wheel build failed (pip wheel . )"; exit 1; }
   say "wrote $(ls -t dist/tf_hsm-*.whl | head -n 1)"

@@ -49,6 +49,9 @@ setup(
     package_data={"tf_hsm": ["_hsm_ops.so", "_hsm_ops.cpu"]},
     python_requires=">=3.9",
     install_requires=[_tensorflow_requirement(), "numpy"],
+    # The demo's plot; the tf_keras front end (tf_hsm.tf_keras), of TensorFlow's version.
+    extras_require={"demo": ["matplotlib"],
+                    "tf_keras": [_tensorflow_requirement().replace("tensorflow", "tf-keras")]},
     distclass=BinaryDistribution,
     zip_safe=False,
 )

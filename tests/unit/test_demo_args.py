@@ -43,3 +43,13 @@ def test_a_corpus_that_cannot_be_read_is_named(tmp_path):
     with pytest.raises(SystemExit) as stop:
       demo.main(["--corpus", str(path), "--out", str(tmp_path / "out")])
     assert str(stop.value).startswith("--corpus: ") and said in str(stop.value)
+
+
+def test_a_missing_matplotlib_is_named_before_training(monkeypatch):
+  # A wheel does not bring matplotlib (the plot's): the demo says so at once, where it
+  # trained every model and then lost the run to an ImportError at the plot.
+  import sys  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
+  monkeypatch.setattr(demo, "train", lambda *a, **k: pytest.fail("trained first"))
+  with pytest.raises(ImportError, match=r"pip install matplotlib .*tf_hsm\[demo\]"):
+    demo.main(["--epochs", "1"])

@@ -20,6 +20,11 @@ def test_library_built_for_missing_cpu_features_is_an_import_error(tmp_path):
   _write(tmp_path / "_hsm_ops.cpu", "march=native\nfeatures=avx avx2 avx512f avx512bw fma\n")
   with pytest.raises(ImportError, match=r"lacks \(avx512bw, avx512f\).*TF_HSM_MARCH=native"):
     _loader.check_cpu(library, cpuinfo)
+  _write(tmp_path / "_hsm_ops.cpu", "march=x86-64-v3\nfeatures=avx avx2 fma\n")
+  no_avx2 = _write(tmp_path / "old_cpuinfo", "flags\t\t: fpu sse2 avx\n")
+  with pytest.raises(ImportError, match=r"lacks \(avx2, fma\).*TF_HSM_MARCH=native "
+                     r"\./configure\.sh on this machine"):  # not the build that failed
+    _loader.check_cpu(library, no_avx2)
   _write(tmp_path / "_hsm_ops.cpu", "march=haswell\nfeatures=avx avx2 fma\n")
   _loader.check_cpu(library, cpuinfo)  # all present
   _loader.check_cpu(library, str(tmp_path / "no_cpuinfo"))  # unreadable: not checked
@@ -136,3 +141,12 @@ def test_the_loaded_library_is_the_one_chosen():
       os.path.getmtime(loaded.path)).astimezone()
   assert loaded.newer_sources == _loader.newer_sources(loaded.path)
   assert _loader.build_record(loaded.path) is not None, "run ./configure.sh"
+
+
+def test_a_library_that_does_not_load_is_an_import_error_saying_why(tmp_path):
+  # A library copied without its build record skips the checks: dlopen's own failure
+  # (an undefined symbol of another TensorFlow, here a file that is no library) is named.
+  library = _write(tmp_path / "_hsm_ops.so", "not a shared object")
+  with pytest.raises(ImportError, match=r"does not load into this TensorFlow .*undefined "
+                     r"symbol means .*another TensorFlow release.*GLIBC"):
+    _loader.load_checked(library)

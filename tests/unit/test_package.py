@@ -177,3 +177,13 @@ def test_old_module_paths_are_the_new_modules(old, new, name):
   module = importlib.import_module(old)
   assert module is importlib.import_module(new)
   assert module.__spec__.name == new and hasattr(module, name)
+
+
+def test_the_tf_keras_front_end_without_tf_keras_says_how_to_get_it():
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  code = ("import sys; sys.modules['tf_keras'] = None\n"
+          "try:\n  import tf_hsm.tf_keras\nexcept ImportError as e:\n  print(e)\n")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=300, check=True)
+  assert "pip install tf-keras" in done.stdout and "tf_hsm[tf_keras]" in done.stdout

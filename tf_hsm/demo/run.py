@@ -547,6 +547,17 @@ def _per_epoch(history, key):
   return max(float(np.median(seconds[1:] if len(seconds) > 1 else seconds)), 1e-6)
 
 
+def _check_plotting():
+  """ImportError before training, not after it, where matplotlib (the plot's, not the
+  library's dependency: a wheel does not bring it) is missing."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    raise ImportError("the demo plots held-out perplexity with matplotlib, which is not "
+                      "installed: pip install matplotlib (or the wheel's extra, "
+                      "'tf_hsm[demo]')") from None
+
+
 def plot(histories, path):
   """Held-out perplexity against training CPU time (the process's, evaluation excluded):
   on a shared machine the fair measure of speed, where wall-clock time stretches with
@@ -773,6 +784,7 @@ def _check_tree_shape(p, args):
 
 def main(argv=None):
   args = parse_args(argv)
+  _check_plotting()
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   wall_start = time.perf_counter()
   import keras  # pylint: disable=g-import-not-at-top
@@ -878,7 +890,6 @@ def main(argv=None):
 
   report = table(histories)
   os.makedirs(args.out, exist_ok=True)
-  plot(histories, os.path.join(args.out, "perplexity.png"))
   settings = {k: v for k, v in vars(args).items() if k not in ("quiet",)}
   results = {"settings": settings, "corpus": source, "vocab_size": len(words),
              "train_batches_per_epoch": math.ceil(len(x) / args.batch),
@@ -897,6 +908,7 @@ def main(argv=None):
     json.dump(results, f, indent=2)
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write(report + "\n")
+  plot(histories, os.path.join(args.out, "perplexity.png"))  # after the figures are kept
   print(f"\n{report}\n\ns/epoch, CPU s/epoch: median training wall-clock and process CPU "
         "time of the epochs after the first (which includes tracing); held-out evaluation "
         "excluded.\nPerplexity: on "

@@ -106,12 +106,15 @@ def check_cpu(library, cpuinfo="/proc/cpuinfo"):
     return
   missing = sorted(set(fields.get("features", "").split()) - have)
   if missing:
+    march = fields.get("march", "?")
+    fix = ("TF_HSM_MARCH=x86-64-v3 ./configure.sh (AVX2 and FMA)" if march != "x86-64-v3"
+           else "TF_HSM_MARCH=native ./configure.sh on this machine: the portable build "
+           "(a wheel's) needs AVX2 and FMA")
     raise ImportError(
         f"{library} was built for CPU features this machine lacks ({', '.join(missing)}): "
-        f"it was configured on another kind of machine (TF_HSM_MARCH="
-        f"{fields.get('march', '?')}). Rebuild it here with ./configure.sh, or, for one "
-        "library shared by several kinds of machines, for the oldest of them, e.g. "
-        "TF_HSM_MARCH=x86-64-v3 ./configure.sh (AVX2 and FMA).")
+        f"it was configured on another kind of machine (TF_HSM_MARCH={march}). Rebuild "
+        "it here with ./configure.sh, or, for one library shared by several kinds of "
+        f"machines, for the oldest of them, e.g. {fix}.")
 
 
 def check_tensorflow(library, version=None):
@@ -124,8 +127,8 @@ def check_tensorflow(library, version=None):
   if built and built.split(".")[:2] != running.split(".")[:2]:
     raise ImportError(
         f"{library} was built against TensorFlow {built}, but TensorFlow {running} is "
-        f"running: install tensorflow=={'.'.join(built.split('.')[:2])}.* (as the tf_hsm "
-        "wheel requires), or rebuild the library against this TensorFlow with "
+        f"running: install tensorflow=={'.'.join(built.split('.')[:2])}.* (the release "
+        "it was built against), or rebuild the library against this TensorFlow with "
         "./configure.sh.")
 
 
@@ -142,7 +145,21 @@ def _load():
   path = choose(candidates())
   check_tensorflow(path)
   check_cpu(path)
-  return path, tf.load_op_library(path)
+  return path, load_checked(path)
+
+
+def load_checked(path):
+  """`tf.load_op_library(path)`, its dlopen failure an ImportError saying what it means
+  (the checks above need the build record, which a library copied alone lacks)."""
+  try:
+    return tf.load_op_library(path)
+  except tf.errors.NotFoundError as e:  # dlopen's: undefined symbols, a missing library
+    raise ImportError(
+        f"{path} does not load into this TensorFlow {tf.__version__}: {e}. An undefined "
+        "symbol means it was built against another TensorFlow release (its build record, "
+        f"{os.path.basename(record_path(path))} beside it, would say which); a missing "
+        "GLIBC or GLIBCXX version, on an older system than the one that built it. "
+        "Rebuild it here with ./configure.sh.") from None
 
 
 def ops():

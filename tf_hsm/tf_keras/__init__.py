@@ -21,7 +21,14 @@ Under `tf.distribute`, `model.fit` trains the layer with `ParameterServerStrateg
 and `MirroredStrategy` (docs/distributed.md).
 """
 
-from tf_hsm.tf_keras import callbacks, losses, metrics, optimizers
+try:
+  import tf_keras as _tf_keras  # pylint: disable=unused-import
+except ImportError:
+  raise ImportError("tf_hsm.tf_keras is the front end for tf_keras, which is not "
+                    "installed: pip install tf-keras of TensorFlow's release (or the "
+                    "wheel's extra, 'tf_hsm[tf_keras]')") from None
+
+from tf_hsm.tf_keras import callbacks, losses, metrics, optimizers  # pylint: disable=g-import-not-at-top
 from tf_hsm.tf_keras.adaptive import AdaptiveSoftmax
 from tf_hsm.tf_keras.layers import HierarchicalSoftmax
 from tf_hsm.tf_keras.mixture import HierarchicalSoftmaxMixture
