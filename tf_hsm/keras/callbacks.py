@@ -82,7 +82,9 @@ class RebuildTree(frontend_rebuild.RebuildSchedule, keras.callbacks.Callback):
       It happens once per callback object, also when `fit` is called again.
     after_batch: instead of `after_epoch`, how many training batches to train before
       the rebuild, counted from the first batch the callback sees (across epochs and
-      `fit` calls); the rest of that epoch trains on the new tree.
+      `fit` calls); the rest of that epoch trains on the new tree. With
+      `steps_per_execution=S` Keras calls callbacks every S batches: the rebuild comes
+      at the first such call at or after batch `after_batch`.
     branching, counts, seed, head: as `HierarchicalSoftmax.rebuild_tree`.
     vectors: as `rebuild_tree`: None for the layer's own class rows; an array; a
       variable, an `Embedding` layer or a function of no arguments, read at the rebuild.
