@@ -93,10 +93,7 @@ def frequency_order(counts, padding=(0,)):
     ValueError: counts that are not a non-empty 1-D array of finite, non-negative
       numbers; padding ids outside the vocabulary.
   """
-  if np.ndim(counts) != 1:
-    raise ValueError(f"counts must be a 1-D array (one frequency per id), got shape "
-                     f"{np.shape(counts)}")
-  # Finite and non-negative, as the layer's `counts`: a NaN would rank last unnamed.
+  # 1-D, finite and non-negative, as the layer's `counts`: a NaN would rank last unnamed.
   counts = counts_array(counts).astype(np.float64)
   order = np.argsort(-counts, kind="stable")
   padding = _padding_ids(padding)

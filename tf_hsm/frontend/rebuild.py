@@ -97,8 +97,8 @@ def check_vectors_given(vectors, num_classes):
   if isinstance(vectors, (np.ndarray, list, tuple)):
     values = np.asarray(vectors) if isinstance(vectors, (list, tuple)) else vectors
     check_vectors_shape(values.shape, num_classes)
-    if np.issubdtype(values.dtype, np.number) and not np.all(np.isfinite(values)):
-      raise ValueError("vectors must be finite (a NaN or infinity was found)")
+    if np.issubdtype(values.dtype, np.number):
+      tree_vectors.check_finite(values)
   elif hasattr(vectors, "shape"):
     check_vectors_shape(tuple(vectors.shape), num_classes)
 

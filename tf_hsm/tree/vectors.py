@@ -160,12 +160,18 @@ def checked_arguments(vectors, counts, branching, seed, head=0):
   if not (np.issubdtype(vectors.dtype, np.floating) or np.issubdtype(vectors.dtype,
                                                                      np.integer)):
     raise ValueError(f"vectors must be numbers, got dtype {vectors.dtype}")
+  check_finite(vectors)
+  return (vectors,) + checked_options(vectors.shape[0], counts, branching, seed, head,
+                                      f"vectors has {vectors.shape[0]} rows")
+
+
+def check_finite(vectors):
+  """ValueError naming the rows where `vectors` ([rows, dim] numbers) holds a NaN or an
+  infinity, read a chunk at a time (a memmap is never read whole)."""
   for start in range(0, vectors.shape[0], _CHUNK):
     if not np.all(np.isfinite(vectors[start:start + _CHUNK])):
       raise ValueError("vectors must be finite (a NaN or infinity was found in rows "
                        f"{start}..{min(start + _CHUNK, vectors.shape[0]) - 1})")
-  return (vectors,) + checked_options(vectors.shape[0], counts, branching, seed, head,
-                                      f"vectors has {vectors.shape[0]} rows")
 
 
 def checked_options(num_classes, counts, branching, seed, head, classes=None):
