@@ -55,8 +55,9 @@ def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
   import numpy as np  # pylint: disable=import-outside-toplevel
   from tf_hsm.bench import wide
   result = wide.mixture_part(np.random.default_rng(0), 1, wide.parse_mixtures(
-      "8:16,3x4:8,3x4+16,3x4+16/3"), classes=3000, dim=8, tokens=64)
-  shared = ("shared head 16 + three 4-ary", "shared head 16 + three 4-ary, d=3")
+      "8:16,3x4:8,3x4+16,3x4+16/3,3x4+16r2"), classes=3000, dim=8, tokens=64)
+  shared = ("shared head 16 + three 4-ary", "shared head 16 + three 4-ary, d=3",
+            "shared head 16 + three 4-ary, heads of rank 2")
   parts = {f"{m}: {p}" for m in shared for p in ("its head", "one tree, tail tokens")}
   assert set(result["ms"]) == {"one tree 8:16", "mixture of two 8:16",
                                "mixture of three 4:8", *shared, "sampled softmax 1024",
@@ -68,18 +69,22 @@ def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
     assert result["shared head's rest"][m] == pytest.approx(
         ms[m] - ms[f"{m}: its head"] - 3 * ms[f"{m}: one tree, tail tokens"], abs=0.3)
   assert wide.parse_mixtures(",".join(map(str, wide.MIXTURE_TREES))) == wide.MIXTURE_TREES
-  assert wide.parse_mixtures("32:256,3x16+128,4x8+64/75") == (
-      (2, 32, 256, False, None), (3, 16, 128, True, None), (4, 8, 64, True, 75))
-  assert str(wide.MixtureShape(4, 8, 64, True, 75)) == "4x8+64/75"
-  with pytest.raises(ValueError, match="tail_dim .75. is the width of the trees below a "
-                                       "shared head"):
+  assert wide.parse_mixtures("32:256,3x16+128,4x8+64/75,2x16+128r16") == (
+      (2, 32, 256, False, None, None), (3, 16, 128, True, None, None),
+      (4, 8, 64, True, 75, None), (2, 16, 128, True, None, 16))
+  assert str(wide.MixtureShape(4, 8, 64, True, 75, 3)) == "4x8+64/75r3"
+  with pytest.raises(ValueError, match="tail_dim .75. is of the trees below a shared head"):
     wide.MixtureShape(4, 8, 64, False, 75)
+  with pytest.raises(ValueError, match="head_rank .2. is of the trees below a shared head"):
+    wide.MixtureShape(4, 8, 64, False, None, 2)
   for bad, message in (("1x16:128", "2-8 trees"), ("9x16:128", "2-8 trees"),
                        ("3x1:4", "a branching of at least 2"),
                        ("ax16:128", "[TREESx]BRANCHING:HEAD or "
-                        "[TREESx]BRANCHING+HEAD[/DIM] (DIM >= 1), got 'ax16:128'"),
+                        "[TREESx]BRANCHING+HEAD[/DIM][rRANK] (DIM, RANK >= 1), got "
+                        "'ax16:128'"),
+                       ("3x16+128r0", "RANK >= 1"), ("3x16:128r4", "got '3x16:128r4'"),
                        ("3x16+0", "a shared head of at least 1"),
-                       ("3x16:128/64", "got '3x16:128/64'"), ("3x16+128/0", "DIM >= 1"),
+                       ("3x16:128/64", "got '3x16:128/64'"), ("3x16+128/0", "DIM, RANK >= 1"),
                        ("3x16", "got '3x16'"), ("x16:128", "got 'x16:128'"),
                        ("", "got ''"), ("3X16:128", "got '3X16:128'")):
     with pytest.raises(ValueError, match=re.escape(message)):

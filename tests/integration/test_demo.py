@@ -93,7 +93,10 @@ def test_branching_and_adaptive_layouts():
                 ["--tree", "planned", "--max-ppl-increase", "-1"],
                 ["--tree", "context", "--mixture", "3", "--tail-dim", "8"],  # no shared head
                 ["--tree", "context", "--mixture", "3", "--head", "4", "--shared-head",
-                 "--tail-dim", "0"]):
+                 "--tail-dim", "0"],
+                ["--tree", "context", "--mixture", "3", "--head-rank", "8"],
+                ["--tree", "context", "--mixture", "3", "--head", "4", "--shared-head",
+                 "--head-rank", "0"]):
     with pytest.raises(SystemExit):
       demo.parse_args(flags)
   assert demo.parse_args(["--tree", "planned", "--max-ppl-increase", "10"]
@@ -344,28 +347,33 @@ def _context_run(tmp_path, seed, *flags):
 
 
 def test_run_with_a_shared_head(tmp_path, capsys, monkeypatch):
-  """--mixture 3 --head H --shared-head --tail-dim D trains
-  HierarchicalSoftmaxMixture(head=..., tail_dim=D): the H most frequent words one
-  softmax, the three context trees over the other words, scoring a D-wide projection."""
+  """--mixture 3 --head H --shared-head --tail-dim D --head-rank R trains
+  HierarchicalSoftmaxMixture(head=..., tail_dim=D, head_rank=R): the H most frequent
+  words one softmax (corrected at rank R per tree), the three context trees over the
+  other words, scoring a D-wide projection."""
   trained = _recorded_trees(monkeypatch)
   built = []
   real_mixture = mixture_module.HierarchicalSoftmaxMixture
   monkeypatch.setattr(mixture_module, "HierarchicalSoftmaxMixture",
                       lambda *a, **k: built.append(real_mixture(*a, **k)) or built[-1])
   results, counts, ids, classes = _context_run(tmp_path, 3, "--head", "3", "--mixture", "3",
-                                               "--shared-head", "--tail-dim", "8")
+                                               "--shared-head", "--tail-dim", "8",
+                                               "--head-rank", "2")
   (mixture,) = built
   assert mixture.tail_dim == 8 and mixture.tail_projection.shape == (16, 8)
+  assert mixture.head_rank == 2 and mixture.head_correction_out.shape == (3, 2, 4)
   out = capsys.readouterr().out
   assert "the 3 most frequent words a head shared by the trees" in out
   assert "scoring the hidden state's projection to 8 dimensions" in out
+  assert "each tree's head corrected at rank 2" in out
   (trees,) = trained
   head = np.argsort(-counts, kind="stable")[:3]
   tail = np.setdiff1d(np.arange(classes), head)
   for tree, side, seed in zip(trees, ("left", "right", "left"), (0, 0, 1)):
     assert tree == tf_hsm.Tree.from_context(ids, classes, counts, branching=4, side=side,
                                             seed=seed, classes=tail)
-  assert results["models"][0]["name"] == "hsm-context-mixture-shared-head-tail-dim-8"
+  assert results["models"][0]["name"] == \
+      "hsm-context-mixture-shared-head-tail-dim-8-head-rank-2"
   assert results["tree"]["shared_head"] == 3
   assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))
 

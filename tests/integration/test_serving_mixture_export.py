@@ -19,20 +19,23 @@ DIM = 8
 CLASSES = 50
 ROWS = 7
 
-# (head ids, tail_dim, ignore_class): the shared head with everything it takes, and none.
-SETTINGS = {"headed": ([4, 0, 17, 9], 5, 9), "plain": (None, None, None)}
+# (head ids, tail_dim, ignore_class, head_rank): the shared head with everything it
+# takes, the trees' own corrected heads, and no head.
+SETTINGS = {"headed": ([4, 0, 17, 9], 5, 9, None), "plain": (None, None, None, None),
+            "ranked": ([4, 0, 17, 9], 5, 9, 2)}
 
 
 @pytest.fixture(scope="module", params=sorted(SETTINGS))
 def exported(request, tmp_path_factory):
-  head, tail_dim, ignore_class = SETTINGS[request.param]
+  head, tail_dim, ignore_class, head_rank = SETTINGS[request.param]
   rng = np.random.default_rng(6303)
   tail = CLASSES - (0 if head is None else len(head))
   trees = [tf_hsm.Tree.huffman(rng.integers(1, 60, tail), branching) for branching in (2, 3, 5)]
   hidden_in = keras.Input([DIM], name="hidden")
   targets = keras.Input([], dtype="int32", name="targets")
   layer = HierarchicalSoftmaxMixture(trees, head=head, tail_dim=tail_dim,
-                                     ignore_class=ignore_class, name="mixture")
+                                     ignore_class=ignore_class, head_rank=head_rank,
+                                     name="mixture")
   model = keras.Model([hidden_in, targets], layer(hidden_in, targets))
   for v in layer.weights:
     v.assign(rng.normal(size=v.shape).astype(np.float32))

@@ -43,6 +43,14 @@ def _reference(hidden, layer, targets):
   head = list(layer.head_ids)
   tail = np.setdiff1d(np.arange(layer.num_classes), head)
   head_logits = h @ np.asarray(layer.head.kernel, np.float64).T + np.asarray(layer.head.bias)
+  count = len(layer.components)
+  # [N, K, H + 1]: component k's head, the shared one plus U_k (V_k h) with head_rank.
+  head_logits = np.repeat(head_logits[:, None], count, 1)
+  if layer.head_rank is not None:
+    v = np.asarray(layer.head_correction_in, np.float64)
+    u = np.asarray(layer.head_correction_out, np.float64)
+    for k in range(count):
+      head_logits[:, k] += (h @ v[:, k * layer.head_rank:(k + 1) * layer.head_rank]) @ u[k]
   head_lp = head_logits - np.log(np.exp(head_logits).sum(-1, keepdims=True))
   gate = h @ np.asarray(layer.gate_kernel, np.float64) + np.asarray(layer.gate_bias)
   log_gate = gate - np.log(np.exp(gate).sum(-1, keepdims=True))
@@ -51,13 +59,17 @@ def _reference(hidden, layer, targets):
     if c < 0:
       continue
     if c in head:
-      out[i] = head_lp[i, head.index(c)]
-      continue
-    position = int(np.searchsorted(tail, c))
-    parts = [oracle.log_prob_reference(scored[i:i + 1], np.asarray(k.kernel),
-                                       np.asarray(k.bias), k.tree, np.array([position]))[0][0]
-             for k in layer.components]
-    out[i] = head_lp[i, len(head)] + np.log(np.exp(np.array(parts) + log_gate[i]).sum())
+      slot, parts = head.index(c), np.zeros(count)
+    else:
+      position = int(np.searchsorted(tail, c))
+      slot = len(head)
+      parts = np.array([oracle.log_prob_reference(
+          scored[i:i + 1], np.asarray(k.kernel), np.asarray(k.bias), k.tree,
+          np.array([position]))[0][0] for k in layer.components])
+    if layer.head_rank is None:  # one head: P_head(slot) sum_k pi_k P_k(c)
+      out[i] = head_lp[i, 0, slot] + np.log(np.exp(parts + log_gate[i]).sum())
+    else:  # sum_k pi_k P_head,k(slot) P_k(c)
+      out[i] = np.log(np.exp(parts + log_gate[i] + head_lp[i, :, slot]).sum())
   return out.reshape(np.shape(targets))
 
 
@@ -66,10 +78,12 @@ def _randomised(layer, rng, scale=0.7):
     weight.assign(rng.normal(size=weight.shape) * scale)
 
 
-@pytest.mark.parametrize("case,tail_dim", [(0, None), (1, None), (2, None), (3, 3), (4, 1)])
-def test_matches_the_definition_in_float64(rng, case, tail_dim):
+@pytest.mark.parametrize("case,tail_dim,head_rank", [
+    (0, None, None), (1, None, None), (2, None, None), (3, 3, None), (4, 1, None),
+    (5, None, 1), (6, None, 3), (7, 2, 2)])
+def test_matches_the_definition_in_float64(rng, case, tail_dim, head_rank):
   del case  # fresh trees and a fresh head each time
-  layer, num_classes = _headed(rng, tail_dim=tail_dim)
+  layer, num_classes = _headed(rng, tail_dim=tail_dim, head_rank=head_rank)
   hidden = rng.normal(size=(3, 5, D))
   targets = rng.integers(0, num_classes, size=(3, 5))
   targets[0, :2] = -1  # padding
@@ -83,9 +97,9 @@ def test_matches_the_definition_in_float64(rng, case, tail_dim):
   np.testing.assert_array_equal(out._keras_mask, targets >= 0)  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("tail_dim", [None, 3])
-def test_gradients_match_numerical_ones(rng, tail_dim):
-  layer, num_classes = _headed(rng, count=2, tail_dim=tail_dim)
+@pytest.mark.parametrize("tail_dim,head_rank", [(None, None), (3, None), (None, 2), (2, 1)])
+def test_gradients_match_numerical_ones(rng, tail_dim, head_rank):
+  layer, num_classes = _headed(rng, count=2, tail_dim=tail_dim, head_rank=head_rank)
   hidden = tf.Variable(rng.normal(size=(8, D)))
   targets = rng.integers(0, num_classes, size=8)
   targets[:2] = layer.head_ids[0]
@@ -98,12 +112,14 @@ def test_gradients_match_numerical_ones(rng, tail_dim):
   if tail_dim is not None:
     variables.append(layer.tail_projection)
     assert layer.components[1].kernel.shape[-1] == tail_dim
+  if head_rank is not None:
+    variables += [layer.head_correction_in, layer.head_correction_out]
   oracle.assert_gradients_match(loss, variables)
 
 
-@pytest.mark.parametrize("tail_dim", [None, 2])
-def test_log_prob_all_is_normalised_and_top_k_reads_it(rng, tail_dim):
-  layer, num_classes = _headed(rng, tail_dim=tail_dim)
+@pytest.mark.parametrize("tail_dim,head_rank", [(None, None), (2, None), (None, 2)])
+def test_log_prob_all_is_normalised_and_top_k_reads_it(rng, tail_dim, head_rank):
+  layer, num_classes = _headed(rng, tail_dim=tail_dim, head_rank=head_rank)
   hidden = rng.normal(size=(2, 3, D))
   targets = rng.integers(0, num_classes, size=(2, 3))
   layer(hidden, targets)
@@ -116,9 +132,10 @@ def test_log_prob_all_is_normalised_and_top_k_reads_it(rng, tail_dim):
       every, [[_reference(hidden[i, j][None].repeat(num_classes, 0), layer,
                           everything[i, j]) for j in range(3)] for i in range(2)],
       rtol=1e-12, atol=1e-12)
-  values, classes = layer.top_k(hidden, 4)
-  np.testing.assert_array_equal(classes, np.argsort(-every, -1, kind="stable")[..., :4])
-  np.testing.assert_allclose(values, np.sort(every, -1)[..., ::-1][..., :4], rtol=1e-12)
+  k = min(4, num_classes)
+  values, classes = layer.top_k(hidden, k)
+  np.testing.assert_array_equal(classes, np.argsort(-every, -1, kind="stable")[..., :k])
+  np.testing.assert_allclose(values, np.sort(every, -1)[..., ::-1][..., :k], rtol=1e-12)
 
 
 def test_top_k_of_a_nan_row_is_no_ranking(rng):
@@ -138,9 +155,9 @@ def test_top_k_of_a_nan_row_is_no_ranking(rng):
     np.testing.assert_array_equal(values[row], want[0][row])
 
 
-@pytest.mark.parametrize("tail_dim", [None, 2])
-def test_sample_draws_the_layer_s_distribution(rng, tail_dim):
-  layer, num_classes = _headed(rng, dtype="float32", tail_dim=tail_dim)
+@pytest.mark.parametrize("tail_dim,head_rank", [(None, None), (2, None), (None, 2)])
+def test_sample_draws_the_layer_s_distribution(rng, tail_dim, head_rank):
+  layer, num_classes = _headed(rng, dtype="float32", tail_dim=tail_dim, head_rank=head_rank)
   hidden = rng.normal(size=(1, D)).astype(np.float32)
   layer(hidden, np.zeros(1, np.int64))
   _randomised(layer, rng, scale=0.5)
@@ -155,8 +172,9 @@ def test_sample_draws_the_layer_s_distribution(rng, tail_dim):
   np.testing.assert_array_equal(layer.sample(bad, seed=1), [-1, -1])
 
 
-def test_padding_ignore_class_and_keras_masks_give_zero_and_no_gradient(rng):
-  layer, num_classes = _headed(rng, ignore_class=0)
+@pytest.mark.parametrize("head_rank", [None, 2])
+def test_padding_ignore_class_and_keras_masks_give_zero_and_no_gradient(rng, head_rank):
+  layer, num_classes = _headed(rng, ignore_class=0, head_rank=head_rank)
   hidden = tf.Variable(rng.normal(size=(6, D)))
   targets = np.array([0, -1, 1, 2, layer.head_ids[0], num_classes - 1])
   mask = np.array([True, True, True, False, True, True])
@@ -171,10 +189,12 @@ def test_padding_ignore_class_and_keras_masks_give_zero_and_no_gradient(rng):
   assert np.all(grad[padded] == 0) and np.all(np.abs(grad[~padded]).sum(-1) > 0)
 
 
-@pytest.mark.parametrize("tail_dim", [None, 4])
+@pytest.mark.parametrize("tail_dim,head_rank", [(None, None), (4, None), (None, 3)])
 def test_fit_trains_the_head_the_trees_and_the_gate_and_a_saved_model_loads(rng, tmp_path,
-                                                                             tail_dim):
-  layer, num_classes = _headed(rng, dtype="float32", name="mixture", tail_dim=tail_dim)
+                                                                             tail_dim,
+                                                                             head_rank):
+  layer, num_classes = _headed(rng, dtype="float32", name="mixture", tail_dim=tail_dim,
+                               head_rank=head_rank)
   keras.utils.set_random_seed(1)
   tokens = keras.Input([6], dtype="int32")
   targets = keras.Input([6], dtype="int32")
@@ -187,6 +207,9 @@ def test_fit_trains_the_head_the_trees_and_the_gate_and_a_saved_model_loads(rng,
   loaded = again.get_layer("mixture")
   np.testing.assert_array_equal(loaded.head_ids, layer.head_ids)
   assert loaded.num_classes == num_classes and loaded.tail_dim == tail_dim
+  assert loaded.head_rank == head_rank
+  if head_rank is not None:
+    assert np.abs(np.asarray(layer.head_correction_out)).sum() > 0  # moved from zero
 
 
 @pytest.mark.parametrize("tail_dim", [None, 2])
@@ -216,6 +239,9 @@ def test_inference_model_top_k_on_a_headed_mixture(rng, tail_dim):
     ([1], {"tail_dim": 0}, ValueError, "positive int"),
     ([1], {"tail_dim": 2.0}, TypeError, "positive int"),
     ([1], {"tail_dim": True}, TypeError, "positive int"),
+    (None, {"head_rank": 2}, ValueError, "head_rank needs a head"),
+    ([1], {"head_rank": 0}, ValueError, "positive int"),
+    ([1], {"head_rank": 2.0}, TypeError, "positive int"),
     ([1], {"num_classes": 8}, ValueError, "trees over 8 make 9"),
     ([1], {"num_classes": 9.0}, TypeError, "num_classes must be an int"),
     (None, {"num_classes": 9}, ValueError, "trees are over 8 classes"),
@@ -231,6 +257,14 @@ def test_components_with_their_own_ignore_class_are_refused_beside_a_head():
   components = [tf_hsm.HierarchicalSoftmax(t, ignore_class=0) for t in trees]
   with pytest.raises(ValueError, match="components' ignore_class must be None"):
     HierarchicalSoftmaxMixture(components, head=[3])
+
+
+def test_head_rank_is_refused_beside_a_fused_update():
+  trees = [tf_hsm.Tree.huffman(np.arange(1, 9), 2), tf_hsm.Tree.huffman(np.arange(1, 9), 3)]
+  components = [tf_hsm.HierarchicalSoftmax(t, fused_update=True) for t in trees]
+  with pytest.raises(ValueError, match="head_rank cannot be combined with components' "
+                     "fused_update"):
+    HierarchicalSoftmaxMixture(components, head=[3], head_rank=2)
 
 
 def test_num_classes_given_is_checked_and_kept_in_the_config():

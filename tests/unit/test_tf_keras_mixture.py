@@ -25,7 +25,7 @@ MACHINE = {"matmul_flops": 5e10, "read_bytes": 1e10, "call_seconds": 2e-4,
            "tree_step": (3e-11, 1e-10, 7e-11, 2e-7, 1e-8, 5e-4)}
 
 
-def _layers(rng, headed, tail_dim=None):
+def _layers(rng, headed, tail_dim=None, head_rank=None):
   """(Keras 3 layer, tf_keras layer, V) of one configuration, the tf_keras one holding
   the Keras 3 one's weights (random, so that the gate and biases matter)."""
   num_head = 4 if headed else 0
@@ -34,7 +34,7 @@ def _layers(rng, headed, tail_dim=None):
   kwargs = {}
   if headed:
     kwargs = dict(head=rng.permutation(tail + num_head)[:num_head], ignore_class=None,
-                  tail_dim=tail_dim)
+                  tail_dim=tail_dim, head_rank=head_rank)
   layer3 = hk3.HierarchicalSoftmaxMixture(trees, **kwargs)
   layer2 = hk2.HierarchicalSoftmaxMixture(trees, **kwargs)
   layer3.build((None, D))
@@ -46,9 +46,10 @@ def _layers(rng, headed, tail_dim=None):
   return layer3, layer2, tail + num_head
 
 
-@pytest.mark.parametrize("headed,tail_dim", [(False, None), (True, None), (True, 3)])
-def test_same_weights_give_the_keras3_results(rng, headed, tail_dim):
-  layer3, layer2, num_classes = _layers(rng, headed, tail_dim)
+@pytest.mark.parametrize("headed,tail_dim,head_rank", [
+    (False, None, None), (True, None, None), (True, 3, None), (True, None, 2)])
+def test_same_weights_give_the_keras3_results(rng, headed, tail_dim, head_rank):
+  layer3, layer2, num_classes = _layers(rng, headed, tail_dim, head_rank)
   hidden = tf.constant(rng.normal(size=(3, 4, D)), tf.float32)
   targets = rng.integers(0, num_classes, (3, 4)).astype(np.int32)
   targets[0, 0] = -1
@@ -84,7 +85,7 @@ def _model(trees, **kwargs):
 @pytest.mark.parametrize("name", ["model.keras", "model.h5", "saved_model"])
 def test_fit_trains_every_part_and_a_saved_model_gives_the_same_output(rng, tmp_path, name):
   trees = [tf_hsm.Tree.huffman(rng.integers(1, 50, 26), branching=b) for b in (2, 4)]
-  model = _model(trees, head=[3, 7, 1, 0], tail_dim=4)
+  model = _model(trees, head=[3, 7, 1, 0], tail_dim=4, head_rank=2)
   layer = model.get_layer("mixture")
   ids = {id(v) for v in model.trainable_variables}
   assert all(id(w) in ids for w in layer.trainable_weights)

@@ -209,30 +209,34 @@ def head_part(rng, rounds, trees=HEAD_TREES):
 
 
 class MixtureShape(collections.namedtuple("MixtureShape",
-                                          "count branching head shared tail_dim",
-                                          defaults=(False, None))):
+                                          "count branching head shared tail_dim head_rank",
+                                          defaults=(False, None, None))):
   """A mixture the mixture part times: `count` trees of `branching`, each with a head of
   `head` frequent classes at its root, or (`shared`) over the other classes below one
   shared head of `head` (`HierarchicalSoftmaxMixture(head=...)`), scoring a `tail_dim`
-  projection of the hidden state where that is given."""
+  projection of the hidden state where that is given, each tree correcting the shared
+  head at rank `head_rank` where that is given."""
 
   def __new__(cls, *args, **kwargs):
     shape = super().__new__(cls, *args, **kwargs)
-    if shape.tail_dim is not None and not shape.shared:
-      raise ValueError(f"a mixture's tail_dim ({shape.tail_dim}) is the width of the trees "
-                       "below a shared head: give shared=True")
+    for name in ("tail_dim", "head_rank"):
+      if getattr(shape, name) is not None and not shape.shared:
+        raise ValueError(f"a mixture's {name} ({getattr(shape, name)}) is of the trees "
+                         "below a shared head: give shared=True")
     return shape
 
   def __str__(self):
     dim = "" if self.tail_dim is None else f"/{self.tail_dim}"
-    return (f"{self.count}x{self.branching}+{self.head}{dim}" if self.shared
+    rank = "" if self.head_rank is None else f"r{self.head_rank}"
+    return (f"{self.count}x{self.branching}+{self.head}{dim}{rank}" if self.shared
             else f"{self.count}x{self.branching}:{self.head}")
 
   def label(self):
     count = _COUNTS.get(self.count, self.count)
     dim = "" if self.tail_dim is None else f", d={self.tail_dim}"
-    return (f"shared head {self.head} + {count} {self.branching}-ary{dim}" if self.shared
-            else f"mixture of {count} {self.branching}:{self.head}")
+    rank = "" if self.head_rank is None else f", heads of rank {self.head_rank}"
+    return (f"shared head {self.head} + {count} {self.branching}-ary{dim}{rank}"
+            if self.shared else f"mixture of {count} {self.branching}:{self.head}")
 
 
 MIXTURE_TREES = (MixtureShape(2, 32, 256, False), MixtureShape(2, 16, 128, False),
@@ -241,11 +245,12 @@ _COUNTS = {2: "two", 3: "three", 4: "four"}
 MAX_MIXTURE_TREES = 8  # each tree of V=1M holds a [1M, 300] table: 1.2 GB
 
 
-def _mixture_step(trees, hidden, targets, head=None, tail_dim=None):
-  """`HierarchicalSoftmaxMixture` over `trees` (with the shared `head` and `tail_dim`, if
-  given), forward and backward as `_hsm_step`."""
+def _mixture_step(trees, hidden, targets, head=None, tail_dim=None, head_rank=None):
+  """`HierarchicalSoftmaxMixture` over `trees` (with the shared `head`, `tail_dim` and
+  `head_rank`, if given), forward and backward as `_hsm_step`."""
   from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture  # pylint: disable=import-outside-toplevel
-  layer = HierarchicalSoftmaxMixture(list(trees), head=head, tail_dim=tail_dim)
+  layer = HierarchicalSoftmaxMixture(list(trees), head=head, tail_dim=tail_dim,
+                                     head_rank=head_rank)
   layer.build(hidden.shape)
 
   @tf.function
@@ -254,8 +259,10 @@ def _mixture_step(trees, hidden, targets, head=None, tail_dim=None):
       tape.watch(hidden)
       loss = -tf.reduce_mean(layer(hidden, targets))
     grads = tape.gradient(loss, [hidden] + layer.trainable_variables)
-    tables = [g.values[:1] for g in grads if isinstance(g, tf.IndexedSlices)]
-    return (loss, grads[0], *tables)  # the tables' IndexedSlices as they are
+    # The tables' IndexedSlices as they are; a row of each dense gradient (the gate's,
+    # the corrected heads' table), so that no product of the backward is pruned.
+    tables = [g.values[:1] if isinstance(g, tf.IndexedSlices) else g[:1] for g in grads[1:]]
+    return (loss, grads[0], *tables)
   return step
 
 
@@ -296,7 +303,8 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
       methods[f"one tree {shape.branching}:{shape.head}"] = _hsm_step(
           first, hidden, table, biases, targets)
     trees, head = _mixture_trees(rng, shape, first, classes)
-    methods[shape.label()] = _mixture_step(trees, hidden, targets, head, shape.tail_dim)
+    methods[shape.label()] = _mixture_step(trees, hidden, targets, head, shape.tail_dim,
+                                           shape.head_rank)
     if shape.shared:
       shared_parts = _shared_head_parts(rng, shape, trees[0], hidden, targets)
       methods.update(shared_parts)
@@ -391,17 +399,21 @@ def parse_heads(text):
 
 
 def parse_mixtures(text):
-  """"32:256,3x16+128/64" -> (MixtureShape(2, 32, 256, False), MixtureShape(3, 16, 128,
-  True, 64)): [TREESx]BRANCHING:HEAD (each tree with its head) or
-  [TREESx]BRANCHING+HEAD[/DIM] (a shared head; the trees DIM wide), two trees where the
-  count is left out; ValueError naming a bad entry."""
+  """"32:256,3x16+128/64r8" -> (MixtureShape(2, 32, 256, False), MixtureShape(3, 16,
+  128, True, 64, 8)): [TREESx]BRANCHING:HEAD (each tree with its head) or
+  [TREESx]BRANCHING+HEAD[/DIM][rRANK] (a shared head; the trees DIM wide, each
+  correcting the head at RANK), two trees where the count is left out; ValueError
+  naming a bad entry."""
   mixtures = []
   for entry in text.split(","):
-    match = re.fullmatch(r"(?:(\d+)x)?(\d+)(?::(\d+)|\+(\d+)(?:/(\d+))?)", entry)
-    if not match or (match.group(5) is not None and int(match.group(5)) < 1):
+    match = re.fullmatch(r"(?:(\d+)x)?(\d+)(?::(\d+)|\+(\d+)(?:/(\d+))?(?:r(\d+))?)",
+                         entry)
+    if not match or any(match.group(g) is not None and int(match.group(g)) < 1
+                        for g in (5, 6)):
       raise ValueError("--mixtures takes [TREESx]BRANCHING:HEAD or "
-                       f"[TREESx]BRANCHING+HEAD[/DIM] (DIM >= 1), got {entry!r}")
-    count, branching, own_head, shared_head, dim = match.groups()
+                       f"[TREESx]BRANCHING+HEAD[/DIM][rRANK] (DIM, RANK >= 1), got "
+                       f"{entry!r}")
+    count, branching, own_head, shared_head, dim, rank = match.groups()
     shared = shared_head is not None
     count, branching, head = int(count or 2), int(branching), int(shared_head or own_head)
     if not 2 <= count <= MAX_MIXTURE_TREES or branching < 2:
@@ -410,7 +422,8 @@ def parse_mixtures(text):
     if shared and head < 1:
       raise ValueError(f"--mixtures needs a shared head of at least 1 class, got {entry!r}")
     mixtures.append(MixtureShape(count, branching, head, shared,
-                                 None if dim is None else int(dim)))
+                                 None if dim is None else int(dim),
+                                 None if rank is None else int(rank)))
   return tuple(mixtures)
 
 
@@ -483,8 +496,9 @@ def main(argv=None):
   parser.add_argument("--mixtures", default=",".join(map(str, MIXTURE_TREES)),
                       help="the mixture part's mixtures, [TREESx]BRANCHING:HEAD (each "
                            "tree with a head of HEAD classes at its root) or "
-                           "[TREESx]BRANCHING+HEAD[/DIM] (the trees below one shared head, "
-                           "DIM wide); two trees without TREESx; default: %(default)s")
+                           "[TREESx]BRANCHING+HEAD[/DIM][rRANK] (the trees below one "
+                           "shared head, DIM wide, each correcting it at RANK); two trees "
+                           "without TREESx; default: %(default)s")
   parser.add_argument("--memory-case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   try:

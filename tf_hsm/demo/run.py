@@ -274,7 +274,7 @@ def _compile(model, output_layer, learning_rate, output_lr_scale):
 
 
 def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
-              output_lr_scale=1.0, head=None, tail_dim=None):
+              output_lr_scale=1.0, head=None, tail_dim=None, head_rank=None):
   """[tokens, targets] -> log P(targets), trained with tf_hsm.losses.nll.
 
   The biases start at the unigram distribution of `counts` (see `tree_unigram_biases`);
@@ -283,7 +283,8 @@ def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
   the output layer is then their `HierarchicalSoftmaxMixture` (`--mixture`), with
   `head` (class ids) its shared head, the trees over the other classes
   (`--shared-head`), scoring a `tail_dim` projection of the hidden state where that is
-  given (`--tail-dim`).
+  given (`--tail-dim`), each tree with a rank-`head_rank` correction of the head where
+  that is given (`--head-rank`).
   """
   import keras  # pylint: disable=g-import-not-at-top
   from tf_hsm.keras.layers import HierarchicalSoftmax  # pylint: disable=g-import-not-at-top
@@ -301,7 +302,7 @@ def hsm_model(tree, counts, hidden, seq_len, learning_rate, name="hsm_lm",
   output = layers[0] if len(trees) == 1 else HierarchicalSoftmaxMixture(
       layers, name="hsm", head=head, head_bias_initializer=keras.initializers.Constant(
           head_biases(counts, head)) if head is not None else "zeros", tail_dim=tail_dim,
-      num_classes=len(counts))
+      num_classes=len(counts), head_rank=head_rank)
   log_probs = output(x, targets)
   return _compile(keras.Model([tokens, targets], log_probs, name=name), "hsm",
                   learning_rate, output_lr_scale)
@@ -621,6 +622,10 @@ def parse_args(argv=None):
                  help="with --shared-head: the trees score a D-wide projection of the "
                       "hidden state (the rare words' fewer dimensions, as the adaptive "
                       "softmax's)")
+  p.add_argument("--head-rank", type=int, default=None, metavar="R",
+                 help="with --shared-head: each tree's own head, the shared one plus a "
+                      "rank-R correction, mixed by the gate (a mixture of softmaxes over "
+                      "the frequent words for one head's step)")
   p.add_argument("--max-ppl-increase", type=percent_arg, default=None, metavar="PCT",
                  help="with --tree planned: the planner recommends among the layers "
                       "measured within PCT%% perplexity of full softmax (e.g. 10)")
@@ -780,6 +785,8 @@ def _check_tree_shape(p, args):
     p.error("--shared-head takes --mixture N and --head H (the shared head's words)")
   if args.tail_dim is not None and (not args.shared_head or args.tail_dim < 1):
     p.error("--tail-dim takes an int >= 1, with --shared-head")
+  if args.head_rank is not None and (not args.shared_head or args.head_rank < 1):
+    p.error("--head-rank takes an int >= 1, with --shared-head")
 
 
 def main(argv=None):
@@ -835,7 +842,9 @@ def main(argv=None):
                 f"; the {len(head_ids)} most frequent words a head shared by the trees, "
                 "which are over the others" if head_ids is not None else "") + (
                     f", scoring the hidden state's projection to {args.tail_dim} dimensions"
-                    if args.tail_dim else ""), flush=True)
+                    if args.tail_dim else "") + (
+                        f", each tree's head corrected at rank {args.head_rank}"
+                        if args.head_rank else ""), flush=True)
 
   # Progress bars where a person watches; one line per epoch in logs, where each bar's
   # redraws would otherwise become hundreds of lines.
@@ -858,10 +867,11 @@ def main(argv=None):
     if kind == "hsm":
       name = f"hsm-{args.tree}" + ("-mixture" if mixture else "") + (
           "-shared-head" if head_ids is not None else "") + (
-              f"-tail-dim-{args.tail_dim}" if args.tail_dim else "")
+              f"-tail-dim-{args.tail_dim}" if args.tail_dim else "") + (
+                  f"-head-rank-{args.head_rank}" if args.head_rank else "")
       model = hsm_model(trees, counts, args.hidden, args.seq_len, args.learning_rate,
                         output_lr_scale=args.output_lr_scale, head=head_ids,
-                        tail_dim=args.tail_dim)
+                        tail_dim=args.tail_dim, head_rank=args.head_rank)
       data, held_out = ([x, y], y), ([hx, hy], hy)
       if args.tree == "learned":
         extra = [learned_tree_callback(model, counts, head, args.rebuild_after_batches,

@@ -14,6 +14,15 @@ tail slot, the trees over the other classes and walked for the tail's tokens onl
 The tail trees are over the tail classes in increasing id order (`Tree.from_context(...,
 classes=tail_classes(head, V))` builds them); `ClassMap` maps class ids to head slots
 and tail positions and back.
+
+With `head_rank=r` each component k has a head of its own, the shared head's logits plus
+a rank-r correction (`head_correction_in` V `[D, K r]`, `head_correction_out` U
+`[K, r, H + 1]`), and the gate mixes the heads too (a mixture of softmaxes over the
+frequent classes, at the cost of one head and K thin products):
+
+    P_head,k(s | h) = softmax(W h + b + U_k (V_k h))_s
+    P(c | h) = sum_k pi_k(h) P_head,k(c | h)                       c in the head
+    P(c | h) = sum_k pi_k(h) P_head,k(tail | h) P_k(c | h)          c in the tail
 """
 
 import numpy as np
@@ -124,7 +133,8 @@ class MixtureParts:
   _INPUT_CAST = None  # the component's attribute that turns its input casting off
 
   def _set_up(self, components, gate_initializer, head, head_bias_initializer,
-              ignore_class, tail_dim, tail_projection_initializer, num_classes=None):
+              ignore_class, tail_dim, tail_projection_initializer, num_classes=None,
+              head_rank=None):
     inits = self._INITIALIZERS
     self.components = checked_components(components, self.name, self.dtype_policy,
                                          self._COMPONENT, self._KERAS_NAME)
@@ -133,6 +143,10 @@ class MixtureParts:
     self.head_bias_initializer = inits.get(head_bias_initializer)
     self._ignore_class = checked_ignore_class(ignore_class, head, self.components)
     self.tail_dim = checked_tail_dim(tail_dim, head)
+    self.head_rank = checked_head_rank(head_rank, head, self.components)
+    # Made here, as the projection's, only where it is used (see below).
+    self.head_correction_initializer = (
+        None if self.head_rank is None else inits.get("glorot_uniform"))
     # Made only where it is used: an initializer made without a seed draws one from
     # Python's generator, which would move every later seeded draw (the head's too).
     self.tail_projection_initializer = (
@@ -174,6 +188,15 @@ class MixtureParts:
     tail_shape = tuple(hidden_shape[:-1]) + (self.tail_dim or dim,)
     for component in self.components:
       self._build_part(component, tail_shape)
+    if self.head_rank is not None:
+      # V draws, U starts at zero: every component's head starts as the shared one.
+      self.head_correction_in = self.add_weight(
+          name="head_correction_in", shape=(dim, len(self.components) * self.head_rank),
+          initializer=self.head_correction_initializer, **self._NO_CAST)
+      self.head_correction_out = self.add_weight(
+          name="head_correction_out",
+          shape=(len(self.components), self.head_rank, len(self.head_ids) + 1),
+          initializer="zeros", **self._NO_CAST)
     if self.tail_dim is not None:
       self.tail_projection = self.add_weight(
           name="tail_projection", shape=(dim, self.tail_dim),
@@ -236,6 +259,8 @@ class MixtureParts:
     })
     if self._declared_classes is not None:  # likewise
       config["num_classes"] = self._declared_classes
+    if self.head_rank is not None:  # likewise
+      config["head_rank"] = self.head_rank
     if self.tail_dim is not None:  # written only where set: older configs load as before
       config.update({"tail_dim": self.tail_dim,
                      "tail_projection_initializer": serialize(
@@ -305,6 +330,26 @@ def checked_tail_dim(tail_dim, head):
     raise ValueError("tail_dim needs a head: the projection is of what the trees below "
                      "the shared head score")
   return int(tail_dim)
+
+
+def checked_head_rank(head_rank, head, components):
+  """`head_rank` as an int, or None; TypeError/ValueError where it cannot be."""
+  if head_rank is None:
+    return None
+  if isinstance(head_rank, bool) or not isinstance(head_rank, (int, np.integer)):
+    raise TypeError(f"head_rank must be a positive int (the rank of each component's "
+                    f"correction of the shared head), got {head_rank!r}")
+  if head_rank < 1:
+    raise ValueError(f"head_rank must be a positive int (the rank of each component's "
+                     f"correction of the shared head), got {head_rank}")
+  if head is None:
+    raise ValueError("head_rank needs a head: it corrects the shared head once per "
+                     "component")
+  if getattr(components[0], "fused_update", False):
+    raise ValueError("head_rank cannot be combined with components' fused_update: the "
+                     "head's table then trains by its gradient, which the fused update "
+                     "of the head would skip; use fused_update=False")
+  return int(head_rank)
 
 
 def checked_components(components, name, dtype_policy, layer_class, keras_name):
@@ -406,19 +451,56 @@ def _headed_call(layer, hidden, targets, mask, training):
   with tf.control_dependencies([in_range]):  # in a graph too, before the class map's gather
     targets = tf.identity(targets)
   head_targets, tail_targets, in_tail = layer.class_map.split(targets, valid)
-  head = layer.head(hidden, head_targets, training=training)
   hidden = tf.convert_to_tensor(hidden)
   flat_hidden = tf.reshape(hidden, [-1, tf.shape(hidden)[-1]])
   where = tf.where(tf.reshape(in_tail, [-1]))  # [n, 1]: the tail's tokens
   tail_hidden = tf.gather_nd(flat_hidden, where)
   scored = tail_input(layer, tail_hidden)
-  parts = [c(scored, tf.gather_nd(tf.reshape(tail_targets, [-1]), where), training=training)
-           for c in layer.components]
-  mixed = tf.reduce_logsumexp(tf.stack(parts, -1) + log_gate(layer, tail_hidden), -1)
-  mixed = tf.reshape(tf.scatter_nd(where, mixed, tf.size(in_tail, out_type=tf.int64)[None]),
-                     tf.shape(in_tail))
-  out = head + tf.cast(mixed, head.dtype)
+  parts = tf.stack([c(scored, tf.gather_nd(tf.reshape(tail_targets, [-1]), where),
+                      training=training) for c in layer.components], -1)  # [n, K]
+  if layer.head_rank is not None:
+    out = _corrected_heads_call(layer, hidden, head_targets, where, parts)
+  else:
+    head = layer.head(hidden, head_targets, training=training)
+    mixed = tf.reduce_logsumexp(parts + log_gate(layer, tail_hidden), -1)
+    mixed = tf.reshape(tf.scatter_nd(where, mixed,
+                                     tf.size(in_tail, out_type=tf.int64)[None]),
+                       tf.shape(in_tail))
+    out = head + tf.cast(mixed, head.dtype)
   return tf.where(valid, out, tf.zeros_like(out)), valid
+
+
+def _corrected_heads_call(layer, hidden, head_targets, where, parts):
+  """log sum_k pi_k P_head,k(slot) P_k(c) (the last factor 1 for a head class) of every
+  token, from the tail tokens' tree log-probabilities `parts` [n, K] at `where`."""
+  count = len(layer.components)
+  flat = tf.reshape(hidden, [-1, tf.shape(hidden)[-1]])
+  heads = corrected_head_log_probs(layer, flat)  # [N, K, H + 1]
+  slots = tf.reshape(tf.maximum(head_targets, 0), [-1])
+  at_slot = tf.gather(heads, slots, axis=2, batch_dims=1)  # [N, K]
+  tails = tf.scatter_nd(where, tf.cast(parts, heads.dtype),
+                        tf.stack([tf.shape(flat, out_type=tf.int64)[0], count]))
+  out = tf.reduce_logsumexp(log_gate(layer, flat) + at_slot + tails, -1)
+  return tf.reshape(out, tf.shape(head_targets))
+
+
+def corrected_head_log_probs(layer, hidden, temperature=None):
+  """log P_head,k(s | hidden) for each component k and head slot s, `[..., K, H + 1]`:
+  the shared head's logits plus component k's rank-r correction U_k (V_k hidden), as
+  a softmax (its logits divided by `temperature` where given)."""
+  head = layer.head
+  hidden = hsm.hidden_in(hidden, head.kernel.dtype)
+  logits = tf.tensordot(hidden, tf.transpose(head.kernel), 1)
+  if head.bias is not None:
+    logits += head.bias
+  low = tf.tensordot(hidden, layer.head_correction_in, 1)  # [..., K r]
+  low = tf.reshape(low, tf.concat([tf.shape(low)[:-1], [len(layer.components),
+                                                        layer.head_rank]], 0))
+  logits = tf.expand_dims(logits, -2) + tf.einsum("...kr,krs->...ks", low,
+                                                  layer.head_correction_out)
+  if temperature is not None:
+    logits /= tf.cast(temperature, logits.dtype)
+  return tf.nn.log_softmax(logits, -1)
 
 
 def log_prob_all(layer, hidden, **kwargs):
@@ -431,11 +513,23 @@ def log_prob_all(layer, hidden, **kwargs):
                      f"{', '.join(sorted(kwargs))}: the head's slots and the trees' "
                      "classes are not one range of ids")
   scored = tail_input(layer, hidden)
+  if layer.head_rank is not None:
+    return _corrected_heads_log_prob_all(layer, hidden, scored)
   parts = tf.stack([c.log_prob_all(scored, **kwargs) for c in layer.components], -1)
   mixed = tf.reduce_logsumexp(parts + log_gate(layer, hidden)[..., None, :], -1)
   if layer.head is None:
     return mixed
   return layer.class_map.assemble(layer.head.log_prob_all(hidden, **kwargs), mixed)
+
+
+def _corrected_heads_log_prob_all(layer, hidden, scored):
+  """`log_prob_all` with `head_rank`: each component's head and tree joined in class
+  order, then mixed by the gate."""
+  heads = corrected_head_log_probs(layer, hidden)  # [..., K, H + 1]
+  joined = tf.stack([layer.class_map.assemble(heads[..., k, :],
+                                              tf.cast(c.log_prob_all(scored), heads.dtype))
+                     for k, c in enumerate(layer.components)], -1)  # [..., V, K]
+  return tf.reduce_logsumexp(joined + tf.expand_dims(log_gate(layer, hidden), -2), -1)
 
 
 def top_k(layer, hidden, k, exclude=None):
@@ -514,5 +608,22 @@ def sample(layer, hidden, seed=None, temperature=1.0):
   if layer.head is None:
     return drawn
   # The head's slot first (its own seed): the tail's draw where it is the tail slot.
-  return layer.class_map.classes(
-      layer.head.sample(hidden, seed=_part_seed(seed, -2), temperature=temperature), drawn)
+  if layer.head_rank is None:
+    slot = layer.head.sample(hidden, seed=_part_seed(seed, -2), temperature=temperature)
+  else:  # from the chosen component's own head
+    slot = _corrected_head_sample(layer, hidden, chosen, _part_seed(seed, -2), temperature)
+  return layer.class_map.classes(slot, drawn)
+
+
+def _corrected_head_sample(layer, hidden, chosen, seed, temperature):
+  """A head slot of each row from the head of its `chosen` component, at `temperature`
+  (int64 `[...]`; -1 where its logits are not all finite)."""
+  heads = corrected_head_log_probs(layer, hidden, temperature)  # [..., K, H + 1]
+  rows = tf.reshape(heads, tf.concat([[-1], tf.shape(heads)[-2:]], 0))
+  rows = tf.gather(rows, tf.reshape(chosen, [-1]), axis=1, batch_dims=1)  # [N, H + 1]
+  defined = tf.reduce_all(tf.math.is_finite(rows), -1)
+  slots = tf.random.stateless_categorical(
+      tf.where(defined[:, None], rows, tf.zeros_like(rows)), 1,
+      tf.stack([seed, tf.constant(0, tf.int64)]))[:, 0]
+  slots = tf.where(defined, slots, tf.constant(-1, tf.int64))
+  return tf.reshape(slots, tf.shape(chosen))

@@ -63,13 +63,21 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, keras.layers.Layer):
     num_classes: optional, the classes the layer is over, checked against what the parts
       make (len(head) + the trees' classes): trees built over all the classes below a
       head (`classes=` left out) are then an error, not a larger layer.
+    head_rank: with `head`, optional rank r of a correction of the shared head per
+      component: component k's head scores W h + b + U_k (V_k h) (`head_correction_in`
+      V `[D, K r]`, glorot-uniform; `head_correction_out` U `[K, r, len(head) + 1]`,
+      zeros, so each starts as the shared head), and the gate mixes the heads as it
+      mixes the trees: a mixture of softmaxes over the frequent classes, as
+      components with heads of their own give, for one head's product and K thin
+      ones. Not with components' `fused_update`. Default None: one shared head.
     **kwargs: base `keras.layers.Layer` arguments (name, dtype, trainable, ...).
 
   Raises:
     TypeError, ValueError: fewer than two components, a component that is neither, trees
       over different numbers of classes, components with different `ignore_class`, a
       malformed `head`, `ignore_class` without `head` or beside the components' own,
-      `tail_dim` without `head` or not a positive int, `num_classes` unlike the parts'.
+      `tail_dim` or `head_rank` without `head` or not a positive int, `head_rank` with
+      `fused_update`, `num_classes` unlike the parts'.
   """
 
   _COMPONENT, _KERAS, _KERAS_NAME = HierarchicalSoftmax, "keras", "Keras 3"
@@ -77,10 +85,11 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, keras.layers.Layer):
 
   def __init__(self, components, gate_initializer="zeros", head=None,
                head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
-               tail_projection_initializer="glorot_uniform", num_classes=None, **kwargs):
+               tail_projection_initializer="glorot_uniform", num_classes=None,
+               head_rank=None, **kwargs):
     super().__init__(**kwargs)
     self._set_up(components, gate_initializer, head, head_bias_initializer, ignore_class,
-                 tail_dim, tail_projection_initializer, num_classes)
+                 tail_dim, tail_projection_initializer, num_classes, head_rank)
     self.supports_jit = False
 
   def __call__(self, *args, **kwargs):

@@ -11,6 +11,12 @@ slot, the trees over the other classes, scoring `h` or its `tail_dim` projection
     P(c | h) = P_head(c | h)                                 c in the head
     P(c | h) = P_head(tail | h) sum_k pi_k(h) P_k(c | h)      c in the tail
 
+and with `head_rank`, a head of each tree's own, the shared head's logits plus a rank-r
+correction U_k (V_k h), mixed by the gate with the trees:
+
+    P(c | h) = sum_k pi_k(h) P_head,k(c | h)                        c in the head
+    P(c | h) = sum_k pi_k(h) P_head,k(tail | h) P_k(c | h)           c in the tail
+
 `top_k` ranks `log_prob_all`, as the layer's does (every class of every tree is scored);
 `sample` draws a tree from the gate, then a class from it (and the head's slot first),
 each part from its own stream of the one seed.
@@ -35,14 +41,16 @@ class MixtureWeights:
     tail_projection: `[D, d]` (the layer's `tail_dim`), or None.
     head: None, or (kernel, bias or None, StockTree) of the shared head's softmax over
       len(head) + 1 slots, the last the tail's.
+    head_correction: None, or (V `[D, K r]`, U `[K, r, len(head) + 1]`) of `head_rank`.
     num_head: the head's classes (0 without one); num_classes: all of them.
     position: int32 `[num_classes]`, a class's place in [head..., tail...] (None without
       a head); order: the class at each place.
   """
 
   def __init__(self, gate_kernel, gate_bias, kernels, biases, trees, tail_projection=None,
-               head=None, head_ids=None):
+               head=None, head_ids=None, head_correction=None):
     self.gate_kernel, self.gate_bias = gate_kernel, gate_bias
+    self.head_correction = head_correction
     self.kernels, self.biases = list(kernels), list(biases)
     self.trees = [t if isinstance(t, StockTree) else StockTree(t) for t in trees]
     self.tail_projection, self.head = tail_projection, head
@@ -72,16 +80,21 @@ class MixtureWeights:
     if layer.head is not None:
       head = table(layer.head, "head") + (StockTree(layer.head.tree),)
     projection = getattr(layer, "tail_projection", None)
+    correction = None
+    if getattr(layer, "head_rank", None) is not None:
+      correction = (variable(layer.head_correction_in, "head_correction_in"),
+                    variable(layer.head_correction_out, "head_correction_out"))
     return cls(variable(layer.gate_kernel, "gate_kernel"),
                variable(layer.gate_bias, "gate_bias"), [t[0] for t in tables],
                [t[1] for t in tables], [c.tree for c in layer.components],
                None if projection is None else variable(projection, "tail_projection"),
-               head, layer.head_ids)
+               head, layer.head_ids, correction)
 
   def variables(self):
     """Every weight, for the module that saves them."""
     found = [self.gate_kernel, self.gate_bias, self.tail_projection] + self.kernels + \
-        self.biases + ([] if self.head is None else list(self.head[:2]))
+        self.biases + ([] if self.head is None else list(self.head[:2])) + \
+        list(self.head_correction or ())
     return [v for v in found if v is not None]
 
   def inputs(self, hidden):
@@ -104,6 +117,26 @@ class MixtureWeights:
   def components(self):
     return zip(self.kernels, self.biases, self.trees)
 
+  def head_log_probs(self, hidden, temperature=None):
+    """log P_head,k(s | hidden) of each tree k's head (`head_correction`) and slot s,
+    `[..., K, len(head) + 1]` (the logits divided by `temperature` where given)."""
+    kernel, bias, _ = self.head
+    logits = tf.tensordot(hidden, tf.transpose(tf.convert_to_tensor(kernel)), 1)
+    if bias is not None:
+      logits += bias
+    v, u = (tf.convert_to_tensor(w) for w in self.head_correction)
+    count, rank = u.shape[0], u.shape[1]
+    low = tf.tensordot(hidden, v, 1)
+    low = tf.reshape(low, tf.concat([tf.shape(low)[:-1], [count, rank]], 0))
+    # [..., K, r] x [K, r, S] as K products: an einsum's batch matmul over a broadcast
+    # leading shape is no TFLite builtin.
+    corrections = tf.stack([tf.tensordot(low[..., k, :], u[k], 1) for k in range(count)],
+                           -2)
+    logits = tf.expand_dims(logits, -2) + corrections
+    if temperature is not None:
+      logits /= temperature
+    return tf.nn.log_softmax(logits, -1)
+
 
 def log_prob(weights, hidden, targets):
   """log P(targets | hidden), `[...]`: targets < 0 are padding (0), targets >=
@@ -118,8 +151,11 @@ def log_prob(weights, hidden, targets):
                                                          tf.zeros_like(targets))), tf.int64)
     in_tail = tf.logical_and(valid, place >= weights.num_head)
     head_slot = tf.where(valid, tf.minimum(place, weights.num_head), -tf.ones_like(place))
-    head_lp = hsm.log_prob(hidden, *weights.head, head_slot)
     tree_targets = tf.where(in_tail, place - weights.num_head, -tf.ones_like(place))
+    if weights.head_correction is not None:
+      return _corrected_log_prob(weights, hidden, scored, log_gate, targets, head_slot,
+                                 tree_targets)
+    head_lp = hsm.log_prob(hidden, *weights.head, head_slot)
   else:
     in_tail = valid
     tree_targets = tf.where(valid, targets, -tf.ones_like(targets))
@@ -132,18 +168,41 @@ def log_prob(weights, hidden, targets):
   return tf.where(targets >= weights.num_classes, tf.constant(float("nan"), out.dtype), out)
 
 
+def _corrected_log_prob(weights, hidden, scored, log_gate, targets, head_slot,
+                       tree_targets):
+  """`log_prob` with each tree's own corrected head: log sum_k pi_k P_head,k(slot)
+  P_k(c), P_k(c) 1 for a head class (a tree's log_prob of target -1 is 0)."""
+  heads = weights.head_log_probs(hidden)  # [..., K, S]
+  slot = tf.where(head_slot >= 0, head_slot, tf.zeros_like(head_slot))
+  at_slot = _picked(heads, tf.expand_dims(slot, -1), weights.num_head + 1)
+  parts = tf.stack([hsm.log_prob(scored, w, b, t, tree_targets)
+                    for w, b, t in weights.components()], -1)
+  out = _logsumexp(parts + log_gate + at_slot)
+  out = tf.where(head_slot >= 0, out, tf.zeros_like(out))
+  return tf.where(targets >= weights.num_classes, tf.constant(float("nan"), out.dtype), out)
+
+
 def log_prob_all(weights, hidden):
   """log P(c | hidden) for every class c: `[..., num_classes]`."""
   hidden, scored = weights.inputs(hidden)
   log_gate = weights.log_gate(hidden)
+  if weights.head_correction is not None:
+    heads = weights.head_log_probs(hidden)  # [..., K, S]
+    joined = tf.stack([_joined(weights, heads[..., k, :], hsm.log_prob_all(scored, w, b, t))
+                       for k, (w, b, t) in enumerate(weights.components())], -1)
+    return _logsumexp(joined + tf.expand_dims(log_gate, -2))
   parts = tf.stack([hsm.log_prob_all(scored, w, b, t) for w, b, t in weights.components()],
                    -1)
   # expand_dims, not [..., None, :]: a strided slice with a new axis is no TFLite builtin.
   mixed = _logsumexp(parts + tf.expand_dims(log_gate, -2))
   if weights.head is None:
     return mixed
-  head = hsm.log_prob_all(hidden, *weights.head)
-  joined = tf.concat([head[..., :weights.num_head], head[..., weights.num_head:] + mixed],
+  return _joined(weights, hsm.log_prob_all(hidden, *weights.head), mixed)
+
+
+def _joined(weights, head, tail):
+  """[..., V] in class order from the head's [..., S] and the tail's [..., V - S + 1]."""
+  joined = tf.concat([head[..., :weights.num_head], head[..., weights.num_head:] + tail],
                      -1)
   return tf.gather(joined, weights.position, axis=-1)
 
@@ -211,9 +270,33 @@ def sample(weights, hidden, seed, temperature=1.0):
   drawn = tf.where(defined, drawn, -tf.ones_like(drawn))
   if weights.head is None:
     return drawn
-  slot = hsm.sample(hidden, *weights.head, _part_seed(seed, -2), temperature)
+  if weights.head_correction is None:
+    slot = hsm.sample(hidden, *weights.head, _part_seed(seed, -2), temperature)
+  else:
+    slot = _corrected_head_sample(weights, hidden, chosen, _part_seed(seed, -2), temperature)
   place = tf.where(slot < weights.num_head, slot, weights.num_head + drawn)
   known = tf.logical_and(slot >= 0, tf.logical_or(slot < weights.num_head, drawn >= 0))
   return tf.where(known, tf.gather(weights.order, tf.where(known, place,
                                                            tf.zeros_like(place))),
                   -tf.ones_like(place))
+
+
+def _corrected_head_sample(weights, hidden, chosen, seed, temperature):
+  """A head slot from the head of each row's `chosen` tree (Gumbel-max over its tempered
+  log-probabilities); -1 where they are not all finite."""
+  heads = weights.head_log_probs(hidden, temperature)  # [..., K, S]
+  picked = _picked(tf.linalg.matrix_transpose(heads), tf.expand_dims(chosen, -1),
+                   len(weights.kernels))
+  noise = tf.random.stateless_uniform(
+      tf.shape(picked), tf.stack([seed, tf.constant(0, tf.int64)]),
+      minval=tf.constant(1e-12, picked.dtype), maxval=tf.constant(1.0, picked.dtype),
+      dtype=picked.dtype)
+  slot = tf.argmax(picked - tf.math.log(-tf.math.log(noise)), -1)
+  return tf.where(tf.reduce_all(tf.math.is_finite(picked), -1), slot, -tf.ones_like(slot))
+
+
+def _picked(values, index, depth):
+  """values[..., j, index] over the last axis (of size `depth`), with `index` [..., 1]:
+  by a one-hot select, as LiteRT's builtins take it (a -inf elsewhere stays out)."""
+  chosen = tf.expand_dims(tf.equal(tf.range(depth, dtype=index.dtype), index), -2)
+  return tf.reduce_sum(tf.where(chosen, values, tf.zeros_like(values)), -1)

@@ -17,8 +17,8 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, tf_keras.layers.Layer):
 
   What `tf_hsm.keras.HierarchicalSoftmaxMixture` (Keras 3) is, with the same arguments,
   weights (each component's `kernel` and `bias`, `gate_kernel` [D, K], `gate_bias`
-  [K], the shared head's table and `tail_projection` where set), outputs, masking and
-  inference (`log_prob_all`, `top_k`, `sample`); see that class. Its components are
+  [K], the shared head's table, and `tail_projection`, `head_correction_in` and
+  `head_correction_out` where set), outputs, masking and inference (`log_prob_all`, `top_k`, `sample`); see that class. Its components are
   tf_keras `HierarchicalSoftmax` layers (or Trees, made into them), its weights are
   never cast under mixed precision, and tf_keras' optimizers train it (tf_hsm's
   `LazyAdam` moves the touched rows only: each table's gradient is sparse).
@@ -30,10 +30,11 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, tf_keras.layers.Layer):
 
   def __init__(self, components, gate_initializer="zeros", head=None,
                head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
-               tail_projection_initializer="glorot_uniform", num_classes=None, **kwargs):
+               tail_projection_initializer="glorot_uniform", num_classes=None,
+               head_rank=None, **kwargs):
     super().__init__(**kwargs)
     self._set_up(components, gate_initializer, head, head_bias_initializer, ignore_class,
-                 tail_dim, tail_projection_initializer, num_classes)
+                 tail_dim, tail_projection_initializer, num_classes, head_rank)
 
   def build(self, hidden_shape, targets_shape=None):
     super().build(tf.TensorShape(hidden_shape), targets_shape)
