@@ -212,9 +212,10 @@ def test_fit_trains_the_head_the_trees_and_the_gate_and_a_saved_model_loads(rng,
     assert np.abs(np.asarray(layer.head_correction_out)).sum() > 0  # moved from zero
 
 
-@pytest.mark.parametrize("tail_dim", [None, 2])
-def test_inference_model_top_k_on_a_headed_mixture(rng, tail_dim):
-  layer, num_classes = _headed(rng, dtype="float32", name="mixture", tail_dim=tail_dim)
+@pytest.mark.parametrize("tail_dim,head_rank", [(None, None), (2, None), (None, 2)])
+def test_inference_model_top_k_on_a_headed_mixture(rng, tail_dim, head_rank):
+  layer, num_classes = _headed(rng, dtype="float32", name="mixture", tail_dim=tail_dim,
+                               head_rank=head_rank)
   hidden_in = keras.Input([D])
   targets = keras.Input([], dtype="int32")
   model = keras.Model([hidden_in, targets], layer(hidden_in, targets))
@@ -366,13 +367,16 @@ def test_frozen_with_a_head_trains_nothing(rng):
   assert len(frozen.non_trainable_weights) == 9  # projection, gate (2), head and trees (2 each)
 
 
-def test_mixed_float16_scores_in_float32_with_a_tail_projection(rng):
-  layer, num_classes = _headed(rng, dtype="mixed_float16", tail_dim=2)
+@pytest.mark.parametrize("head_rank", [None, 2])
+def test_mixed_float16_scores_in_float32_with_a_tail_projection(rng, head_rank):
+  layer, num_classes = _headed(rng, dtype="mixed_float16", tail_dim=2, head_rank=head_rank)
   hidden = tf.constant(rng.normal(size=(6, D)), tf.float16)
   targets = rng.integers(0, num_classes, size=6)
   targets[0] = layer.head_ids[0]
   layer(hidden, targets)
   assert layer.tail_projection.dtype == tf.float32
+  if head_rank is not None:
+    assert layer.head_correction_in.dtype == layer.head_correction_out.dtype == tf.float32
   _randomised(layer, rng, scale=0.5)
   with tf.GradientTape() as tape:
     tape.watch(hidden)
