@@ -475,32 +475,45 @@ def _corrected_heads_call(layer, hidden, head_targets, where, parts):
   token, from the tail tokens' tree log-probabilities `parts` [n, K] at `where`."""
   count = len(layer.components)
   flat = tf.reshape(hidden, [-1, tf.shape(hidden)[-1]])
-  heads = corrected_head_log_probs(layer, flat)  # [N, K, H + 1]
+  shared, low = _head_logit_parts(layer, flat)  # [N, S], [K, N, r]
+  full = tf.expand_dims(shared, 0) + tf.matmul(low, layer.head_correction_out)  # [K, N, S]
   slots = tf.reshape(tf.maximum(head_targets, 0), [-1])
-  at_slot = tf.gather(heads, slots, axis=2, batch_dims=1)  # [N, K]
+  # The slot's logit from its own row of U (no gather from [K, N, S]), less each head's
+  # log-sum-exp.
+  at_slot = tf.gather(shared, slots, axis=1, batch_dims=1) + tf.reduce_sum(
+      low * tf.transpose(tf.gather(layer.head_correction_out, slots, axis=2), [0, 2, 1]), -1)
+  heads = tf.transpose(at_slot - tf.reduce_logsumexp(full, -1))  # [N, K]
   tails = tf.scatter_nd(where, tf.cast(parts, heads.dtype),
                         tf.stack([tf.shape(flat, out_type=tf.int64)[0], count]))
-  out = tf.reduce_logsumexp(log_gate(layer, flat) + at_slot + tails, -1)
+  out = tf.reduce_logsumexp(log_gate(layer, flat) + heads + tails, -1)
   return tf.reshape(out, tf.shape(head_targets))
+
+
+def _head_logit_parts(layer, hidden):
+  """(W h + b `[N, S]`, V_k h `[K, N, r]`) of 2-D `hidden`, in the tables' dtype."""
+  head = layer.head
+  hidden = hsm.hidden_in(hidden, head.kernel.dtype)
+  shared = tf.matmul(hidden, head.kernel, transpose_b=True)
+  if head.bias is not None:
+    shared += head.bias
+  low = tf.reshape(tf.matmul(hidden, layer.head_correction_in),
+                   [-1, len(layer.components), layer.head_rank])
+  # K-major: one batched product with U [K, r, S] (an einsum over [N, K, r] ran 10x
+  # slower on the CPU).
+  return shared, tf.transpose(low, [1, 0, 2])
 
 
 def corrected_head_log_probs(layer, hidden, temperature=None):
   """log P_head,k(s | hidden) for each component k and head slot s, `[..., K, H + 1]`:
   the shared head's logits plus component k's rank-r correction U_k (V_k hidden), as
   a softmax (its logits divided by `temperature` where given)."""
-  head = layer.head
-  hidden = hsm.hidden_in(hidden, head.kernel.dtype)
-  logits = tf.tensordot(hidden, tf.transpose(head.kernel), 1)
-  if head.bias is not None:
-    logits += head.bias
-  low = tf.tensordot(hidden, layer.head_correction_in, 1)  # [..., K r]
-  low = tf.reshape(low, tf.concat([tf.shape(low)[:-1], [len(layer.components),
-                                                        layer.head_rank]], 0))
-  logits = tf.expand_dims(logits, -2) + tf.einsum("...kr,krs->...ks", low,
-                                                  layer.head_correction_out)
+  hidden = tf.convert_to_tensor(hidden)
+  shared, low = _head_logit_parts(layer, tf.reshape(hidden, [-1, tf.shape(hidden)[-1]]))
+  logits = tf.expand_dims(shared, 0) + tf.matmul(low, layer.head_correction_out)
   if temperature is not None:
     logits /= tf.cast(temperature, logits.dtype)
-  return tf.nn.log_softmax(logits, -1)
+  heads = tf.transpose(tf.nn.log_softmax(logits, -1), [1, 0, 2])  # [N, K, S]
+  return tf.reshape(heads, tf.concat([tf.shape(hidden)[:-1], tf.shape(heads)[1:]], 0))
 
 
 def log_prob_all(layer, hidden, **kwargs):
