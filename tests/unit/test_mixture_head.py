@@ -260,12 +260,26 @@ def test_components_with_their_own_ignore_class_are_refused_beside_a_head():
     HierarchicalSoftmaxMixture(components, head=[3])
 
 
-def test_head_rank_is_refused_beside_a_fused_update():
-  trees = [tf_hsm.Tree.huffman(np.arange(1, 9), 2), tf_hsm.Tree.huffman(np.arange(1, 9), 3)]
+def test_head_rank_beside_fused_updates_trains_the_head_by_its_gradient(rng):
+  """The trees' tables by their fused update, the corrected heads' table (scored in
+  the mixture, not by the op) by LazyAdam's step of its gradient: every weight moves."""
+  num_classes = 20
+  trees = [tf_hsm.Tree.huffman(rng.integers(1, 50, num_classes - 3), branching=b)
+           for b in (2, 3)]
   components = [tf_hsm.HierarchicalSoftmax(t, fused_update=True) for t in trees]
-  with pytest.raises(ValueError, match="head_rank cannot be combined with components' "
-                     "fused_update"):
-    HierarchicalSoftmaxMixture(components, head=[3], head_rank=2)
+  layer = HierarchicalSoftmaxMixture(components, head=[3, 0, 7], head_rank=2, name="mixture")
+  assert not layer.head.fused_update and all(c.fused_update for c in layer.components)
+  tokens = keras.Input([6], dtype="int32")
+  targets = keras.Input([6], dtype="int32")
+  hidden = keras.layers.Embedding(num_classes, 8)(tokens)
+  model = keras.Model([tokens, targets], layer(hidden, targets))
+  model.compile(optimizer=tf_hsm.optimizers.LazyAdam(0.05), loss=tf_hsm.losses.nll)
+  start = [np.asarray(w) for w in model.weights]
+  x = rng.integers(0, num_classes, size=(32, 6)).astype(np.int32)
+  history = model.fit([x, (x + 1) % num_classes], (x + 1) % num_classes, batch_size=8,
+                      epochs=6, verbose=0)
+  assert history.history["loss"][-1] < 0.8 * history.history["loss"][0]
+  assert all(not np.array_equal(s, np.asarray(w)) for s, w in zip(start, model.weights))
 
 
 def test_num_classes_given_is_checked_and_kept_in_the_config():

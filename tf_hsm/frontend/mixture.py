@@ -60,16 +60,20 @@ def tail_classes(head, num_classes):
   return np.setdiff1d(np.arange(num_classes, dtype=np.int64), np.asarray(head, np.int64))
 
 
-def head_layer(head_ids, component, bias_initializer, name, initializers):
+def head_layer(head_ids, component, bias_initializer, name, initializers, scored_by_op=True):
   """An unbuilt HierarchicalSoftmax (the component's class) over `Tree.flat(len(head) +
   1)` (the last slot the tail), with the settings of `component` (kernel initializer,
-  regularizers, constraints, use_bias, fused update, dtype) but its own biases.
-  `initializers`: the Keras' initializers module."""
+  regularizers, constraints, use_bias, fused update, dtype) but its own biases; without
+  a fused update where the mixture scores its table itself (`scored_by_op` False: with
+  `head_rank`, its table trains by its gradient). `initializers`: the Keras'
+  initializers module."""
   config = component.get_config()
   # Its own name, tree and biases; trainable as the mixture is (which sets it after).
   for key in ("name", "tree", "row_layout", "ignore_class", "bias_initializer", "trainable"):
     config.pop(key, None)
   config["bias_initializer"] = initializers.serialize(initializers.get(bias_initializer))
+  if not scored_by_op:
+    config["fused_update"] = False
   return type(component)(Tree.flat(len(head_ids) + 1), name=name, **config)
 
 
@@ -143,7 +147,7 @@ class MixtureParts:
     self.head_bias_initializer = inits.get(head_bias_initializer)
     self._ignore_class = checked_ignore_class(ignore_class, head, self.components)
     self.tail_dim = checked_tail_dim(tail_dim, head)
-    self.head_rank = checked_head_rank(head_rank, head, self.components)
+    self.head_rank = checked_head_rank(head_rank, head)
     # Made here, as the projection's, only where it is used (see below).
     self.head_correction_initializer = (
         None if self.head_rank is None else inits.get("glorot_uniform"))
@@ -161,7 +165,7 @@ class MixtureParts:
       self.head_ids, tail = checked_head(head, self.components[0].num_classes)
       self.class_map = ClassMap(self.head_ids, tail)
       self.head = head_layer(self.head_ids, self.components[0], self.head_bias_initializer,
-                             f"{self.name}_head", inits)
+                             f"{self.name}_head", inits, scored_by_op=self.head_rank is None)
     self._declared_classes = checked_num_classes(num_classes, self.num_classes, head)
     if not self.trainable:  # Keras set it before the components existed
       for component in self.components + ([self.head] if self.head is not None else []):
@@ -332,7 +336,7 @@ def checked_tail_dim(tail_dim, head):
   return int(tail_dim)
 
 
-def checked_head_rank(head_rank, head, components):
+def checked_head_rank(head_rank, head):
   """`head_rank` as an int, or None; TypeError/ValueError where it cannot be."""
   if head_rank is None:
     return None
@@ -345,10 +349,6 @@ def checked_head_rank(head_rank, head, components):
   if head is None:
     raise ValueError("head_rank needs a head: it corrects the shared head once per "
                      "component")
-  if getattr(components[0], "fused_update", False):
-    raise ValueError("head_rank cannot be combined with components' fused_update: the "
-                     "head's table then trains by its gradient, which the fused update "
-                     "of the head would skip; use fused_update=False")
   return int(head_rank)
 
 

@@ -69,15 +69,16 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, keras.layers.Layer):
       zeros, so each starts as the shared head), and the gate mixes the heads as it
       mixes the trees: a mixture of softmaxes over the frequent classes, as
       components with heads of their own give, for one head's product and K thin
-      ones. Not with components' `fused_update`. Default None: one shared head.
+      ones. The head's table then trains by its (dense) gradient, without the
+      components' `fused_update`. Default None: one shared head.
     **kwargs: base `keras.layers.Layer` arguments (name, dtype, trainable, ...).
 
   Raises:
     TypeError, ValueError: fewer than two components, a component that is neither, trees
       over different numbers of classes, components with different `ignore_class`, a
       malformed `head`, `ignore_class` without `head` or beside the components' own,
-      `tail_dim` or `head_rank` without `head` or not a positive int, `head_rank` with
-      `fused_update`, `num_classes` unlike the parts'.
+      `tail_dim` or `head_rank` without `head` or not a positive int, `num_classes`
+      unlike the parts'.
   """
 
   _COMPONENT, _KERAS, _KERAS_NAME = HierarchicalSoftmax, "keras", "Keras 3"

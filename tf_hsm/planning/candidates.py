@@ -82,7 +82,8 @@ class Layer:
     `tf_hsm.HierarchicalSoftmax(**kwargs)` builds the tree on first access (`tree`);
     for full softmax likewise, over `Tree.flat(num_classes)` (the exact softmax); for
     HierarchicalSoftmaxMixture, `components`: its trees (`trees`), and `head`: the
-    shared head's class ids where it has one (`head`).
+    shared head's class ids where it has one (`head`), and `head_rank` where its trees
+    correct it (`head_rank`).
   ignore_class: 0 where the counts give class 0 no count (the padding id of the
     README's models): `build()` passes `ignore_class=0` unless told otherwise, so the
     padding targets are left out of the loss and never predicted; None otherwise.
@@ -101,6 +102,7 @@ class Layer:
   _class_order: object = dataclasses.field(default=None, repr=False, compare=False)
   head: object = dataclasses.field(default=None, repr=False, compare=False)
   ignore_class: int = None
+  head_rank: int = None
 
   @property
   def tree(self):
@@ -128,8 +130,12 @@ class Layer:
   @property
   def kwargs(self):
     if self.kind == "HierarchicalSoftmaxMixture":
-      return {"components": self.trees} if self.head is None else {
-          "components": self.trees, "head": self.head}
+      kwargs = {"components": self.trees}
+      if self.head is not None:
+        kwargs["head"] = self.head
+      if self.head_rank is not None:
+        kwargs["head_rank"] = self.head_rank
+      return kwargs
     if self.kind in ("HierarchicalSoftmax", "full softmax") and self.tree is not None:
       return {"tree": self.tree}
     if self.kind == "AdaptiveSoftmax":
@@ -157,7 +163,7 @@ class Layer:
     if self.ignore_class is not None:
       layer_kwargs = {"ignore_class": self.ignore_class, **layer_kwargs}
     if self.kind == "HierarchicalSoftmaxMixture":
-      return _mixture_layer(self.trees, layer_kwargs, self.head)
+      return _mixture_layer(self.trees, layer_kwargs, self.head, self.head_rank)
     if self.kind in ("HierarchicalSoftmax", "AdaptiveSoftmax") or (
         self.kind == "full softmax" and self.num_classes is not None):
       # The package root, imported here: planning itself stays free of TensorFlow.
@@ -189,7 +195,7 @@ class Layer:
             "rebuild": None if not self.rebuild else
                        {k: v for k, v in self.rebuild.items() if k != "counts"},
             "head": None if self.head is None else [int(c) for c in self.head],
-            "ignore_class": self.ignore_class}
+            "head_rank": self.head_rank, "ignore_class": self.ignore_class}
 
 
 # The mixture's own arguments (`HierarchicalSoftmaxMixture` and keras.layers.Layer's);
@@ -197,11 +203,11 @@ class Layer:
 _MIXTURE_ARGUMENTS = ("gate_initializer", "name", "dtype", "trainable", "num_classes")
 
 
-def _mixture_layer(trees, layer_kwargs, head=None):
+def _mixture_layer(trees, layer_kwargs, head=None, head_rank=None):
   """`HierarchicalSoftmaxMixture` of `HierarchicalSoftmax` layers over `trees` (below the
-  shared `head`, if given), the arguments split between them (`_MIXTURE_ARGUMENTS` to
-  the mixture, and ignore_class with a head; the rest to each component, dtype to
-  both)."""
+  shared `head`, if given, each correcting it at `head_rank`, if given), the arguments
+  split between them (`_MIXTURE_ARGUMENTS` to the mixture, and ignore_class with a
+  head; the rest to each component, dtype to both)."""
   # The front end of tf_hsm's top-level names: tf_keras under TF_USE_LEGACY_KERAS.
   front_end = importlib.import_module(importlib.import_module("tf_hsm")._KERAS)  # pylint: disable=protected-access
   mine = _MIXTURE_ARGUMENTS + (("ignore_class", "head_bias_initializer", "tail_dim",
@@ -212,6 +218,8 @@ def _mixture_layer(trees, layer_kwargs, head=None):
     each["dtype"] = own["dtype"]
   if head is not None:
     own["head"] = head
+  if head_rank is not None:
+    own["head_rank"] = head_rank
   components = [front_end.HierarchicalSoftmax(tree, **each) for tree in trees]
   return front_end.HierarchicalSoftmaxMixture(components, **own)
 
@@ -569,7 +577,8 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     rows.append(row(f"{tree.kind} {tree.name}", _tree_label(tree.name),
                     tree.cost(D, T, probs)))
     layers.append(Layer(tree.kind, rows[-1]["method"], f"{tree.kind}({tree.code})",
-                        _build=tree.build, rebuild=tree.rebuild, head=tree.head_ids))
+                        _build=tree.build, rebuild=tree.rebuild, head=tree.head_ids,
+                        head_rank=tree.head_rank))
   progress("choosing the adaptive softmax's cutoffs")
   order = _frequency_order(counts, probs, adaptive, notes)
   ranked = probs if order is None else probs[order]

@@ -152,20 +152,32 @@ def tree_cost(tree, hidden, tokens_per_step, probs):
               tree_bytes=work.tree_bytes)
 
 
-def mixture_cost(tree_costs, hidden, tokens_per_step, head_cost=None):
+def mixture_cost(tree_costs, hidden, tokens_per_step, head_cost=None, head_rank=None,
+                 head_slots=None):
   """`HierarchicalSoftmaxMixture` of the trees whose `tree_cost`s are given: each tree's
   step as its own (a table each, its op and its update a call each), and a [D, K]
   gate with its [K] bias (a dense gradient) whose K log-probabilities a token adds to
   its K trees' and sums by a log-sum-exp (kept for the backward, with its gradient).
   With `head_cost` (the shared head's softmax, a tree of one node), that step too: the
-  trees' costs are then of the tail's tokens alone."""
+  trees' costs are then of the tail's tokens alone. With `head_rank` r, each tree's
+  correction of the head's `head_slots` logits: V `[D, K r]` and U `[K, r, S]` (dense
+  gradients), their products forward and backward, and the K heads' `[K, T, S]`
+  logits."""
   D, T, K = int(hidden), int(tokens_per_step), len(tree_costs)
   gate = K * (D + 1)
   parts = list(tree_costs) + ([head_cost] if head_cost is not None else [])
   total = lambda field: sum(getattr(c, field) for c in parts)
-  return Cost([p for c in parts for p in c.parts] + [Part("gate", gate, gate, True)],
-              total("rows_touched"), total("flops") + 6.0 * T * D * K,
-              total("activations") + 2 * T * K, calls=total("calls") + 2 * (len(parts) - 1),
+  own = [Part("gate", gate, gate, True)]
+  flops, activations = 6.0 * T * D * K, 2 * T * K
+  if head_rank:
+    corrections = K * head_rank * (D + head_slots)
+    own.append(Part("head corrections", corrections, corrections, True))
+    flops += 6.0 * T * corrections
+    activations += T * K * (head_rank + head_slots)
+  return Cost([p for c in parts for p in c.parts] + own,
+              total("rows_touched"), total("flops") + flops,
+              total("activations") + activations,
+              calls=total("calls") + 2 * (len(parts) - 1) + (2 if head_rank else 0),
               node_visits=total("node_visits"), children_scored=total("children_scored"),
               small_node_flops=total("small_node_flops"), tree_flops=total("tree_flops"),
               tree_bytes=total("tree_bytes"))

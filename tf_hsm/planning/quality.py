@@ -185,7 +185,15 @@ EVIDENCE = (
     Figure("mixture3x16_shared128", LINUX_EPOCH, 103.35,
            _CPU_MIXTURE.format("linux-comments", 16, 128, " 3 --shared-head", 27)),
     Figure("mixture4x16_shared128", LINUX_EPOCH, 103.36,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " 4 --shared-head", 27)))
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " 4 --shared-head", 27)),
+    # Each tree's correction of the shared head (docs/planner.md, "The trees' own heads
+    # at low rank"): the default seed's, as the rows above.
+    Figure("mixture16_shared128_rank16", LINUX_EPOCH, 105.05,
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " --shared-head --head-rank 16",
+                               28)),
+    Figure("mixture3x16_shared128_rank16", LINUX_EPOCH, 103.11,
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " 3 --shared-head --head-rank 16",
+                               28)))
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
 FULL = {f.corpus: f.perplexity for f in EVIDENCE if f.kind == "full"}
 # What the kinds are, for the table and the notes.
@@ -237,6 +245,12 @@ KINDS = {
                              "other classes",
     "mixture4x16_shared128": "HierarchicalSoftmaxMixture(head=...): a shared head of 128 "
                              "over four 16-ary trees from contexts of the other classes",
+    "mixture16_shared128_rank16": "HierarchicalSoftmaxMixture(head=..., head_rank=16): "
+                                  "two 16-ary context trees below a shared head of 128, "
+                                  "each correcting it at rank 16",
+    "mixture3x16_shared128_rank16": "HierarchicalSoftmaxMixture(head=..., head_rank=16): "
+                                    "three 16-ary context trees below a shared head of "
+                                    "128, each correcting it at rank 16",
 }
 
 
@@ -341,11 +355,12 @@ def kind_of(method, cutoffs=None, div_value=None, num_classes=None):
     return "full"
   if method.startswith("sampled softmax"):
     return "sampled"
-  match = re.match(r"HierarchicalSoftmaxMixture context\((\d+), (shared )?head=(\d+)\), "
-                   r"left and right(?:, (\d+) trees)?$", method)
+  match = re.match(r"HierarchicalSoftmaxMixture context\((\d+), (shared )?head=(\d+)"
+                   r"(?:, rank (\d+))?\), left and right(?:, (\d+) trees)?$", method)
   if match:
-    k, shared, head, count = match.groups()
-    kind = f"mixture{count + 'x' if count else ''}{k}_{'shared' if shared else 'head'}{head}"
+    k, shared, head, rank, count = match.groups()
+    kind = (f"mixture{count + 'x' if count else ''}{k}_{'shared' if shared else 'head'}{head}"
+            + (f"_rank{rank}" if rank else ""))
     return kind if any(f.kind == kind for f in EVIDENCE) else None
   match = re.match(r"HierarchicalSoftmax (vectors|context)\((\d+), head=(\d+)\)", method)
   if match:

@@ -44,13 +44,17 @@ TREES = HSM_TREES + ("learned",) + VECTOR_TREES
 # "mixtureNxK_sharedH": N K-ary context trees over the classes below one shared head of
 # the H most frequent (`HierarchicalSoftmaxMixture(head=...)`, the demo's
 # `--shared-head`): the head's softmax priced once over every token, each tree over the
-# tail's tokens only.
+# tail's tokens only; "..._rankR" with each tree's correction of the head at rank R
+# (`head_rank=R`, the demo's `--head-rank`).
 CONTEXT_TREES = ("context32_head256",)
 MIXTURE_TREES = ("mixture32_head256", "mixture16_head128", "mixture3x16_head128",
                  "mixture4x16_head128", "mixture16_shared128", "mixture3x16_shared128",
-                 "mixture4x16_shared128")
-# A context row's name: (context|vectors|mixture[Nx])K_headH or mixture[Nx]K_sharedH.
-_HEAD_TREE_NAME = r"(context|vectors|mixture(\d+x)?)\d+_head\d+|mixture(\d+x)?\d+_shared\d+"
+                 "mixture4x16_shared128", "mixture16_shared128_rank16",
+                 "mixture3x16_shared128_rank16")
+# A context row's name: (context|vectors|mixture[Nx])K_headH or
+# mixture[Nx]K_sharedH[_rankR].
+_HEAD_TREE_NAME = (r"(context|vectors|mixture(\d+x)?)\d+_head\d+|"
+                   r"mixture(\d+x)?\d+_shared\d+(_rank\d+)?")
 LEARNED_HEAD = 128
 VECTORS_REBUILD_AFTER = 1000
 
@@ -98,6 +102,7 @@ class _TreeCandidate:
   trees: int = 1  # a HierarchicalSoftmaxMixture's trees, each of `work`'s shape
   head_work: object = None  # a shared head's TreeWork (one node), for a mixture
   head_ids: object = None  # the shared head's classes
+  head_rank: int = None  # each tree's correction of the shared head, its rank
 
   def cost(self, hidden, tokens_per_step, probs):
     one = tree_cost(self.work, hidden, tokens_per_step, probs)
@@ -105,7 +110,8 @@ class _TreeCandidate:
       return one
     head = None if self.head_work is None else tree_cost(self.head_work, hidden,
                                                          tokens_per_step, probs)
-    return mixture_cost([one] * self.trees, hidden, tokens_per_step, head)
+    return mixture_cost([one] * self.trees, hidden, tokens_per_step, head, self.head_rank,
+                        None if self.head_ids is None else len(self.head_ids) + 1)
 
   @property
   def kind(self):
@@ -148,7 +154,8 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes,
           {"branching": [width, width], "counts": counts, "head": head,
            "after_epoch": 1}))
     elif re.fullmatch(_HEAD_TREE_NAME, name):
-      *count, k, head = map(int, re.findall(r"\d+", name))
+      rank = re.findall(r"_rank(\d+)$", name)
+      *count, k, head = map(int, re.findall(r"\d+", re.sub(r"_rank\d+$", "", name)))
       if count and count[0] < 2:
         notes.append(f"no {name} row: a mixture has at least 2 trees")
         continue
@@ -158,9 +165,13 @@ def _candidate_trees(num_classes, counts, names, probs, tokens, progress, notes,
       if "_shared" in name and head < 1:
         notes.append(f"no {name} row: a shared head holds at least 1 class")
         continue
+      if rank and int(rank[0]) < 1:
+        notes.append(f"no {name} row: a head's correction has a rank of at least 1")
+        continue
       if "_shared" in name:
         found.append(_shared_mixture((count or [2])[0], k, head, num_classes, counts,
-                                     probs, tokens, token_ids))
+                                     probs, tokens, token_ids,
+                                     int(rank[0]) if rank else None))
         continue
       work = vectors_work(huffman_counts, k, head, probs, tokens)
       found.append(_context_mixture((count or [2])[0], k, head, num_classes, counts, work,
@@ -230,10 +241,12 @@ def _context_mixture(count, k, head, num_classes, counts, work, token_ids):
   return _TreeCandidate(name, f"[{code}]", work, build, trees=count)
 
 
-def _shared_mixture(count, k, head, num_classes, counts, probs, tokens, token_ids):
+def _shared_mixture(count, k, head, num_classes, counts, probs, tokens, token_ids,
+                    rank=None):
   """The candidate of `HierarchicalSoftmaxMixture(head=...)`: the `head` most frequent
   classes one softmax (and the tail's slot), `count` K-ary context trees over the others,
-  each priced over the tail's tokens."""
+  each priced over the tail's tokens; with `rank`, each tree's correction of the head
+  (`head_rank=rank`)."""
   # The head is the most frequent classes: by the text's own counts where none are given
   # (as `Tree.from_context` counts them).
   weights = np.asarray(counts if counts is not None else np.bincount(
@@ -246,13 +259,15 @@ def _shared_mixture(count, k, head, num_classes, counts, probs, tokens, token_id
   work = vectors_work(weights[tail], k, 0, probs[tail], tokens)
   build, code = _context_trees(count, k, num_classes, counts, token_ids, "classes=tail",
                                classes=tail)
-  name = f"context({k}, shared head={head}), left and right" + (
+  ranked = "" if rank is None else f", rank {rank}"
+  name = f"context({k}, shared head={head}{ranked}), left and right" + (
       f", {count} trees" if count > 2 else "")
   # How to build it, spelled out: `head` the most frequent classes, `tail` the others.
-  code = (f"[{code}], head=head) with head = np.argsort(-counts, kind='stable')[:{head}], "
+  code = (f"[{code}], head=head{'' if rank is None else f', head_rank={rank}'}) with "
+          f"head = np.argsort(-counts, kind='stable')[:{head}], "
           "tail = tf_hsm.HierarchicalSoftmaxMixture.tail_classes(head, num_classes")
   return _TreeCandidate(name, code, work, build, trees=count, head_work=head_work,
-                        head_ids=head_ids)
+                        head_ids=head_ids, head_rank=rank)
 
 
 def _tree_label(name):
@@ -261,8 +276,8 @@ def _tree_label(name):
   if ", left and right" in name:
     count = re.findall(r", (\d+) trees$", name)
     return "HSM mixture" + "".join(f"{n}x" for n in count) + re.sub(
-        r"context\((\d+), (shared )?head=(\d+)\).*",
-        lambda m: f"{m[1]}{'+' if m[2] else '/'}{m[3]}", name)
+        r"context\((\d+), (shared )?head=(\d+)(?:, rank (\d+))?\).*",
+        lambda m: f"{m[1]}{'+' if m[2] else '/'}{m[3]}{f'r{m[4]}' if m[4] else ''}", name)
   if name.startswith(("learned", "two_level")):
     return "HSM " + re.sub(r"\(.*", "", name)
   return "HSM " + re.sub(r"(vectors|context)\((\d+), head=(\d+)\)", r"\1\2/\3", name)
