@@ -232,20 +232,21 @@ def test_planned_tree_is_the_planners_layer(capsys):
   counts = np.sort(np.random.default_rng(0).zipf(1.3, 3_000).astype(np.float64))[::-1]
   machine = {"matmul_flops": 5e10, "read_bytes": 1e10, "call_seconds": 2e-4,
              "tree_step": (3e-11, 1e-10, 7e-11, 2e-7, 1e-8, 5e-4)}
-  trees, rebuild, head = demo.planned_tree(counts, 128, 2048, machine=machine)
+  trees, rebuild, head, head_rank = demo.planned_tree(counts, 128, 2048, machine=machine)
   out = capsys.readouterr().out
   report = tf_hsm.plan(3_000, 128, 2048, counts=counts, optimizer="lazy_adam",
                        machine=machine, adaptive=())
   assert f"--tree planned: {report.recommended}," in out and "| full softmax |" in out
   assert trees == [report.layer.tree] and rebuild == report.layer.rebuild and head is None
+  assert head_rank is None
   # With the training text (the demo passes its training ids), the context tree is a row.
   ids = (np.random.default_rng(1).zipf(1.2, 20_000) - 1) % 3_000
   demo.planned_tree(counts, 128, 2048, machine=machine, token_ids=ids)
   out = capsys.readouterr().out
   assert "| HSM context32/256 |" in out and "| HSM mixture32/256 |" in out
   # A bound on the perplexity reaches the planner: within +0% only full softmax is.
-  trees, rebuild, _ = demo.planned_tree(counts, 128, 2048, machine=machine,
-                                        max_perplexity_increase=0.0)
+  trees, rebuild, _, _ = demo.planned_tree(counts, 128, 2048, machine=machine,
+                                           max_perplexity_increase=0.0)
   assert trees == [tf_hsm.Tree.flat(3_000)] and rebuild is None
   assert "--tree planned: full softmax," in capsys.readouterr().out
   # A pick rebuilt from vectors: its callback rebuilds the model's HSM from the inputs'
@@ -392,18 +393,26 @@ def test_run_with_a_tree_from_contexts(tmp_path, capsys, monkeypatch):
   assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))
 
 
-def test_run_with_a_planned_mixture(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("ranked", [False, True])
+def test_run_with_a_planned_mixture(tmp_path, capsys, monkeypatch, ranked):
   """--tree planned trains a recommended mixture (the planner's trees: a list of two) as
-  HierarchicalSoftmaxMixture. (The planner's mixture rows need more classes than this
-  corpus has: `tests/unit/test_planner_mixture.py` has their recommendation.)"""
+  HierarchicalSoftmaxMixture, below its shared head with the trees' corrections where
+  the plan has them. (The planner's mixture rows need more classes than this corpus
+  has: `tests/unit/test_planner_mixture.py` has their recommendation.)"""
   trained = _recorded_trees(monkeypatch)
-  planned = []
+  planned, built = [], []
+  real_mixture = mixture_module.HierarchicalSoftmaxMixture
+  monkeypatch.setattr(mixture_module, "HierarchicalSoftmaxMixture",
+                      lambda *a, **k: built.append(real_mixture(*a, **k)) or built[-1])
 
   def plan_a_mixture(counts, hidden, tokens, token_ids=None, **kwargs):
     del hidden, tokens, kwargs
+    head = np.argsort(-np.asarray(counts), kind="stable")[:3] if ranked else None
+    tail = None if head is None else np.setdiff1d(np.arange(len(counts)), head)
     planned.append([tf_hsm.Tree.from_context(token_ids, len(counts), counts, branching=4,
-                                             side=side) for side in ("left", "right")])
-    return planned[-1], None, None
+                                             side=side, classes=tail)
+                    for side in ("left", "right")])
+    return planned[-1], None, head, 2 if ranked else None
 
   monkeypatch.setattr(demo, "planned_tree", plan_a_mixture)
   corpus = support.zipf_corpus(tmp_path / "corpus.txt", seed=2)
@@ -412,7 +421,9 @@ def test_run_with_a_planned_mixture(tmp_path, capsys, monkeypatch):
                        "--tree", "planned", "--models", "hsm", "--out", str(tmp_path / "o")])
   assert "mixed with a tree from right contexts" in capsys.readouterr().out
   assert trained == planned and len(trained[0]) == 2
-  assert results["models"][0]["name"] == "hsm-planned-mixture"
+  assert built[0].head_rank == (2 if ranked else None)
+  assert results["models"][0]["name"] == "hsm-planned-mixture" + (
+      "-shared-head-head-rank-2" if ranked else "")
   assert np.all(np.isfinite(results["models"][0]["held_out_perplexity"]))
 
 

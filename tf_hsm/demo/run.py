@@ -817,9 +817,9 @@ def main(argv=None):
   unk_rate = float(np.mean(held_out_ids == 0))
   head = learned_head(len(words)) if args.head is None and args.tree == "learned" else \
       min(args.head or 0, len(words) - 1)
-  rebuild, head_ids = None, None
+  rebuild, head_ids, head_rank = None, None, args.head_rank
   if args.tree == "planned":
-    trees, rebuild, head_ids = planned_tree(
+    trees, rebuild, head_ids, head_rank = planned_tree(
         counts, args.hidden, args.batch * args.seq_len, token_ids=train_ids,
         max_perplexity_increase=args.max_ppl_increase)
   elif args.tree == "context":
@@ -843,8 +843,8 @@ def main(argv=None):
                 "which are over the others" if head_ids is not None else "") + (
                     f", scoring the hidden state's projection to {args.tail_dim} dimensions"
                     if args.tail_dim else "") + (
-                        f", each tree's head corrected at rank {args.head_rank}"
-                        if args.head_rank else ""), flush=True)
+                        f", each tree's head corrected at rank {head_rank}"
+                        if head_rank else ""), flush=True)
 
   # Progress bars where a person watches; one line per epoch in logs, where each bar's
   # redraws would otherwise become hundreds of lines.
@@ -868,10 +868,10 @@ def main(argv=None):
       name = f"hsm-{args.tree}" + ("-mixture" if mixture else "") + (
           "-shared-head" if head_ids is not None else "") + (
               f"-tail-dim-{args.tail_dim}" if args.tail_dim else "") + (
-                  f"-head-rank-{args.head_rank}" if args.head_rank else "")
+                  f"-head-rank-{head_rank}" if head_rank else "")
       model = hsm_model(trees, counts, args.hidden, args.seq_len, args.learning_rate,
                         output_lr_scale=args.output_lr_scale, head=head_ids,
-                        tail_dim=args.tail_dim, head_rank=args.head_rank)
+                        tail_dim=args.tail_dim, head_rank=head_rank)
       data, held_out = ([x, y], y), ([hx, hy], hy)
       if args.tree == "learned":
         extra = [learned_tree_callback(model, counts, head, args.rebuild_after_batches,

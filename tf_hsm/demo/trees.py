@@ -33,15 +33,15 @@ def make_tree(kind, counts, head=0, branching=None):
 
 def planned_tree(counts, hidden, tokens_per_step, machine=None, token_ids=None,
                  max_perplexity_increase=None):
-  """(trees, rebuild, head): the layer `tf_hsm.plan` recommends for this model's output layer
+  """(trees, rebuild, head, head_rank): the layer `tf_hsm.plan` recommends for this model's output layer
   among the exact softmax and the hierarchical rows (every tree it prices, those
   rebuilt from vectors during training and, given the training text's `token_ids`, the
   context trees and their mixtures included; the vocabulary's training counts, the
   LSTM's width, a batch's tokens, LazyAdam; `max_perplexity_increase` as `plan`'s), as
   the trees the layer starts on (several for a HierarchicalSoftmaxMixture) and the
   `RebuildTree` arguments that make it the recommended tree (None if it trains as
-  built) and a mixture's shared head (class ids, or None); prints the planner's table
-  first."""
+  built), a mixture's shared head (class ids, or None) and the rank at which its trees
+  correct it (or None); prints the planner's table first."""
   import tf_hsm  # pylint: disable=g-import-not-at-top
   counts = np.asarray(counts, np.float64)
   report = tf_hsm.plan(len(counts), hidden, tokens_per_step, counts=counts,
@@ -52,7 +52,7 @@ def planned_tree(counts, hidden, tokens_per_step, machine=None, token_ids=None,
   print(f"  --tree planned: {row['method']}, {1e3 * row['step_seconds']:.1f} ms a step "
         "predicted" + (f"; rebuilt by RebuildTree({report.layer.rebuild_schedule()})"
                        if report.layer.rebuild else ""), flush=True)
-  return report.layer.trees, report.layer.rebuild, report.layer.head
+  return report.layer.trees, report.layer.rebuild, report.layer.head, report.layer.head_rank
 
 
 def learned_head(vocab_size):

@@ -193,6 +193,9 @@ EVIDENCE = (
                                28)),
     Figure("mixture3x16_shared128_rank16", LINUX_EPOCH, 103.11,
            _CPU_MIXTURE.format("linux-comments", 16, 128, " 3 --shared-head --head-rank 16",
+                               28)),
+    Figure("mixture4x16_shared128_rank16", LINUX_EPOCH, 101.91,
+           _CPU_MIXTURE.format("linux-comments", 16, 128, " 4 --shared-head --head-rank 16",
                                28)))
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
 FULL = {f.corpus: f.perplexity for f in EVIDENCE if f.kind == "full"}
@@ -250,6 +253,9 @@ KINDS = {
                                   "each correcting it at rank 16",
     "mixture3x16_shared128_rank16": "HierarchicalSoftmaxMixture(head=..., head_rank=16): "
                                     "three 16-ary context trees below a shared head of "
+                                    "128, each correcting it at rank 16",
+    "mixture4x16_shared128_rank16": "HierarchicalSoftmaxMixture(head=..., head_rank=16): "
+                                    "four 16-ary context trees below a shared head of "
                                     "128, each correcting it at rank 16",
 }
 

@@ -50,7 +50,7 @@ CONTEXT_TREES = ("context32_head256",)
 MIXTURE_TREES = ("mixture32_head256", "mixture16_head128", "mixture3x16_head128",
                  "mixture4x16_head128", "mixture16_shared128", "mixture3x16_shared128",
                  "mixture4x16_shared128", "mixture16_shared128_rank16",
-                 "mixture3x16_shared128_rank16")
+                 "mixture3x16_shared128_rank16", "mixture4x16_shared128_rank16")
 # A context row's name: (context|vectors|mixture[Nx])K_headH or
 # mixture[Nx]K_sharedH[_rankR].
 _HEAD_TREE_NAME = (r"(context|vectors|mixture(\d+x)?)\d+_head\d+|"
