@@ -262,9 +262,11 @@ def test_the_planners_mixtures_are_rows_of_the_runs(tmp_path):
     assert quality_runs.ROWS[name][0] == name and name in quality.KINDS
     assert name in quality_runs.default_rows(5_000)
     cmd = quality_runs.command(name, "c.txt", str(tmp_path), 5_000, None)
-    shape, kind, head = re.fullmatch(r"mixture(.+)_(head|shared)(\d+)", name).groups()
+    shape, kind, head, rank = re.fullmatch(r"mixture(.+)_(head|shared)(\d+)(?:_rank(\d+))?",
+                                           name).groups()
     count, _, k = shape.rpartition("x")
     assert ("--shared-head" in cmd) == (kind == "shared")
+    assert (cmd[cmd.index("--head-rank") + 1] == rank) if rank else "--head-rank" not in cmd
     assert "--mixture" in cmd and cmd[cmd.index("--tree") + 1] == "context"
     after = cmd[cmd.index("--mixture") + 1:][:1]
     assert after == [count] if count else not (after and after[0].isdigit())

@@ -408,3 +408,47 @@ def test_mixed_float16_scores_in_float32_with_a_tail_projection(rng, head_rank):
   assert np.all(np.isfinite(grad)) and np.all(np.abs(grad).sum(-1) > 0)
   every = layer.log_prob_all(hidden)
   np.testing.assert_allclose(np.exp(np.asarray(every, np.float64)).sum(-1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_rank", [None, 2])
+def test_sampling_s_edges_in_the_layer_and_its_stock_ops(rng, head_rank):
+  """A -inf head bias only masks its class; a tiny temperature draws the best class, not
+  -1 (the logits less their largest first); under XLA an unusable temperature gives -1
+  (the export's promise); with or without the trees' corrected heads."""
+  from tf_hsm.serving import mixture as stock  # pylint: disable=import-outside-toplevel
+  layer, _ = _headed(rng, dtype="float32", head_rank=head_rank)
+  hidden = rng.normal(size=(6, D)).astype(np.float32)
+  layer(hidden, np.zeros(6, np.int64))
+  _randomised(layer, rng, scale=0.5)
+  weights = stock.MixtureWeights.from_layer(layer, lambda v, name: tf.Variable(np.asarray(v)))
+  masked, best = layer.head_ids[0], layer.head_ids[-1]
+  bias = np.asarray(layer.head.bias).copy()
+  bias[0] = -np.inf
+  layer.head.bias.assign(bias)
+  weights.head[1].assign(bias)
+  for drawn in (layer.sample(hidden, seed=2), stock.sample(weights, hidden, 2)):
+    drawn = np.asarray(drawn)
+    assert np.all(drawn >= 0) and masked not in drawn
+  bias[:] = 0.0
+  bias[len(layer.head_ids) - 1] = 200.0  # the last head class's slot
+  layer.head.bias.assign(bias)
+  weights.head[1].assign(bias)
+  for drawn in (layer.sample(hidden, seed=2, temperature=1e-37),
+                stock.sample(weights, hidden, 2, 1e-37)):
+    np.testing.assert_array_equal(drawn, np.full(6, best))
+  under_xla = tf.function(lambda h, t: stock.sample(weights, h, tf.constant(3, tf.int64), t),
+                          jit_compile=True)
+  np.testing.assert_array_equal(under_xla(hidden, tf.constant(np.inf, tf.float32)),
+                                np.full(6, -1))
+
+
+@pytest.mark.parametrize("head_rank", [None, 3])
+def test_a_log_probability_is_never_above_zero(rng, head_rank):
+  """Large logits in float32: the target's log-probability (its slot's logit read from
+  the logits its normaliser sums) never exceeds 0."""
+  layer, num_classes = _headed(rng, dtype="float32", head_rank=head_rank)
+  hidden = rng.normal(size=(400, D)).astype(np.float32) * 3
+  layer(hidden, np.zeros(400, np.int64))
+  _randomised(layer, rng, scale=2.0)
+  targets = np.argmax(np.asarray(layer.log_prob_all(hidden)), -1)
+  assert np.asarray(layer(hidden, targets)).max() <= 0.0

@@ -268,6 +268,7 @@ def test_the_recommended_shared_head_mixture_is_built_over_the_tail():
   np.testing.assert_array_equal(built.head_ids, head)
   assert built.ignore_class == 0 and all(c.ignore_class is None and c.fused_update
                                          for c in built.components)
+  assert report.layer.build(head_rank=2).head_rank == 2
   narrow = report.layer.build(tail_dim=4, tail_projection_initializer="zeros")
   narrow.build((None, 16))
   assert narrow.tail_dim == 4 and narrow.tail_projection.shape == (16, 4)
@@ -303,6 +304,7 @@ def test_a_row_whose_trees_correct_the_head_prices_the_corrections_and_builds_th
   assert built.head_rank == 16 and all(c.fused_update for c in built.components)
   assert not built.head.fused_update  # its table trains by its gradient
   assert report.layer.kwargs["head_rank"] == 16
+  assert report.layer.build(head_rank=4).head_rank == 4  # the caller's, over the plan's
 
 
 def test_a_rank_below_one_is_no_row():

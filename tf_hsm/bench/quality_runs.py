@@ -85,6 +85,16 @@ ROWS = {
     "mixture4x16_shared128": ("mixture4x16_shared128", [
         "--models", "hsm", "--tree", "context", "--branching", "16", "--head", "128",
         "--mixture", "4", "--shared-head"]),
+    # Each tree correcting the shared head at rank 16 (--head-rank).
+    "mixture16_shared128_rank16": ("mixture16_shared128_rank16", [
+        "--models", "hsm", "--tree", "context", "--branching", "16", "--head", "128",
+        "--mixture", "--shared-head", "--head-rank", "16"]),
+    "mixture3x16_shared128_rank16": ("mixture3x16_shared128_rank16", [
+        "--models", "hsm", "--tree", "context", "--branching", "16", "--head", "128",
+        "--mixture", "3", "--shared-head", "--head-rank", "16"]),
+    "mixture4x16_shared128_rank16": ("mixture4x16_shared128_rank16", [
+        "--models", "hsm", "--tree", "context", "--branching", "16", "--head", "128",
+        "--mixture", "4", "--shared-head", "--head-rank", "16"]),
 }
 # Rows with a head of 128-256 frequent words over 16- to 64-ary nodes (one tree or a
 # mixture of several): run by default only on

@@ -475,13 +475,11 @@ def _corrected_heads_call(layer, hidden, head_targets, where, parts):
   token, from the tail tokens' tree log-probabilities `parts` [n, K] at `where`."""
   count = len(layer.components)
   flat = tf.reshape(hidden, [-1, tf.shape(hidden)[-1]])
-  shared, low = _head_logit_parts(layer, flat)  # [N, S], [K, N, r]
-  full = tf.expand_dims(shared, 0) + tf.matmul(low, layer.head_correction_out)  # [K, N, S]
-  slots = tf.reshape(tf.maximum(head_targets, 0), [-1])
-  # The slot's logit from its own row of U (no gather from [K, N, S]), less each head's
-  # log-sum-exp.
-  at_slot = tf.gather(shared, slots, axis=1, batch_dims=1) + tf.reduce_sum(
-      low * tf.transpose(tf.gather(layer.head_correction_out, slots, axis=2), [0, 2, 1]), -1)
+  full = _corrected_head_logits(layer, flat)  # [K, N, S]
+  slots = tf.broadcast_to(tf.reshape(tf.maximum(head_targets, 0), [1, -1]),
+                          tf.shape(full)[:2])
+  # The slot's logit read from the logits the log-sum-exp sums (never above it).
+  at_slot = tf.gather(full, slots, axis=2, batch_dims=2)
   heads = tf.transpose(at_slot - tf.reduce_logsumexp(full, -1))  # [N, K]
   tails = tf.scatter_nd(where, tf.cast(parts, heads.dtype),
                         tf.stack([tf.shape(flat, out_type=tf.int64)[0], count]))
@@ -489,8 +487,9 @@ def _corrected_heads_call(layer, hidden, head_targets, where, parts):
   return tf.reshape(out, tf.shape(head_targets))
 
 
-def _head_logit_parts(layer, hidden):
-  """(W h + b `[N, S]`, V_k h `[K, N, r]`) of 2-D `hidden`, in the tables' dtype."""
+def _corrected_head_logits(layer, hidden):
+  """Each component's head logits W h + b + U_k (V_k h), `[K, N, S]`, of 2-D `hidden`,
+  in the tables' dtype."""
   head = layer.head
   hidden = hsm.hidden_in(hidden, head.kernel.dtype)
   shared = tf.matmul(hidden, head.kernel, transpose_b=True)
@@ -498,20 +497,18 @@ def _head_logit_parts(layer, hidden):
     shared += head.bias
   low = tf.reshape(tf.matmul(hidden, layer.head_correction_in),
                    [-1, len(layer.components), layer.head_rank])
-  # K-major: one batched product with U [K, r, S] (an einsum over [N, K, r] ran 10x
+  # K-major: one batched product with U [K, r, S] (an einsum over [N, K, r] ran 8-10x
   # slower on the CPU).
-  return shared, tf.transpose(low, [1, 0, 2])
+  return tf.expand_dims(shared, 0) + tf.matmul(tf.transpose(low, [1, 0, 2]),
+                                               layer.head_correction_out)
 
 
-def corrected_head_log_probs(layer, hidden, temperature=None):
+def corrected_head_log_probs(layer, hidden):
   """log P_head,k(s | hidden) for each component k and head slot s, `[..., K, H + 1]`:
   the shared head's logits plus component k's rank-r correction U_k (V_k hidden), as
-  a softmax (its logits divided by `temperature` where given)."""
+  a softmax."""
   hidden = tf.convert_to_tensor(hidden)
-  shared, low = _head_logit_parts(layer, tf.reshape(hidden, [-1, tf.shape(hidden)[-1]]))
-  logits = tf.expand_dims(shared, 0) + tf.matmul(low, layer.head_correction_out)
-  if temperature is not None:
-    logits /= tf.cast(temperature, logits.dtype)
+  logits = _corrected_head_logits(layer, tf.reshape(hidden, [-1, tf.shape(hidden)[-1]]))
   heads = tf.transpose(tf.nn.log_softmax(logits, -1), [1, 0, 2])  # [N, K, S]
   return tf.reshape(heads, tf.concat([tf.shape(hidden)[:-1], tf.shape(heads)[1:]], 0))
 
@@ -630,13 +627,20 @@ def sample(layer, hidden, seed=None, temperature=1.0):
 
 def _corrected_head_sample(layer, hidden, chosen, seed, temperature):
   """A head slot of each row from the head of its `chosen` component, at `temperature`
-  (int64 `[...]`; -1 where its logits are not all finite)."""
-  heads = corrected_head_log_probs(layer, hidden, temperature)  # [..., K, H + 1]
-  rows = tf.reshape(heads, tf.concat([[-1], tf.shape(heads)[-2:]], 0))
-  rows = tf.gather(rows, tf.reshape(chosen, [-1]), axis=1, batch_dims=1)  # [N, H + 1]
-  defined = tf.reduce_all(tf.math.is_finite(rows), -1)
+  (int64 `[...]`): its logits less their largest, divided by the temperature (a small
+  one cannot overflow); -1 where a logit is NaN or +inf or all are -inf (a -inf logit
+  alone only masks its slot, as a node's in `tf_hsm.sample`)."""
+  logits = _corrected_head_logits(layer, tf.reshape(hidden, [-1, tf.shape(hidden)[-1]]))
+  rows = tf.gather(tf.transpose(logits, [1, 0, 2]), tf.reshape(chosen, [-1]), axis=1,
+                   batch_dims=1)  # [N, S]
+  top = tf.reduce_max(rows, -1, keepdims=True)
+  bad = tf.logical_or(tf.math.is_nan(rows), tf.equal(rows, float("inf")))
+  defined = tf.logical_and(tf.logical_not(tf.reduce_any(bad, -1)),
+                           tf.math.is_finite(top[:, 0]))
+  shifted = (rows - tf.where(defined[:, None], top, tf.zeros_like(top))) / tf.cast(
+      temperature, rows.dtype)
   slots = tf.random.stateless_categorical(
-      tf.where(defined[:, None], rows, tf.zeros_like(rows)), 1,
+      tf.where(defined[:, None], shifted, tf.zeros_like(shifted)), 1,
       tf.stack([seed, tf.constant(0, tf.int64)]))[:, 0]
   slots = tf.where(defined, slots, tf.constant(-1, tf.int64))
   return tf.reshape(slots, tf.shape(chosen))

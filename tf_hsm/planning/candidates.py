@@ -158,8 +158,9 @@ class Layer:
     `HierarchicalSoftmax(tree, **component_kwargs)` over its trees, where
     `component_kwargs` are the arguments of `layer_kwargs` that the mixture does not
     take (fused_update, initializers, ignore_class, ...; dtype goes to both; with a
-    shared head, ignore_class, head_bias_initializer, tail_dim and
-    tail_projection_initializer to the mixture). Imports TensorFlow."""
+    shared head, ignore_class, head_bias_initializer, tail_dim,
+    tail_projection_initializer and head_rank, the plan's by default, to the mixture).
+    Imports TensorFlow."""
     if self.ignore_class is not None:
       layer_kwargs = {"ignore_class": self.ignore_class, **layer_kwargs}
     if self.kind == "HierarchicalSoftmaxMixture":
@@ -211,15 +212,16 @@ def _mixture_layer(trees, layer_kwargs, head=None, head_rank=None):
   # The front end of tf_hsm's top-level names: tf_keras under TF_USE_LEGACY_KERAS.
   front_end = importlib.import_module(importlib.import_module("tf_hsm")._KERAS)  # pylint: disable=protected-access
   mine = _MIXTURE_ARGUMENTS + (("ignore_class", "head_bias_initializer", "tail_dim",
-                                "tail_projection_initializer") if head is not None else ())
+                                "tail_projection_initializer", "head_rank")
+                               if head is not None else ())
   own = {k: v for k, v in layer_kwargs.items() if k in mine}
   each = {k: v for k, v in layer_kwargs.items() if k not in mine}
   if "dtype" in own:
     each["dtype"] = own["dtype"]
   if head is not None:
     own["head"] = head
-  if head_rank is not None:
-    own["head_rank"] = head_rank
+  if head_rank is not None:  # the plan's, unless the caller gives another
+    own.setdefault("head_rank", head_rank)
   components = [front_end.HierarchicalSoftmax(tree, **each) for tree in trees]
   return front_end.HierarchicalSoftmaxMixture(components, **own)
 

@@ -88,6 +88,9 @@ _CPU_CONTEXT = ("docs/planner.md, Trees from contexts, on the CPU (python -m tf_
 _CPU_MIXTURE = ("docs/planner.md, A mixture of two context trees (CPU) (python -m "
                "tf_hsm.demo --corpus {} --tree context --branching {} --head {} "
                "--mixture{}, AMD EPYC, 2026-11-{})")
+_CPU_RANKED = ("docs/planner.md, The trees' own heads at low rank (CPU) (python -m "
+               "tf_hsm.demo --corpus {} --tree context --branching {} --head {} "
+               "--mixture{}, AMD EPYC, 2026-11-28)")
 # Every figure: `python -m tf_hsm.bench.quality_runs CORPUS`, one row each (AMD EPYC, 2
 # vCPUs, each run pinned to one; 2026-11-25), in docs/planner.md's quality table.
 _RUNS = ("docs/planner.md, Quality (python -m tf_hsm.bench.quality_runs {}, row {}, "
@@ -189,14 +192,11 @@ EVIDENCE = (
     # Each tree's correction of the shared head (docs/planner.md, "The trees' own heads
     # at low rank"): the default seed's, as the rows above.
     Figure("mixture16_shared128_rank16", LINUX_EPOCH, 105.05,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " --shared-head --head-rank 16",
-                               28)),
+           _CPU_RANKED.format("linux-comments", 16, 128, " --shared-head --head-rank 16")),
     Figure("mixture3x16_shared128_rank16", LINUX_EPOCH, 103.11,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " 3 --shared-head --head-rank 16",
-                               28)),
+           _CPU_RANKED.format("linux-comments", 16, 128, " 3 --shared-head --head-rank 16")),
     Figure("mixture4x16_shared128_rank16", LINUX_EPOCH, 101.91,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " 4 --shared-head --head-rank 16",
-                               28)))
+           _CPU_RANKED.format("linux-comments", 16, 128, " 4 --shared-head --head-rank 16")))
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
 FULL = {f.corpus: f.perplexity for f in EVIDENCE if f.kind == "full"}
 # What the kinds are, for the table and the notes.

@@ -117,9 +117,9 @@ class MixtureWeights:
   def components(self):
     return zip(self.kernels, self.biases, self.trees)
 
-  def head_log_probs(self, hidden, temperature=None):
-    """log P_head,k(s | hidden) of each tree k's head (`head_correction`) and slot s,
-    `[..., K, len(head) + 1]` (the logits divided by `temperature` where given)."""
+  def head_logits(self, hidden):
+    """Each tree k's head logits W h + b + U_k (V_k h) (`head_correction`), `[..., K,
+    len(head) + 1]`."""
     kernel, bias, _ = self.head
     logits = tf.tensordot(hidden, tf.transpose(tf.convert_to_tensor(kernel)), 1)
     if bias is not None:
@@ -132,10 +132,12 @@ class MixtureWeights:
     # leading shape is no TFLite builtin.
     corrections = tf.stack([tf.tensordot(low[..., k, :], u[k], 1) for k in range(count)],
                            -2)
-    logits = tf.expand_dims(logits, -2) + corrections
-    if temperature is not None:
-      logits /= temperature
-    return tf.nn.log_softmax(logits, -1)
+    return tf.expand_dims(logits, -2) + corrections
+
+  def head_log_probs(self, hidden):
+    """log P_head,k(s | hidden) of each tree k's head and slot s, `[..., K,
+    len(head) + 1]`."""
+    return tf.nn.log_softmax(self.head_logits(hidden), -1)
 
 
 def log_prob(weights, hidden, targets):
@@ -273,7 +275,8 @@ def sample(weights, hidden, seed, temperature=1.0):
   if weights.head_correction is None:
     slot = hsm.sample(hidden, *weights.head, _part_seed(seed, -2), temperature)
   else:
-    slot = _corrected_head_sample(weights, hidden, chosen, _part_seed(seed, -2), temperature)
+    slot = _corrected_head_sample(weights, hidden, chosen, _part_seed(seed, -2), temperature,
+                                  usable)
   place = tf.where(slot < weights.num_head, slot, weights.num_head + drawn)
   known = tf.logical_and(slot >= 0, tf.logical_or(slot < weights.num_head, drawn >= 0))
   return tf.where(known, tf.gather(weights.order, tf.where(known, place,
@@ -281,18 +284,25 @@ def sample(weights, hidden, seed, temperature=1.0):
                   -tf.ones_like(place))
 
 
-def _corrected_head_sample(weights, hidden, chosen, seed, temperature):
-  """A head slot from the head of each row's `chosen` tree (Gumbel-max over its tempered
-  log-probabilities); -1 where they are not all finite."""
-  heads = weights.head_log_probs(hidden, temperature)  # [..., K, S]
-  picked = _picked(tf.linalg.matrix_transpose(heads), tf.expand_dims(chosen, -1),
-                   len(weights.kernels))
+def _corrected_head_sample(weights, hidden, chosen, seed, temperature, usable):
+  """A head slot from the head of each row's `chosen` tree: Gumbel-max over its logits
+  less their largest, divided by the temperature (a small one cannot overflow); -1
+  where a logit is NaN or +inf, all are -inf, or the temperature is not `usable` (a
+  -inf logit alone only masks its slot, as `hsm.sample`'s)."""
+  logits = _picked(tf.linalg.matrix_transpose(weights.head_logits(hidden)),
+                   tf.expand_dims(chosen, -1), len(weights.kernels))
+  top = tf.reduce_max(logits, -1, keepdims=True)
+  valid = tf.ones_like(logits, tf.bool)
+  defined = tf.logical_and(tf.logical_and(
+      tf.logical_not(hsm.bad_logits(logits, valid)), tf.math.is_finite(top[..., 0])), usable)
+  shifted = (logits - tf.where(tf.expand_dims(defined, -1), top, tf.zeros_like(top))) / \
+      temperature
   noise = tf.random.stateless_uniform(
-      tf.shape(picked), tf.stack([seed, tf.constant(0, tf.int64)]),
-      minval=tf.constant(1e-12, picked.dtype), maxval=tf.constant(1.0, picked.dtype),
-      dtype=picked.dtype)
-  slot = tf.argmax(picked - tf.math.log(-tf.math.log(noise)), -1)
-  return tf.where(tf.reduce_all(tf.math.is_finite(picked), -1), slot, -tf.ones_like(slot))
+      tf.shape(shifted), tf.stack([seed, tf.constant(0, tf.int64)]),
+      minval=tf.constant(1e-12, shifted.dtype), maxval=tf.constant(1.0, shifted.dtype),
+      dtype=shifted.dtype)
+  slot = tf.argmax(shifted - tf.math.log(-tf.math.log(noise)), -1)
+  return tf.where(defined, slot, -tf.ones_like(slot))
 
 
 def _picked(values, index, depth):
