@@ -459,7 +459,7 @@ def _headed_call(layer, hidden, targets, mask, training):
   parts = tf.stack([c(scored, tf.gather_nd(tf.reshape(tail_targets, [-1]), where),
                       training=training) for c in layer.components], -1)  # [n, K]
   if layer.head_rank is not None:
-    out = _corrected_heads_call(layer, hidden, head_targets, where, parts)
+    out = _corrected_heads_call(layer, flat_hidden, head_targets, where, parts)
   else:
     head = layer.head(hidden, head_targets, training=training)
     mixed = tf.reduce_logsumexp(parts + log_gate(layer, tail_hidden), -1)
@@ -470,11 +470,11 @@ def _headed_call(layer, hidden, targets, mask, training):
   return tf.where(valid, out, tf.zeros_like(out)), valid
 
 
-def _corrected_heads_call(layer, hidden, head_targets, where, parts):
+def _corrected_heads_call(layer, flat, head_targets, where, parts):
   """log sum_k pi_k P_head,k(slot) P_k(c) (the last factor 1 for a head class) of every
-  token, from the tail tokens' tree log-probabilities `parts` [n, K] at `where`."""
+  token (`flat`: the hidden states as [N, D]), from the tail tokens' tree
+  log-probabilities `parts` [n, K] at `where`."""
   count = len(layer.components)
-  flat = tf.reshape(hidden, [-1, tf.shape(hidden)[-1]])
   full = _corrected_head_logits(layer, flat)  # [K, N, S]
   slots = tf.broadcast_to(tf.reshape(tf.maximum(head_targets, 0), [1, -1]),
                           tf.shape(full)[:2])
@@ -503,7 +503,7 @@ def _corrected_head_logits(layer, hidden):
                                                layer.head_correction_out)
 
 
-def corrected_head_log_probs(layer, hidden):
+def _corrected_head_log_probs(layer, hidden):
   """log P_head,k(s | hidden) for each component k and head slot s, `[..., K, H + 1]`:
   the shared head's logits plus component k's rank-r correction U_k (V_k hidden), as
   a softmax."""
@@ -535,7 +535,7 @@ def log_prob_all(layer, hidden, **kwargs):
 def _corrected_heads_log_prob_all(layer, hidden, scored):
   """`log_prob_all` with `head_rank`: each component's head and tree joined in class
   order, then mixed by the gate."""
-  heads = corrected_head_log_probs(layer, hidden)  # [..., K, H + 1]
+  heads = _corrected_head_log_probs(layer, hidden)  # [..., K, H + 1]
   joined = tf.stack([layer.class_map.assemble(heads[..., k, :],
                                               tf.cast(c.log_prob_all(scored), heads.dtype))
                      for k, c in enumerate(layer.components)], -1)  # [..., V, K]
