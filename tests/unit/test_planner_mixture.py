@@ -51,6 +51,13 @@ def test_mixture_cost_adds_the_trees_parts():
                 "rows_touched"):
     assert getattr(three, field) == 3 * getattr(one, field), field
   assert three.calls == one.calls + 4  # two more trees' ops and updates
+  assert three.softmax_logits == 0  # the trees' ops do their own
+  # Each tree's corrected head: K softmaxes of S = 8 slots over every token, in
+  # TensorFlow's ops, and the corrections' products.
+  ranked = costs.mixture_cost([one] * 3, 16, 64, head_cost=one, head_rank=2, head_slots=8)
+  assert ranked.softmax_logits == 3 * 64 * 8
+  assert ranked.parts[-1].name == "head corrections"
+  assert ranked.parts[-1].elements == 3 * 2 * (16 + 8)
 
 
 def test_the_mixture_evidence_is_linux_comments_after_an_epoch():

@@ -82,15 +82,29 @@ class Figure:
 # other rows for up to an epoch in 470 s each, at the last checkpoint each reached).
 _GPU_RUNS = ("docs/planner.md, Large vocabularies (python -m tf_hsm.bench.quality_torch "
              "run, run {}, {}, row {}, NVIDIA H200, 2026-11-26)")
-_CPU_CONTEXT = ("docs/planner.md, Trees from contexts, on the CPU (python -m tf_hsm.demo "
-                "--corpus {} --tree context --branching 32 --head 256, AMD EPYC, "
-                "2026-11-26)")
-_CPU_MIXTURE = ("docs/planner.md, A mixture of two context trees (CPU) (python -m "
-               "tf_hsm.demo --corpus {} --tree context --branching {} --head {} "
-               "--mixture{}, AMD EPYC, 2026-11-{})")
-_CPU_RANKED = ("docs/planner.md, The trees' own heads at low rank (CPU) (python -m "
-               "tf_hsm.demo --corpus {} --tree context --branching {} --head {} "
-               "--mixture{}, AMD EPYC, 2026-11-28)")
+_PAIRS = "A mixture of two context trees (CPU)"
+_SHARED = "A shared head over the mixture's trees (CPU)"
+_RANKED = "The trees' own heads at low rank (CPU)"
+
+
+def _cpu_run(section, corpus, flags, day):
+  """Where a demo run's figure is documented, with its command (`python -m
+  tf_hsm.bench.corpora CORPUS` writes the corpus; linux-comments' runs train on its
+  first 12M tokens, debian-docs' on all of it)."""
+  tokens, steps = (0, 1621) if corpus == "debian-docs" else (12_000_000, 1054)
+  return (f"docs/planner.md, {section} (python -m tf_hsm.demo --corpus "
+          f"demo_results/corpora/{corpus}.txt --max-tokens {tokens} --vocab 200000 "
+          f"--models hsm --tree context {flags} --steps-per-epoch {steps} --epochs 5 "
+          f"--eval-tokens 300000, AMD EPYC, 2026-11-{day})")
+
+
+def _linux_mixture(section, trees, day, extra=""):
+  """`_cpu_run` of a mixture of `trees` 16-ary context trees with heads of 128 on
+  linux-comments, with the demo's `extra` flags."""
+  return _cpu_run(section, "linux-comments",
+                  f"--branching 16 --head 128 --mixture {trees}{extra}", day)
+
+
 # Every figure: `python -m tf_hsm.bench.quality_runs CORPUS`, one row each (AMD EPYC, 2
 # vCPUs, each run pinned to one; 2026-11-25), in docs/planner.md's quality table.
 _RUNS = ("docs/planner.md, Quality (python -m tf_hsm.bench.quality_runs {}, row {}, "
@@ -169,34 +183,34 @@ EVIDENCE = (
     for kind in ["three_level" if row == "balanced" else row]) + tuple(
     # The context tree on the CPU with tf_hsm, against the GPU runs' full softmax (the
     # CPU runs of the other rows ended within 0.3% of PyTorch's for the same models).
-    Figure("context32_head256", corpus, ppl, _CPU_CONTEXT.format(name))
+    Figure("context32_head256", corpus, ppl, _cpu_run(
+        "Trees from contexts, on the CPU", name, "--branching 32 --head 256", 26))
     for corpus, name, ppl in ((LINUX_EPOCH, "linux-comments", 107.7),
                               (DEBIAN_10M, "debian-docs", 54.9),
                               (DEBIAN_EPOCH, "debian-docs", 50.4))) + (
     # The mixture on linux-comments alone: the debian-docs corpus it was run on was
     # built again with one document fewer, another held-out split than full softmax's.
-    Figure("mixture32_head256", LINUX_EPOCH, 104.3,
-           _CPU_MIXTURE.format("linux-comments", 32, 256, "", 27)),
-    Figure("mixture16_head128", LINUX_EPOCH, 105.1,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, "", 27)),
-    Figure("mixture3x16_head128", LINUX_EPOCH, 102.66,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " 3", 27)),
-    Figure("mixture4x16_head128", LINUX_EPOCH, 101.57,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " 4", 27)),
+    Figure("mixture32_head256", LINUX_EPOCH, 104.3, _cpu_run(
+        _PAIRS, "linux-comments", "--branching 32 --head 256 --mixture", 27)),
+    Figure("mixture16_head128", LINUX_EPOCH, 105.1, _linux_mixture(_PAIRS, 2, 27)),
+    Figure("mixture3x16_head128", LINUX_EPOCH, 102.66, _linux_mixture(_PAIRS, 3, 27)),
+    Figure("mixture4x16_head128", LINUX_EPOCH, 101.57, _linux_mixture(_PAIRS, 4, 27)),
     Figure("mixture16_shared128", LINUX_EPOCH, 105.36,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " --shared-head", 27)),
+           _linux_mixture(_SHARED, 2, 27, " --shared-head")),
     Figure("mixture3x16_shared128", LINUX_EPOCH, 103.35,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " 3 --shared-head", 27)),
+           _linux_mixture(_SHARED, 3, 27, " --shared-head")),
+    # The first code's run (the trees then also walked the head's tokens); four trees
+    # were not run again, three ended the same within the runs' spread.
     Figure("mixture4x16_shared128", LINUX_EPOCH, 103.36,
-           _CPU_MIXTURE.format("linux-comments", 16, 128, " 4 --shared-head", 27)),
+           _linux_mixture(_SHARED, 4, 27, " --shared-head")),
     # Each tree's correction of the shared head (docs/planner.md, "The trees' own heads
     # at low rank"): the default seed's, as the rows above.
     Figure("mixture16_shared128_rank16", LINUX_EPOCH, 105.05,
-           _CPU_RANKED.format("linux-comments", 16, 128, " --shared-head --head-rank 16")),
+           _linux_mixture(_RANKED, 2, 28, " --shared-head --head-rank 16")),
     Figure("mixture3x16_shared128_rank16", LINUX_EPOCH, 103.11,
-           _CPU_RANKED.format("linux-comments", 16, 128, " 3 --shared-head --head-rank 16")),
+           _linux_mixture(_RANKED, 3, 28, " --shared-head --head-rank 16")),
     Figure("mixture4x16_shared128_rank16", LINUX_EPOCH, 101.91,
-           _CPU_RANKED.format("linux-comments", 16, 128, " 4 --shared-head --head-rank 16")))
+           _linux_mixture(_RANKED, 4, 28, " --shared-head --head-rank 16")))
 # full softmax's best held-out perplexity on each corpus, the denominator of every ratio.
 FULL = {f.corpus: f.perplexity for f in EVIDENCE if f.kind == "full"}
 # What the kinds are, for the table and the notes.
