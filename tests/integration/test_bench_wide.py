@@ -91,6 +91,37 @@ def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
       wide.parse_mixtures(bad)
 
 
+def test_trained_part_times_each_mixture_with_its_update_beside_sampled_softmax():
+  """The trained part's steps update what they train: a step of a corrected mixture
+  below a shared head moves every weight (the trees' rows, the head, its corrections,
+  the gate), and sampled softmax's moves its table; both are timed side by side."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tf_hsm.bench import cases, wide
+  from tf_hsm.keras import optimizers  # pylint: disable=import-outside-toplevel
+  result = wide.trained_part(np.random.default_rng(0), 1, wide.parse_mixtures("3x4+16r2"),
+                             classes=3000, dim=8, tokens=64)
+  assert set(result["ms"]) == {"shared head 16 + three 4-ary, heads of rank 2",
+                               "sampled softmax 1024"}
+  assert all(v > 0 for v in result["ms"].values()) and "LazyAdam" in result["case"]
+  rng = np.random.default_rng(1)
+  shape = wide.MixtureShape(2, 4, 16, True, None, 2)
+  trees, head = wide._mixture_trees(rng, shape, None, 3000)  # pylint: disable=protected-access
+  hidden = tf.constant(rng.normal(size=(64, 8)).astype(np.float32))
+  targets = tf.constant(cases.zipf_targets(3000, 64, rng))
+  step = wide._mixture_step(trees, hidden, targets, head, None, 2,  # pylint: disable=protected-access
+                            optimizers.LazyAdam(0.1))
+  variables = step.layer.trainable_variables
+  before = [np.asarray(v).copy() for v in variables]
+  step()
+  step()  # V of the corrections moves from the second (U starts at zero)
+  assert all(not np.array_equal(b, np.asarray(v)) for b, v in zip(before, variables))
+  table, biases = tf.Variable(tf.zeros([3000, 8])), tf.Variable(tf.zeros([3000]))
+  wide._sampled_step(hidden, table, biases, targets, 64,  # pylint: disable=protected-access
+                     optimizers.LazyAdam(0.1))()
+  assert np.abs(np.asarray(table)).sum() > 0 and np.abs(np.asarray(biases)).sum() > 0
+
+
 def test_targets_are_zipf_over_the_classes():
   # P(c) = 1/((c+1) H_V): class 0 takes 1/H_V (~7% at V=1M), the last class ~1e-7; a
   # clipped np.random.zipf put most draws on the last class.

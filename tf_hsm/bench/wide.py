@@ -163,8 +163,12 @@ def rate_part(rng, rounds):
           "fraction": round(rate / machine.matmul_flops, 3)}
 
 
-def _sampled_step(hidden, table, biases, targets, num_sampled=1024):
+def _sampled_step(hidden, table, biases, targets, num_sampled=1024, optimizer=None):
+  """TF's sampled softmax forward and backward; with `optimizer` (built here) its update
+  of the table and biases too."""
   from tf_hsm.bench import baselines  # pylint: disable=import-outside-toplevel
+  if optimizer is not None:
+    optimizer.build([table, biases])
 
   @tf.function
   def step():
@@ -173,6 +177,8 @@ def _sampled_step(hidden, table, biases, targets, num_sampled=1024):
       loss = tf.reduce_mean(baselines.sampled_softmax_loss(hidden, table, biases, targets,
                                                            num_sampled, seed=7))
     grads = tape.gradient(loss, [hidden, table, biases])
+    if optimizer is not None:
+      optimizer.apply_gradients(zip(grads[1:], [table, biases]))
     return loss, grads[0], grads[1].values[:1, :1]
   return step
 
@@ -245,13 +251,17 @@ _COUNTS = {2: "two", 3: "three", 4: "four"}
 MAX_MIXTURE_TREES = 8  # each tree of V=1M holds a [1M, 300] table: 1.2 GB
 
 
-def _mixture_step(trees, hidden, targets, head=None, tail_dim=None, head_rank=None):
+def _mixture_step(trees, hidden, targets, head=None, tail_dim=None, head_rank=None,
+                  optimizer=None):
   """`HierarchicalSoftmaxMixture` over `trees` (with the shared `head`, `tail_dim` and
-  `head_rank`, if given), forward and backward as `_hsm_step`."""
+  `head_rank`, if given), forward and backward as `_hsm_step`; with `optimizer` (built
+  here) its update of every weight too."""
   from tf_hsm.keras.mixture import HierarchicalSoftmaxMixture  # pylint: disable=import-outside-toplevel
   layer = HierarchicalSoftmaxMixture(list(trees), head=head, tail_dim=tail_dim,
                                      head_rank=head_rank)
   layer.build(hidden.shape)
+  if optimizer is not None:
+    optimizer.build(layer.trainable_variables)
 
   @tf.function
   def step():
@@ -259,10 +269,13 @@ def _mixture_step(trees, hidden, targets, head=None, tail_dim=None, head_rank=No
       tape.watch(hidden)
       loss = -tf.reduce_mean(layer(hidden, targets))
     grads = tape.gradient(loss, [hidden] + layer.trainable_variables)
+    if optimizer is not None:
+      optimizer.apply_gradients(zip(grads[1:], layer.trainable_variables))
     # The tables' IndexedSlices as they are; a row of each dense gradient (the gate's,
     # the corrected heads' table), so that no product of the backward is pruned.
     tables = [g.values[:1] if isinstance(g, tf.IndexedSlices) else g[:1] for g in grads[1:]]
     return (loss, grads[0], *tables)
+  step.layer = layer  # for a look at what it trains
   return step
 
 
@@ -317,6 +330,33 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
           "speed vs sampled": {name: round(sampled / s, 2) for name, s in med.items()
                                if name != "sampled softmax 1024" and name not in parts},
           "shared head's rest": _shared_head_rest(shapes, med)}
+
+
+def trained_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
+                 tokens=3200):
+  """Each mixture of `shapes` trained as a custom loop trains it (forward, backward and
+  `tf_hsm.optimizers.LazyAdam`'s update of every weight: the rows the trees' paths
+  touch with their two slots, the head and the gate) beside TF's sampled softmax (1,024)
+  with the same update, interleaved, at V=1M, D=300, T=3,200, Zipf(1) targets: what the
+  planner prices as a step with the optimizer. Each mixture holds its tables and slots
+  (3.6 GB a tree at V=1M): run few a process."""
+  from tf_hsm.keras import optimizers  # pylint: disable=import-outside-toplevel
+  targets = tf.constant(cases.zipf_targets(classes, tokens, rng))
+  hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
+  methods = {}
+  for shape in (MixtureShape(*s) for s in shapes):
+    first = None if shape.shared else cases.vectors_tree(classes, shape.branching, shape.head)
+    trees, head = _mixture_trees(rng, shape, first, classes)
+    methods[shape.label()] = _mixture_step(trees, hidden, targets, head, shape.tail_dim,
+                                           shape.head_rank, optimizers.LazyAdam(1e-3))
+  _, table, biases, _ = _problem(rng, classes, dim, tokens)
+  methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets,
+                                                  optimizer=optimizers.LazyAdam(1e-3))
+  med = interleaved(methods, rounds)
+  return {"case": f"V={classes} D={dim} T={tokens}, Zipf(1) targets, LazyAdam's update",
+          "ms": _ms(med),
+          "speed vs sampled": {name: round(med["sampled softmax 1024"] / m, 3)
+                               for name, m in med.items() if name != "sampled softmax 1024"}}
 
 
 def _shared_head_parts(rng, shape, tree, hidden, targets):
@@ -489,7 +529,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--parts", default="flat,rate,head,inference,memory",
                       help="comma-separated, of flat, rate, head, inference, memory, "
-                           "mixture, width")
+                           "mixture (forward and backward), trained (with LazyAdam's "
+                           "update), width")
   parser.add_argument("--rounds", type=int, default=7, help="timed rounds (medians)")
   parser.add_argument("--heads", default=",".join(f"{b}:{h}" for b, h in HEAD_TREES),
                       help="the head part's trees, BRANCHING:HEAD pairs (default: %(default)s)")
@@ -510,10 +551,10 @@ def main(argv=None):
     print(json.dumps(memory_case(int(classes), int(dim), int(tokens), mode)))
     return
   parts = args.parts.split(",")
-  unknown = sorted(set(parts) - set(PARTS) - {"memory", "mixture", "width"})
+  unknown = sorted(set(parts) - set(PARTS) - {"memory", "mixture", "trained", "width"})
   if unknown or args.rounds < 1:
     parser.error(f"unknown parts {unknown} (of flat, rate, head, inference, memory, "
-                 "mixture, width)" if unknown
+                 "mixture, trained, width)" if unknown
                  else "--rounds must be >= 1")
   rng = np.random.default_rng(0)
   for part in parts:
@@ -523,6 +564,8 @@ def main(argv=None):
       result = head_part(rng, args.rounds, heads)
     elif part == "mixture":
       result = mixture_part(rng, args.rounds, mixtures)
+    elif part == "trained":
+      result = trained_part(rng, args.rounds, mixtures)
     elif part == "width":
       result = width_part(rng, args.rounds)
     else:
