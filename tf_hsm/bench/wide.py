@@ -204,10 +204,7 @@ def head_part(rng, rounds, trees=HEAD_TREES):
   hidden, table, biases, _ = _problem(rng, classes, dim, tokens)
   methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
   med = interleaved(methods, rounds)
-  sampled = med["sampled softmax 1024"]
-  result = {"case": "V=1M D=300 T=3200", "ms": _ms(med),
-            "speed vs sampled": {name: round(sampled / s, 2) for name, s in med.items()
-                                 if name != "sampled softmax 1024"}}
+  result = {"case": "V=1M D=300 T=3200", "ms": _ms(med), "speed vs sampled": _vs_sampled(med)}
   if (32, 1024) in trees and (32, 0) in trees:
     result["head 1024 / no head"] = round(med["32-ary, head 1024"] / med["32-ary, head 0"],
                                           3)
@@ -325,10 +322,8 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
   _, table, biases, _ = _problem(rng, classes, dim, tokens)
   methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets)
   med = interleaved(methods, rounds)
-  sampled = med["sampled softmax 1024"]
   return {"case": f"V={classes:,} D={dim} T={tokens:,}", "ms": _ms(med),
-          "speed vs sampled": {name: round(sampled / s, 2) for name, s in med.items()
-                               if name != "sampled softmax 1024" and name not in parts},
+          "speed vs sampled": _vs_sampled(med, parts),
           "shared head's rest": _shared_head_rest(shapes, med)}
 
 
@@ -353,10 +348,16 @@ def trained_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
   methods["sampled softmax 1024"] = _sampled_step(hidden, table, biases, targets,
                                                   optimizer=optimizers.LazyAdam(1e-3))
   med = interleaved(methods, rounds)
-  return {"case": f"V={classes} D={dim} T={tokens}, Zipf(1) targets, LazyAdam's update",
-          "ms": _ms(med),
-          "speed vs sampled": {name: round(med["sampled softmax 1024"] / m, 3)
-                               for name, m in med.items() if name != "sampled softmax 1024"}}
+  return {"case": f"V={classes:,} D={dim} T={tokens:,}, Zipf(1) targets, LazyAdam's update",
+          "ms": _ms(med), "speed vs sampled": _vs_sampled(med)}
+
+
+def _vs_sampled(med, left_out=()):
+  """{method: sampled softmax's median / its median} of the methods in `med` but
+  sampled softmax and `left_out`."""
+  sampled = med["sampled softmax 1024"]
+  return {name: round(sampled / s, 2) for name, s in med.items()
+          if name != "sampled softmax 1024" and name not in left_out}
 
 
 def _shared_head_parts(rng, shape, tree, hidden, targets):
