@@ -34,7 +34,10 @@ def _keras_fit(**overrides):
 
 @pytest.mark.parametrize("overrides", [
     {}, {"tail": "flat", "cutoffs": "200,1000"}, {"layer": "hsm", "tree": "huffman8"},
-    {"layer": "hsm", "tree": "huffman8", "optimizer": "lazy_adam", "fused_update": True}])
+    {"layer": "hsm", "tree": "huffman8", "optimizer": "lazy_adam", "fused_update": True},
+    {"layer": "mixture", "mixture": "3x4+64r2", "optimizer": "lazy_adam",
+     "fused_update": True},
+    {"layer": "mixture", "mixture": "2x8:16"}, {"layer": "sampled"}])
 def test_keras_fit_reports_steps_weights_and_memory(overrides):
   result = _keras_fit(**overrides)
   assert result["peak_since"] == "the baseline"
@@ -47,6 +50,16 @@ def test_keras_fit_reports_steps_weights_and_memory(overrides):
     assert result["weights_bytes"] == tree.num_slots * (32 + 1) * 4
     assert "HierarchicalSoftmax huffman8" in result["layout"]
     assert ("fused update" in result["layout"]) == bool(overrides.get("fused_update"))
+  elif overrides.get("layer") == "mixture":
+    assert f"HierarchicalSoftmaxMixture {overrides['mixture']} " in result["layout"]
+    assert ("fused update" in result["layout"]) == bool(overrides.get("fused_update"))
+    # At least a row and a bias a class in each tree: three trees over the 2,936
+    # classes past the shared head, or two over all 3,000.
+    trees, classes = (3, 2936) if "+" in overrides["mixture"] else (2, 3000)
+    assert result["weights_bytes"] >= trees * classes * (32 + 1) * 4
+  elif overrides.get("layer") == "sampled":
+    assert result["weights_bytes"] == 3_000 * (32 + 1) * 4
+    assert "sampled_softmax_loss, 1,024 samples" in result["layout"]
   else:
     assert "AdaptiveSoftmax" in result["layout"] and "cutoffs [" in result["layout"]
   if overrides.get("cutoffs"):
@@ -58,6 +71,17 @@ def test_keras_fit_reports_steps_weights_and_memory(overrides):
 def test_keras_fit_command_line_refuses_too_few_steps():
   with pytest.raises(SystemExit):
     keras_fit.main(["--steps", "2"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layer", "mixture", "--mixture", "2x4+8,3x4+8"], "takes one mixture"),
+    (["--layer", "mixture", "--mixture", "1x4+8"], "2-8 trees"),
+    (["--layer", "sampled", "--optimizer", "lazy_adam", "--fused-update"],
+     "--fused-update is for --layer hsm or mixture")])
+def test_keras_fit_command_line_refuses_bad_mixtures_and_flags(argv, message, capsys):
+  with pytest.raises(SystemExit):
+    keras_fit.main(argv)
+  assert message in capsys.readouterr().err
 
 
 def test_torch_module_and_the_layer_from_its_state_dict_agree():

@@ -106,7 +106,7 @@ def test_trained_part_times_each_mixture_with_its_update_beside_sampled_softmax(
   assert all(v > 0 for v in result["ms"].values()) and "LazyAdam" in result["case"]
   rng = np.random.default_rng(1)
   shape = wide.MixtureShape(2, 4, 16, True, None, 2)
-  trees, head = wide._mixture_trees(rng, shape, None, 3000)  # pylint: disable=protected-access
+  trees, head = wide.mixture_trees(rng, shape, 3000)
   hidden = tf.constant(rng.normal(size=(64, 8)).astype(np.float32))
   targets = tf.constant(cases.zipf_targets(3000, 64, rng))
   step = wide._mixture_step(trees, hidden, targets, head, None, 2,  # pylint: disable=protected-access

@@ -6,10 +6,17 @@
         --layer hsm --tree huffman32
     python -m tf_hsm.bench.keras_fit --classes 1M --hidden 300 --tokens 3200 \\
         --layer hsm --tree vectors32_head256 --optimizer lazy_adam --fused-update
+    python -m tf_hsm.bench.keras_fit --classes 1M --hidden 300 --tokens 3200 \\
+        --layer mixture --mixture 4x16+128r16 --optimizer lazy_adam --fused-update
+    python -m tf_hsm.bench.keras_fit --classes 1M --hidden 300 --tokens 3200 \\
+        --layer sampled --optimizer lazy_adam
 
 The model is what a user trains: features -> Dense(hidden) -> the output layer
 (`HierarchicalSoftmax` over the named tree of the Zipf(1) counts, `fused_update` with
-`--fused-update`, or `AdaptiveSoftmax` with the given or chosen cutoffs), compiled with
+`--fused-update`; `HierarchicalSoftmaxMixture` of the trees `--mixture` names, as
+`python -m tf_hsm.bench.wide --mixtures` takes them, each component with
+`fused_update` with `--fused-update`; TF's `sampled_softmax_loss` with 1,024 samples,
+the demo's layer; or `AdaptiveSoftmax` with the given or chosen cutoffs), compiled with
 `tf_hsm.losses.nll` and `tf_hsm.optimizers.SparseSGD` (or `LazyAdam`), fed by a `tf.data` pipeline of Zipf(1) targets
 (`--batches` distinct batches, cycled), and trained with `model.fit` for `--steps` steps.
 Printed: the median wall time of the steps after the first two (tracing, first
@@ -41,25 +48,52 @@ def output_layer(args, counts):
   """The output layer, and a description of its layout."""
   import tf_hsm  # pylint: disable=import-outside-toplevel
   if args.layer == "hsm":
-    kind = args.tree
-    if kind == "two_level":
-      tree = tf_hsm.Tree.two_level(args.classes, counts=counts)
-    elif kind.startswith("huffman"):
-      tree = tf_hsm.Tree.huffman(counts, branching=int(kind[len("huffman"):] or 2))
-    elif kind == "vectors32_head256":
-      tree = build_tree(kind, args.classes)
-    else:
-      raise ValueError(f"--tree must be two_level, huffmanK or vectors32_head256, got "
-                       f"{kind!r}")
+    tree = _tree(args.tree, args.classes, counts)
     fused = ", fused update" if args.fused_update else ""
     return (tf_hsm.HierarchicalSoftmax(tree, name="output", fused_update=args.fused_update),
-            f"HierarchicalSoftmax {kind}{fused}: {tree.num_slots:,} slots, depth "
+            f"HierarchicalSoftmax {args.tree}{fused}: {tree.num_slots:,} slots, depth "
             f"{tree.max_depth}")
+  if args.layer == "mixture":
+    return _mixture(args)
+  if args.layer == "sampled":
+    from tf_hsm.demo import run as demo  # pylint: disable=import-outside-toplevel
+    return (demo.sampled_softmax_layer(counts, SAMPLED, name="output"),
+            f"TF's sampled_softmax_loss, {SAMPLED:,} samples")
   cutoffs = [int(c) for c in args.cutoffs.split(",")] if args.cutoffs else None
   layer = tf_hsm.AdaptiveSoftmax(args.classes, cutoffs, div_value=args.div_value,
                                  tail=args.tail, counts=counts,
                                  tokens_per_step=args.tokens, name="output")
   return layer, f"AdaptiveSoftmax {args.tail}, div {args.div_value:g}"
+
+
+SAMPLED = 1024  # TF's sampled softmax's samples, as the bench's other parts take
+
+
+def _tree(kind, classes, counts):
+  import tf_hsm  # pylint: disable=import-outside-toplevel
+  if kind == "two_level":
+    return tf_hsm.Tree.two_level(classes, counts=counts)
+  if kind.startswith("huffman"):
+    return tf_hsm.Tree.huffman(counts, branching=int(kind[len("huffman"):] or 2))
+  if kind == "vectors32_head256":
+    return build_tree(kind, classes)
+  raise ValueError(f"--tree must be two_level, huffmanK or vectors32_head256, got {kind!r}")
+
+
+def _mixture(args):
+  """`HierarchicalSoftmaxMixture` of the trees of `args.mixture` (one shape of
+  `tf_hsm.bench.wide.parse_mixtures`, its trees from Gaussian vectors as that bench's),
+  and its description."""
+  import tf_hsm  # pylint: disable=import-outside-toplevel
+  from tf_hsm.bench import wide  # pylint: disable=import-outside-toplevel
+  shape, = wide.parse_mixtures(args.mixture)
+  trees, head = wide.mixture_trees(np.random.default_rng(args.seed), shape, args.classes)
+  components = [tf_hsm.HierarchicalSoftmax(t, fused_update=args.fused_update)
+                for t in trees]
+  layer = tf_hsm.HierarchicalSoftmaxMixture(components, head=head, tail_dim=shape.tail_dim,
+                                            head_rank=shape.head_rank, name="output")
+  fused = ", fused update" if args.fused_update else ""
+  return layer, f"HierarchicalSoftmaxMixture {shape} ({shape.label()}){fused}"
 
 
 class _StepTimes:
@@ -142,13 +176,18 @@ def main(argv=None):
   parser.add_argument("--tokens", type=_count, default=3200)
   parser.add_argument("--features", type=int, default=64,
                       help="width of the model's input (default: %(default)s)")
-  parser.add_argument("--layer", choices=("hsm", "adaptive"), default="adaptive")
+  parser.add_argument("--layer", choices=("hsm", "mixture", "sampled", "adaptive"),
+                      default="adaptive")
   parser.add_argument("--tree", default="huffman32",
                       help="two_level, huffmanK or vectors32_head256 (hsm)")
+  parser.add_argument("--mixture", default="4x16+128r16",
+                      help="the mixture's trees, as bench.wide's --mixtures takes one "
+                           "(mixture; default: %(default)s)")
   parser.add_argument("--optimizer", choices=("sparse_sgd", "lazy_adam"),
                       default="sparse_sgd")
   parser.add_argument("--fused-update", action="store_true",
-                      help="HierarchicalSoftmax(fused_update=True) (hsm, lazy_adam)")
+                      help="HierarchicalSoftmax(fused_update=True), of each tree of a "
+                           "mixture (hsm, mixture; lazy_adam)")
   parser.add_argument("--tail", choices=("flat", "two_level"), default="two_level")
   parser.add_argument("--cutoffs", default=None,
                       help="e.g. 2000,20000 (adaptive; default: from the cost model)")
@@ -161,8 +200,16 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.steps < 3:
     parser.error("--steps must be at least 3 (the first two are not counted)")
-  if args.fused_update and (args.layer != "hsm" or args.optimizer != "lazy_adam"):
-    parser.error("--fused-update is for --layer hsm with --optimizer lazy_adam")
+  if args.fused_update and (args.layer not in ("hsm", "mixture") or
+                            args.optimizer != "lazy_adam"):
+    parser.error("--fused-update is for --layer hsm or mixture with --optimizer lazy_adam")
+  if args.layer == "mixture":
+    from tf_hsm.bench import wide  # pylint: disable=import-outside-toplevel
+    try:
+      if len(wide.parse_mixtures(args.mixture)) != 1:
+        parser.error(f"--mixture takes one mixture, got {args.mixture!r}")
+    except ValueError as e:
+      parser.error(str(e).replace("--mixtures", "--mixture"))
   result = run(args)
   _print(args, result)
   if args.json:

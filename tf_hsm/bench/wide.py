@@ -276,12 +276,14 @@ def _mixture_step(trees, hidden, targets, head=None, tail_dim=None, head_rank=No
   return step
 
 
-def _mixture_trees(rng, shape, first, classes):
-  """(trees, shared head ids or None) of `shape`: `first` and others from other Gaussian
+def mixture_trees(rng, shape, classes, first=None):
+  """(trees, shared head ids or None) of `shape`: `first` (by default
+  `cases.vectors_tree` of the shape's branching and head) and others from other Gaussian
   vectors; with a shared head, all over the classes past the head (the Zipf classes
   are ranked: the head is the most frequent)."""
   weights = cases.zipf_weights(classes)
   if not shape.shared:
+    first = first or cases.vectors_tree(classes, shape.branching, shape.head)
     return [first] + [tf_hsm.Tree.from_vectors(
         rng.normal(size=(classes, cases.TREE_VECTOR_DIM)).astype(np.float32), weights,
         shape.branching, head=shape.head) for _ in range(shape.count - 1)], None
@@ -312,7 +314,7 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
       _, table, biases, _ = _problem(rng, first.num_slots, dim, tokens)
       methods[f"one tree {shape.branching}:{shape.head}"] = _hsm_step(
           first, hidden, table, biases, targets)
-    trees, head = _mixture_trees(rng, shape, first, classes)
+    trees, head = mixture_trees(rng, shape, classes, first)
     methods[shape.label()] = _mixture_step(trees, hidden, targets, head, shape.tail_dim,
                                            shape.head_rank)
     if shape.shared:
@@ -340,8 +342,7 @@ def trained_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
   hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
   methods = {}
   for shape in (MixtureShape(*s) for s in shapes):
-    first = None if shape.shared else cases.vectors_tree(classes, shape.branching, shape.head)
-    trees, head = _mixture_trees(rng, shape, first, classes)
+    trees, head = mixture_trees(rng, shape, classes)
     methods[shape.label()] = _mixture_step(trees, hidden, targets, head, shape.tail_dim,
                                            shape.head_rank, optimizers.LazyAdam(1e-3))
   _, table, biases, _ = _problem(rng, classes, dim, tokens)

@@ -322,10 +322,22 @@ def full_softmax_model(counts, hidden, seq_len, learning_rate, output_lr_scale=1
 def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled,
                           output_lr_scale=1.0):
   """[tokens, targets] -> per-token log-probabilities, trained with TensorFlow's own
-  `tf.nn.sampled_softmax_loss` (log-uniform candidates, as TF's word2vec and language
-  model tutorials use) and evaluated exactly: in training the output is minus the
-  sampled loss, in evaluation the exact log-softmax of the full logits at the target,
-  so held-out perplexity is comparable with the other models'."""
+  `tf.nn.sampled_softmax_loss` (`sampled_softmax_layer`) and evaluated exactly, so
+  held-out perplexity is comparable with the other models'."""
+  import keras  # pylint: disable=g-import-not-at-top
+  tokens, x = _body(keras, len(counts), hidden, seq_len)
+  targets = keras.Input((seq_len,), dtype="int32", name="targets")
+  log_probs = sampled_softmax_layer(counts, num_sampled)(x, targets)
+  return _compile(keras.Model([tokens, targets], log_probs, name="sampled_softmax_lm"),
+                  "sampled_softmax", learning_rate, output_lr_scale)
+
+
+def sampled_softmax_layer(counts, num_sampled, name="sampled_softmax"):
+  """A Keras layer (hidden, targets) -> per-token log-probabilities over len(counts)
+  classes: in training minus `tf.nn.sampled_softmax_loss` with `num_sampled`
+  log-uniform candidates (as TF's word2vec and language model tutorials use), in
+  evaluation the exact log-softmax of the full logits at the target. Its biases start at
+  the log unigram distribution of `counts`, as the HSM's do."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -352,11 +364,7 @@ def sampled_softmax_model(counts, hidden, seq_len, learning_rate, num_sampled,
                                                               logits=logits)
       return tf.reshape(out, tf.shape(targets))
 
-  tokens, x = _body(keras, len(counts), hidden, seq_len)
-  targets = keras.Input((seq_len,), dtype="int32", name="targets")
-  log_probs = SampledSoftmax(name="sampled_softmax")(x, targets)
-  return _compile(keras.Model([tokens, targets], log_probs, name="sampled_softmax_lm"),
-                  "sampled_softmax", learning_rate, output_lr_scale)
+  return SampledSoftmax(name=name)
 
 
 def adaptive_cutoffs(vocab_size):
