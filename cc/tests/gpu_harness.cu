@@ -385,6 +385,7 @@ struct Case {
   int64 tokens = 0, dim = 0;
   bool bias = true;
   double zipf = 1.0;      // target distribution exponent (0: uniform)
+  bool ranked = false;    // class i the (i+1)-th likeliest target (else ranks shuffled)
   double weight_scale = 0.3;
   int64 budget = kDefaultGpuCoefBudget;
 };
@@ -425,7 +426,7 @@ std::vector<int64> MakeTargets(const Case& c, std::mt19937_64& rng) {
   const int64 C = c.tree.num_classes;
   std::vector<int64> rank(C);
   std::iota(rank.begin(), rank.end(), 0);
-  std::shuffle(rank.begin(), rank.end(), rng);
+  if (!c.ranked) std::shuffle(rank.begin(), rank.end(), rng);
   std::vector<double> cdf(C);
   double total = 0;
   for (int64 i = 0; i < C; ++i) {
@@ -1574,6 +1575,16 @@ std::vector<Case> TimingCases(std::mt19937_64& rng, int64 shrink) {
       add("D_two_level_1000_T" + std::to_string(T), two, T, 300);
       add("D_huffman_T" + std::to_string(T), huff, T, 300);
     }
+  }
+  // Scenario M, V = 1M, D = 300, T = 3,200: a 16-ary Huffman tree on the Zipf counts with
+  // targets drawn by those counts (the shape of one tree of a mixture, frequent classes
+  // near the root), and the shared head of 128 classes and the tail's slot as a one-node
+  // tree scoring every token.
+  {
+    const int64 V = 1000000 / shrink;
+    add("M_huffman16_T3200", Layout(HuffmanShape(ZipfCounts(V, 1.0), 16), nullptr), 3200, 300);
+    cases.back().ranked = true;
+    add("M_flat129_T3200", Layout(TwoLevelShape(129, 129), &rng), 3200, 300);
   }
   // The exact softmax as a one-node tree (Tree.flat): V = 100K, D = 256, T = 1,024 (the CPU
   // bench's comparison with TF's dense softmax) and V = 1M, D = 300, T = 3,200, where the

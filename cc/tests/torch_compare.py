@@ -1,8 +1,10 @@
 """What a PyTorch user would run instead of tf_hsm's CUDA kernels, timed on the same GPU.
 
-For the benchmark scenarios B, C and D (docs/performance.md), and F (the exact softmax as a
+For the benchmark scenarios B, C and D (docs/performance.md), F (the exact softmax as a
 one-node tree, V=100K D=256 T=1,024 and V=1M D=300 T=3,200, against PyTorch's full softmax
-only), this times one training step's output layer (forward + backward, float32) of
+only) and M (V=1M D=300 T=3,200, Zipf(1) targets: sampled softmax with 1,024 log-uniform
+samples, as TF's `sampled_softmax_loss`, beside the harness's 16-ary Huffman tree and the
+head of 128 classes of a mixture's trees), this times one training step's output layer (forward + backward, float32) of
   - full softmax: logits = h @ W^T + b, cross-entropy, backward (OOM is a result);
   - a gather-based HSM: the children rows of every path node gathered into
     [T, depth, max_branching, D] (padded, masked), logsumexp per node, summed over the path;
@@ -91,6 +93,50 @@ def padded(paths, node_first, node_k):
   return first, k, taken
 
 
+def sampled_softmax_line(torch, dev, rng, run, hsm, v=1_000_000, d=300, t=3200,
+                         num_sampled=1024):
+  """Scenario M: one step (forward and backward) of the sampled softmax a PyTorch user
+  writes after TF's `sampled_softmax_loss`: `num_sampled` classes drawn log-uniformly
+  (with replacement) shared by the batch, logits corrected by log(expected count),
+  accidental hits masked, cross-entropy over [true, sampled]; with the harness's M
+  cases (tf_hsm's kernels) beside it."""
+  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+  probs = 1.0 / np.arange(1, v + 1)
+  targets = torch.from_numpy(rng.choice(v, size=t, p=probs / probs.sum())).to(dev)
+  h = torch.randn(t, d, device=dev, requires_grad=True)
+  w = (torch.randn(v, d, device=dev) * 0.05).requires_grad_()
+  b = torch.zeros(v, 1, device=dev, requires_grad=True)  # a row a class, as w
+  log_range = np.log(v + 1.0)
+
+  def log_expected(ids):  # log(num_sampled * P(id)) under the log-uniform sampler
+    ids = ids.double()
+    return (torch.log(torch.log((ids + 2) / (ids + 1)) / log_range) +
+            np.log(num_sampled)).float()
+
+  def sampled_softmax(sparse):
+    # sparse: the rows' gradient as torch.sparse (F.embedding(sparse=True)), as TF's
+    # IndexedSlices; else dense, as w[ids] gives it ([V, D] written each step).
+    u = torch.rand(num_sampled, device=dev, dtype=torch.float64)
+    sampled = (torch.exp(u * log_range).long() - 1).clamp_(0, v - 1)
+    rows = lambda ids, table: F.embedding(ids, table, sparse=True) if sparse else table[ids]
+    bias = lambda ids: rows(ids, b)[:, 0]
+    true_logit = (h * rows(targets, w)).sum(-1) + bias(targets) - log_expected(targets)
+    logits = h @ rows(sampled, w).t() + bias(sampled) - log_expected(sampled)
+    logits = logits.masked_fill(sampled[None, :] == targets[:, None], float("-inf"))
+    both = torch.cat([true_logit[:, None], logits], 1)
+    F.cross_entropy(both, torch.zeros(t, dtype=torch.long, device=dev)).backward()
+    w.grad = b.grad = None
+
+  line = (f"M V={v} D={d} T={t}: sampled softmax ({num_sampled}), dense gradient "
+          f"{run('sampled', lambda: sampled_softmax(False))}, sparse gradient "
+          f"{run('sampled', lambda: sampled_softmax(True))}")
+  for key in ("M_huffman16_T3200", "M_flat129_T3200", "D_two_level_1000_T3200"):
+    if key in hsm:
+      r = hsm[key]
+      line += f" | tf_hsm {key} {r['forward_ms'] + r['backward_ms']:.3f} ms"
+  return line
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,6 +190,9 @@ def main():
   print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"TF32 matmul {torch.backends.cuda.matmul.allow_tf32}")
   for s in args.scenarios.split(","):
+    if s == "M":
+      print(sampled_softmax_line(torch, dev, rng, run, hsm), flush=True)
+      continue
     if s == "F":
       for v, d, t, key in [(100_000, 256, 1024, "F_flat_V100K_T1024"),
                            (1_000_000, 300, 3200, "F_flat_V1M_T3200")]:
