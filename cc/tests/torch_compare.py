@@ -1,20 +1,21 @@
 """What a PyTorch user would run instead of tf_hsm's CUDA kernels, timed on the same GPU.
 
 For the benchmark scenarios B, C and D (docs/performance.md), F (the exact softmax as a
-one-node tree, V=100K D=256 T=1,024 and V=1M D=300 T=3,200, against PyTorch's full softmax
-only) and M (V=1M D=300 T=3,200, Zipf(1) targets: sampled softmax with 1,024 log-uniform
-samples, as TF's `sampled_softmax_loss`, beside the harness's 16-ary Huffman tree and the
-head of 128 classes of a mixture's trees), this times one training step's output layer (forward + backward, float32) of
+one-node tree, V=100K D=256 T=1,024 and V=1M D=300 T=3,200, against PyTorch's full
+softmax only) and M (V=1M D=300 T=3,200, Zipf(1) targets: PyTorch's sampled softmax
+beside the harness's mixture cases, a 16-ary tree and a head of 128), this times one
+training step's output layer (forward + backward, float32) of
   - full softmax: logits = h @ W^T + b, cross-entropy, backward (OOM is a result);
   - a gather-based HSM: the children rows of every path node gathered into
     [T, depth, max_branching, D] (padded, masked), logsumexp per node, summed over the path;
+  - (M) sampled softmax: 1,024 log-uniform samples, as TF's `sampled_softmax_loss`;
 on the trees the CUDA harness uses (two-level ~sqrt(V), Huffman binary on Zipf counts), and,
 given the JSON lines of `cc/gpu_harness.sh --time-only --json FILE`, prints tf_hsm's
 kernels next to them.
 
 Run on a GPU machine with PyTorch (never imported by the tests; needs no TensorFlow):
   cc/gpu_harness.sh --time-only --json /tmp/hsm.json
-  python cc/tests/torch_compare.py --harness-json /tmp/hsm.json [--scenarios B,C,D,F]
+  python cc/tests/torch_compare.py --harness-json /tmp/hsm.json [--scenarios B,C,D,F,M]
 """
 
 import argparse
@@ -96,10 +97,13 @@ def padded(paths, node_first, node_k):
 def sampled_softmax_line(torch, dev, rng, run, hsm, v=1_000_000, d=300, t=3200,
                          num_sampled=1024):
   """Scenario M: one step (forward and backward) of the sampled softmax a PyTorch user
-  writes after TF's `sampled_softmax_loss`: `num_sampled` classes drawn log-uniformly
-  (with replacement) shared by the batch, logits corrected by log(expected count),
-  accidental hits masked, cross-entropy over [true, sampled]; with the harness's M
-  cases (tf_hsm's kernels) beside it."""
+  writes after TF's `sampled_softmax_loss`: `num_sampled` classes drawn log-uniformly,
+  shared by the batch, the rows of the targets and the samples gathered at once (as TF
+  gathers them), logits less log(num_sampled * P(class)), accidental hits masked,
+  cross-entropy over [true, sampled]. TF draws without repeats (`unique=True`) and
+  corrects by the expected count of its tries; this draws with repeats: the same work,
+  slightly other loss values. With the harness's mixture cases (tf_hsm's kernels)
+  beside it."""
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
   probs = 1.0 / np.arange(1, v + 1)
   targets = torch.from_numpy(rng.choice(v, size=t, p=probs / probs.sum())).to(dev)
@@ -113,27 +117,33 @@ def sampled_softmax_line(torch, dev, rng, run, hsm, v=1_000_000, d=300, t=3200,
     return (torch.log(torch.log((ids + 2) / (ids + 1)) / log_range) +
             np.log(num_sampled)).float()
 
-  def sampled_softmax(sparse):
+  target_correction = log_expected(targets)
+
+  def gathered(ids, table, sparse):
     # sparse: the rows' gradient as torch.sparse (F.embedding(sparse=True)), as TF's
-    # IndexedSlices; else dense, as w[ids] gives it ([V, D] written each step).
+    # IndexedSlices; else dense, as table[ids] gives it ([V, D] written each step).
+    return F.embedding(ids, table, sparse=True) if sparse else table[ids]
+
+  def sampled_softmax(sparse):
     u = torch.rand(num_sampled, device=dev, dtype=torch.float64)
     sampled = (torch.exp(u * log_range).long() - 1).clamp_(0, v - 1)
-    rows = lambda ids, table: F.embedding(ids, table, sparse=True) if sparse else table[ids]
-    bias = lambda ids: rows(ids, b)[:, 0]
-    true_logit = (h * rows(targets, w)).sum(-1) + bias(targets) - log_expected(targets)
-    logits = h @ rows(sampled, w).t() + bias(sampled) - log_expected(sampled)
+    ids = torch.cat([targets, sampled])
+    rows, biases = gathered(ids, w, sparse), gathered(ids, b, sparse)[:, 0]
+    true_logit = (h * rows[:t]).sum(-1) + biases[:t] - target_correction
+    logits = h @ rows[t:].t() + biases[t:] - log_expected(sampled)
     logits = logits.masked_fill(sampled[None, :] == targets[:, None], float("-inf"))
     both = torch.cat([true_logit[:, None], logits], 1)
     F.cross_entropy(both, torch.zeros(t, dtype=torch.long, device=dev)).backward()
-    w.grad = b.grad = None
+    w.grad = b.grad = h.grad = None  # a step's gradients, not their sum over the steps
 
   line = (f"M V={v} D={d} T={t}: sampled softmax ({num_sampled}), dense gradient "
           f"{run('sampled', lambda: sampled_softmax(False))}, sparse gradient "
           f"{run('sampled', lambda: sampled_softmax(True))}")
-  for key in ("M_huffman16_T3200", "M_flat129_T3200", "D_two_level_1000_T3200"):
+  for key in ("mixture_tree16_T3200", "mixture_head129_T3200", "D_two_level_1000_T3200"):
     if key in hsm:
       r = hsm[key]
-      line += f" | tf_hsm {key} {r['forward_ms'] + r['backward_ms']:.3f} ms"
+      line += (f" | tf_hsm {key} {r['forward_ms'] + r['backward_ms']:.3f} ms, host plan "
+               f"{r['host_plan_ms']:.2f} ms")
   return line
 
 

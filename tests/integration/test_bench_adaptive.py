@@ -76,6 +76,8 @@ def test_keras_fit_command_line_refuses_too_few_steps():
 @pytest.mark.parametrize("argv, message", [
     (["--layer", "mixture", "--mixture", "2x4+8,3x4+8"], "takes one mixture"),
     (["--layer", "mixture", "--mixture", "1x4+8"], "2-8 trees"),
+    (["--layer", "mixture", "--mixture", "2x4+8", "--classes", "8"],
+     "needs more classes than its head of 8"),
     (["--layer", "sampled", "--optimizer", "lazy_adam", "--fused-update"],
      "--fused-update is for --layer hsm or mixture")])
 def test_keras_fit_command_line_refuses_bad_mixtures_and_flags(argv, message, capsys):

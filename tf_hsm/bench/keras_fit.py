@@ -37,6 +37,7 @@ from tf_hsm.bench import worker
 from tf_hsm.bench.cases import build_tree, zipf_targets, zipf_weights
 
 GIB = 2**30
+SAMPLED = 1024  # TF's sampled softmax's samples, as the bench's other parts take
 
 
 def _count(text):
@@ -47,14 +48,15 @@ def _count(text):
 def output_layer(args, counts):
   """The output layer, and a description of its layout."""
   import tf_hsm  # pylint: disable=import-outside-toplevel
+  fused = ", fused update" if args.fused_update else ""
   if args.layer == "hsm":
     tree = _tree(args.tree, args.classes, counts)
-    fused = ", fused update" if args.fused_update else ""
     return (tf_hsm.HierarchicalSoftmax(tree, name="output", fused_update=args.fused_update),
             f"HierarchicalSoftmax {args.tree}{fused}: {tree.num_slots:,} slots, depth "
             f"{tree.max_depth}")
   if args.layer == "mixture":
-    return _mixture(args)
+    shape = args.mixture_shape
+    return _mixture(args), f"HierarchicalSoftmaxMixture {shape} ({shape.label()}){fused}"
   if args.layer == "sampled":
     from tf_hsm.demo import run as demo  # pylint: disable=import-outside-toplevel
     return (demo.sampled_softmax_layer(counts, SAMPLED, name="output"),
@@ -66,10 +68,8 @@ def output_layer(args, counts):
   return layer, f"AdaptiveSoftmax {args.tail}, div {args.div_value:g}"
 
 
-SAMPLED = 1024  # TF's sampled softmax's samples, as the bench's other parts take
-
-
 def _tree(kind, classes, counts):
+  """The `--tree` of `classes` classes over the Zipf `counts`."""
   import tf_hsm  # pylint: disable=import-outside-toplevel
   if kind == "two_level":
     return tf_hsm.Tree.two_level(classes, counts=counts)
@@ -81,19 +81,32 @@ def _tree(kind, classes, counts):
 
 
 def _mixture(args):
-  """`HierarchicalSoftmaxMixture` of the trees of `args.mixture` (one shape of
-  `tf_hsm.bench.wide.parse_mixtures`, its trees from Gaussian vectors as that bench's),
-  and its description."""
+  """`HierarchicalSoftmaxMixture` of the trees of `args.mixture_shape` (a
+  `tf_hsm.bench.wide.MixtureShape`, its trees from Gaussian vectors as that bench's)."""
   import tf_hsm  # pylint: disable=import-outside-toplevel
   from tf_hsm.bench import wide  # pylint: disable=import-outside-toplevel
-  shape, = wide.parse_mixtures(args.mixture)
+  shape = args.mixture_shape
   trees, head = wide.mixture_trees(np.random.default_rng(args.seed), shape, args.classes)
   components = [tf_hsm.HierarchicalSoftmax(t, fused_update=args.fused_update)
                 for t in trees]
-  layer = tf_hsm.HierarchicalSoftmaxMixture(components, head=head, tail_dim=shape.tail_dim,
-                                            head_rank=shape.head_rank, name="output")
-  fused = ", fused update" if args.fused_update else ""
-  return layer, f"HierarchicalSoftmaxMixture {shape} ({shape.label()}){fused}"
+  return tf_hsm.HierarchicalSoftmaxMixture(components, head=head, tail_dim=shape.tail_dim,
+                                           head_rank=shape.head_rank, name="output")
+
+
+def _mixture_shape(parser, args):
+  """The one `MixtureShape` of `--mixture`, or the parser's error naming what is wrong."""
+  from tf_hsm.bench import wide  # pylint: disable=import-outside-toplevel
+  try:
+    shapes = wide.parse_mixtures(args.mixture)
+  except ValueError as e:
+    parser.error(str(e).replace("--mixtures", "--mixture"))
+  if len(shapes) != 1:
+    parser.error(f"--mixture takes one mixture, got {args.mixture!r}")
+  shape, = shapes
+  if args.classes <= shape.head:
+    parser.error(f"--mixture {args.mixture} needs more classes than its head of "
+                 f"{shape.head}, got --classes {args.classes}")
+  return shape
 
 
 class _StepTimes:
@@ -203,13 +216,7 @@ def main(argv=None):
   if args.fused_update and (args.layer not in ("hsm", "mixture") or
                             args.optimizer != "lazy_adam"):
     parser.error("--fused-update is for --layer hsm or mixture with --optimizer lazy_adam")
-  if args.layer == "mixture":
-    from tf_hsm.bench import wide  # pylint: disable=import-outside-toplevel
-    try:
-      if len(wide.parse_mixtures(args.mixture)) != 1:
-        parser.error(f"--mixture takes one mixture, got {args.mixture!r}")
-    except ValueError as e:
-      parser.error(str(e).replace("--mixtures", "--mixture"))
+  args.mixture_shape = _mixture_shape(parser, args) if args.layer == "mixture" else None
   result = run(args)
   _print(args, result)
   if args.json:

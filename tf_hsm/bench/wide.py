@@ -277,13 +277,14 @@ def _mixture_step(trees, hidden, targets, head=None, tail_dim=None, head_rank=No
 
 
 def mixture_trees(rng, shape, classes, first=None):
-  """(trees, shared head ids or None) of `shape`: `first` (by default
-  `cases.vectors_tree` of the shape's branching and head) and others from other Gaussian
-  vectors; with a shared head, all over the classes past the head (the Zipf classes
-  are ranked: the head is the most frequent)."""
+  """(trees, shared head ids or None) of `shape`: with heads of their own, `first` (by
+  default `cases.vectors_tree` of the shape's branching and head) and others from other
+  Gaussian vectors; with a shared head, all from Gaussian vectors over the classes past
+  the head (the Zipf classes are ranked: the head is the most frequent), `first` unused."""
   weights = cases.zipf_weights(classes)
   if not shape.shared:
-    first = first or cases.vectors_tree(classes, shape.branching, shape.head)
+    if first is None:
+      first = cases.vectors_tree(classes, shape.branching, shape.head)
     return [first] + [tf_hsm.Tree.from_vectors(
         rng.normal(size=(classes, cases.TREE_VECTOR_DIM)).astype(np.float32), weights,
         shape.branching, head=shape.head) for _ in range(shape.count - 1)], None
