@@ -294,6 +294,13 @@ def mixture_trees(rng, shape, classes, first=None):
           shape.head)
 
 
+def _mixture_inputs(rng, classes, dim, tokens):
+  """(targets, hidden) of the mixture and trained parts: Zipf(1) targets, then small
+  Gaussian hidden states, drawn from `rng` in that order."""
+  targets = tf.constant(cases.zipf_targets(classes, tokens, rng))
+  return targets, tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
+
+
 def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
                  tokens=3200):
   """`HierarchicalSoftmaxMixture` of trees from vectors of each shape in `shapes`
@@ -304,8 +311,7 @@ def mixture_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
   its head", "MIXTURE: one tree, tail tokens", in "ms" but not in "speed vs sampled")
   and "shared head's rest" (`_shared_head_rest`). The parts draw from `rng` too: the
   mixtures after a shared head get other trees than before they were timed."""
-  targets = tf.constant(cases.zipf_targets(classes, tokens, rng))
-  hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
+  targets, hidden = _mixture_inputs(rng, classes, dim, tokens)
   methods, parts = {}, set()
   for index, shape in enumerate(MixtureShape(*s) for s in shapes):
     # The first shape's tree is timed alone; a mixture with its own heads starts on it.
@@ -339,8 +345,7 @@ def trained_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
   planner prices as a step with the optimizer. Each mixture holds its tables and slots
   (3.6 GB a tree at V=1M): run few a process."""
   from tf_hsm.keras import optimizers  # pylint: disable=import-outside-toplevel
-  targets = tf.constant(cases.zipf_targets(classes, tokens, rng))
-  hidden = tf.constant(rng.normal(size=(tokens, dim)).astype(np.float32) * 0.1)
+  targets, hidden = _mixture_inputs(rng, classes, dim, tokens)
   methods = {}
   for shape in (MixtureShape(*s) for s in shapes):
     trees, head = mixture_trees(rng, shape, classes)
