@@ -74,6 +74,63 @@ def test_javadoc_from_the_source_zip(tmp_path):
   assert list(corpora.javadoc(str(path))) == ["First.\nSecond.", ""]
 
 
+def test_html_text_keeps_the_main_text():
+  page = ("<html><head><style>p {x: 1}</style></head><body><div class=nav>Prev Next</div>"
+          "<main><h1>Joins</h1><script>var a = '<p>';</script><p>Rows &amp; "
+          "columns</p></main><footer>Copyright</footer></body></html>")
+  assert corpora.html_text(page, "<main", "<footer").split() == [
+      "Joins", "Rows", "&", "columns"]
+  # Markers the page lacks leave it whole.
+  assert corpora.html_text(page, "<article", "<aside").split() == [
+      "Prev", "Next", "Joins", "Rows", "&", "columns", "Copyright"]
+
+
+def test_go_comments_leave_tests_out(tmp_path):
+  for name, text in {"fmt/print.go": "// Package fmt formats.\npackage fmt // fmt",
+                     "fmt/scan.go": "// Package fmt formats.\n/* Scan reads. */",
+                     "fmt/print_test.go": "// A test.",
+                     "fmt/testdata/x.go": "// Data."}.items():
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text(text)
+  # Each distinct comment once: the package comment repeated in scan.go is dropped.
+  assert list(corpora.go_comments(str(tmp_path))) == ["Package fmt formats.\nfmt",
+                                                      "Scan reads."]
+
+
+def test_project_docs_from_their_packages(tmp_path, monkeypatch):
+  """Every package's text, in its own way, from cached .debs (no download)."""
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  doc = "usr/share/doc"
+  _deb(cache, "golang-src", {"usr/share/go/src/os/file.go": "// File is an open file."})
+  _deb(cache, "postgresql-doc", {f"{doc}/pg/html/a.html":
+                                 "<div>Prev<hr /></div><p>VACUUM reclaims.</p>"
+                                 '<div class="navfooter">Next</div>'})
+  _deb(cache, "erlang-doc", {f"{doc}/erlang/a.html":
+                             '<div id="menu">kernel stdlib</div><div id="content">'
+                             "<p>Processes are cheap.</p></div>"})
+  _deb(cache, "python-scipy-doc", {f"{doc}/python-scipy-doc/html/a.html":
+                                   "<nav>Home</nav><main>Sparse arrays.</main>"
+                                   '<div class="prev-next-info">next</div>'})
+  _deb(cache, "python-django-doc", {f"{doc}/python-django-doc/html/a.html":
+                                    '<div id="hd">Home</div><div id="yui-main">'
+                                    'Models.</div><div id="ft">(c)</div>'})
+  _deb(cache, "python-pandas-doc", {f"{doc}/python-pandas-doc/html/_sources/a.rst.txt":
+                                    "Series are columns.",
+                                    f"{doc}/python-pandas-doc/LICENSE.txt": "licence"})
+  _deb(cache, "python-sklearn-doc", {f"{doc}/python-sklearn-doc/html/_sources/a.rst.txt":
+                                     "Estimators fit."})
+  _deb(cache, "python-sqlalchemy-doc", {f"{doc}/python-sqlalchemy-doc/rst/a.rst":
+                                        "Sessions flush."})
+  monkeypatch.setattr(corpora, "METAPACKAGES", {})
+  documents, versions = corpora.project_docs(str(cache))
+  assert [" ".join(d.split()) for d in documents] == [
+      "Sparse arrays.", "Models.", "Series are columns.", "Estimators fit.",
+      "Sessions flush.", "File is an open file.", "VACUUM reclaims.",
+      "Processes are cheap."]
+  assert versions[:3] == ["golang-src 1", "postgresql-doc 1", "erlang-doc 1"]
+
+
 def test_statistics_of_a_known_corpus():
   """100 documents `a b c uN` (5 tokens with <eos>): blocks of 10 tokens (two
   documents), every 10th held out; only a, b, c and <eos> are seen twice."""
@@ -125,19 +182,25 @@ def test_a_missing_tool_is_named():
 
 
 @pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="needs dpkg-deb")
-def test_fetch_unpacks_a_cached_package_once(tmp_path):
-  """A .deb already in the cache is not downloaded again; it is unpacked once."""
-  root = tmp_path / "pkg"
+def _deb(cache, name, files, version="1"):
+  """Builds CACHE/NAME_VERSION_all.deb holding FILES (path -> text)."""
+  root = cache.parent / f"src_{name}"
   (root / "DEBIAN").mkdir(parents=True)
   (root / "DEBIAN" / "control").write_text(
-      "Package: tiny-doc\nVersion: 1.2-3\nArchitecture: all\nMaintainer: x <x@x>\n"
+      f"Package: {name}\nVersion: {version}\nArchitecture: all\nMaintainer: x <x@x>\n"
       "Description: test\n")
-  (root / "usr" / "share" / "doc").mkdir(parents=True)
-  (root / "usr" / "share" / "doc" / "a.txt").write_text("text")
+  for path, text in files.items():
+    (root / path).parent.mkdir(parents=True, exist_ok=True)
+    (root / path).write_text(text)
+  subprocess.run(["dpkg-deb", "--build", str(root), str(cache / f"{name}_{version}_all.deb")],
+                 check=True, capture_output=True)
+
+
+def test_fetch_unpacks_a_cached_package_once(tmp_path):
+  """A .deb already in the cache is not downloaded again; it is unpacked once."""
   cache = tmp_path / "cache"
   cache.mkdir()
-  subprocess.run(["dpkg-deb", "--build", str(root), str(cache / "tiny-doc_1.2-3_all.deb")],
-                 check=True, capture_output=True)
+  _deb(cache, "tiny-doc", {"usr/share/doc/a.txt": "text"}, version="1.2-3")
   unpacked, version = corpora.fetch("tiny-doc", str(cache))
   assert version == "tiny-doc 1.2-3"
   assert open(os.path.join(unpacked, "usr", "share", "doc", "a.txt")).read() == "text"

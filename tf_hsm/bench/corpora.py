@@ -20,7 +20,15 @@ documents shuffled with seed 0, every 10th block of 1,000 tokens held out):
   reStructuredText sources in `python3-doc`), Perl's manual pages (`perl-doc`'s .pod
   files) and the JDK's Javadoc (the `/** */` comments of `openjdk-17-source`'s Java
   sources, HTML tags and `{@code ...}` braces removed, each distinct comment once), one
-  document per file.
+  document per file;
+- `project-docs` (large vocabulary): the manuals of eight projects, as Debian packages
+  ship them, one document per page or file: Go's standard library (the comments of
+  `golang-src`'s sources, tests and testdata left out, each distinct comment once),
+  PostgreSQL's and Erlang/OTP's HTML manuals (`postgresql-doc`, `erlang-doc`), and the
+  Sphinx manuals of SciPy, Django, pandas, scikit-learn and SQLAlchemy (their `python-*-doc`
+  packages: the reStructuredText sources where the package ships them, else the HTML
+  pages' main text). HTML pages keep the text between the site's navigation and its
+  footer, scripts and styles dropped, tags removed, entities decoded.
 
 The large corpora's packages are fetched with `apt-get download` (about 200 MB: the
 kernel's source is 139 MB) into --cache and unpacked with `dpkg-deb`; run `apt-get
@@ -50,16 +58,29 @@ DEFAULT_OUT = os.path.join("demo_results", "corpora")
 # training: the whole corpus, and a --vocab cap above any corpus's type count.
 VOCAB_ALL = 10_000_000
 LARGE = {"linux-comments": {"max_tokens": 0, "vocab": VOCAB_ALL},
-         "debian-docs": {"max_tokens": 0, "vocab": VOCAB_ALL}}
+         "debian-docs": {"max_tokens": 0, "vocab": VOCAB_ALL},
+         "project-docs": {"max_tokens": 0, "vocab": VOCAB_ALL}}
 # Token caps the statistics are also given at (0: the whole corpus): what a shorter
 # training run on the same corpus would see.
 CAPS = (3_000_000, 6_000_000, 12_000_000, 0)
 # Debian's names: a metapackage is followed to the versioned package it depends on (the
 # pattern), so a later Debian release fetches its own kernel and Python.
 PACKAGES = {"linux": "linux-source", "python": "python3-doc", "perl": "perl-doc",
-            "jdk": "openjdk-17-source"}
+            "jdk": "openjdk-17-source", "go": "golang-src", "postgresql": "postgresql-doc",
+            "erlang": "erlang-doc"}
+# project-docs' Sphinx manuals: package -> (suffix, start, end): the reStructuredText
+# sources ending with suffix under the package's /usr/share/doc/PACKAGE/END, or with
+# suffix None its HTML pages' text between the markers start and end (the theme's main
+# text and what follows it).
+SPHINX_MANUALS = {"python-scipy-doc": (None, "<main", '<div class="prev-next-info">'),
+                  "python-django-doc": (None, '<div id="yui-main"', '<div id="ft"'),
+                  "python-pandas-doc": (".txt", None, "html/_sources"),
+                  "python-sklearn-doc": (".txt", None, "html/_sources"),
+                  "python-sqlalchemy-doc": (".rst", None, "rst")}
 METAPACKAGES = {"linux-source": re.compile(r"linux-source-[0-9.]+"),
-                "python3-doc": re.compile(r"python3\.[0-9]+-doc")}
+                "python3-doc": re.compile(r"python3\.[0-9]+-doc"),
+                "golang-src": re.compile(r"golang-[0-9.]+-src"),
+                "postgresql-doc": re.compile(r"postgresql-doc-[0-9]+")}
 # Not a C parser: a `//` or `/*` inside a string literal (a URL in a printk) is read as a
 # comment too; such text is a small part of the comments and is prose-like anyway.
 _COMMENT = re.compile(r"/\*(.*?)\*/|//([^\n]*)", re.S)
@@ -67,6 +88,8 @@ _JAVADOC = re.compile(r"/\*\*(.*?)\*/", re.S)
 _STAR = re.compile(r"^[ \t]*\*+ ?", re.M)
 _HTML_TAG = re.compile(r"<[^>\n]*>")
 _INLINE_TAG = re.compile(r"\{@\w+\s*([^{}]*)\}")
+_SCRIPT = re.compile(r"<(script|style)\b.*?</\1\s*>", re.S | re.I)
+_ANY_TAG = re.compile(r"<[^>]*>")
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,6 +235,34 @@ def c_comments(source):
   return texts
 
 
+def html_text(page, start=None, end=None):
+  """A page's text from the first START (when the page has it) to the next END (when it
+  follows), scripts and styles dropped, every tag a space, entities decoded: the site's
+  navigation before START and its footer from END left out."""
+  if start and start in page:
+    page = page[page.index(start):]
+  if end and end in page:
+    page = page[:page.index(end)]
+  return html.unescape(_ANY_TAG.sub(" ", _SCRIPT.sub(" ", page)))
+
+
+def go_comments(root):
+  """The comments of Go's standard library under ROOT: the sources' (tests and testdata
+  left out), each distinct comment once, one document per file."""
+  seen = set()
+  for path in sorted(glob.glob(os.path.join(root, "**", "*.go"), recursive=True)):
+    if path.endswith("_test.go") or f"{os.sep}testdata{os.sep}" in path:
+      continue
+    with open(path, encoding="utf-8", errors="replace") as f:
+      yield distinct(c_comments(f.read()), seen)
+
+
+def html_pages(root, start, end):
+  """html_text of every .html page under ROOT, in sorted path order."""
+  for page in tree_texts(root, ".html"):
+    yield html_text(page, start, end)
+
+
 def distinct(pieces, seen):
   """The pieces not in SEEN (then added to it), as one document."""
   fresh = []
@@ -283,8 +334,31 @@ def debian_docs(cache):
   return documents, [linux, python_version, perl_version, jdk_version]
 
 
+def project_docs(cache):
+  go, go_version = fetch(PACKAGES["go"], cache)
+  postgresql, postgresql_version = fetch(PACKAGES["postgresql"], cache)
+  erlang, erlang_version = fetch(PACKAGES["erlang"], cache)
+  documents = []
+  versions = [go_version, postgresql_version, erlang_version]
+  for package, (suffix, start, end) in SPHINX_MANUALS.items():
+    root, version = fetch(package, cache)
+    versions.append(version)
+    if suffix:
+      sources = _one(os.path.join(root, "usr", "share", "doc", package, end))
+      documents += list(tree_texts(sources, suffix))
+    else:
+      documents += list(html_pages(root, start, end))
+  documents += list(go_comments(go))
+  # PostgreSQL's pages open with a navigation table closed by a rule; Erlang's with a
+  # menu of every application before the content.
+  documents += list(html_pages(postgresql, "<hr /></div>", '<div class="navfooter"'))
+  documents += list(html_pages(erlang, '<div id="content"', None))
+  return documents, versions
+
+
 # name: a function of the package cache -> (documents, the packages' versions).
-LARGE_CORPORA = {"linux-comments": linux_comments, "debian-docs": debian_docs}
+LARGE_CORPORA = {"linux-comments": linux_comments, "debian-docs": debian_docs,
+                 "project-docs": project_docs}
 NAMES = ("stdlib", "kjv", "fortunes") + tuple(LARGE_CORPORA)
 
 
