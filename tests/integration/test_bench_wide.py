@@ -91,6 +91,30 @@ def test_mixture_part_times_each_mixture_beside_one_tree_and_sampled_softmax():
       wide.parse_mixtures(bad)
 
 
+def test_mixtures_whose_tables_do_not_fit_are_refused_before_they_are_built():
+  """At V=1M, D=300 a 16-ary tree's table is 1.28 GB (3.84 with LazyAdam's slots);
+  the parts' tables are refused by name where they exceed the memory available, and
+  the command says so before importing a table's worth of anything."""
+  from tf_hsm.bench import wide
+  four = wide.parse_mixtures("4x16+128r16")
+  # Four trees over the 999,872 tail classes and sampled softmax's [1M, 300] table.
+  tree = 999_872 * 16 / 15 * 300 * 4
+  assert wide.tables_bytes(four, trained=True) == pytest.approx(3 * (4 * tree + 1.2e9))
+  # Untrained, the first mixture's trees are below a shared head: the lone tree is apart.
+  assert wide.tables_bytes(four) == pytest.approx(
+      4 * tree + 1.2e9 + 1_000_000 * 16 / 15 * 1200)
+  assert wide.tables_bytes(wide.parse_mixtures("3x16+128/75")) < wide.tables_bytes(
+      wide.parse_mixtures("3x16+128"))
+  wide.check_tables_fit(four, trained=True, available=20e9)
+  with pytest.raises(ValueError, match=r"tables alone hold 19.0 GB with LazyAdam's slots "
+                     r"\(GB a mixture: 4x16\+128r16 15.4;.* 18.0 GB available"):
+    wide.check_tables_fit(four, trained=True, available=18e9)
+  done = subprocess.run([sys.executable, "-m", "tf_hsm.bench.wide", "--parts", "trained",
+                         "--mixtures", ",".join(["8x16+128"] * 4)], capture_output=True,
+                        text=True, cwd=support.REPO, timeout=120)
+  assert done.returncode == 2 and "time fewer --mixtures a process" in done.stderr
+
+
 def test_trained_part_times_each_mixture_with_its_update_beside_sampled_softmax():
   """The trained part's steps update what they train: a step of a corrected mixture
   below a shared head moves every weight (the trees' rows, the head, its corrections,

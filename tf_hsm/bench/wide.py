@@ -30,7 +30,9 @@ classes, and a training step's memory at a million classes.
   32:256, 16:128 and 3x16+128),
   one tree of the first shape, and TF's sampled softmax, interleaved; for a shared head
   also its parts alone (the head over every token, one tree over the tail's tokens) and
-  the rest of the mixture's step past them (the gathers, the gate, the mixing).
+  the rest of the mixture's step past them (the gathers, the gate, the mixing). It and
+  the trained part refuse, before building anything, mixtures whose tables alone
+  (`tables_bytes`) exceed the memory available.
 - width (not among the default parts): a 16-ary tree from vectors over the 999,872
   classes below a head of 128 at V=1M, on 1,985 targets (the tail's share of T=3,200),
   forward, and forward and backward, at D=300, 150, 75 and 16, interleaved, and the
@@ -55,6 +57,7 @@ import tensorflow as tf
 
 import tf_hsm
 from tf_hsm.bench import cases
+from tf_hsm.bench.watchdog import GB, mem_available_bytes
 from tf_hsm.bench.worker import reset_peak_rss, status_bytes
 from tf_hsm.planning import Machine
 
@@ -343,7 +346,7 @@ def trained_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
   touch with their two slots, the head and the gate) beside TF's sampled softmax (1,024)
   with the same update, interleaved, at V=1M, D=300, T=3,200, Zipf(1) targets: what the
   planner prices as a step with the optimizer. Each mixture holds its tables and slots
-  (3.6 GB a tree at V=1M): run few a process."""
+  (3.8 GB a 16-ary tree at V=1M): run few a process (`check_tables_fit`)."""
   from tf_hsm.keras import optimizers  # pylint: disable=import-outside-toplevel
   targets, hidden = _mixture_inputs(rng, classes, dim, tokens)
   methods = {}
@@ -357,6 +360,47 @@ def trained_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
   med = interleaved(methods, rounds)
   return {"case": f"V={classes:,} D={dim} T={tokens:,}, Zipf(1) targets, LazyAdam's update",
           "ms": _ms(med), "speed vs sampled": _vs_sampled(med)}
+
+
+def _tree_floats(shape, classes, dim):
+  """About the floats of one tree of `shape`: n b / (b - 1) rows over its n classes."""
+  rows = (classes - shape.head if shape.shared else classes) * shape.branching / (
+      shape.branching - 1)
+  return rows * (shape.tail_dim or dim)
+
+
+def tables_bytes(shapes, classes=1_000_000, dim=300, trained=False):
+  """What the float32 tables of the mixture part (`trained`: the trained part, each
+  table with LazyAdam's two slots) hold at the least: each mixture's trees (a tree of
+  branching b over n classes about n b / (b - 1) rows, `tail_dim` wide where given), the
+  mixture part's lone tree where the first mixture's trees are not it, and sampled
+  softmax's [classes, dim] table. The process's peak is above it (the step's tensors,
+  TensorFlow's own)."""
+  shapes = [MixtureShape(*s) for s in shapes]
+  floats = sum(s.count * _tree_floats(s, classes, dim) for s in shapes) + classes * dim
+  if not trained and shapes and shapes[0].shared:
+    lone = shapes[0]._replace(shared=False, tail_dim=None, head_rank=None)
+    floats += _tree_floats(lone, classes, dim)
+  return 4 * floats * (3 if trained else 1)
+
+
+def check_tables_fit(shapes, trained, available=None):
+  """ValueError naming the mixtures' tables and the memory available where the tables
+  alone (`tables_bytes`, at V=1M, D=300) exceed it: a process that would be killed
+  building them is told so before it starts."""
+  available = mem_available_bytes() if available is None else available
+  need = tables_bytes(shapes, trained=trained)
+  if available is None or need <= available:
+    return
+  scale = 4 * (3 if trained else 1) / GB
+  each = ", ".join(f"{MixtureShape(*s)} {s_gb:.1f}" for s, s_gb in (
+      (s, MixtureShape(*s).count * _tree_floats(MixtureShape(*s), 1_000_000, 300) * scale)
+      for s in shapes))
+  slots = " with LazyAdam's slots" if trained else ""
+  raise ValueError(
+      f"the {'trained' if trained else 'mixture'} part's tables alone hold {need / GB:.1f} "
+      f"GB{slots} (GB a mixture: {each}; sampled softmax's and the lone tree's besides), "
+      f"more than the {available / GB:.1f} GB available: time fewer --mixtures a process")
 
 
 def _vs_sampled(med, left_out=()):
@@ -552,6 +596,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   try:
     heads, mixtures = parse_heads(args.heads), parse_mixtures(args.mixtures)
+    for part in {"mixture", "trained"} & set(args.parts.split(",")):
+      check_tables_fit(mixtures, trained=part == "trained")
   except ValueError as e:
     parser.error(str(e))
   if args.memory_case:
