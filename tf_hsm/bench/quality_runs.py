@@ -8,8 +8,8 @@ best held-out perplexity against full softmax's: the figures of
 `tf_hsm.planning.quality.EVIDENCE` and docs/planner.md's quality table.
 
 CORPUS is one of `tf_hsm.bench.corpora`'s (`stdlib`, `kjv`, `fortunes`, and the large
-vocabularies `linux-comments`, `debian-docs` and `project-docs`, prepared as that module says, once, in
-demo_results/corpora) or a path: a UTF-8 text file, as `python -m tf_hsm.demo --corpus`
+vocabularies `linux-comments`, `debian-docs` and `project-docs`, prepared as that module
+says, once, in demo_results/corpora) or a path: a UTF-8 text file, as `python -m tf_hsm.demo --corpus`
 takes it. The large corpora train on their whole text with every word seen twice in
 training as a class (`--max-tokens 0 --vocab 10000000`, `corpora.LARGE`); the others at
 the demo's defaults.

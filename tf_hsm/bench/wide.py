@@ -362,26 +362,27 @@ def trained_part(rng, rounds, shapes=MIXTURE_TREES, classes=1_000_000, dim=300,
           "ms": _ms(med), "speed vs sampled": _vs_sampled(med)}
 
 
-def _tree_floats(shape, classes, dim):
-  """About the floats of one tree of `shape`: n b / (b - 1) rows over its n classes."""
+def _tree_bytes(shape, classes, dim, trained):
+  """About the bytes of one float32 tree table of `shape` (n b / (b - 1) rows over its n
+  classes, `tail_dim` wide where given), times 3 with LazyAdam's two slots."""
   rows = (classes - shape.head if shape.shared else classes) * shape.branching / (
       shape.branching - 1)
-  return rows * (shape.tail_dim or dim)
+  return 4 * rows * (shape.tail_dim or dim) * (3 if trained else 1)
 
 
 def tables_bytes(shapes, classes=1_000_000, dim=300, trained=False):
   """What the float32 tables of the mixture part (`trained`: the trained part, each
-  table with LazyAdam's two slots) hold at the least: each mixture's trees (a tree of
-  branching b over n classes about n b / (b - 1) rows, `tail_dim` wide where given), the
-  mixture part's lone tree where the first mixture's trees are not it, and sampled
-  softmax's [classes, dim] table. The process's peak is above it (the step's tensors,
+  table with LazyAdam's two slots) hold at the least: each mixture's trees, the mixture
+  part's lone tree where the first mixture's trees are not it, and sampled softmax's
+  [classes, dim] table. The process's peak is above it (the step's tensors,
   TensorFlow's own)."""
   shapes = [MixtureShape(*s) for s in shapes]
-  floats = sum(s.count * _tree_floats(s, classes, dim) for s in shapes) + classes * dim
+  need = sum(s.count * _tree_bytes(s, classes, dim, trained) for s in shapes)
+  need += 4 * classes * dim * (3 if trained else 1)
   if not trained and shapes and shapes[0].shared:
     lone = shapes[0]._replace(shared=False, tail_dim=None, head_rank=None)
-    floats += _tree_floats(lone, classes, dim)
-  return 4 * floats * (3 if trained else 1)
+    need += _tree_bytes(lone, classes, dim, trained)
+  return need
 
 
 def check_tables_fit(shapes, trained, available=None):
@@ -392,14 +393,13 @@ def check_tables_fit(shapes, trained, available=None):
   need = tables_bytes(shapes, trained=trained)
   if available is None or need <= available:
     return
-  scale = 4 * (3 if trained else 1) / GB
-  each = ", ".join(f"{MixtureShape(*s)} {s_gb:.1f}" for s, s_gb in (
-      (s, MixtureShape(*s).count * _tree_floats(MixtureShape(*s), 1_000_000, 300) * scale)
-      for s in shapes))
+  each = ", ".join(f"{s} {s.count * _tree_bytes(s, 1_000_000, 300, trained) / GB:.1f}"
+                   for s in (MixtureShape(*s) for s in shapes))
   slots = " with LazyAdam's slots" if trained else ""
+  besides = "sampled softmax's" if trained else "sampled softmax's and the lone tree's"
   raise ValueError(
       f"the {'trained' if trained else 'mixture'} part's tables alone hold {need / GB:.1f} "
-      f"GB{slots} (GB a mixture: {each}; sampled softmax's and the lone tree's besides), "
+      f"GB{slots} (GB a mixture: {each}; {besides} besides), "
       f"more than the {available / GB:.1f} GB available: time fewer --mixtures a process")
 
 
