@@ -16,6 +16,8 @@ from tf_hsm.bench import corpora
 from tf_hsm.bench import quality_runs
 from tf_hsm.demo import run
 
+_NEEDS_DPKG = pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="needs dpkg-deb")
+
 
 def test_documents_come_back_as_written(tmp_path):
   """A blank line inside a document would split it when the demo reads the file."""
@@ -40,6 +42,17 @@ def test_javadoc_text_keeps_the_prose():
           " * <p>Never &lt; 0.\n * @return the size\n ")
   assert corpora.javadoc_text(body) == (
       "Returns the size of a list, see List#size().\nNever < 0.\n@return the size")
+
+
+def test_linked_directories_are_read_once(tmp_path):
+  """erlang-doc links its applications' doc/ trees into one another: a page under a
+  linked directory is the same page, read once."""
+  (tmp_path / "doc").mkdir()
+  (tmp_path / "doc" / "a.html").write_text("<p>Processes.</p>")
+  os.symlink(tmp_path / "doc", tmp_path / "lib")
+  assert corpora.files_under(str(tmp_path), ".html") == [str(tmp_path / "doc" / "a.html")]
+  assert [t.split() for t in corpora.html_pages(str(tmp_path), None, None)] == [
+      ["Processes."]]
 
 
 def _tar_xz(path, files):
@@ -85,11 +98,12 @@ def test_html_text_keeps_the_main_text():
       "Prev", "Next", "Joins", "Rows", "&", "columns", "Copyright"]
 
 
-def test_go_comments_leave_tests_out(tmp_path):
+def test_go_comments_leave_tests_and_the_toolchain_out(tmp_path):
   for name, text in {"fmt/print.go": "// Package fmt formats.\npackage fmt // fmt",
                      "fmt/scan.go": "// Package fmt formats.\n/* Scan reads. */",
                      "fmt/print_test.go": "// A test.",
-                     "fmt/testdata/x.go": "// Data."}.items():
+                     "fmt/testdata/x.go": "// Data.",
+                     "cmd/compile/main.go": "// Compile compiles."}.items():
     (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / name).write_text(text)
   # Each distinct comment once: the package comment repeated in scan.go is dropped.
@@ -97,12 +111,15 @@ def test_go_comments_leave_tests_out(tmp_path):
                                                       "Scan reads."]
 
 
+@_NEEDS_DPKG
 def test_project_docs_from_their_packages(tmp_path, monkeypatch):
   """Every package's text, in its own way, from cached .debs (no download)."""
   cache = tmp_path / "cache"
   cache.mkdir()
   doc = "usr/share/doc"
-  _deb(cache, "golang-src", {"usr/share/go/src/os/file.go": "// File is an open file."})
+  _deb(cache, "golang-src", {"usr/share/go-1.19/src/os/file.go": "// File is an open file.",
+                             "usr/share/go-1.19/src/cmd/go/main.go": "// The go tool.",
+                             "usr/share/go-1.19/test/fixedbugs/a.go": "// ERROR x"})
   _deb(cache, "postgresql-doc", {f"{doc}/pg/html/a.html":
                                  "<div>Prev<hr /></div><p>VACUUM reclaims.</p>"
                                  '<div class="navfooter">Next</div>'})
@@ -181,7 +198,6 @@ def test_a_missing_tool_is_named():
     corpora._run(["no-such-tool-here", "x"])
 
 
-@pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="needs dpkg-deb")
 def _deb(cache, name, files, version="1"):
   """Builds CACHE/NAME_VERSION_all.deb holding FILES (path -> text)."""
   root = cache.parent / f"src_{name}"
@@ -196,6 +212,7 @@ def _deb(cache, name, files, version="1"):
                  check=True, capture_output=True)
 
 
+@_NEEDS_DPKG
 def test_fetch_unpacks_a_cached_package_once(tmp_path):
   """A .deb already in the cache is not downloaded again; it is unpacked once."""
   cache = tmp_path / "cache"

@@ -23,7 +23,7 @@ documents shuffled with seed 0, every 10th block of 1,000 tokens held out):
   document per file;
 - `project-docs` (large vocabulary): the manuals of eight projects, as Debian packages
   ship them, one document per page or file: Go's standard library (the comments of
-  `golang-src`'s sources, tests and testdata left out, each distinct comment once),
+  `golang-src`'s src/, tests, testdata and cmd/ left out, each distinct comment once),
   PostgreSQL's and Erlang/OTP's HTML manuals (`postgresql-doc`, `erlang-doc`), and the
   Sphinx manuals of SciPy, Django, pandas, scikit-learn and SQLAlchemy (their `python-*-doc`
   packages: the reStructuredText sources where the package ships them, else the HTML
@@ -247,11 +247,13 @@ def html_text(page, start=None, end=None):
 
 
 def go_comments(root):
-  """The comments of Go's standard library under ROOT: the sources' (tests and testdata
-  left out), each distinct comment once, one document per file."""
+  """The comments of Go's standard library under ROOT (its src/): the packages' sources
+  (tests, testdata and the toolchain's cmd/ left out), each distinct comment once, one
+  document per file."""
   seen = set()
-  for path in sorted(glob.glob(os.path.join(root, "**", "*.go"), recursive=True)):
-    if path.endswith("_test.go") or f"{os.sep}testdata{os.sep}" in path:
+  for path in files_under(root, ".go"):
+    parts = os.path.relpath(path, root).split(os.sep)
+    if path.endswith("_test.go") or "testdata" in parts or parts[0] == "cmd":
       continue
     with open(path, encoding="utf-8", errors="replace") as f:
       yield distinct(c_comments(f.read()), seen)
@@ -295,9 +297,17 @@ def kernel_documentation(tarball):
     yield text
 
 
+def files_under(root, suffix):
+  """The paths of the files under ROOT ending with SUFFIX, sorted. Directory links are
+  not followed: documentation packages link directories to each other (erlang-doc's
+  applications' doc/ trees), and following them reads the same pages twice."""
+  return sorted(os.path.join(parent, name) for parent, _, names in os.walk(root)
+                for name in names if name.endswith(suffix))
+
+
 def tree_texts(root, suffix):
   """The text of every file under ROOT ending with SUFFIX, in sorted path order."""
-  paths = sorted(glob.glob(os.path.join(root, "**", "*" + suffix), recursive=True))
+  paths = files_under(root, suffix)
   if not paths:
     raise SystemExit(f"no *{suffix} files under {root}")
   for path in paths:
@@ -348,7 +358,7 @@ def project_docs(cache):
       documents += list(tree_texts(sources, suffix))
     else:
       documents += list(html_pages(root, start, end))
-  documents += list(go_comments(go))
+  documents += list(go_comments(_one(os.path.join(go, "usr", "share", "go-*", "src"))))
   # PostgreSQL's pages open with a navigation table closed by a rule; Erlang's with a
   # menu of every application before the content.
   documents += list(html_pages(postgresql, "<hr /></div>", '<div class="navfooter"'))

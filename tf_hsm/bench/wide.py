@@ -372,16 +372,18 @@ def _tree_bytes(shape, classes, dim, trained):
 
 def tables_bytes(shapes, classes=1_000_000, dim=300, trained=False):
   """What the float32 tables of the mixture part (`trained`: the trained part, each
-  table with LazyAdam's two slots) hold at the least: each mixture's trees, the mixture
-  part's lone tree where the first mixture's trees are not it, and sampled softmax's
-  [classes, dim] table. The process's peak is above it (the step's tensors,
-  TensorFlow's own)."""
+  table with LazyAdam's two slots) hold at the least: each mixture's trees and sampled
+  softmax's [classes, dim] table; in the mixture part also the lone tree's table (its
+  own, beside the first mixture's) and, for a shared head, the table of the tree its
+  parts time alone (`_shared_head_parts`). The process's peak is above it (the step's
+  tensors, TensorFlow's own)."""
   shapes = [MixtureShape(*s) for s in shapes]
   need = sum(s.count * _tree_bytes(s, classes, dim, trained) for s in shapes)
   need += 4 * classes * dim * (3 if trained else 1)
-  if not trained and shapes and shapes[0].shared:
+  if not trained and shapes:
     lone = shapes[0]._replace(shared=False, tail_dim=None, head_rank=None)
-    need += _tree_bytes(lone, classes, dim, trained)
+    need += _tree_bytes(lone, classes, dim, trained) + sum(
+        _tree_bytes(s, classes, dim, trained) for s in shapes if s.shared)
   return need
 
 
@@ -396,7 +398,8 @@ def check_tables_fit(shapes, trained, available=None):
   each = ", ".join(f"{s} {s.count * _tree_bytes(s, 1_000_000, 300, trained) / GB:.1f}"
                    for s in (MixtureShape(*s) for s in shapes))
   slots = " with LazyAdam's slots" if trained else ""
-  besides = "sampled softmax's" if trained else "sampled softmax's and the lone tree's"
+  besides = ("sampled softmax's" if trained else
+             "sampled softmax's, the lone tree's and the shared heads' parts'")
   raise ValueError(
       f"the {'trained' if trained else 'mixture'} part's tables alone hold {need / GB:.1f} "
       f"GB{slots} (GB a mixture: {each}; {besides} besides), "
