@@ -126,6 +126,17 @@ def test_project_docs_from_their_packages(tmp_path, monkeypatch):
   _deb(cache, "erlang-doc", {f"{doc}/erlang/a.html":
                              '<div id="menu">kernel stdlib</div><div id="content">'
                              "<p>Processes are cheap.</p></div>"})
+  _deb(cache, "octave-doc", {f"{doc}/octave/octave.html/a.html":
+                             '<div class="header">Next</div><hr><p>Matrices grow.</p><hr>'
+                             '<div class="header">Prev</div>',
+                             f"{doc}/octave/liboctave.html/b.html": "<p>C++ API.</p>"})
+  _deb(cache, "rust-doc", {f"{doc}/rust-doc/html/book/a.html":
+                           "<nav>Contents</nav><main>Ownership moves.</main><nav>next</nav>",
+                           f"{doc}/rust-doc/html/book/print.html":
+                           "<main>Ownership moves.</main>",
+                           f"{doc}/rust-doc/html/std/vec.html": "<main>Vec API.</main>",
+                           **{f"{doc}/rust-doc/html/{book}/a.html": f"<main>{book}</main>"
+                              for book in corpora.RUST_BOOKS[1:]}})
   _deb(cache, "python-scipy-doc", {f"{doc}/python-scipy-doc/html/a.html":
                                    "<nav>Home</nav><main>Sparse arrays.</main>"
                                    '<div class="prev-next-info">next</div>'})
@@ -135,17 +146,24 @@ def test_project_docs_from_their_packages(tmp_path, monkeypatch):
   _deb(cache, "python-pandas-doc", {f"{doc}/python-pandas-doc/html/_sources/a.rst.txt":
                                     "Series are columns.",
                                     f"{doc}/python-pandas-doc/LICENSE.txt": "licence"})
-  _deb(cache, "python-sklearn-doc", {f"{doc}/python-sklearn-doc/html/_sources/a.rst.txt":
-                                     "Estimators fit."})
   _deb(cache, "python-sqlalchemy-doc", {f"{doc}/python-sqlalchemy-doc/rst/a.rst":
                                         "Sessions flush."})
+  _deb(cache, "cmake-doc", {f"{doc}/cmake-data/html/_sources/a.rst.txt": "Targets link."})
+  for package, (directory, _) in corpora.REST_MANUALS.items():
+    if package not in ("python-pandas-doc", "python-sqlalchemy-doc", "cmake-doc"):
+      _deb(cache, package, {f"{doc}/{directory}/a.rst.txt": package})
   monkeypatch.setattr(corpora, "METAPACKAGES", {})
   documents, versions = corpora.project_docs(str(cache))
+  # Each manual's main text; Octave's C++ manual, Rust's API pages and its books'
+  # print.html (a whole book again) are left out.
   assert [" ".join(d.split()) for d in documents] == [
-      "Sparse arrays.", "Models.", "Series are columns.", "Estimators fit.",
-      "Sessions flush.", "File is an open file.", "VACUUM reclaims.",
-      "Processes are cheap."]
-  assert versions[:3] == ["golang-src 1", "postgresql-doc 1", "erlang-doc 1"]
+      "File is an open file.", "Sparse arrays.", "Models.", "VACUUM reclaims.",
+      "Processes are cheap.", "Matrices grow.", "Ownership moves.",
+      *corpora.RUST_BOOKS[1:], "Series are columns.", "python-sklearn-doc", "Sessions flush.",
+      "python-astropy-doc", "python-statsmodels-doc", "python-sympy-doc",
+      "python-xarray-doc", "Targets link."]
+  assert versions[:4] == ["golang-src 1", "python-scipy-doc 1", "python-django-doc 1",
+                          "postgresql-doc 1"]
 
 
 def test_statistics_of_a_known_corpus():

@@ -21,18 +21,18 @@ documents shuffled with seed 0, every 10th block of 1,000 tokens held out):
   files) and the JDK's Javadoc (the `/** */` comments of `openjdk-17-source`'s Java
   sources, HTML tags and `{@code ...}` braces removed, each distinct comment once), one
   document per file;
-- `project-docs` (large vocabulary): the manuals of eight projects, as Debian packages
+- `project-docs` (large vocabulary): the manuals of fifteen projects, as Debian packages
   ship them, one document per page or file: Go's standard library (the comments of
-  `golang-src`'s src/, tests, testdata and cmd/ left out, each distinct comment once),
-  PostgreSQL's and Erlang/OTP's HTML manuals (`postgresql-doc`, `erlang-doc`), and the
-  Sphinx manuals of SciPy, Django, pandas, scikit-learn and SQLAlchemy (their `python-*-doc`
-  packages: the reStructuredText sources where the package ships them, else the HTML
-  pages' main text). HTML pages keep the text between the site's navigation and its
+  `golang-src`'s src/, tests, testdata and cmd/ left out, each distinct comment once);
+  the HTML manuals of PostgreSQL, Erlang/OTP, GNU Octave, SciPy and Django and Rust's
+  books (`HTML_MANUALS`); the reStructuredText sources of the manuals of pandas,
+  scikit-learn, SQLAlchemy, Astropy, statsmodels, SymPy, xarray and CMake
+  (`REST_MANUALS`). HTML pages keep the text between the site's navigation and its
   footer, scripts and styles dropped, tags removed, entities decoded.
 
-The large corpora's packages are fetched with `apt-get download` (about 200 MB: the
-kernel's source is 139 MB) into --cache and unpacked with `dpkg-deb`; run `apt-get
-update` once first. Their vocabulary is every type seen at least twice in the training
+The large corpora's packages are fetched with `apt-get download` (207 MB for the first
+two, the kernel's source 139 of them; 268 MB for project-docs) into --cache and
+unpacked with `dpkg-deb`; run `apt-get update` once first. Their vocabulary is every type seen at least twice in the training
 split (the demo's `--min-count 2`, no `--vocab` cap: `VOCAB_ALL`) over the whole corpus
 (`--max-tokens 0`): that is what `LARGE` passes to the demo. OUT/NAME.json records the
 packages' versions and the statistics (`corpus_statistics`) at every cap of `CAPS`.
@@ -66,17 +66,41 @@ CAPS = (3_000_000, 6_000_000, 12_000_000, 0)
 # Debian's names: a metapackage is followed to the versioned package it depends on (the
 # pattern), so a later Debian release fetches its own kernel and Python.
 PACKAGES = {"linux": "linux-source", "python": "python3-doc", "perl": "perl-doc",
-            "jdk": "openjdk-17-source", "go": "golang-src", "postgresql": "postgresql-doc",
-            "erlang": "erlang-doc"}
-# project-docs' Sphinx manuals: package -> (suffix, start, end): the reStructuredText
-# sources ending with suffix under the package's /usr/share/doc/PACKAGE/END, or with
-# suffix None its HTML pages' text between the markers start and end (the theme's main
-# text and what follows it).
-SPHINX_MANUALS = {"python-scipy-doc": (None, "<main", '<div class="prev-next-info">'),
-                  "python-django-doc": (None, '<div id="yui-main"', '<div id="ft"'),
-                  "python-pandas-doc": (".txt", None, "html/_sources"),
-                  "python-sklearn-doc": (".txt", None, "html/_sources"),
-                  "python-sqlalchemy-doc": (".rst", None, "rst")}
+            "jdk": "openjdk-17-source", "go": "golang-src"}
+# project-docs' manuals shipped as reStructuredText sources: package -> (their
+# directory under the package's /usr/share/doc, the sources' suffix).
+REST_MANUALS = {"python-pandas-doc": ("python-pandas-doc/html/_sources", ".txt"),
+                "python-sklearn-doc": ("python-sklearn-doc/html/_sources", ".txt"),
+                "python-sqlalchemy-doc": ("python-sqlalchemy-doc/rst", ".rst"),
+                "python-astropy-doc": ("python-astropy-doc/html/_sources", ".txt"),
+                "python-statsmodels-doc": ("python-statsmodels-doc/html/_sources", ".txt"),
+                "python-sympy-doc": ("python-sympy-doc/html/_sources", ".txt"),
+                "python-xarray-doc": ("python-xarray-doc/html/_sources", ".txt"),
+                "cmake-doc": ("cmake-data/html/_sources", ".txt")}
+
+
+class HtmlManual(collections.namedtuple("HtmlManual", "directories start end skip")):
+  """A manual shipped as HTML pages: the directories under /usr/share/doc holding them
+  (("",): the whole package), the markers its main text starts and ends at
+  (`html_text`), and the names of the pages that repeat others (mdBook's print.html is
+  a whole book on one page)."""
+
+
+# Rust's books in rust-doc (mdBook sites; the API references are left out: generated
+# pages of signatures, 390 MB).
+RUST_BOOKS = ("book", "edition-guide", "embedded-book", "nomicon", "reference",
+              "rust-by-example", "rustc", "rustdoc", "unstable-book")
+HTML_MANUALS = {
+    "python-scipy-doc": HtmlManual(("",), "<main", '<div class="prev-next-info">', ()),
+    "python-django-doc": HtmlManual(("",), '<div id="yui-main"', '<div id="ft"', ()),
+    # PostgreSQL's pages open with a navigation table closed by a rule; Erlang's with a
+    # menu of every application before the content; Octave's (Texinfo) with a header
+    # of links closed by a rule.
+    "postgresql-doc": HtmlManual(("",), "<hr /></div>", '<div class="navfooter"', ()),
+    "erlang-doc": HtmlManual(("",), '<div id="content"', None, ()),
+    "octave-doc": HtmlManual(("octave/octave.html",), "<hr>", '<div class="header">', ()),
+    "rust-doc": HtmlManual(tuple(f"rust-doc/html/{book}" for book in RUST_BOOKS),
+                           "<main>", "</main>", ("print.html", "404.html"))}
 METAPACKAGES = {"linux-source": re.compile(r"linux-source-[0-9.]+"),
                 "python3-doc": re.compile(r"python3\.[0-9]+-doc"),
                 "golang-src": re.compile(r"golang-[0-9.]+-src"),
@@ -259,9 +283,10 @@ def go_comments(root):
       yield distinct(c_comments(f.read()), seen)
 
 
-def html_pages(root, start, end):
-  """html_text of every .html page under ROOT, in sorted path order."""
-  for page in tree_texts(root, ".html"):
+def html_pages(root, start, end, skip=()):
+  """html_text of every .html page under ROOT, in sorted path order, but those named in
+  SKIP."""
+  for page in tree_texts(root, ".html", skip):
     yield html_text(page, start, end)
 
 
@@ -305,9 +330,10 @@ def files_under(root, suffix):
                 for name in names if name.endswith(suffix))
 
 
-def tree_texts(root, suffix):
-  """The text of every file under ROOT ending with SUFFIX, in sorted path order."""
-  paths = files_under(root, suffix)
+def tree_texts(root, suffix, skip=()):
+  """The text of every file under ROOT ending with SUFFIX, in sorted path order, but
+  those whose names are in SKIP."""
+  paths = [p for p in files_under(root, suffix) if os.path.basename(p) not in skip]
   if not paths:
     raise SystemExit(f"no *{suffix} files under {root}")
   for path in paths:
@@ -346,24 +372,26 @@ def debian_docs(cache):
 
 def project_docs(cache):
   go, go_version = fetch(PACKAGES["go"], cache)
-  postgresql, postgresql_version = fetch(PACKAGES["postgresql"], cache)
-  erlang, erlang_version = fetch(PACKAGES["erlang"], cache)
-  documents = []
-  versions = [go_version, postgresql_version, erlang_version]
-  for package, (suffix, start, end) in SPHINX_MANUALS.items():
+  documents = list(go_comments(_one(os.path.join(go, "usr", "share", "go-*", "src"))))
+  versions = [go_version]
+  for package, manual in HTML_MANUALS.items():
     root, version = fetch(package, cache)
     versions.append(version)
-    if suffix:
-      sources = _one(os.path.join(root, "usr", "share", "doc", package, end))
-      documents += list(tree_texts(sources, suffix))
-    else:
-      documents += list(html_pages(root, start, end))
-  documents += list(go_comments(_one(os.path.join(go, "usr", "share", "go-*", "src"))))
-  # PostgreSQL's pages open with a navigation table closed by a rule; Erlang's with a
-  # menu of every application before the content.
-  documents += list(html_pages(postgresql, "<hr /></div>", '<div class="navfooter"'))
-  documents += list(html_pages(erlang, '<div id="content"', None))
+    for directory in manual.directories:
+      documents += list(html_pages(_doc_directory(root, directory), manual.start,
+                                   manual.end, manual.skip))
+  for package, (directory, suffix) in REST_MANUALS.items():
+    root, version = fetch(package, cache)
+    versions.append(version)
+    documents += list(tree_texts(_doc_directory(root, directory), suffix))
   return documents, versions
+
+
+def _doc_directory(root, directory):
+  """ROOT/usr/share/doc/DIRECTORY, or ROOT itself for the empty DIRECTORY."""
+  if not directory:
+    return root
+  return _one(os.path.join(root, "usr", "share", "doc", directory))
 
 
 # name: a function of the package cache -> (documents, the packages' versions).
