@@ -35,8 +35,59 @@ def _rss_bytes(pid):
 
 
 def mem_available_bytes():
-  """The memory available to new processes (MemAvailable), in bytes, or None."""
-  return _proc_bytes("/proc/meminfo", "MemAvailable")
+  """The memory available to new processes, in bytes, or None: the kernel's
+  MemAvailable, or less where this process's control group has a memory limit (a
+  container's: MemAvailable counts the whole machine's)."""
+  available = _proc_bytes("/proc/meminfo", "MemAvailable")
+  room = cgroup_room_bytes()
+  if room is None:
+    return available
+  return room if available is None else min(available, room)
+
+
+# (The memory controller's directory under the cgroup mount, limit file, usage file)
+# for cgroup v2 (one hierarchy, as mounted alone or beside v1) and v1.
+_CGROUP_FILES = (("", "memory.max", "memory.current"),
+                 ("unified", "memory.max", "memory.current"),
+                 ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes"))
+
+
+def cgroup_room_bytes(proc_cgroup="/proc/self/cgroup", mount="/sys/fs/cgroup"):
+  """The least room (limit less usage), in bytes, of the memory limits set on this
+  process's control group and the groups above it, or None where none is set or none
+  can be read. A v2 group is its "0::PATH" line; a v1 group the "N:...memory...:PATH"
+  line. Inside a container the path may be the host's: then the levels that exist
+  under the container's mount are read, the mount's own among them."""
+  try:
+    with open(proc_cgroup) as f:
+      lines = [line.rstrip("\n").split(":", 2) for line in f]
+  except OSError:
+    return None
+  rooms = []
+  for hierarchy, controllers, path in (l for l in lines if len(l) == 3):
+    v2 = hierarchy == "0" and not controllers
+    if not v2 and "memory" not in controllers.split(","):
+      continue
+    for directory, limit_file, usage_file in _CGROUP_FILES:
+      if (directory == "memory") == v2:
+        continue
+      parts = [p for p in path.split("/") if p]
+      for depth in range(len(parts), -1, -1):
+        level = os.path.join(mount, directory, *parts[:depth])
+        limit = _read_int(os.path.join(level, limit_file))
+        usage = _read_int(os.path.join(level, usage_file))
+        if limit is not None and usage is not None and limit < 2**60:
+          rooms.append(max(limit - usage, 0))
+  return min(rooms) if rooms else None
+
+
+def _read_int(path):
+  """The integer a cgroup file holds, None for "max" or where it cannot be read."""
+  try:
+    with open(path) as f:
+      return int(f.read().strip())
+  except (OSError, ValueError):
+    return None
 
 
 class Child:
