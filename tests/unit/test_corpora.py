@@ -129,39 +129,52 @@ def test_project_docs_from_their_packages(tmp_path, monkeypatch):
   _deb(cache, "octave-doc", {f"{doc}/octave/octave.html/a.html":
                              '<div class="header">Next</div><hr><p>Matrices grow.</p><hr>'
                              '<div class="header">Prev</div>',
+                             f"{doc}/octave/octave.html/XREFzeros.html":
+                             '<meta http-equiv="Refresh" content="0; url=a.html">zeros',
+                             f"{doc}/octave/octave.html/Function-Index.html": "<hr>zeros",
                              f"{doc}/octave/liboctave.html/b.html": "<p>C++ API.</p>"})
-  _deb(cache, "rust-doc", {f"{doc}/rust-doc/html/book/a.html":
-                           "<nav>Contents</nav><main>Ownership moves.</main><nav>next</nav>",
-                           f"{doc}/rust-doc/html/book/print.html":
-                           "<main>Ownership moves.</main>",
-                           f"{doc}/rust-doc/html/std/vec.html": "<main>Vec API.</main>",
-                           **{f"{doc}/rust-doc/html/{book}/a.html": f"<main>{book}</main>"
-                              for book in corpora.RUST_BOOKS[1:]}})
+  books = ("book", "edition-guide", "embedded-book", "nomicon", "reference",
+           "rust-by-example", "rustc", "rustdoc", "unstable-book")
+  rust = f"{doc}/rust-doc/html"
+  _deb(cache, "rust-doc", {
+      f"{rust}/book/a.html": "<nav>Contents</nav><main>Ownership moves.</main><nav>n</nav>",
+      f"{rust}/book/print.html": "<main>Ownership moves.</main>",
+      f"{rust}/book/index.html": "<main>Ownership moves.</main>",
+      f"{rust}/book/second-edition/a.html": "<main>No longer distributed.</main>",
+      f"{rust}/book/moved.html": "<p>Old link: see the new chapter.</p>",
+      f"{rust}/std/vec.html": "<main>Vec API.</main>",
+      **{f"{rust}/{book}/a.html": f"<main>{book}</main>" for book in books[1:]}})
   _deb(cache, "python-scipy-doc", {f"{doc}/python-scipy-doc/html/a.html":
                                    "<nav>Home</nav><main>Sparse arrays.</main>"
                                    '<div class="prev-next-info">next</div>'})
   _deb(cache, "python-django-doc", {f"{doc}/python-django-doc/html/a.html":
                                     '<div id="hd">Home</div><div id="yui-main">'
                                     'Models.</div><div id="ft">(c)</div>'})
-  _deb(cache, "python-pandas-doc", {f"{doc}/python-pandas-doc/html/_sources/a.rst.txt":
-                                    "Series are columns.",
+  pandas = f"{doc}/python-pandas-doc/html/_sources"
+  _deb(cache, "python-pandas-doc", {f"{pandas}/a.rst.txt": "Series are columns.",
+                                    f"{pandas}/reference/api/x.rst.txt": ".. autoclass:: x",
+                                    f"{pandas}/b.ipynb.txt": '{"cells": []}',
                                     f"{doc}/python-pandas-doc/LICENSE.txt": "licence"})
   _deb(cache, "python-sqlalchemy-doc", {f"{doc}/python-sqlalchemy-doc/rst/a.rst":
                                         "Sessions flush."})
   _deb(cache, "cmake-doc", {f"{doc}/cmake-data/html/_sources/a.rst.txt": "Targets link."})
-  for package, (directory, _) in corpora.REST_MANUALS.items():
-    if package not in ("python-pandas-doc", "python-sqlalchemy-doc", "cmake-doc"):
-      _deb(cache, package, {f"{doc}/{directory}/a.rst.txt": package})
+  others = [p for p in corpora.SOURCE_MANUALS
+            if p not in ("python-pandas-doc", "python-sqlalchemy-doc", "cmake-doc")]
+  for package in others:
+    _deb(cache, package, {f"{doc}/{corpora.SOURCE_MANUALS[package][0]}/a.txt": package})
   monkeypatch.setattr(corpora, "METAPACKAGES", {})
   documents, versions = corpora.project_docs(str(cache))
-  # Each manual's main text; Octave's C++ manual, Rust's API pages and its books'
-  # print.html (a whole book again) are left out.
+  # Each manual's main text. Left out: Octave's C++ manual, its redirect and index
+  # pages; Rust's API pages, its books' print.html and index.html (a whole book and its
+  # first chapter again), the old editions' stubs and a page without <main>; pandas'
+  # generated API page and its notebook.
+  texts = {p: p for p in others}
+  texts.update({"python-pandas-doc": "Series are columns.",
+                "python-sqlalchemy-doc": "Sessions flush.", "cmake-doc": "Targets link."})
   assert [" ".join(d.split()) for d in documents] == [
       "File is an open file.", "Sparse arrays.", "Models.", "VACUUM reclaims.",
-      "Processes are cheap.", "Matrices grow.", "Ownership moves.",
-      *corpora.RUST_BOOKS[1:], "Series are columns.", "python-sklearn-doc", "Sessions flush.",
-      "python-astropy-doc", "python-statsmodels-doc", "python-sympy-doc",
-      "python-xarray-doc", "Targets link."]
+      "Processes are cheap.", "Matrices grow.", "Ownership moves.", *books[1:],
+      *[texts[p] for p in corpora.SOURCE_MANUALS]]
   assert versions[:4] == ["golang-src 1", "python-scipy-doc 1", "python-django-doc 1",
                           "postgresql-doc 1"]
 

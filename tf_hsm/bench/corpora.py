@@ -21,25 +21,29 @@ documents shuffled with seed 0, every 10th block of 1,000 tokens held out):
   files) and the JDK's Javadoc (the `/** */` comments of `openjdk-17-source`'s Java
   sources, HTML tags and `{@code ...}` braces removed, each distinct comment once), one
   document per file;
-- `project-docs` (large vocabulary): the manuals of fifteen projects, as Debian packages
-  ship them, one document per page or file: Go's standard library (the comments of
-  `golang-src`'s src/, tests, testdata and cmd/ left out, each distinct comment once);
-  the HTML manuals of PostgreSQL, Erlang/OTP, GNU Octave, SciPy and Django and Rust's
-  books (`HTML_MANUALS`); the reStructuredText sources of the manuals of pandas,
-  scikit-learn, SQLAlchemy, Astropy, statsmodels, SymPy, xarray and CMake
-  (`REST_MANUALS`). HTML pages keep the text between the site's navigation and its
-  footer, scripts and styles dropped, tags removed, entities decoded.
+- `project-docs` (large vocabulary): the manuals of twenty-two projects, as Debian
+  packages ship them, one document per page or file: Go's standard library (the
+  comments of `golang-src`'s src/, tests, testdata and cmd/ left out, each distinct
+  comment once); the HTML manuals of PostgreSQL, Erlang/OTP, GNU Octave, SciPy and
+  Django and Rust's books (`HTML_MANUALS`); the sources of the manuals of pandas,
+  scikit-learn, SQLAlchemy, Astropy, statsmodels, SymPy, xarray, ASE, Dask, Celery,
+  IPython, PyTables, Sphinx, CMake and Git (`SOURCE_MANUALS`). HTML pages keep the text
+  between the site's navigation and its footer, scripts and styles dropped, tags
+  removed, entities decoded; stubs (redirects, pages generated from docstrings) and
+  pages that repeat others are left out.
 
 The large corpora's packages are fetched with `apt-get download` (207 MB for the first
-two, the kernel's source 139 of them; 268 MB for project-docs) into --cache and
-unpacked with `dpkg-deb`; run `apt-get update` once first. Their vocabulary is every type seen at least twice in the training
-split (the demo's `--min-count 2`, no `--vocab` cap: `VOCAB_ALL`) over the whole corpus
-(`--max-tokens 0`): that is what `LARGE` passes to the demo. OUT/NAME.json records the
+two, the kernel's source 139 of them; 281 MB for project-docs) into --cache and
+unpacked with `dpkg-deb`; run `apt-get update` once first. Their vocabulary is every
+type seen at least twice in the training split (the demo's `--min-count 2`, no `--vocab`
+cap: `VOCAB_ALL`) over the whole corpus (`--max-tokens 0`): that is what `LARGE` passes
+to the demo. OUT/NAME.json records the
 packages' versions and the statistics (`corpus_statistics`) at every cap of `CAPS`.
 """
 
 import argparse
 import collections
+import fnmatch
 import glob
 import html
 import json
@@ -67,40 +71,63 @@ CAPS = (3_000_000, 6_000_000, 12_000_000, 0)
 # pattern), so a later Debian release fetches its own kernel and Python.
 PACKAGES = {"linux": "linux-source", "python": "python3-doc", "perl": "perl-doc",
             "jdk": "openjdk-17-source", "go": "golang-src"}
-# project-docs' manuals shipped as reStructuredText sources: package -> (their
-# directory under the package's /usr/share/doc, the sources' suffix).
-REST_MANUALS = {"python-pandas-doc": ("python-pandas-doc/html/_sources", ".txt"),
-                "python-sklearn-doc": ("python-sklearn-doc/html/_sources", ".txt"),
-                "python-sqlalchemy-doc": ("python-sqlalchemy-doc/rst", ".rst"),
-                "python-astropy-doc": ("python-astropy-doc/html/_sources", ".txt"),
-                "python-statsmodels-doc": ("python-statsmodels-doc/html/_sources", ".txt"),
-                "python-sympy-doc": ("python-sympy-doc/html/_sources", ".txt"),
-                "python-xarray-doc": ("python-xarray-doc/html/_sources", ".txt"),
-                "cmake-doc": ("cmake-data/html/_sources", ".txt")}
+# project-docs' manuals shipped as their sources (reStructuredText; Git's AsciiDoc):
+# package -> (their directory under the package's /usr/share/doc, the sources' suffix,
+# the names (glob patterns) of the files and directories left out). A Sphinx manual's
+# API pages generated from docstrings (`_GENERATED`) are only directives and names in
+# its sources (the docstrings are in the HTML alone); its notebooks are JSON.
+_GENERATED = ("generated", "api", "_autosummary", "auto_examples", "reference",
+              "*.ipynb.txt")
+SOURCE_MANUALS = {
+    "python-pandas-doc": ("python-pandas-doc/html/_sources", ".txt", _GENERATED),
+    "python-sklearn-doc": ("python-sklearn-doc/html/_sources", ".txt", _GENERATED),
+    "python-sqlalchemy-doc": ("python-sqlalchemy-doc/rst", ".rst", ()),
+    "python-astropy-doc": ("python-astropy-doc/html/_sources", ".txt", _GENERATED),
+    "python-statsmodels-doc": ("python-statsmodels-doc/html/_sources", ".txt",
+                               _GENERATED),
+    "python-sympy-doc": ("python-sympy-doc/html/_sources", ".txt", _GENERATED),
+    "python-xarray-doc": ("python-xarray-doc/html/_sources", ".txt", _GENERATED),
+    "python-ase-doc": ("python-ase-doc/html/_sources", ".txt", _GENERATED),
+    "python-dask-doc": ("python-dask-doc/html/_sources", ".txt", _GENERATED),
+    "python-celery-doc": ("python-celery-doc/html/_sources", ".txt", _GENERATED),
+    "python-ipython-doc": ("python-ipython-doc/html/_sources", ".txt", _GENERATED),
+    "python-tables-doc": ("python-tables-doc/html/_sources", ".txt", _GENERATED),
+    "sphinx-doc": ("sphinx-doc/html/_sources", ".txt", _GENERATED),
+    "cmake-doc": ("cmake-data/html/_sources", ".txt", _GENERATED),
+    "git-doc": ("git-doc", ".txt", ())}
 
 
-class HtmlManual(collections.namedtuple("HtmlManual", "directories start end skip")):
+class HtmlManual(collections.namedtuple("HtmlManual",
+                                        "directories start end skip marked_only")):
   """A manual shipped as HTML pages: the directories under /usr/share/doc holding them
   (("",): the whole package), the markers its main text starts and ends at
-  (`html_text`), and the names of the pages that repeat others (mdBook's print.html is
-  a whole book on one page)."""
+  (`html_text`), the names (glob patterns) of the pages and directories left out (pages
+  that repeat others, indexes), and whether a page without the start marker is left
+  out too (where every page of the manual has it, one without is a stub)."""
 
 
 # Rust's books in rust-doc (mdBook sites; the API references are left out: generated
-# pages of signatures, 390 MB).
+# pages of signatures, 390 MB). Left out: print.html (a whole book on one page),
+# index.html (its first chapter again), the old editions' stubs and the pages of links.
 RUST_BOOKS = ("book", "edition-guide", "embedded-book", "nomicon", "reference",
               "rust-by-example", "rustc", "rustdoc", "unstable-book")
+_MDBOOK_COPIES = ("print.html", "index.html", "404.html", "README.html", "SUMMARY.html",
+                  "first-edition", "second-edition", "2018-edition")
 HTML_MANUALS = {
-    "python-scipy-doc": HtmlManual(("",), "<main", '<div class="prev-next-info">', ()),
-    "python-django-doc": HtmlManual(("",), '<div id="yui-main"', '<div id="ft"', ()),
+    "python-scipy-doc": HtmlManual(("",), "<main", '<div class="prev-next-info">', (),
+                                   False),
+    "python-django-doc": HtmlManual(("",), '<div id="yui-main"', '<div id="ft"', (),
+                                    False),
     # PostgreSQL's pages open with a navigation table closed by a rule; Erlang's with a
     # menu of every application before the content; Octave's (Texinfo) with a header
     # of links closed by a rule.
-    "postgresql-doc": HtmlManual(("",), "<hr /></div>", '<div class="navfooter"', ()),
-    "erlang-doc": HtmlManual(("",), '<div id="content"', None, ()),
-    "octave-doc": HtmlManual(("octave/octave.html",), "<hr>", '<div class="header">', ()),
+    "postgresql-doc": HtmlManual(("",), "<hr /></div>", '<div class="navfooter"', (),
+                                 False),
+    "erlang-doc": HtmlManual(("",), '<div id="content"', None, (), False),
+    "octave-doc": HtmlManual(("octave/octave.html",), "<hr>", '<div class="header">',
+                             ("*Index.html", "index.html", "Copying.html"), False),
     "rust-doc": HtmlManual(tuple(f"rust-doc/html/{book}" for book in RUST_BOOKS),
-                           "<main>", "</main>", ("print.html", "404.html"))}
+                           "<main>", "</main>", _MDBOOK_COPIES, True)}
 METAPACKAGES = {"linux-source": re.compile(r"linux-source-[0-9.]+"),
                 "python3-doc": re.compile(r"python3\.[0-9]+-doc"),
                 "golang-src": re.compile(r"golang-[0-9.]+-src"),
@@ -283,10 +310,16 @@ def go_comments(root):
       yield distinct(c_comments(f.read()), seen)
 
 
-def html_pages(root, start, end, skip=()):
-  """html_text of every .html page under ROOT, in sorted path order, but those named in
-  SKIP."""
+_REDIRECT = re.compile(r"<meta[^>]*http-equiv=[\"']?refresh", re.I)
+
+
+def html_pages(root, start, end, skip=(), marked_only=False):
+  """html_text of every .html page under ROOT, in sorted path order, but those SKIP
+  names (`tree_texts`), pages that only redirect to another (Texinfo's and mdBook's
+  stubs for moved nodes), and with MARKED_ONLY the pages without START."""
   for page in tree_texts(root, ".html", skip):
+    if _REDIRECT.search(page) or (marked_only and start not in page):
+      continue
     yield html_text(page, start, end)
 
 
@@ -332,8 +365,10 @@ def files_under(root, suffix):
 
 def tree_texts(root, suffix, skip=()):
   """The text of every file under ROOT ending with SUFFIX, in sorted path order, but
-  those whose names are in SKIP."""
-  paths = [p for p in files_under(root, suffix) if os.path.basename(p) not in skip]
+  those with a name matching a glob pattern of SKIP, or under a directory that does."""
+  paths = [p for p in files_under(root, suffix)
+           if not any(fnmatch.fnmatchcase(part, pattern) for pattern in skip
+                      for part in os.path.relpath(p, root).split(os.sep))]
   if not paths:
     raise SystemExit(f"no *{suffix} files under {root}")
   for path in paths:
@@ -379,11 +414,11 @@ def project_docs(cache):
     versions.append(version)
     for directory in manual.directories:
       documents += list(html_pages(_doc_directory(root, directory), manual.start,
-                                   manual.end, manual.skip))
-  for package, (directory, suffix) in REST_MANUALS.items():
+                                   manual.end, manual.skip, manual.marked_only))
+  for package, (directory, suffix, skip) in SOURCE_MANUALS.items():
     root, version = fetch(package, cache)
     versions.append(version)
-    documents += list(tree_texts(_doc_directory(root, directory), suffix))
+    documents += list(tree_texts(_doc_directory(root, directory), suffix, skip))
   return documents, versions
 
 
