@@ -33,7 +33,7 @@ import time
 from tf_hsm.bench import report as report_lib
 from tf_hsm.bench import runner
 from tf_hsm.bench import cases
-from tf_hsm.bench.watchdog import GB, mem_available_bytes
+from tf_hsm.bench.watchdog import GB, limit_gb_or_default
 
 
 def _split(values):
@@ -184,12 +184,7 @@ def options_from_args(args):
   """The run's Options: the command line's values, else the defaults (--quick's or the
   full run's); the memory limit defaults to 18 GB, less on a machine with less free."""
   quick = args.quick
-  limit_gb = args.memory_limit_gb
-  if limit_gb is None:
-    limit_gb = 18.0
-    available = mem_available_bytes()
-    if available:
-      limit_gb = max(1.0, min(limit_gb, available / GB - 1.0))
+  limit_gb = limit_gb_or_default(args.memory_limit_gb)
   return runner.Options(
       quick=quick, repeats=args.repeats or (10 if quick else 15),
       optimizer=args.optimizer, num_sampled=args.num_sampled, seed=args.seed,

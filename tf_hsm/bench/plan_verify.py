@@ -39,7 +39,7 @@ import types
 from tf_hsm import planning as planner
 from tf_hsm.bench import cli
 from tf_hsm.bench import worker
-from tf_hsm.bench.watchdog import GB, mem_available_bytes
+from tf_hsm.bench.watchdog import GB, limit_gb_or_default
 
 PEAK_TOLERANCE = 0.15
 TIME_FACTOR = 1.5
@@ -111,12 +111,7 @@ def _price(case, method, cost, machine, memory_budget=None):
 
 def _limit_bytes(limit_gb):
   """The bench's default memory limit (18 GB, less when less is available now)."""
-  if limit_gb is None:
-    limit_gb = 18.0
-    available = mem_available_bytes()
-    if available:
-      limit_gb = max(1.0, min(limit_gb, available / GB - 1.0))
-  return limit_gb * GB
+  return limit_gb_or_default(limit_gb) * GB
 
 
 def measure(case, repeats, quick, limit_bytes, workdir, progress):

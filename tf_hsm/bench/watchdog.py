@@ -34,6 +34,20 @@ def _rss_bytes(pid):
   return _proc_bytes(f"/proc/{pid}/status", "VmRSS")
 
 
+DEFAULT_LIMIT_GB = 18.0
+
+
+def limit_gb_or_default(limit_gb):
+  """LIMIT_GB, or where it is None the bench's default: 18 GB, less where less is
+  available now (a GB kept free, 1 GB at the least)."""
+  if limit_gb is not None:
+    return limit_gb
+  available = mem_available_bytes()
+  if available is None:
+    return DEFAULT_LIMIT_GB
+  return max(1.0, min(DEFAULT_LIMIT_GB, available / GB - 1.0))
+
+
 def mem_available_bytes():
   """The memory available to new processes, in bytes, or None: the kernel's
   MemAvailable, or less where this process's control group has a memory limit (a
@@ -77,8 +91,25 @@ def cgroup_room_bytes(proc_cgroup="/proc/self/cgroup", mount="/sys/fs/cgroup"):
         limit = _read_int(os.path.join(level, limit_file))
         usage = _read_int(os.path.join(level, usage_file))
         if limit is not None and usage is not None and limit < 2**60:
-          rooms.append(max(limit - usage, 0))
+          # The usage counts the page cache; its inactive part is reclaimed before the
+          # group runs out (as `docker stats` counts it).
+          cache = _stat_bytes(os.path.join(level, "memory.stat"),
+                              "inactive_file" if v2 else "total_inactive_file")
+          rooms.append(max(limit - usage + min(cache, usage), 0))
   return min(rooms) if rooms else None
+
+
+def _stat_bytes(path, field):
+  """FIELD's value in a cgroup's memory.stat, 0 where it cannot be read."""
+  try:
+    with open(path) as f:
+      for line in f:
+        name, _, value = line.partition(" ")
+        if name == field:
+          return int(value)
+  except (OSError, ValueError):
+    pass
+  return 0
 
 
 def _read_int(path):
