@@ -37,8 +37,8 @@ two, the kernel's source 139 of them; 281 MB for project-docs) into --cache and
 unpacked with `dpkg-deb`; run `apt-get update` once first. Their vocabulary is every
 type seen at least twice in the training split (the demo's `--min-count 2`, no `--vocab`
 cap: `VOCAB_ALL`) over the whole corpus (`--max-tokens 0`): that is what `LARGE` passes
-to the demo. OUT/NAME.json records the
-packages' versions and the statistics (`corpus_statistics`) at every cap of `CAPS`.
+to the demo. OUT/NAME.json records the packages' versions and the statistics
+(`corpus_statistics`) at every cap of `CAPS`.
 """
 
 import argparse
