@@ -98,7 +98,8 @@ SOURCE_MANUALS = {
 
 
 class HtmlManual(collections.namedtuple("HtmlManual",
-                                        "directories start end skip marked_only")):
+                                        "directories start end skip marked_only",
+                                        defaults=((), False))):
   """A manual shipped as HTML pages: the directories under /usr/share/doc holding them
   (("",): the whole package), the markers its main text starts and ends at
   (`html_text`), the names (glob patterns) of the pages and directories left out (pages
@@ -114,20 +115,17 @@ RUST_BOOKS = ("book", "edition-guide", "embedded-book", "nomicon", "reference",
 _MDBOOK_COPIES = ("print.html", "index.html", "404.html", "README.html", "SUMMARY.html",
                   "first-edition", "second-edition", "2018-edition")
 HTML_MANUALS = {
-    "python-scipy-doc": HtmlManual(("",), "<main", '<div class="prev-next-info">', (),
-                                   False),
-    "python-django-doc": HtmlManual(("",), '<div id="yui-main"', '<div id="ft"', (),
-                                    False),
+    "python-scipy-doc": HtmlManual(("",), "<main", '<div class="prev-next-info">'),
+    "python-django-doc": HtmlManual(("",), '<div id="yui-main"', '<div id="ft"'),
     # PostgreSQL's pages open with a navigation table closed by a rule; Erlang's with a
     # menu of every application before the content; Octave's (Texinfo) with a header
     # of links closed by a rule.
-    "postgresql-doc": HtmlManual(("",), "<hr /></div>", '<div class="navfooter"', (),
-                                 False),
-    "erlang-doc": HtmlManual(("",), '<div id="content"', None, (), False),
+    "postgresql-doc": HtmlManual(("",), "<hr /></div>", '<div class="navfooter"'),
+    "erlang-doc": HtmlManual(("",), '<div id="content"', None),
     "octave-doc": HtmlManual(("octave/octave.html",), "<hr>", '<div class="header">',
-                             ("*Index.html", "index.html", "Copying.html"), False),
+                             ("*Index.html", "index.html", "Copying.html")),
     "rust-doc": HtmlManual(tuple(f"rust-doc/html/{book}" for book in RUST_BOOKS),
-                           "<main>", "</main>", _MDBOOK_COPIES, True)}
+                           "<main>", "</main>", _MDBOOK_COPIES, marked_only=True)}
 METAPACKAGES = {"linux-source": re.compile(r"linux-source-[0-9.]+"),
                 "python3-doc": re.compile(r"python3\.[0-9]+-doc"),
                 "golang-src": re.compile(r"golang-[0-9.]+-src"),
@@ -366,14 +364,18 @@ def files_under(root, suffix):
 def tree_texts(root, suffix, skip=()):
   """The text of every file under ROOT ending with SUFFIX, in sorted path order, but
   those with a name matching a glob pattern of SKIP, or under a directory that does."""
-  paths = [p for p in files_under(root, suffix)
-           if not any(fnmatch.fnmatchcase(part, pattern) for pattern in skip
-                      for part in os.path.relpath(p, root).split(os.sep))]
+  paths = [p for p in files_under(root, suffix) if not _skipped(p, root, skip)]
   if not paths:
     raise SystemExit(f"no *{suffix} files under {root}")
   for path in paths:
     with open(path, encoding="utf-8", errors="replace") as f:
       yield f.read()
+
+
+def _skipped(path, root, skip):
+  """Whether PATH's name, or a directory's between ROOT and it, matches a pattern of SKIP."""
+  parts = os.path.relpath(path, root).split(os.sep)
+  return any(fnmatch.fnmatchcase(part, pattern) for part in parts for pattern in skip)
 
 
 def javadoc(src_zip):

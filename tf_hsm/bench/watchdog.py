@@ -59,11 +59,12 @@ def mem_available_bytes():
   return room if available is None else min(available, room)
 
 
-# (The memory controller's directory under the cgroup mount, limit file, usage file)
-# for cgroup v2 (one hierarchy, as mounted alone or beside v1) and v1.
-_CGROUP_FILES = (("", "memory.max", "memory.current"),
-                 ("unified", "memory.max", "memory.current"),
-                 ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes"))
+# The memory controller's directories under the cgroup mount (v2: one hierarchy, mounted
+# alone or beside v1 as unified/), and its files: limit, usage, the usage's inactive
+# page cache in memory.stat.
+_CGROUP_V2 = (("", "unified"), "memory.max", "memory.current", "inactive_file")
+_CGROUP_V1 = (("memory",), "memory.limit_in_bytes", "memory.usage_in_bytes",
+              "total_inactive_file")
 
 
 def cgroup_room_bytes(proc_cgroup="/proc/self/cgroup", mount="/sys/fs/cgroup"):
@@ -79,24 +80,31 @@ def cgroup_room_bytes(proc_cgroup="/proc/self/cgroup", mount="/sys/fs/cgroup"):
     return None
   rooms = []
   for hierarchy, controllers, path in (l for l in lines if len(l) == 3):
-    v2 = hierarchy == "0" and not controllers
-    if not v2 and "memory" not in controllers.split(","):
+    if hierarchy == "0" and not controllers:
+      files = _CGROUP_V2
+    elif "memory" in controllers.split(","):
+      files = _CGROUP_V1
+    else:
       continue
-    for directory, limit_file, usage_file in _CGROUP_FILES:
-      if (directory == "memory") == v2:
-        continue
-      parts = [p for p in path.split("/") if p]
+    parts = [p for p in path.split("/") if p]
+    for directory in files[0]:
       for depth in range(len(parts), -1, -1):
-        level = os.path.join(mount, directory, *parts[:depth])
-        limit = _read_int(os.path.join(level, limit_file))
-        usage = _read_int(os.path.join(level, usage_file))
-        if limit is not None and usage is not None and limit < 2**60:
-          # The usage counts the page cache; its inactive part is reclaimed before the
-          # group runs out (as `docker stats` counts it).
-          cache = _stat_bytes(os.path.join(level, "memory.stat"),
-                              "inactive_file" if v2 else "total_inactive_file")
-          rooms.append(max(limit - usage + min(cache, usage), 0))
+        room = _level_room(os.path.join(mount, directory, *parts[:depth]), *files[1:])
+        if room is not None:
+          rooms.append(room)
   return min(rooms) if rooms else None
+
+
+def _level_room(level, limit_file, usage_file, cache_field):
+  """One group's room, or None where it sets no limit. The usage counts the page cache;
+  its inactive part is reclaimed before the group runs out (as `docker stats` counts
+  it)."""
+  limit = _read_int(os.path.join(level, limit_file))
+  usage = _read_int(os.path.join(level, usage_file))
+  if limit is None or usage is None or limit >= 2**60:  # v1's "no limit" is huge
+    return None
+  cache = _stat_bytes(os.path.join(level, "memory.stat"), cache_field)
+  return max(limit - usage + min(cache, usage), 0)
 
 
 def _stat_bytes(path, field):
