@@ -33,6 +33,30 @@ def test_a_context_row_only_with_the_training_text():
   assert [r["method"] for r in plain.rows] == [m for m in rows if "context" not in m]
 
 
+def test_planned_without_the_text_a_note_names_the_measured_text_trees():
+  # At V=1M within +1% only full softmax is priced (a step of seconds): the note names
+  # the mixtures measured within 1% that the text would add, with their figures.
+  counts = 1.0 / np.arange(1, 1_000_001)
+  report = tf_hsm.plan(1_000_000, 300, 3200, counts=counts, optimizer="lazy_adam",
+                       machine=MACHINE, max_perplexity_increase=0.01)
+  assert report.recommended == "full softmax"
+  (note,) = [n for n in report.notes if n.startswith("not priced")]
+  four = quality.quality_of("mixture4x16_shared128_rank16", 1_000_000)[0]
+  assert f"mixture4x16_shared128_rank16 {four - 1:+.1%}" in note
+  assert "context32_head256" not in note  # measured farther than 1% from full softmax
+  assert "token_ids" in note and "--token-ids" in note
+  # With the text, or with trees of the caller's choosing, there is nothing to say.
+  ids, small = support.zipf_ids()
+  for kwargs in ({"token_ids": ids}, {"trees": ("huffman8",)}):
+    other = tf_hsm.plan(3_000, 128, 2048, counts=small, machine=MACHINE, adaptive=(),
+                        **kwargs)
+    assert not any(n.startswith("not priced") for n in other.notes), kwargs
+  # The names are those `trees` takes.
+  shown = tf_hsm.plan(3_000, 128, 2048, counts=small, machine=MACHINE, adaptive=(),
+                      token_ids=ids, trees=("mixture4x16_shared128_rank16",))
+  assert any("mixture4x16+128r16" in r["label"] for r in shown.rows)
+
+
 def test_the_context_evidence_is_the_cpu_runs_at_100k_classes():
   ratio, figures = quality.quality_of("context32_head256", 1_000_000)
   # Each corpus's longest-trained checkpoint: both epochs.

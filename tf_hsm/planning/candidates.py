@@ -506,18 +506,17 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
       Huffman on the counts), "learned", "vectorsK_headH", "contextK_headH" (built
       from `token_ids`), "mixtureK_headH" (a `HierarchicalSoftmaxMixture` of the
       left- and right-context trees of that shape, from `token_ids`) and
-      "mixtureNxK_headH" (N such trees: left and right, then again from other seeds). Default: `TREES`,
-      and `CONTEXT_TREES` and `MIXTURE_TREES` with `token_ids`. They are priced from
-      their shapes, never built; the recommended one is built when `report.layer.tree`
-      (`trees` for a mixture) is first read.
+      "mixtureNxK_headH" (N such trees: left and right, then again from other seeds).
+      Default: `TREES`, and `CONTEXT_TREES` and `MIXTURE_TREES` with `token_ids` (a
+      note names the measured ones without). Priced from their shapes, never built; the
+      recommended one is built when `report.layer.tree` (`trees` of a mixture) is read.
     adaptive: the tails of the `AdaptiveSoftmax` rows, of "flat" and "two_level" (() for
       none).
     cutoffs: the adaptive rows' cutoffs (default: for each tail those
       `tf_hsm.planning.cutoffs.choose_cutoffs` picks for this step, optimizer and machine, and
       one flat row at `pytorch_cutoffs`).
     div_value: the adaptive rows' div_value.
-    progress: called with a line of text before each slow part (measuring the machine,
-      pricing each tree), or None.
+    progress: called with a line before each slow part (measuring, pricing a tree).
     model: a built Keras model, inspected by duck typing (`tf_hsm.planning.body`):
       the body up to the hidden states, or a model holding a HierarchicalSoftmax or
       AdaptiveSoftmax layer (its body: every other layer). Its step and memory are added
@@ -549,6 +548,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
                                            counts, sequence_length)
   _check_plan_arguments(num_classes, hidden, tokens_per_step, num_shards, optimizer,
                         dtype, div_value, adaptive)
+  text_note = _text_trees_note(num_classes, trees, token_ids)
   trees, token_ids = _trees_and_text(trees, token_ids, num_classes)
   _check_quality_bound(max_perplexity_increase)
   # A measurement of the machine is announced on stderr even without `progress`.
@@ -620,7 +620,7 @@ def plan(num_classes=None, hidden=None, tokens_per_step=None, counts=None,
     reason = (f"nothing exact fits {_size(memory_budget)}; this one needs the least "
               f"({_size(best['per_shard_bytes'])}): add shards or memory")
   layer = _with_padding_id(layers[rows.index(best)], counts, notes, body)
-  notes += _more_accurate_note(exact, best, rows[1])
+  notes += _more_accurate_note(exact, best, rows[1]) + text_note
   notes += _fused_update_note(optimizer, layer)
   settings = {"num_classes": V, "hidden": D, "tokens_per_step": T, "optimizer": optimizer,
               "dtype": dtype, "memory_budget": memory_budget, "num_shards": num_shards,
@@ -663,6 +663,31 @@ def _with_padding_id(layer, counts, notes, body=None):
   else:  # a rebuild after the layer, or a mixture (build() gives it where it belongs)
     code = layer.code + f"; built with ignore_class={ignore}"
   return dataclasses.replace(layer, code=code, ignore_class=ignore)
+
+
+def _text_trees_note(num_classes, trees, token_ids, within=0.01):
+  """[why the table has no trees from contexts]: planned with the default `trees` and
+  without the training text, the layers built from it (`CONTEXT_TREES`,
+  `MIXTURE_TREES`) are not priced; those the project measured within `within` of full
+  softmax's perplexity (else the most accurate one), by the names `trees` takes, and
+  how to add them. [] otherwise, or if none was measured."""
+  if trees is not None or token_ids is not None:
+    return []
+  measured = {kind: quality_lib.quality_of(kind, num_classes)
+              for kind in CONTEXT_TREES + MIXTURE_TREES}
+  measured = {kind: q for kind, q in measured.items() if q[0] is not None}
+  if not measured:
+    return []
+  best = min(ratio for ratio, _ in measured.values())
+  near = sorted((q[0], kind) for kind, q in measured.items()
+                if q[0] <= max(best, 1 + within))
+  low, high = quality_lib.measured_range(
+      [f for _, kind in near for f in measured[kind][1]])
+  sizes = f"V={low:,}" if low == high else f"V={low:,}-{high:,}"
+  return ["not priced: the trees built from the training text and their mixtures; "
+          + ", ".join(f"{kind} {ratio - 1:+.1%}" for ratio, kind in near)
+          + f" perplexity against full softmax (measured at {sizes}); pass token_ids, the "
+          f"training text as class ids (--token-ids FILE.npy), to price them"]
 
 
 def _more_accurate_note(exact, best, sampled, most=3):
