@@ -146,6 +146,8 @@ def test_tiny_run_writes_table_plot_and_json(tmp_path, capsys):
   for name in ("hsm-huffman", "full", "sampled-12", "adaptive"):
     assert f"== {name}:" in printed
   assert "val_loss:" in printed  # the Keras progress bar
+  for name in ("hsm-huffman", "full", "sampled-12", "adaptive"):  # printed as it ends
+    assert f"{name} after epoch 1: held-out perplexity " in printed
   for name in ("results.json", "results.md", "perplexity.png"):
     assert (out / name).stat().st_size > 0
   with open(out / "results.json") as f:

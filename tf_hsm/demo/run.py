@@ -430,11 +430,14 @@ def adaptive_model(counts, hidden, seq_len, learning_rate, cutoffs=None, div_val
                   "adaptive", learning_rate, output_lr_scale)
 
 
-def _epoch_timer(keras):
+def _epoch_timer(keras, name):
   """A callback that times the training part of each epoch (held-out evaluation excluded).
 
   It records wall-clock seconds and the process's CPU seconds (all threads): on a shared
-  machine the wall-clock time depends on the load, the CPU time much less.
+  machine the wall-clock time depends on the load, the CPU time much less. After each
+  epoch with Keras' validation it prints the model's held-out perplexity at once, so a
+  run of hours stopped early (or a full softmax given up on) leaves its epochs' figures
+  in its log; the table comes only at the end.
   """
 
   class EpochTimer(keras.callbacks.Callback):
@@ -455,6 +458,10 @@ def _epoch_timer(keras):
       self.seconds.append(stop[0] - self._start[0])
       self.cpu_seconds.append(stop[1] - self._start[1])
       self._start = None
+      if logs and "val_loss" in logs:
+        print(f"   {name} after epoch {epoch + 1}: held-out perplexity "
+              f"{_exp(logs['val_loss']):.2f} ({self.seconds[-1]:.1f} s, "
+              f"{self.cpu_seconds[-1]:.1f} CPU s)", flush=True)
 
   return EpochTimer()
 
@@ -482,7 +489,7 @@ def train(name, model, train_data, held_out_data, epochs, batch, verbose=1, call
   initial = model.evaluate(hx, hy, batch_size=4 * batch, verbose=0)
   print(f"\n== {name}: {model.count_params():,} parameters, {tokens:,} training tokens, "
         f"held-out perplexity before training {_exp(initial):.1f}", flush=True)
-  timer = _epoch_timer(keras)
+  timer = _epoch_timer(keras, name)
   # With bands, their pass is the held-out evaluation (no validation beside it), before
   # any callback that rebuilds the tree at the epoch's end, as validation would be.
   validation = {} if report else {"validation_data": (hx, hy),
