@@ -45,6 +45,10 @@ def test_planned_without_the_text_a_note_names_the_measured_text_trees():
   assert f"mixture4x16_shared128_rank16 {four - 1:+.1%}" in note
   assert "context32_head256" not in note  # measured farther than 1% from full softmax
   assert "token_ids" in note and "--token-ids" in note
+  assert "mixture4x16_head128 " in note  # four trees with heads of their own, -0.05%
+  # With none within the bound, the most accurate alone.
+  (best,) = candidates._text_trees_note(1_000_000, None, None, within=-1)  # pylint: disable=protected-access
+  assert "mixture4x16_head128 " in best and "mixture4x16_shared128_rank16" not in best
   # With the text, or with trees of the caller's choosing, there is nothing to say.
   ids, small = support.zipf_ids()
   for kwargs in ({"token_ids": ids}, {"trees": ("huffman8",)}):
