@@ -681,9 +681,7 @@ def _text_trees_note(num_classes, trees, token_ids, within=0.01):
   best = min(ratio for ratio, _ in measured.values())
   near = sorted((q[0], kind) for kind, q in measured.items()
                 if q[0] <= max(best, 1 + within))
-  low, high = quality_lib.measured_range(
-      [f for _, kind in near for f in measured[kind][1]])
-  sizes = f"V={low:,}" if low == high else f"V={low:,}-{high:,}"
+  sizes = quality_lib.sizes_text([f for _, kind in near for f in measured[kind][1]])
   return ["not priced: the trees built from the training text and their mixtures; "
           + ", ".join(f"{kind} {ratio - 1:+.1%}" for ratio, kind in near)
           + f" perplexity against full softmax (measured at {sizes}); pass token_ids, the "

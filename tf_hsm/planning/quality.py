@@ -353,7 +353,8 @@ def is_far(figures, num_classes):
   return num_classes > high * FAR or num_classes < low / FAR
 
 
-def _sizes(figures):
+def sizes_text(figures):
+  """The vocabulary sizes FIGURES were measured at, as text: "V=103,450-113,946"."""
   low, high = measured_range(figures)
   return f"V={low:,}" if low == high else f"V={low:,}-{high:,}"
 
@@ -426,7 +427,7 @@ def describe(kind, num_classes=None):
   ratio, figures = quality_of(kind, num_classes)
   if ratio is None:
     return "not measured"
-  return (f"measured on English text at {_sizes(figures)}"
+  return (f"measured on English text at {sizes_text(figures)}"
           f"{_distance(figures, num_classes)}: "
           + "; ".join(f"{f.corpus.split(' (')[0]} {f.perplexity:g} ({f.ratio - 1:+.1%})"
                       for f in figures))
@@ -469,7 +470,7 @@ def column_note(num_classes):
   whose = "the table's V="
   return ("ppl+%: measured perplexity over full softmax's, in % (?: not measured), "
           f"from word-level language models on English text ({corpora}; "
-          f"{_sizes(figures)}{_distance(figures, num_classes, whose)}"
+          f"{sizes_text(figures)}{_distance(figures, num_classes, whose)}"
           + ("; ~: the figure orders the layers, it is not their cost at this V" if far
              else "")
           + "); other data, a recommender's items, is not measured.")
