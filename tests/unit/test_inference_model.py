@@ -90,8 +90,12 @@ def test_the_cut_names_what_it_needs():
   model = keras.Model([hidden, other], _layer(hk3, "hsm")(hidden, derived))
   with pytest.raises(ValueError, match="targets must be one of the model's inputs"):
     hk3.inference_model(model)
-  with pytest.raises(ValueError, match="found none"):
+  with pytest.raises(ValueError, match="inference_model needs a model .* found none"):
     hk3.inference_model(keras.Model(hidden, keras.layers.Dense(3)(hidden)))
+  # The cut is export's; its errors name the function the user called.
+  with pytest.raises(TypeError, match=r"^tf_hsm(\.keras)?\.inference_model takes a Keras "
+                                      "model, got the layer 'output'"):
+    hk3.inference_model(model.get_layer("output"))
 
 
 def test_the_other_keras_and_k_are_named_or_clamped():

@@ -195,6 +195,12 @@ def test_refused_by_name(rng):
   built.build((None, D))
   with pytest.raises(ValueError, match="built already"):
     HierarchicalSoftmaxMixture([trees[0], built])
+  # A tree layer's own arguments, named where they go (Keras would call them unknown).
+  with pytest.raises(ValueError, match=r"fused_update is each tree's own: .*"
+                                       r"HierarchicalSoftmax\(tree, fused_update=\.\.\.\)"):
+    HierarchicalSoftmaxMixture(trees, fused_update=True)
+  with pytest.raises(ValueError, match="kernel_initializer, use_bias are each tree's own"):
+    HierarchicalSoftmaxMixture(trees, use_bias=False, kernel_initializer="zeros")
   layer = HierarchicalSoftmaxMixture(trees)
   with pytest.raises(ValueError, match="needs a built layer"):
     layer.log_prob_all(np.zeros((1, D), np.float32))

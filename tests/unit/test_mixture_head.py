@@ -318,6 +318,28 @@ def test_targets_beyond_the_classes_are_named_in_fit():
     model.fit([x, y], y, epochs=1, verbose=0)
 
 
+@pytest.mark.parametrize("head_rank", [None, 2])
+def test_targets_not_shaped_as_the_hidden_states_are_refused(rng, head_rank):
+  """With head_rank the shared head's own call (and its check) does not run: the
+  mixture checks the shapes itself, statically and, for dimensions known only at run
+  time, before its flattened gathers would pair hidden states with other tokens'
+  targets."""
+  layer, num_classes = _headed(rng, head_rank=head_rank)
+  hidden = tf.constant(rng.normal(size=(4, 5, D)))
+  targets = tf.constant(rng.integers(0, num_classes, size=(4, 5)))
+  layer(hidden, targets)
+  for bad in (targets[..., None], tf.transpose(targets)):
+    with pytest.raises(ValueError, match="targets must have hidden's shape"):
+      layer(hidden, bad)
+  with pytest.raises(ValueError, match="return_sequences=True"):
+    layer(hidden[:, 0], targets)
+  call = tf.function(layer, input_signature=[tf.TensorSpec([None, None, D], tf.float64),
+                                             tf.TensorSpec([None, None], tf.int64)])
+  np.testing.assert_allclose(call(hidden, targets), layer(hidden, targets))
+  with pytest.raises(tf.errors.InvalidArgumentError, match="targets must have hidden"):
+    call(hidden, tf.transpose(targets))
+
+
 def test_tail_trees_from_context_are_over_the_classes_given():
   ids = np.random.default_rng(0).zipf(1.3, 5000) % 60
   counts = np.bincount(ids, minlength=60)

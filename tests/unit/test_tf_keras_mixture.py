@@ -159,6 +159,17 @@ def test_mixing_the_two_keras_is_refused_by_name():
     hk3.HierarchicalSoftmaxMixture([hk2.HierarchicalSoftmax(tree), tree])
 
 
+def test_targets_not_shaped_as_the_hidden_states_are_refused_in_tf_keras(rng):
+  """The shared head corrected at low rank never calls the head, whose call checks the
+  shapes: the mixture does, as the Keras 3 one does."""
+  _, layer2, num_classes = _layers(rng, headed=True, head_rank=2)
+  with pytest.raises(ValueError, match="trailing axis of 1"):
+    layer2(tf_keras.Input((7, D)), tf_keras.Input((7, 1), dtype="int32"))
+  with pytest.raises(ValueError, match="return_sequences=True"):
+    layer2(rng.normal(size=(4, D)).astype(np.float32),
+           rng.integers(0, num_classes, size=(4, 7)))
+
+
 def test_both_layers_have_the_same_public_methods():
   def public(cls):
     return {name for name in dir(cls) if not name.startswith("_")

@@ -28,7 +28,7 @@ frequent classes, at the cost of one head and K thin products):
 import numpy as np
 import tensorflow as tf
 
-from tf_hsm.frontend import hsm
+from tf_hsm.frontend import hsm, wiring
 from tf_hsm.ops import inference
 from tf_hsm.tree import Tree
 
@@ -214,8 +214,12 @@ class MixtureParts:
   def _build_part(self, part, shape):
     part.build(shape)
 
-  def _refuse_other_keras(self, args, kwargs):
+  def _check_call(self, args, kwargs):
+    """Refuses the other Keras' tensors, missing targets and targets not shaped as the
+    hidden states' leading axes, before any part runs (with `head_rank` the shared
+    head, whose call would check them, is not called)."""
     hsm.refuse_other_keras(self._KERAS, "HierarchicalSoftmaxMixture", (args, kwargs))
+    wiring.check_call(self, args, kwargs)
 
   @staticmethod
   def tail_classes(head, num_classes):
@@ -320,6 +324,23 @@ def checked_num_classes(num_classes, made, head):
         "classes alone (Tree.from_context(..., classes=HierarchicalSoftmaxMixture"
         ".tail_classes(head, num_classes)))")
   return int(num_classes)
+
+
+_COMPONENT_ARGUMENTS = frozenset([
+    "fused_update", "row_layout", "use_bias", "kernel_initializer", "bias_initializer",
+    "kernel_regularizer", "bias_regularizer", "kernel_constraint", "bias_constraint"])
+
+
+def refuse_component_arguments(kwargs):
+  """ValueError for a tree layer's own arguments given to the mixture (Keras would name
+  them only as unrecognized): they go to each component."""
+  given = sorted(_COMPONENT_ARGUMENTS & set(kwargs))
+  if given:
+    verb = "is" if len(given) == 1 else "are"
+    raise ValueError(
+        f"{', '.join(given)} {verb} each tree's own: give the mixture HierarchicalSoftmax "
+        f"layers made with it, e.g. components=[HierarchicalSoftmax(tree, "
+        f"{given[0]}=...) for tree in trees] (plan(...).layer.build() passes it so)")
 
 
 def checked_tail_dim(tail_dim, head):
@@ -448,10 +469,16 @@ def _headed_call(layer, hidden, targets, mask, training):
       tf.where(valid, targets, tf.zeros_like(targets)),
       tf.constant(layer.num_classes, tf.int64),
       message=f"targets must be < num_classes = {layer.num_classes}")
-  with tf.control_dependencies([in_range]):  # in a graph too, before the class map's gather
+  hidden = tf.convert_to_tensor(hidden)
+  # The static check (`_check_call`) cannot see dimensions unknown until run time; the
+  # flattened gathers below would pair the wrong hidden states with the targets.
+  same_shape = tf.debugging.assert_equal(
+      tf.shape(hidden, out_type=tf.int64)[:-1], tf.shape(targets, out_type=tf.int64),
+      message="HierarchicalSoftmaxMixture: targets must have hidden's shape without its "
+              "last axis (one class id per hidden state)")
+  with tf.control_dependencies([in_range, same_shape]):  # before the class map's gather
     targets = tf.identity(targets)
   head_targets, tail_targets, in_tail = layer.class_map.split(targets, valid)
-  hidden = tf.convert_to_tensor(hidden)
   flat_hidden = tf.reshape(hidden, [-1, tf.shape(hidden)[-1]])
   where = tf.where(tf.reshape(in_tail, [-1]))  # [n, 1]: the tail's tokens
   tail_hidden = tf.gather_nd(flat_hidden, where)

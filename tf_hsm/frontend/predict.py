@@ -40,7 +40,7 @@ def inference_model(model, k, keras_module, output="top_k", temperature=1.0):
     raise ValueError(f"k must be an int >= 1, got {k!r}")
   if output not in OUTPUTS:
     raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-  cut = ModelCut(model)
+  cut = ModelCut(model, who=f"{front_end_package(own)}.inference_model")
   classes = getattr(cut.layer, "num_ranked", None) or cut.layer.num_classes
   k = min(int(k), classes)
   predict = {"top_k": lambda layer, hidden: _top_k(layer.top_k(hidden, k)),

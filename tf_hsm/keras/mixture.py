@@ -88,13 +88,14 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, keras.layers.Layer):
                head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
                tail_projection_initializer="glorot_uniform", num_classes=None,
                head_rank=None, **kwargs):
+    mixture.refuse_component_arguments(kwargs)
     super().__init__(**kwargs)
     self._set_up(components, gate_initializer, head, head_bias_initializer, ignore_class,
                  tail_dim, tail_projection_initializer, num_classes, head_rank)
     self.supports_jit = False
 
   def __call__(self, *args, **kwargs):
-    self._refuse_other_keras(args, kwargs)
+    self._check_call(args, kwargs)
     return super().__call__(*args, **kwargs)
 
   def call(self, hidden, targets, mask=None, hidden_mask=None, training=None):

@@ -86,7 +86,7 @@ class Layer:
     correct it (`head_rank`).
   ignore_class: 0 where the counts give class 0 no count (the padding id of the
     README's models): `build()` passes `ignore_class=0` unless told otherwise, so the
-    padding targets are left out of the loss and never predicted; None otherwise.
+    padding targets are left out of the loss and out of top_k; None otherwise.
   """
   kind: str
   method: str
@@ -654,7 +654,7 @@ def _with_padding_id(layer, counts, notes, body=None):
   elif uncounted:
     ignore = 0
     notes.append("class 0 has no count (padding, say): build() passes ignore_class=0, "
-                 "so its targets are left out of the loss and it is never predicted "
+                 "so its targets are left out of the loss and it out of top_k's classes "
                  "(pass ignore_class=None to keep it a class)")
   else:
     return layer

@@ -92,21 +92,21 @@ def _class_names(obj):
   return [(cls.__module__.split(".")[0], cls.__name__) for cls in type(obj).__mro__]
 
 
-def check_model(model):
+def check_model(model, who="export"):
   """An error unless `model` is a functional Keras model (Keras 3 or tf_keras): a layer
-  or a subclassed model has no graph of layers to cut."""
+  or a subclassed model has no graph of layers to cut. `who`: the function named."""
   names = _class_names(model)
   keras_classes = [n for package, n in names if package in ("keras", "tf_keras")]
   if "Model" not in keras_classes:
     if "Layer" in keras_classes:
       raise TypeError(
-          f"export takes a Keras model, got the layer {getattr(model, 'name', '')!r} "
+          f"{who} takes a Keras model, got the layer {getattr(model, 'name', '')!r} "
           f"({type(model).__name__}): wrap it in a functional model, e.g. "
           "keras.Model([tokens, targets], layer(hidden, targets))")
-    raise TypeError(f"export takes a functional Keras model, got {type(model).__name__}")
+    raise TypeError(f"{who} takes a functional Keras model, got {type(model).__name__}")
   if not getattr(model, "inputs", None) or not getattr(model, "outputs", None):
     raise TypeError(
-        f"export needs a functional model (keras.Model(inputs, outputs)); "
+        f"{who} needs a functional model (keras.Model(inputs, outputs)); "
         f"{type(model).__name__} is a subclassed model (or one never called on "
         "keras.Input), whose layers cannot be cut at the tf_hsm layer: build the same "
         "layers as a functional model, with the targets as one of its inputs, and pass "

@@ -18,14 +18,14 @@ __all__ = ["export", "ModelCut", "ServingModule", "LOG_PROB_ALL_MAX_CLASSES"]
 # per row (4 MB a row at 1M classes), and its one matmul reads the whole table.
 LOG_PROB_ALL_MAX_CLASSES = 1_000_000
 
-def _find_layer(model):
+def _find_layer(model, who):
   layers = list(_all_layers(model))
   found = [layer for layer in layers if served_kind(layer) is not None]
   if not found:
-    raise ValueError("export needs a model with a tf_hsm HierarchicalSoftmax, "
+    raise ValueError(f"{who} needs a model with a tf_hsm HierarchicalSoftmax, "
                      "AdaptiveSoftmax or HierarchicalSoftmaxMixture layer; found none")
   if len(found) > 1:
-    raise ValueError(f"export serves one tf_hsm layer; the model has {len(found)}: "
+    raise ValueError(f"{who} serves one tf_hsm layer; the model has {len(found)}: "
                      f"{[l.name for l in found]}")
   return found[0]
 
@@ -74,7 +74,8 @@ def _same_tensor(a, b):
 
 class ModelCut:
   """A functional model cut at its tf_hsm layer: what `export` and the front ends'
-  `inference_model` serve. Works on Keras 3 and tf_keras models.
+  `inference_model` serve. Works on Keras 3 and tf_keras models; its errors name `who`,
+  the function the caller called.
 
   Attributes:
     layer: the HierarchicalSoftmax, AdaptiveSoftmax or HierarchicalSoftmaxMixture layer.
@@ -86,9 +87,9 @@ class ModelCut:
       its `top_k` never returns), or None.
   """
 
-  def __init__(self, model):
-    checks.check_model(model)
-    layer = _find_layer(model)
+  def __init__(self, model, who="export"):
+    checks.check_model(model, who)
+    layer = _find_layer(model, who)
     self.layer, self.kind = layer, served_kind(layer)
     self.ignore_class = _ignore_class(layer)
     nodes = getattr(layer, "_inbound_nodes", [])

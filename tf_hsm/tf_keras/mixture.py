@@ -32,6 +32,7 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, tf_keras.layers.Layer):
                head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
                tail_projection_initializer="glorot_uniform", num_classes=None,
                head_rank=None, **kwargs):
+    mixture.refuse_component_arguments(kwargs)
     super().__init__(**kwargs)
     self._set_up(components, gate_initializer, head, head_bias_initializer, ignore_class,
                  tail_dim, tail_projection_initializer, num_classes, head_rank)
@@ -46,7 +47,7 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, tf_keras.layers.Layer):
       part.build(shape)
 
   def __call__(self, *args, **kwargs):
-    self._refuse_other_keras(args, kwargs)
+    self._check_call(args, kwargs)
     # tf_keras names the innermost layer being called to the components' checks (this
     # one): the model's loss and optimizer are checked here.
     wiring.check_model(self)
