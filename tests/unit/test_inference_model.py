@@ -106,6 +106,12 @@ def test_the_other_keras_and_k_are_named_or_clamped():
     hk2.inference_model(_model(keras, hk3, "hsm"))
   with pytest.raises(ValueError, match="k must be an int >= 1, got 0"):
     hk2.inference_model(model, k=0)
+  # When the prediction model is made, not inside Keras' shape inference of its layer.
+  for temperature in (0, -1.0, float("nan")):
+    with pytest.raises(ValueError, match="^temperature must be positive and finite"):
+      hk2.inference_model(model, output="sample", temperature=temperature)
+  with pytest.raises(TypeError, match="got a bool"):
+    hk3.inference_model(_model(keras, hk3, "hsm"), output="sample", temperature=True)
   out = hk2.inference_model(model, k=100).predict(np.ones((2, 3), np.int32), verbose=0)
   assert out["classes"].shape == (2, 3, V)  # clamped, as the export clamps
 

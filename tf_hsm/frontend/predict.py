@@ -4,7 +4,10 @@ log-probabilities), for either Keras. The model is cut at its tf_hsm layer by th
 export's `ModelCut`, so what `predict` returns here is what `tf_hsm.serving.export`'s
 "top_k" signature serves (the export in stock ops, this model with tf_hsm's op)."""
 
+import math
 import numbers
+
+import numpy as np
 
 from tf_hsm.frontend.hsm import front_end_package
 from tf_hsm.serving.export import ModelCut, keras_of
@@ -40,6 +43,8 @@ def inference_model(model, k, keras_module, output="top_k", temperature=1.0):
     raise ValueError(f"k must be an int >= 1, got {k!r}")
   if output not in OUTPUTS:
     raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+  if output == "sample":  # here, not under Keras' "could not infer the output shape"
+    _check_temperature(temperature)
   cut = ModelCut(model, who=f"{front_end_package(own)}.inference_model")
   classes = getattr(cut.layer, "num_ranked", None) or cut.layer.num_classes
   k = min(int(k), classes)
@@ -70,3 +75,13 @@ def inference_model(model, k, keras_module, output="top_k", temperature=1.0):
 def _top_k(result):
   log_probs, classes = result
   return {"classes": classes, "log_probs": log_probs}
+
+
+def _check_temperature(temperature):
+  """ValueError/TypeError for a Python temperature `sample` would refuse (a tensor is
+  checked where it runs)."""
+  if isinstance(temperature, (bool, np.bool_)):
+    raise TypeError("temperature must be a float, got a bool")
+  if isinstance(temperature, numbers.Real) and not (
+      math.isfinite(temperature) and temperature > 0):
+    raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
