@@ -110,6 +110,8 @@ def test_the_other_keras_and_k_are_named_or_clamped():
   for temperature in (0, -1.0, float("nan")):
     with pytest.raises(ValueError, match="^temperature must be positive and finite"):
       hk2.inference_model(model, output="sample", temperature=temperature)
+  with pytest.raises(ValueError, match="below the smallest normal float32"):
+    hk2.inference_model(model, output="sample", temperature=1e-40)
   with pytest.raises(TypeError, match="got a bool"):
     hk3.inference_model(_model(keras, hk3, "hsm"), output="sample", temperature=True)
   out = hk2.inference_model(model, k=100).predict(np.ones((2, 3), np.int32), verbose=0)

@@ -338,6 +338,11 @@ def test_targets_not_shaped_as_the_hidden_states_are_refused(rng, head_rank):
   np.testing.assert_allclose(call(hidden, targets), layer(hidden, targets))
   with pytest.raises(tf.errors.InvalidArgumentError, match="targets must have hidden"):
     call(hidden, tf.transpose(targets))
+  # Ranks unknown until run time: [4] against [4, 5] would broadcast as dimensions.
+  unranked = tf.function(layer, input_signature=[tf.TensorSpec(None, tf.float64),
+                                                 tf.TensorSpec(None, tf.int64)])
+  with pytest.raises(tf.errors.InvalidArgumentError, match="targets must have hidden"):
+    unranked(hidden[:, :4], targets[:, 0])
 
 
 def test_tail_trees_from_context_are_over_the_classes_given():

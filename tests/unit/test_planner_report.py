@@ -50,7 +50,8 @@ def test_layer_builds_what_it_describes():
 
 def test_a_padding_id_of_no_count_is_the_layers_ignore_class():
   """Counts with class 0 at 0 (the README's padding id): the layer the plan builds
-  leaves its targets out and never predicts it, as its code says; the caller decides."""
+  leaves its targets out of the loss and it out of top_k, as its code says; the caller
+  decides."""
   padded = np.concatenate([[0.0], COUNTS[:-1]])
   plan = tf_hsm.plan(V, 64, 512, counts=padded, machine=MACHINE, trees=("huffman8",),
                      adaptive=())

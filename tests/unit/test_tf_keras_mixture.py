@@ -157,6 +157,8 @@ def test_mixing_the_two_keras_is_refused_by_name():
     hk2.HierarchicalSoftmaxMixture([hk3.HierarchicalSoftmax(tree), tree])
   with pytest.raises(TypeError, match=r"\(Keras 3\)"):
     hk3.HierarchicalSoftmaxMixture([hk2.HierarchicalSoftmax(tree), tree])
+  with pytest.raises(ValueError, match="fused_update is Keras 3's"):
+    hk2.HierarchicalSoftmaxMixture(trees, fused_update=True)
 
 
 def test_targets_not_shaped_as_the_hidden_states_are_refused_in_tf_keras(rng):

@@ -331,16 +331,24 @@ _COMPONENT_ARGUMENTS = frozenset([
     "kernel_regularizer", "bias_regularizer", "kernel_constraint", "bias_constraint"])
 
 
-def refuse_component_arguments(kwargs):
+def refuse_component_arguments(kwargs, keras_name):
   """ValueError for a tree layer's own arguments given to the mixture (Keras would name
-  them only as unrecognized): they go to each component."""
+  them only as unrecognized): they go to each component (`keras_name`: "keras" or
+  "tf_keras", whose HierarchicalSoftmax has no fused_update)."""
   given = sorted(_COMPONENT_ARGUMENTS & set(kwargs))
-  if given:
-    verb = "is" if len(given) == 1 else "are"
-    raise ValueError(
-        f"{', '.join(given)} {verb} each tree's own: give the mixture HierarchicalSoftmax "
-        f"layers made with it, e.g. components=[HierarchicalSoftmax(tree, "
-        f"{given[0]}=...) for tree in trees] (plan(...).layer.build() passes it so)")
+  if not given:
+    return
+  if "fused_update" in given and keras_name == "tf_keras":
+    raise ValueError("fused_update is Keras 3's (tf_hsm.keras.HierarchicalSoftmax) and "
+                     "each tree's own; tf_keras' layers have none")
+  verb = "is" if len(given) == 1 else "are"
+  # A row_layout is of one tree's slots: one passed to every tree (as build() would) fits
+  # none but its own.
+  planned = "" if "row_layout" in given else " (plan(...).layer.build() passes it so)"
+  raise ValueError(
+      f"{', '.join(given)} {verb} each tree's own: give the mixture HierarchicalSoftmax "
+      f"layers made with it, e.g. components=[HierarchicalSoftmax(tree, "
+      f"{given[0]}=...) for tree in trees]{planned}")
 
 
 def checked_tail_dim(tail_dim, head):
@@ -472,10 +480,13 @@ def _headed_call(layer, hidden, targets, mask, training):
   hidden = tf.convert_to_tensor(hidden)
   # The static check (`_check_call`) cannot see dimensions unknown until run time; the
   # flattened gathers below would pair the wrong hidden states with the targets.
-  same_shape = tf.debugging.assert_equal(
-      tf.shape(hidden, out_type=tf.int64)[:-1], tf.shape(targets, out_type=tf.int64),
-      message="HierarchicalSoftmaxMixture: targets must have hidden's shape without its "
-              "last axis (one class id per hidden state)")
+  leading, shape = tf.shape(hidden, out_type=tf.int64)[:-1], tf.shape(targets, tf.int64)
+  same = tf.cond(tf.equal(tf.size(leading), tf.size(shape)),  # the ranks, then the sizes
+                 lambda: tf.reduce_all(tf.equal(leading, shape)), lambda: tf.constant(False))
+  same_shape = tf.debugging.Assert(same, [
+      "HierarchicalSoftmaxMixture: targets must have hidden's shape without its last "
+      "axis (one class id per hidden state); got hidden's leading shape", leading,
+      "and targets'", shape])
   with tf.control_dependencies([in_range, same_shape]):  # before the class map's gather
     targets = tf.identity(targets)
   head_targets, tail_targets, in_tail = layer.class_map.split(targets, valid)

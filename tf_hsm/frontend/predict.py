@@ -43,9 +43,9 @@ def inference_model(model, k, keras_module, output="top_k", temperature=1.0):
     raise ValueError(f"k must be an int >= 1, got {k!r}")
   if output not in OUTPUTS:
     raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-  if output == "sample":  # here, not under Keras' "could not infer the output shape"
-    _check_temperature(temperature)
   cut = ModelCut(model, who=f"{front_end_package(own)}.inference_model")
+  if output == "sample":  # here, not under Keras' "could not infer the output shape"
+    _check_temperature(temperature, cut.layer)
   classes = getattr(cut.layer, "num_ranked", None) or cut.layer.num_classes
   k = min(int(k), classes)
   predict = {"top_k": lambda layer, hidden: _top_k(layer.top_k(hidden, k)),
@@ -77,11 +77,17 @@ def _top_k(result):
   return {"classes": classes, "log_probs": log_probs}
 
 
-def _check_temperature(temperature):
-  """ValueError/TypeError for a Python temperature `sample` would refuse (a tensor is
-  checked where it runs)."""
+def _check_temperature(temperature, layer):
+  """ValueError/TypeError for a Python temperature `sample` would refuse, as its op
+  does (a tensor is checked where it runs)."""
   if isinstance(temperature, (bool, np.bool_)):
     raise TypeError("temperature must be a float, got a bool")
-  if isinstance(temperature, numbers.Real) and not (
-      math.isfinite(temperature) and temperature > 0):
+  if not isinstance(temperature, numbers.Real):
+    return
+  if not (math.isfinite(temperature) and temperature > 0):
     raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
+  dtype = np.dtype(getattr(layer, "variable_dtype", None) or layer.dtype)
+  if temperature < np.finfo(dtype).tiny:
+    raise ValueError(f"temperature {temperature!r} is below the smallest normal "
+                     f"{dtype.name} ({np.finfo(dtype).tiny:g}): TensorFlow's CPU kernels "
+                     "read subnormal numbers as 0")

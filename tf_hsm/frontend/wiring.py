@@ -59,6 +59,11 @@ def _shape(value):
     return None
 
 
+# What each layer's example in check_call's message is made with.
+_FIRST_ARGUMENT = {"HierarchicalSoftmax": "tree", "HierarchicalSoftmaxMixture": "trees",
+                   "AdaptiveSoftmax": "num_classes, cutoffs"}
+
+
 def check_call(layer, args, kwargs):
   """Raises what to pass when `layer(hidden, targets)` lacks its targets or when the
   targets' shape is not `hidden`'s leading shape."""
@@ -70,7 +75,8 @@ def check_call(layer, args, kwargs):
         f"{name}(hidden, targets) needs the targets (the class ids it scores), got "
         f"{'None' if len(args) > 1 or 'targets' in kwargs else 'none'}: make them an "
         "input of the model, e.g. `targets = keras.Input([None], dtype=\"int32\")`, "
-        f"`{name}(tree)(hidden, targets)` and `keras.Model([tokens, targets], ...)`, "
+        f"`{name}({_FIRST_ARGUMENT.get(name, '...')})(hidden, targets)` and "
+        "`keras.Model([tokens, targets], ...)`, "
         "then fit([x, y], y). To predict without targets, cut the trained model with "
         f"{_PACKAGES[keras_name][2]}(model) (top-k classes, or output=\"log_prob_all\" "
         "for every class's log-probability)")

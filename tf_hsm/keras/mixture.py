@@ -88,7 +88,7 @@ class HierarchicalSoftmaxMixture(mixture.MixtureParts, keras.layers.Layer):
                head_bias_initializer="zeros", ignore_class=None, tail_dim=None,
                tail_projection_initializer="glorot_uniform", num_classes=None,
                head_rank=None, **kwargs):
-    mixture.refuse_component_arguments(kwargs)
+    mixture.refuse_component_arguments(kwargs, "keras")
     super().__init__(**kwargs)
     self._set_up(components, gate_initializer, head, head_bias_initializer, ignore_class,
                  tail_dim, tail_projection_initializer, num_classes, head_rank)

@@ -25,7 +25,7 @@ def _find_layer(model, who):
     raise ValueError(f"{who} needs a model with a tf_hsm HierarchicalSoftmax, "
                      "AdaptiveSoftmax or HierarchicalSoftmaxMixture layer; found none")
   if len(found) > 1:
-    raise ValueError(f"{who} serves one tf_hsm layer; the model has {len(found)}: "
+    raise ValueError(f"{who} takes a model with one tf_hsm layer; it has {len(found)}: "
                      f"{[l.name for l in found]}")
   return found[0]
 
