@@ -4,12 +4,12 @@ log-probabilities), for either Keras. The model is cut at its tf_hsm layer by th
 export's `ModelCut`, so what `predict` returns here is what `tf_hsm.serving.export`'s
 "top_k" signature serves (the export in stock ops, this model with tf_hsm's op)."""
 
-import math
 import numbers
 
 import numpy as np
 
 from tf_hsm.frontend.hsm import front_end_package
+from tf_hsm.ops import inference
 from tf_hsm.serving.export import ModelCut, keras_of
 
 
@@ -45,7 +45,10 @@ def inference_model(model, k, keras_module, output="top_k", temperature=1.0):
     raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
   cut = ModelCut(model, who=f"{front_end_package(own)}.inference_model")
   if output == "sample":  # here, not under Keras' "could not infer the output shape"
-    _check_temperature(temperature, cut.layer)
+    if isinstance(temperature, (bool, np.bool_)):
+      raise TypeError("temperature must be a float, got a bool")
+    inference.check_python_temperature(
+        temperature, getattr(cut.layer, "variable_dtype", None) or cut.layer.dtype)
   classes = getattr(cut.layer, "num_ranked", None) or cut.layer.num_classes
   k = min(int(k), classes)
   predict = {"top_k": lambda layer, hidden: _top_k(layer.top_k(hidden, k)),
@@ -75,19 +78,3 @@ def inference_model(model, k, keras_module, output="top_k", temperature=1.0):
 def _top_k(result):
   log_probs, classes = result
   return {"classes": classes, "log_probs": log_probs}
-
-
-def _check_temperature(temperature, layer):
-  """ValueError/TypeError for a Python temperature `sample` would refuse, as its op
-  does (a tensor is checked where it runs)."""
-  if isinstance(temperature, (bool, np.bool_)):
-    raise TypeError("temperature must be a float, got a bool")
-  if not isinstance(temperature, numbers.Real):
-    return
-  if not (math.isfinite(temperature) and temperature > 0):
-    raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
-  dtype = np.dtype(getattr(layer, "variable_dtype", None) or layer.dtype)
-  if temperature < np.finfo(dtype).tiny:
-    raise ValueError(f"temperature {temperature!r} is below the smallest normal "
-                     f"{dtype.name} ({np.finfo(dtype).tiny:g}): TensorFlow's CPU kernels "
-                     "read subnormal numbers as 0")

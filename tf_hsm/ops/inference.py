@@ -296,6 +296,22 @@ def log_prob_all(hidden, weights, biases, tree, class_range=None):
   return _cast_back(result, out_dtype)
 
 
+def check_python_temperature(temperature, dtype):
+  """ValueError for a Python `temperature` that `sample` cannot use with tables of
+  `dtype`: not positive and finite, or below its smallest normal number (a bool or a
+  tensor is left to `number_arg` and the op)."""
+  if not isinstance(temperature, numbers.Real) or isinstance(temperature, (bool, np.bool_)):
+    return
+  if not (math.isfinite(temperature) and temperature > 0):
+    raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
+  dtype = tf.as_dtype(dtype)
+  tiny = float(np.finfo(dtype.as_numpy_dtype).tiny)
+  if temperature < tiny:
+    raise ValueError(
+        f"temperature {temperature!r} is below the smallest normal {dtype.name} "
+        f"({tiny:g}): TensorFlow's CPU kernels read subnormal numbers as 0")
+
+
 @op_inputs.accepts_ragged
 def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
   """One class per row, sampled from the hierarchical softmax.
@@ -340,14 +356,7 @@ def sample(hidden, weights, biases, tree, seed=None, temperature=1.0):
   hidden, weights, biases, out_dtype = op_inputs.dense_inputs(hidden, *_whole(weights, biases))
   del out_dtype  # the result is int64
   seed = seed_tensor(seed)
-  if isinstance(temperature, numbers.Real) and not isinstance(temperature, (bool, np.bool_)):
-    if not (math.isfinite(temperature) and temperature > 0):
-      raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
-    tiny = float(np.finfo(weights.dtype.as_numpy_dtype).tiny)
-    if temperature < tiny:
-      raise ValueError(
-          f"temperature {temperature!r} is below the smallest normal {weights.dtype.name} "
-          f"({tiny:g}): TensorFlow's CPU kernels read subnormal numbers as 0")
+  check_python_temperature(temperature, weights.dtype)
   temperature = op_inputs.number_arg(temperature, weights.dtype, "temperature")
   return loader.ops().hsm_sample(hidden, weights, biases, seed, temperature, *tree_args)
 
